@@ -1,0 +1,375 @@
+//! Configuration: built-in defaults < TOML file < environment < command line.
+//!
+//! Every key is documented, with its default, in `config/pgcache.toml`; a
+//! unit test keeps that file and these defaults in step. Unknown keys and bad
+//! values are refused at start-up with the key's name.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid configuration:\n  {}", .0.join("\n  "))]
+    Invalid(Vec<String>),
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    pub cache: CacheConfig,
+    pub redis: RedisConfig,
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address clients connect to.
+    pub listen: SocketAddr,
+    /// Client connections served at once; one more gets SQLSTATE 53300.
+    pub max_client_connections: usize,
+    /// Largest single protocol message a client may send.
+    pub max_message_bytes: usize,
+    /// Time a new client has to finish its startup packet.
+    pub startup_timeout_ms: u64,
+    /// On SIGTERM/SIGINT, how long busy sessions may run before they are closed.
+    pub shutdown_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// libpq URL or key=value string naming the PostgreSQL server.
+    pub url: String,
+    /// Time allowed to open a backend connection.
+    pub connect_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// false = pure pass-through (same as --no-cache).
+    pub enabled: bool,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// Shared tier; empty = local tier only.
+    pub url: String,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address of the Prometheus endpoint.
+    pub listen: SocketAddr,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 6432)),
+            max_client_connections: 1000,
+            max_message_bytes: 64 * 1024 * 1024,
+            startup_timeout_ms: 10_000,
+            shutdown_timeout_secs: 30,
+        }
+    }
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            url: "postgres://127.0.0.1:5432".to_owned(),
+            connect_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9187)),
+        }
+    }
+}
+
+/// Settings given on the command line or in the environment; `None` leaves
+/// the file's (or the default) value alone.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub listen: Option<SocketAddr>,
+    pub upstream: Option<String>,
+    pub redis: Option<String>,
+    pub metrics: Option<SocketAddr>,
+    pub no_cache: bool,
+}
+
+/// Where the backend is, resolved from `upstream.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpstreamAddr {
+    Tcp { host: String, port: u16 },
+    Unix { path: PathBuf },
+}
+
+impl Config {
+    /// Parses TOML text; `origin` names the file in error messages.
+    pub fn from_toml(text: &str, origin: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads `path` (if any), applies `overrides`, validates.
+    pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut config = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                Self::from_toml(&text, path)?
+            }
+            None => Self::default(),
+        };
+        config.apply(overrides);
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn apply(&mut self, o: &Overrides) {
+        if let Some(listen) = o.listen {
+            self.server.listen = listen;
+        }
+        if let Some(upstream) = &o.upstream {
+            self.upstream.url.clone_from(upstream);
+        }
+        if let Some(redis) = &o.redis {
+            self.redis.url.clone_from(redis);
+        }
+        if let Some(metrics) = o.metrics {
+            self.metrics.listen = metrics;
+        }
+        if o.no_cache {
+            self.cache.enabled = false;
+        }
+    }
+
+    /// Checks every value and reports all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        if self.server.max_client_connections == 0 {
+            problems.push("server.max_client_connections: must be at least 1".to_owned());
+        }
+        const MIN_MESSAGE: usize = 16 * 1024;
+        const MAX_MESSAGE: usize = 1 << 30;
+        if !(MIN_MESSAGE..=MAX_MESSAGE).contains(&self.server.max_message_bytes) {
+            problems.push(format!(
+                "server.max_message_bytes: {} is outside {MIN_MESSAGE}..={MAX_MESSAGE}",
+                self.server.max_message_bytes
+            ));
+        }
+        if self.server.startup_timeout_ms == 0 {
+            problems.push("server.startup_timeout_ms: must be above 0".to_owned());
+        }
+        if self.upstream.connect_timeout_ms == 0 {
+            problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());
+        }
+        if let Err(e) = self.upstream_addrs() {
+            problems.push(format!("upstream.url: {e}"));
+        }
+        if !self.redis.url.is_empty()
+            && !["redis://", "rediss://", "redis+unix://", "unix://"]
+                .iter()
+                .any(|p| self.redis.url.starts_with(p))
+        {
+            problems.push(format!(
+                "redis.url: {:?} is not a redis:// or rediss:// URL",
+                redact(&self.redis.url)
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    /// The backend addresses to try, in order.
+    pub fn upstream_addrs(&self) -> Result<Vec<UpstreamAddr>, String> {
+        let pg = tokio_postgres::Config::from_str(&self.upstream.url).map_err(|e| e.to_string())?;
+        let ports = pg.get_ports();
+        let port_for = |i: usize| match ports.len() {
+            0 => 5432,
+            1 => ports[0],
+            _ => ports.get(i).copied().unwrap_or(5432),
+        };
+        let mut out = Vec::new();
+        for (i, host) in pg.get_hosts().iter().enumerate() {
+            match host {
+                tokio_postgres::config::Host::Tcp(h) => out.push(UpstreamAddr::Tcp {
+                    host: h.clone(),
+                    port: port_for(i),
+                }),
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(dir) => out.push(UpstreamAddr::Unix {
+                    path: dir.join(format!(".s.PGSQL.{}", port_for(i))),
+                }),
+            }
+        }
+        if out.is_empty() {
+            out.push(UpstreamAddr::Tcp {
+                host: "127.0.0.1".to_owned(),
+                port: port_for(0),
+            });
+        }
+        Ok(out)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.upstream.connect_timeout_ms)
+    }
+
+    pub fn startup_timeout(&self) -> Duration {
+        Duration::from_millis(self.server.startup_timeout_ms)
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs(self.server.shutdown_timeout_secs)
+    }
+}
+
+/// Hides the password in a URL such as `redis://user:secret@host`.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let creds = &url[scheme_end + 3..at];
+            match creds.find(':') {
+                Some(colon) => format!(
+                    "{}{}:***{}",
+                    &url[..scheme_end + 3],
+                    &creds[..colon],
+                    &url[at..]
+                ),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn shipped_config_file_matches_the_built_in_defaults() {
+        let text = include_str!("../config/pgcache.toml");
+        let parsed = parse(text).expect("config/pgcache.toml parses");
+        assert_eq!(parsed, Config::default());
+    }
+
+    #[test]
+    fn unknown_key_is_refused_with_its_name() {
+        let err = parse("[server]\nlisten_adress = \"127.0.0.1:1\"\n").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("listen_adress"), "{msg}");
+        assert!(msg.contains("test.toml"), "{msg}");
+    }
+
+    #[test]
+    fn bad_value_is_refused_with_its_key() {
+        let err = parse("[server]\nmax_client_connections = \"many\"\n").unwrap_err();
+        assert!(err.to_string().contains("max_client_connections"), "{err}");
+        let err = parse("[server]\nlisten = \"not an address\"\n").unwrap_err();
+        assert!(err.to_string().contains("listen"), "{err}");
+    }
+
+    #[test]
+    fn validation_reports_every_problem() {
+        let mut c = Config::default();
+        c.server.max_client_connections = 0;
+        c.upstream.url = "postgres://[bad".to_owned();
+        c.redis.url = "http://x".to_owned();
+        let ConfigError::Invalid(problems) = c.validate().unwrap_err() else {
+            panic!("expected Invalid")
+        };
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].starts_with("server.max_client_connections"));
+        assert!(problems[1].starts_with("upstream.url"));
+        assert!(problems[2].starts_with("redis.url"));
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let mut c =
+            parse("[server]\nlisten = \"127.0.0.1:7000\"\n[cache]\nenabled = true\n").unwrap();
+        assert_eq!(c.server.listen.port(), 7000);
+        c.apply(&Overrides {
+            listen: Some("127.0.0.1:7001".parse().unwrap()),
+            no_cache: true,
+            ..Default::default()
+        });
+        assert_eq!(c.server.listen.port(), 7001);
+        assert!(!c.cache.enabled);
+    }
+
+    #[test]
+    fn upstream_accepts_urls_and_key_value_strings() {
+        let mut c = Config::default();
+        c.upstream.url = "postgres://db.example:6543/app".to_owned();
+        assert_eq!(
+            c.upstream_addrs().unwrap(),
+            vec![UpstreamAddr::Tcp {
+                host: "db.example".into(),
+                port: 6543
+            }]
+        );
+        c.upstream.url = "host=/run/postgresql port=5433".to_owned();
+        assert_eq!(
+            c.upstream_addrs().unwrap(),
+            vec![UpstreamAddr::Unix {
+                path: "/run/postgresql/.s.PGSQL.5433".into()
+            }]
+        );
+        c.upstream.url = "postgres://".to_owned();
+        assert_eq!(
+            c.upstream_addrs().unwrap(),
+            vec![UpstreamAddr::Tcp {
+                host: "127.0.0.1".into(),
+                port: 5432
+            }]
+        );
+    }
+
+    #[test]
+    fn redact_hides_passwords_only() {
+        assert_eq!(redact("redis://u:pw@h:1"), "redis://u:***@h:1");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+    }
+}

@@ -1,0 +1,68 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use pgcache::config::{Config, Overrides};
+
+/// Read-through query-result caching proxy for PostgreSQL.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// TOML configuration file (every key is documented in config/pgcache.toml).
+    #[arg(long, env = "PGCACHE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address clients connect to [default: 127.0.0.1:6432].
+    #[arg(long, env = "PGCACHE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// PostgreSQL server, as a libpq URL or key=value string [default: postgres://127.0.0.1:5432].
+    #[arg(long, env = "PGCACHE_UPSTREAM")]
+    upstream: Option<String>,
+    /// Redis URL for the shared tier (optional).
+    #[arg(long, env = "PGCACHE_REDIS")]
+    redis: Option<String>,
+    /// Address of the Prometheus endpoint [default: 127.0.0.1:9187].
+    #[arg(long, env = "PGCACHE_METRICS")]
+    metrics: Option<SocketAddr>,
+    /// Pure pass-through: cache nothing.
+    #[arg(long, env = "PGCACHE_NO_CACHE")]
+    no_cache: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        listen: cli.listen,
+        upstream: cli.upstream,
+        redis: cli.redis,
+        metrics: cli.metrics,
+        no_cache: cli.no_cache,
+    };
+    let config = Config::load(cli.config.as_deref(), &overrides)?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async {
+            let listener = tokio::net::TcpListener::bind(config.server.listen)
+                .await
+                .with_context(|| {
+                    format!("cannot listen on {} (server.listen)", config.server.listen)
+                })?;
+            pgcache::run(config, listener, shutdown_signal()).await?;
+            Ok(())
+        })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

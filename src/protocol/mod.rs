@@ -1,0 +1,78 @@
+//! PostgreSQL wire protocol: bytes only, no sockets.
+//!
+//! pgcache relays *raw frames*: a frame is the tag byte, the 4-byte length and
+//! the body, exactly as they arrived. Bodies are decoded only where the session
+//! must look inside (startup parameters, BackendKeyData, ParameterStatus,
+//! ReadyForQuery); everything else is passed on byte for byte, so encodings,
+//! unknown message types and future protocol additions survive the trip.
+
+pub mod codec;
+pub mod messages;
+pub mod startup;
+
+pub use codec::{Frame, FrameError, parse_frame};
+
+/// Frontend (client → server) message tags that pgcache looks at.
+pub mod frontend {
+    pub const QUERY: u8 = b'Q';
+    pub const PARSE: u8 = b'P';
+    pub const BIND: u8 = b'B';
+    pub const EXECUTE: u8 = b'E';
+    pub const DESCRIBE: u8 = b'D';
+    pub const CLOSE: u8 = b'C';
+    pub const SYNC: u8 = b'S';
+    pub const FLUSH: u8 = b'H';
+    pub const FUNCTION_CALL: u8 = b'F';
+    pub const COPY_DATA: u8 = b'd';
+    pub const COPY_DONE: u8 = b'c';
+    pub const COPY_FAIL: u8 = b'f';
+    pub const TERMINATE: u8 = b'X';
+    pub const PASSWORD: u8 = b'p';
+}
+
+/// Backend (server → client) message tags that pgcache looks at.
+pub mod backend {
+    pub const AUTHENTICATION: u8 = b'R';
+    pub const BACKEND_KEY_DATA: u8 = b'K';
+    pub const PARAMETER_STATUS: u8 = b'S';
+    pub const READY_FOR_QUERY: u8 = b'Z';
+    pub const ERROR_RESPONSE: u8 = b'E';
+    pub const NOTICE_RESPONSE: u8 = b'N';
+    pub const NOTIFICATION: u8 = b'A';
+}
+
+/// Transaction status carried by ReadyForQuery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxStatus {
+    /// Not in a transaction block.
+    Idle,
+    /// In a transaction block.
+    InTransaction,
+    /// In a failed transaction block.
+    Failed,
+}
+
+impl TxStatus {
+    pub fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            b'I' => Some(Self::Idle),
+            b'T' => Some(Self::InTransaction),
+            b'E' => Some(Self::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// SQLSTATE codes pgcache itself reports.
+pub mod sqlstate {
+    /// The backend could not be reached or went away.
+    pub const CONNECTION_FAILURE: &str = "08006";
+    /// The client broke the protocol.
+    pub const PROTOCOL_VIOLATION: &str = "08P01";
+    /// Too many client connections.
+    pub const TOO_MANY_CONNECTIONS: &str = "53300";
+    /// pgcache is shutting down.
+    pub const ADMIN_SHUTDOWN: &str = "57P01";
+    /// A client took too long to start up, or idled too long.
+    pub const CONNECTION_EXCEPTION: &str = "08000";
+}

@@ -1,0 +1,217 @@
+//! The untagged first packets a client may send: SSLRequest, GSSENCRequest,
+//! CancelRequest and StartupMessage.
+
+use super::codec::read_cstr;
+
+/// PostgreSQL's own limit on a startup packet (`MAX_STARTUP_PACKET_LENGTH`).
+pub const MAX_STARTUP_PACKET_LEN: usize = 10_000;
+
+pub const SSL_REQUEST_CODE: u32 = 80_877_103;
+pub const GSSENC_REQUEST_CODE: u32 = 80_877_104;
+pub const CANCEL_REQUEST_CODE: u32 = 80_877_102;
+
+/// A decoded first packet. `Startup` keeps the raw bytes so they can be
+/// forwarded to the backend unchanged.
+#[derive(Debug, PartialEq, Eq)]
+pub enum StartupPacket {
+    SslRequest,
+    GssEncRequest,
+    Cancel { pid: u32, secret: Vec<u8> },
+    Startup(Startup),
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Startup {
+    /// Protocol version as sent (major << 16 | minor).
+    pub version: u32,
+    /// Parameters in the order the client sent them.
+    pub params: Vec<(String, String)>,
+}
+
+impl Startup {
+    pub fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn user(&self) -> &str {
+        self.param("user").unwrap_or("")
+    }
+
+    /// The database defaults to the user name, as in PostgreSQL.
+    pub fn database(&self) -> &str {
+        self.param("database").unwrap_or_else(|| self.user())
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StartupError {
+    #[error("invalid length of startup packet: {0}")]
+    BadLength(u32),
+    #[error("unsupported frontend protocol {}.{}", .0 >> 16, .0 & 0xffff)]
+    UnsupportedVersion(u32),
+    #[error("invalid startup packet layout: {0}")]
+    BadLayout(&'static str),
+}
+
+/// Returns the length of the first packet if `buf` holds it whole.
+pub fn packet_len(buf: &[u8]) -> Result<Option<usize>, StartupError> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    if !(8..=MAX_STARTUP_PACKET_LEN as u32).contains(&len) {
+        return Err(StartupError::BadLength(len));
+    }
+    Ok((buf.len() >= len as usize).then_some(len as usize))
+}
+
+/// Decodes one complete first packet (length prefix included).
+pub fn parse(packet: &[u8]) -> Result<StartupPacket, StartupError> {
+    let code = u32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
+    let rest = &packet[8..];
+    match code {
+        SSL_REQUEST_CODE => Ok(StartupPacket::SslRequest),
+        GSSENC_REQUEST_CODE => Ok(StartupPacket::GssEncRequest),
+        CANCEL_REQUEST_CODE => {
+            // Protocol 3.0 keys are 4 bytes; 3.2 allows up to 256.
+            if rest.len() < 8 || rest.len() > 4 + 256 {
+                return Err(StartupError::BadLayout("cancel request key"));
+            }
+            let pid = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]);
+            Ok(StartupPacket::Cancel {
+                pid,
+                secret: rest[4..].to_vec(),
+            })
+        }
+        version if version >> 16 == 3 => {
+            let mut params = Vec::new();
+            let mut pos = 0;
+            loop {
+                let key = read_cstr(rest, &mut pos)
+                    .ok_or(StartupError::BadLayout("missing terminator"))?;
+                if key.is_empty() {
+                    break;
+                }
+                let value = read_cstr(rest, &mut pos)
+                    .ok_or(StartupError::BadLayout("parameter without value"))?;
+                params.push((
+                    String::from_utf8_lossy(key).into_owned(),
+                    String::from_utf8_lossy(value).into_owned(),
+                ));
+            }
+            if pos != rest.len() {
+                return Err(StartupError::BadLayout("bytes after the terminator"));
+            }
+            if !params.iter().any(|(k, _)| k == "user") {
+                return Err(StartupError::BadLayout("no PostgreSQL user name specified"));
+            }
+            Ok(StartupPacket::Startup(Startup { version, params }))
+        }
+        other => Err(StartupError::UnsupportedVersion(other)),
+    }
+}
+
+/// Encodes a StartupMessage (used by tests and by the cancel path's peers).
+pub fn encode_startup(params: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = Vec::new();
+    body.extend_from_slice(&196_608u32.to_be_bytes());
+    for (k, v) in params {
+        body.extend_from_slice(k.as_bytes());
+        body.push(0);
+        body.extend_from_slice(v.as_bytes());
+        body.push(0);
+    }
+    body.push(0);
+    let mut out = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    out.extend(body);
+    out
+}
+
+/// Encodes a CancelRequest for `pid` and `secret`.
+pub fn encode_cancel(pid: u32, secret: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + secret.len());
+    out.extend_from_slice(&((12 + secret.len()) as u32).to_be_bytes());
+    out.extend_from_slice(&CANCEL_REQUEST_CODE.to_be_bytes());
+    out.extend_from_slice(&pid.to_be_bytes());
+    out.extend_from_slice(secret);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn startup_round_trip_keeps_parameter_order() {
+        let raw = encode_startup(&[
+            ("user", "alice"),
+            ("database", "shop"),
+            ("options", "-c x=1"),
+        ]);
+        assert_eq!(packet_len(&raw), Ok(Some(raw.len())));
+        let StartupPacket::Startup(s) = parse(&raw).unwrap() else {
+            panic!("not a startup packet")
+        };
+        assert_eq!(s.version, 196_608);
+        assert_eq!(s.user(), "alice");
+        assert_eq!(s.database(), "shop");
+        assert_eq!(s.params[2], ("options".into(), "-c x=1".into()));
+    }
+
+    #[test]
+    fn database_defaults_to_user() {
+        let raw = encode_startup(&[("user", "bob")]);
+        let StartupPacket::Startup(s) = parse(&raw).unwrap() else {
+            panic!()
+        };
+        assert_eq!(s.database(), "bob");
+    }
+
+    #[test]
+    fn special_requests_are_recognised() {
+        let mut ssl = 8u32.to_be_bytes().to_vec();
+        ssl.extend_from_slice(&SSL_REQUEST_CODE.to_be_bytes());
+        assert_eq!(parse(&ssl), Ok(StartupPacket::SslRequest));
+        let mut gss = 8u32.to_be_bytes().to_vec();
+        gss.extend_from_slice(&GSSENC_REQUEST_CODE.to_be_bytes());
+        assert_eq!(parse(&gss), Ok(StartupPacket::GssEncRequest));
+        let cancel = encode_cancel(42, &[1, 2, 3, 4]);
+        assert_eq!(
+            parse(&cancel),
+            Ok(StartupPacket::Cancel {
+                pid: 42,
+                secret: vec![1, 2, 3, 4]
+            })
+        );
+    }
+
+    #[test]
+    fn malformed_packets_are_errors_not_panics() {
+        assert_eq!(packet_len(&[0, 0, 0, 3]), Err(StartupError::BadLength(3)));
+        assert_eq!(
+            packet_len(&[0, 1, 0, 0]),
+            Err(StartupError::BadLength(65536))
+        );
+        assert_eq!(packet_len(&[0, 0, 0]), Ok(None));
+        // Parameter without a value.
+        let mut raw = 0u32.to_be_bytes().to_vec();
+        raw.extend_from_slice(&196_608u32.to_be_bytes());
+        raw.extend_from_slice(b"user\0");
+        assert!(matches!(parse(&raw), Err(StartupError::BadLayout(_))));
+        // No user.
+        let raw = encode_startup(&[("database", "x")]);
+        assert!(matches!(parse(&raw), Err(StartupError::BadLayout(_))));
+        // Protocol 2.
+        let mut raw = 8u32.to_be_bytes().to_vec();
+        raw.extend_from_slice(&(2u32 << 16).to_be_bytes());
+        assert_eq!(parse(&raw), Err(StartupError::UnsupportedVersion(2 << 16)));
+        // Cancel with a short key.
+        let mut raw = 12u32.to_be_bytes().to_vec();
+        raw.extend_from_slice(&CANCEL_REQUEST_CODE.to_be_bytes());
+        raw.extend_from_slice(&[0, 0, 0, 1]);
+        assert!(matches!(parse(&raw), Err(StartupError::BadLayout(_))));
+    }
+}

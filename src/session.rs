@@ -1,0 +1,521 @@
+//! One client session: startup, then the relay loop.
+//!
+//! ```text
+//! client ──startup──▶ negotiate (SSL/GSS 'N', cancel, limits)
+//!        ──────────▶ connect backend, forward StartupMessage verbatim
+//! loop select!:
+//!   backend bytes → complete frames → note Z/S/K/E → write to client
+//!   client  bytes → complete frames → check size, note Q/S/X → write to backend
+//!   drain         → close once idle (57P01)
+//! ```
+//!
+//! Frames are relayed as raw bytes in batches (all complete frames of one
+//! read go out in one write); a frame is decoded only when the session needs
+//! something from it. Reads go into `BytesMut` with `read_buf`, which is
+//! cancel-safe, so the `select!` never loses bytes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{debug, info, warn};
+
+use crate::App;
+use crate::backend::{self, BackendStream};
+use crate::cancel::{CancelGuard, CancelTarget};
+use crate::config::UpstreamAddr;
+use crate::protocol::codec::{self, FrameError, HEADER_LEN, parse_frame, read_cstr, read_i32};
+use crate::protocol::messages::{self, error_field};
+use crate::protocol::startup::{self, Startup, StartupPacket};
+use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
+
+/// The backend is trusted; this only stops a corrupt length from allocating
+/// without bound. PostgreSQL's own rows are at most 1 GiB.
+const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
+/// Read granularity; large frames reserve their whole length at once.
+const READ_CHUNK: usize = 16 * 1024;
+/// Buffers that grew for a large frame are given back past this size.
+const SHRINK_ABOVE: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("client i/o: {0}")]
+    ClientIo(std::io::Error),
+    #[error("backend i/o: {0}")]
+    BackendIo(std::io::Error),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    #[error("client startup timed out")]
+    StartupTimeout,
+}
+
+impl SessionError {
+    /// Client hang-ups are routine, not worth a warning.
+    pub fn is_disconnect(&self) -> bool {
+        matches!(self, SessionError::ClientIo(e) if matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::UnexpectedEof
+        ))
+    }
+}
+
+/// Serves one accepted connection to its end. `permit` is `None` when the
+/// connection limit was reached: the client then gets 53300 after startup.
+pub async fn serve<C>(
+    app: Arc<App>,
+    mut client: C,
+    peer: SocketAddr,
+    permit: Option<OwnedSemaphorePermit>,
+) where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut buf = BytesMut::with_capacity(1024);
+    let startup = match tokio::time::timeout(
+        app.config.startup_timeout(),
+        negotiate(&app, &mut client, &mut buf),
+    )
+    .await
+    {
+        Ok(Ok(Some(startup))) => startup,
+        Ok(Ok(None)) => return, // cancel request or client went away
+        Ok(Err(e)) => {
+            debug!(%peer, error = %e, "startup failed");
+            return;
+        }
+        Err(_) => {
+            let msg = messages::fatal(
+                sqlstate::CONNECTION_EXCEPTION,
+                "timeout expired while waiting for startup packet",
+            );
+            let _ = client.write_all(&msg).await;
+            return;
+        }
+    };
+    let Some(_permit) = permit else {
+        let msg = messages::fatal(
+            sqlstate::TOO_MANY_CONNECTIONS,
+            "sorry, too many clients already",
+        );
+        let _ = client.write_all(&msg).await;
+        info!(%peer, "refused connection: server.max_client_connections reached");
+        return;
+    };
+
+    let (backend, addr) = match backend::connect(&app.upstream, app.config.connect_timeout()).await
+    {
+        Ok(b) => b,
+        Err(e) => {
+            warn!(%peer, error = %e, "backend unreachable");
+            let msg = messages::fatal(sqlstate::CONNECTION_FAILURE, &e.to_string());
+            let _ = client.write_all(&msg).await;
+            return;
+        }
+    };
+
+    let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
+    let _enter = span.enter();
+    let mut session = Session {
+        app: Arc::clone(&app),
+        client,
+        client_buf: buf,
+        backend,
+        backend_addr: addr,
+        backend_buf: BytesMut::with_capacity(READ_CHUNK),
+        out: BytesMut::new(),
+        startup: startup.startup,
+        server_params: BTreeMap::new(),
+        tx_status: TxStatus::Idle,
+        ready: false,
+        pending: 0,
+        unsynced: false,
+        backend_fatal: false,
+        draining: false,
+        backend_key: None,
+        cancel: None,
+    };
+    match session.run(&startup.raw).await {
+        Ok(()) => debug!("session closed"),
+        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
+        Err(e) => info!(error = %e, "session ended"),
+    }
+}
+
+struct Negotiated {
+    raw: BytesMut,
+    startup: Startup,
+}
+
+/// Reads first packets until a StartupMessage, answering SSLRequest and
+/// GSSENCRequest with 'N' and routing a CancelRequest. Returns `None` when
+/// the connection has nothing more to do.
+async fn negotiate<C>(
+    app: &App,
+    client: &mut C,
+    buf: &mut BytesMut,
+) -> Result<Option<Negotiated>, SessionError>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        let len = loop {
+            match startup::packet_len(buf) {
+                Ok(Some(len)) => break len,
+                Ok(None) => {}
+                Err(e) => {
+                    let msg = messages::fatal(sqlstate::PROTOCOL_VIOLATION, &e.to_string());
+                    let _ = client.write_all(&msg).await;
+                    return Err(SessionError::Protocol(e.to_string()));
+                }
+            }
+            if client.read_buf(buf).await.map_err(SessionError::ClientIo)? == 0 {
+                return Ok(None);
+            }
+        };
+        let raw = buf.split_to(len);
+        match startup::parse(&raw) {
+            Ok(StartupPacket::SslRequest | StartupPacket::GssEncRequest) => {
+                // TLS and GSS encryption are not offered; libpq then goes on in
+                // plain text when its sslmode allows it.
+                if !buf.is_empty() {
+                    // Bytes after an SSLRequest before our answer would be a
+                    // TLS ClientHello sent blind: refuse rather than misread.
+                    return Err(SessionError::Protocol(
+                        "data sent before the SSLRequest answer".into(),
+                    ));
+                }
+                client
+                    .write_all(b"N")
+                    .await
+                    .map_err(SessionError::ClientIo)?;
+            }
+            Ok(StartupPacket::Cancel { pid, secret }) => {
+                if let Some(target) = app.cancel.lookup(pid, &secret) {
+                    let CancelTarget {
+                        addr,
+                        backend_pid,
+                        backend_secret,
+                    } = target;
+                    if let Err(e) = backend::send_cancel(
+                        &addr,
+                        app.config.connect_timeout(),
+                        backend_pid,
+                        &backend_secret,
+                    )
+                    .await
+                    {
+                        warn!(error = %e, "could not forward cancel request");
+                    }
+                } else {
+                    debug!(pid, "cancel request with an unknown key ignored");
+                }
+                return Ok(None);
+            }
+            Ok(StartupPacket::Startup(startup)) => return Ok(Some(Negotiated { raw, startup })),
+            Err(e) => {
+                let msg = messages::fatal(sqlstate::PROTOCOL_VIOLATION, &e.to_string());
+                let _ = client.write_all(&msg).await;
+                return Err(SessionError::Protocol(e.to_string()));
+            }
+        }
+    }
+}
+
+struct Session<C> {
+    app: Arc<App>,
+    client: C,
+    client_buf: BytesMut,
+    backend: BackendStream,
+    backend_addr: UpstreamAddr,
+    backend_buf: BytesMut,
+    /// Staging for client writes that need rewriting (BackendKeyData).
+    out: BytesMut,
+    startup: Startup,
+    /// The backend's ParameterStatus values, kept for cache keys.
+    server_params: BTreeMap<String, String>,
+    tx_status: TxStatus,
+    /// The first ReadyForQuery has been seen (authentication is over).
+    ready: bool,
+    /// Requests (Query, Sync, FunctionCall) still waiting for ReadyForQuery.
+    pending: usize,
+    /// Extended-protocol messages sent since the last Sync.
+    unsynced: bool,
+    /// The backend reported a FATAL error: its close is expected.
+    backend_fatal: bool,
+    draining: bool,
+    /// The backend's own cancel key, and the registration of ours.
+    backend_key: Option<CancelTarget>,
+    cancel: Option<CancelGuard>,
+}
+
+enum Flow {
+    Continue,
+    Close,
+}
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    async fn run(&mut self, startup_raw: &[u8]) -> Result<(), SessionError> {
+        self.backend
+            .write_all(startup_raw)
+            .await
+            .map_err(SessionError::BackendIo)?;
+        let drain = self.app.drain.clone();
+        let force = self.app.force.clone();
+        loop {
+            reserve_for_next(&mut self.backend_buf, MAX_BACKEND_FRAME);
+            reserve_for_next(
+                &mut self.client_buf,
+                self.app.config.server.max_message_bytes,
+            );
+            let flow = tokio::select! {
+                biased;
+                _ = force.cancelled() => {
+                    self.shutdown_client("terminating connection: pgcache shutdown timeout reached").await;
+                    Flow::Close
+                }
+                r = self.backend.read_buf(&mut self.backend_buf) => match r {
+                    Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Flow::Close }
+                    Ok(_) => self.on_backend_data().await?,
+                },
+                r = self.client.read_buf(&mut self.client_buf) => match r {
+                    Ok(0) => { self.client_gone().await; Flow::Close }
+                    Ok(_) => self.on_client_data().await?,
+                    Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)); }
+                },
+                _ = drain.cancelled(), if !self.draining => {
+                    self.draining = true;
+                    self.close_if_drained().await
+                }
+            };
+            if let Flow::Close = flow {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Relays every complete backend frame now buffered to the client.
+    async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
+        let mut pos = 0;
+        let mut copied = 0; // bytes before this are already in `out`
+        let buf = &self.backend_buf;
+        loop {
+            let len = match parse_frame(&buf[pos..], MAX_BACKEND_FRAME) {
+                Ok(Some(len)) => len,
+                Ok(None) => break,
+                Err(e) => return Err(SessionError::Protocol(format!("from backend: {e}"))),
+            };
+            let frame = &buf[pos..pos + len];
+            let body = &frame[HEADER_LEN..];
+            match frame[0] {
+                be::READY_FOR_QUERY => {
+                    if !self.ready {
+                        debug!(
+                            user = self.startup.user(),
+                            db = self.startup.database(),
+                            params = self.server_params.len(),
+                            "session ready"
+                        );
+                    }
+                    self.ready = true;
+                    self.pending = self.pending.saturating_sub(1);
+                    if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
+                        self.tx_status = status;
+                    }
+                }
+                be::PARAMETER_STATUS => {
+                    let mut p = 0;
+                    if let (Some(k), Some(v)) = (read_cstr(body, &mut p), read_cstr(body, &mut p)) {
+                        self.server_params.insert(
+                            String::from_utf8_lossy(k).into_owned(),
+                            String::from_utf8_lossy(v).into_owned(),
+                        );
+                    }
+                }
+                be::ERROR_RESPONSE => {
+                    if matches!(error_field(body, b'S'), Some("FATAL" | "PANIC")) {
+                        self.backend_fatal = true;
+                    }
+                }
+                be::BACKEND_KEY_DATA if body.len() >= 8 => {
+                    // Hand the client our own key instead of the backend's.
+                    let mut p = 0;
+                    let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
+                    let target = CancelTarget {
+                        addr: self.backend_addr.clone(),
+                        backend_pid,
+                        backend_secret: body[4..].to_vec(),
+                    };
+                    self.backend_key = Some(target.clone());
+                    let (pid, secret, guard) = self.app.cancel.register(target);
+                    self.cancel = Some(guard);
+                    self.out.extend_from_slice(&buf[copied..pos]);
+                    self.out.extend_from_slice(&[be::BACKEND_KEY_DATA]);
+                    self.out
+                        .extend_from_slice(&((8 + secret.len()) as u32).to_be_bytes());
+                    self.out.extend_from_slice(&pid.to_be_bytes());
+                    self.out.extend_from_slice(&secret);
+                    copied = pos + len;
+                }
+                _ => {}
+            }
+            pos += len;
+        }
+        if pos > 0 {
+            let result = if self.out.is_empty() {
+                self.client.write_all(&self.backend_buf[..pos]).await
+            } else {
+                self.out.extend_from_slice(&self.backend_buf[copied..pos]);
+                let r = self.client.write_all(&self.out).await;
+                self.out.clear();
+                r
+            };
+            self.backend_buf.advance(pos);
+            if let Err(e) = result {
+                self.client_gone().await;
+                return Err(SessionError::ClientIo(e));
+            }
+        }
+        shrink_if_idle(&mut self.backend_buf);
+        if self.draining {
+            return Ok(self.close_if_drained().await);
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Relays every complete client frame now buffered to the backend.
+    async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
+        let max = self.app.config.server.max_message_bytes;
+        let mut pos = 0;
+        let mut terminate = false;
+        let mut violation = None;
+        while !terminate {
+            let len = match parse_frame(&self.client_buf[pos..], max) {
+                Ok(Some(len)) => len,
+                Ok(None) => break,
+                Err(e) => {
+                    violation = Some(e);
+                    break;
+                }
+            };
+            match self.client_buf[pos] {
+                fe::QUERY | fe::FUNCTION_CALL => self.pending += 1,
+                fe::SYNC => {
+                    self.pending += 1;
+                    self.unsynced = false;
+                }
+                fe::PARSE | fe::BIND | fe::EXECUTE | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => {
+                    self.unsynced = true
+                }
+                fe::TERMINATE => terminate = true,
+                _ => {}
+            }
+            pos += len;
+        }
+        if pos > 0 {
+            let r = self.backend.write_all(&self.client_buf[..pos]).await;
+            self.client_buf.advance(pos);
+            if let Err(e) = r {
+                self.backend_lost(Some(e)).await;
+                return Ok(Flow::Close);
+            }
+        }
+        shrink_if_idle(&mut self.client_buf);
+        if let Some(e) = violation {
+            let code = match e {
+                FrameError::BadLength { .. } | FrameError::TooLarge { .. } => {
+                    sqlstate::PROTOCOL_VIOLATION
+                }
+            };
+            warn!(error = %e, "closing client connection");
+            let msg = messages::fatal(code, &e.to_string());
+            let _ = self.client.write_all(&msg).await;
+            let _ = self.backend.write_all(&TERMINATE_FRAME).await;
+            return Err(SessionError::Protocol(e.to_string()));
+        }
+        Ok(if terminate {
+            Flow::Close
+        } else {
+            Flow::Continue
+        })
+    }
+
+    fn is_idle(&self) -> bool {
+        self.ready && self.tx_status == TxStatus::Idle && self.pending == 0 && !self.unsynced
+    }
+
+    async fn close_if_drained(&mut self) -> Flow {
+        if !self.is_idle() {
+            return Flow::Continue;
+        }
+        self.shutdown_client("terminating connection due to pgcache shutdown")
+            .await;
+        Flow::Close
+    }
+
+    async fn shutdown_client(&mut self, message: &str) {
+        let msg = messages::fatal(sqlstate::ADMIN_SHUTDOWN, message);
+        let _ = self.client.write_all(&msg).await;
+        let _ = self.backend.write_all(&TERMINATE_FRAME).await;
+    }
+
+    /// The backend closed or failed: tell the client, unless the backend's
+    /// own FATAL error already did.
+    async fn backend_lost(&mut self, error: Option<std::io::Error>) {
+        if self.backend_fatal {
+            return;
+        }
+        let detail = error.map_or_else(
+            || "server closed the connection unexpectedly".to_owned(),
+            |e| e.to_string(),
+        );
+        info!(%detail, "backend connection lost");
+        let msg = messages::fatal(
+            sqlstate::CONNECTION_FAILURE,
+            &format!("connection to upstream server lost: {detail}"),
+        );
+        let _ = self.client.write_all(&msg).await;
+    }
+
+    /// The client went away: stop whatever the backend is still doing for it,
+    /// then close the backend connection.
+    async fn client_gone(&mut self) {
+        if self.pending > 0 {
+            // A backend busy with a long query would not notice the closed
+            // socket until it writes; cancel it so it is freed now.
+            if let Some(target) = self.backend_key.clone() {
+                let timeout = self.app.config.connect_timeout();
+                tokio::spawn(async move {
+                    let _ = backend::send_cancel(
+                        &target.addr,
+                        timeout,
+                        target.backend_pid,
+                        &target.backend_secret,
+                    )
+                    .await;
+                });
+            }
+        }
+        let _ = self.backend.write_all(&TERMINATE_FRAME).await;
+    }
+}
+
+const TERMINATE_FRAME: [u8; 5] = [fe::TERMINATE, 0, 0, 0, 4];
+
+/// Makes room for the rest of the frame being read (capped at `limit`, so a
+/// lying length cannot allocate) or at least one read chunk.
+fn reserve_for_next(buf: &mut BytesMut, limit: usize) {
+    buf.reserve(codec::missing_bytes(buf).min(limit).max(READ_CHUNK));
+}
+
+fn shrink_if_idle(buf: &mut BytesMut) {
+    if buf.is_empty() && buf.capacity() > SHRINK_ABOVE {
+        *buf = BytesMut::with_capacity(READ_CHUNK);
+    }
+}
