@@ -434,9 +434,7 @@ where
                 }
             };
             warn!(error = %e, "closing client connection");
-            let msg = messages::fatal(code, &e.to_string());
-            let _ = self.client.write_all(&msg).await;
-            let _ = self.backend.write_all(&TERMINATE_FRAME).await;
+            self.close_with(code, &e.to_string()).await;
             return Err(SessionError::Protocol(e.to_string()));
         }
         Ok(if terminate {
@@ -460,9 +458,29 @@ where
     }
 
     async fn shutdown_client(&mut self, message: &str) {
-        let msg = messages::fatal(sqlstate::ADMIN_SHUTDOWN, message);
-        let _ = self.client.write_all(&msg).await;
+        self.close_with(sqlstate::ADMIN_SHUTDOWN, message).await;
+    }
+
+    /// Ends the session on pgcache's side: a FATAL error for the client, a
+    /// Terminate for the backend, and a lingering close so that the client
+    /// reads the error instead of a connection reset.
+    async fn close_with(&mut self, code: &str, message: &str) {
         let _ = self.backend.write_all(&TERMINATE_FRAME).await;
+        let msg = messages::fatal(code, message);
+        if self.client.write_all(&msg).await.is_err() || self.client.shutdown().await.is_err() {
+            return;
+        }
+        // Unread input at close() makes the kernel send RST, which can
+        // destroy the error before the client reads it: drain briefly.
+        let mut sink = [0u8; 4096];
+        let _ = tokio::time::timeout(LINGER, async {
+            while let Ok(n) = self.client.read(&mut sink).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
     }
 
     /// The backend closed or failed: tell the client, unless the backend's
@@ -505,6 +523,9 @@ where
         let _ = self.backend.write_all(&TERMINATE_FRAME).await;
     }
 }
+
+/// How long a closing session waits for the client to hang up.
+const LINGER: std::time::Duration = std::time::Duration::from_millis(500);
 
 const TERMINATE_FRAME: [u8; 5] = [fe::TERMINATE, 0, 0, 0, 4];
 
