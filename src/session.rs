@@ -21,7 +21,7 @@ use std::sync::Arc;
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::OwnedSemaphorePermit;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::App;
 use crate::backend::{self, BackendStream};
@@ -118,7 +118,6 @@ pub async fn serve<C>(
     };
 
     let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
-    let _enter = span.enter();
     let mut session = Session {
         app: Arc::clone(&app),
         client,
@@ -138,7 +137,7 @@ pub async fn serve<C>(
         backend_key: None,
         cancel: None,
     };
-    match session.run(&startup.raw).await {
+    match session.run(&startup.raw).instrument(span).await {
         Ok(()) => debug!("session closed"),
         Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
         Err(e) => info!(error = %e, "session ended"),

@@ -1,0 +1,13 @@
+# Builds pgcache from this repository.
+FROM rust:1-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release --locked
+
+FROM debian:bookworm-slim
+RUN useradd --system pgcache
+COPY --from=build /src/target/release/pgcache /usr/local/bin/pgcache
+COPY config/pgcache.toml /etc/pgcache/pgcache.toml
+USER pgcache
+EXPOSE 6432 9187
+ENTRYPOINT ["pgcache", "--config", "/etc/pgcache/pgcache.toml"]

@@ -1,0 +1,110 @@
+# Shared helpers for the side-by-side benchmarks. Source it; it starts a
+# throwaway PostgreSQL (and whatever else a bench asks for) under $RUNDIR and
+# stops everything on exit. Never touches services the machine already runs.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RUNDIR=$(mktemp -d /tmp/pgcache-bench.XXXXXX)
+chmod 755 "$RUNDIR"
+PIDS=()
+PGBIN=$(pg_config --bindir 2>/dev/null || ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+# Run as the postgres OS user when root (PostgreSQL, PgBouncer and Pgpool-II refuse root).
+as_pg() {
+    if [ "$(id -u)" -eq 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+cleanup() {
+    for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done
+    for pidfile in "$RUNDIR"/*/*.pid; do [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true; done
+    [ -f "$RUNDIR/pgdata/postmaster.pid" ] && as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/pgdata" -m fast stop >/dev/null 2>&1 || true
+    wait 2>/dev/null || true
+    rm -rf "$RUNDIR"
+}
+trap cleanup EXIT
+
+apt_install() {
+    local sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "$@" >/dev/null
+}
+
+start_postgres() {
+    PGPORT=$(free_port)
+    mkdir -p "$RUNDIR/sock"
+    [ "$(id -u)" -eq 0 ] && chown postgres: "$RUNDIR" "$RUNDIR/sock"
+    as_pg "$PGBIN/initdb" -D "$RUNDIR/pgdata" -U postgres --auth=trust -E UTF8 --locale=C --no-sync >/dev/null
+    as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/pgdata" -l "$RUNDIR/pg.log" -w start -o \
+        "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c shared_buffers=256MB -c fsync=off -c synchronous_commit=off" >/dev/null
+    export PGHOST=127.0.0.1 PGUSER=postgres
+}
+
+build_pgcache() {
+    (cd "$ROOT" && cargo build --release --locked -q)
+    PGCACHE_BIN="$ROOT/target/release/pgcache"
+}
+
+# start_pgcache PORT [flags...]
+start_pgcache() {
+    local port=$1; shift
+    RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "postgres://127.0.0.1:$PGPORT" \
+        --metrics "127.0.0.1:$(free_port)" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
+    PIDS+=($!)
+    wait_port "$port"
+}
+
+start_pgbouncer() {
+    command -v pgbouncer >/dev/null || apt_install pgbouncer
+    BOUNCER_PORT=$(free_port)
+    mkdir -p "$RUNDIR/pgbouncer"
+    sed -e "s#@RUNDIR@#$RUNDIR#g" -e "s/55432/$PGPORT/" -e "s/56432/$BOUNCER_PORT/" -e "s/^bench = .*/* = host=127.0.0.1 port=$PGPORT/" \
+        "$ROOT/../shared/anchors/pgbouncer-session.ini" >"$RUNDIR/pgbouncer.ini" 2>/dev/null || cat >"$RUNDIR/pgbouncer.ini" <<INI
+[databases]
+* = host=127.0.0.1 port=$PGPORT
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $BOUNCER_PORT
+unix_socket_dir = $RUNDIR/sock
+logfile = $RUNDIR/pgbouncer/pgbouncer.log
+pidfile = $RUNDIR/pgbouncer/pgbouncer.pid
+auth_type = trust
+auth_file = $RUNDIR/userlist.txt
+pool_mode = session
+max_client_conn = 200
+default_pool_size = 32
+server_reset_query = DISCARD ALL
+ignore_startup_parameters = extra_float_digits
+INI
+    echo '"postgres" ""' >"$RUNDIR/userlist.txt"
+    [ "$(id -u)" -eq 0 ] && chown -R postgres: "$RUNDIR/pgbouncer" "$RUNDIR/userlist.txt" "$RUNDIR/pgbouncer.ini"
+    as_pg pgbouncer -d "$RUNDIR/pgbouncer.ini" >"$RUNDIR/pgbouncer/stdout.log" 2>&1
+    wait_port "$BOUNCER_PORT"
+}
+
+wait_port() {
+    for _ in $(seq 1 200); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+        sleep 0.05
+    done
+    echo "nothing listening on port $1" >&2
+    return 1
+}
+
+# tps PORT MODE SCRIPT-ARGS... : prints TPS; fails if any transaction failed.
+tps() {
+    local port=$1 mode=$2; shift 2
+    local out
+    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$port" -U postgres -n -M "$mode" "$@" bench 2>&1) || { echo "$out" >&2; return 1; }
+    if ! grep -q "number of failed transactions: 0 " <<<"$out"; then
+        echo "$out" >&2
+        echo "failed transactions on port $port" >&2
+        return 1
+    fi
+    sed -n 's/^tps = \([0-9.]*\) .*/\1/p' <<<"$out"
+}
+
+ratio() { python3 -c "print(f'{float($1)/float($2):.2f}')"; }

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs the PostgreSQL server
+# and redis-server binaries the tests start (throwaway instances on free
+# ports; nothing here uses services the machine already runs), then runs
+# formatting, lint and every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+    need_apt+=(postgresql postgresql-contrib)
+fi
+command -v psql >/dev/null 2>&1 || need_apt+=(postgresql-client)
+command -v pgbench >/dev/null 2>&1 || need_apt+=(postgresql-client)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "installing: ${need_apt[*]}"
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+cargo fmt --all -- --check
+cargo clippy --locked --all-targets -- -D warnings
+cargo test --locked
