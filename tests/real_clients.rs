@@ -53,7 +53,16 @@ ROLLBACK;
     let out = run_tool(
         &pg().bin("psql"),
         &[
-            "-X", "-h", "127.0.0.1", "-p", &port_arg(&proxy), "-U", "postgres", "-d", &db, "-f",
+            "-X",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port_arg(&proxy),
+            "-U",
+            "postgres",
+            "-d",
+            &db,
+            "-f",
             script.to_str().unwrap(),
         ],
     )
@@ -61,7 +70,11 @@ ROLLBACK;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // ON_ERROR_STOP makes the division by zero the script's last statement.
-    assert_eq!(out.status.code(), Some(3), "stdout: {stdout}\nstderr: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "stdout: {stdout}\nstderr: {stderr}"
+    );
     assert!(stderr.contains("division by zero"), "{stderr}");
     assert!(stdout.contains("rows=1000 sum=500500"), "{stdout}");
     assert_eq!(std::fs::read_to_string(&out_csv).unwrap(), rows);
@@ -73,10 +86,19 @@ async fn psql_sslmode_prefer_falls_back_and_require_is_refused_clearly() {
     let proxy = Proxy::start(pg().proxy_config()).await;
     let port = port_arg(&proxy);
     let prefer = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=prefer");
-    let out = run_tool(&pg().bin("psql"), &["-X", "-A", "-t", "-d", &prefer, "-c", "SELECT 'plain'"]).await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run_tool(
+        &pg().bin("psql"),
+        &["-X", "-A", "-t", "-d", &prefer, "-c", "SELECT 'plain'"],
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "plain");
-    let require = format!("host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=require");
+    let require =
+        format!("host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=require");
     let out = run_tool(&pg().bin("psql"), &["-X", "-d", &require, "-c", "SELECT 1"]).await;
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -92,19 +114,37 @@ async fn pgbench_init_then_every_protocol_mode_with_zero_failures() {
     let mut init = base.to_vec();
     init.extend(["-i", "-s", "1", "-q", db.as_str()]);
     let out = run_tool(&pg().bin("pgbench"), &init).await;
-    assert!(out.status.success(), "pgbench -i: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "pgbench -i: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for mode in ["simple", "extended", "prepared"] {
         let mut args = base.to_vec();
         // The default TPC-B-like script: reads and writes in transactions.
         args.extend(["-M", mode, "-c", "8", "-j", "2", "-t", "200", db.as_str()]);
         let out = run_tool(&pg().bin("pgbench"), &args).await;
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "pgbench -M {mode}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(stdout.contains("number of transactions actually processed: 1600/1600"), "{mode}: {stdout}");
-        assert!(stdout.contains("number of failed transactions: 0 (0.000%)"), "{mode}: {stdout}");
+        assert!(
+            out.status.success(),
+            "pgbench -M {mode}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("number of transactions actually processed: 1600/1600"),
+            "{mode}: {stdout}"
+        );
+        assert!(
+            stdout.contains("number of failed transactions: 0 (0.000%)"),
+            "{mode}: {stdout}"
+        );
     }
     let direct = pg().direct(&db).await;
-    let history: i64 = direct.query_one("SELECT count(*) FROM pgbench_history", &[]).await.unwrap().get(0);
+    let history: i64 = direct
+        .query_one("SELECT count(*) FROM pgbench_history", &[])
+        .await
+        .unwrap()
+        .get(0);
     // pgbench truncates the history before each run: the last run's rows remain.
     assert_eq!(history, 1600, "every transaction wrote its history row");
 }
@@ -126,13 +166,17 @@ async fn postgres_restart_gives_errors_then_everything_recovers() {
         "expected a closed connection or a database error, got {err}"
     );
     // New clients get 08006 while PostgreSQL is down.
-    let err = connect_dsn(&proxy.dsn("postgres", "postgres")).await.unwrap_err();
+    let err = connect_dsn(&proxy.dsn("postgres", "postgres"))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::CONNECTION_FAILURE), "{err}");
 
     pg.restart();
-    let client = eventually(Duration::from_secs(30), "a connection after restart", || async {
-        connect_dsn(&proxy.dsn("postgres", "postgres")).await.ok()
-    })
+    let client = eventually(
+        Duration::from_secs(30),
+        "a connection after restart",
+        || async { connect_dsn(&proxy.dsn("postgres", "postgres")).await.ok() },
+    )
     .await;
     let row = client.query_one("SELECT 'back'", &[]).await.unwrap();
     assert_eq!(row.get::<_, &str>(0), "back");
