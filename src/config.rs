@@ -63,6 +63,26 @@ pub struct UpstreamConfig {
 pub struct CacheConfig {
     /// false = pure pass-through (same as --no-cache).
     pub enabled: bool,
+    /// Results larger than this are streamed to the client and not stored.
+    pub max_entry_bytes: usize,
+    /// Lifetime of an entry; 0 = until evicted or invalidated.
+    pub default_ttl_secs: u64,
+    pub local: LocalCacheConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalCacheConfig {
+    /// Memory budget of the in-process tier, entries and bookkeeping.
+    pub max_bytes: u64,
+}
+
+impl Default for LocalCacheConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: 256 * 1024 * 1024,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
@@ -102,7 +122,12 @@ impl Default for UpstreamConfig {
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        Self { enabled: true }
+        Self {
+            enabled: true,
+            max_entry_bytes: 1024 * 1024,
+            default_ttl_secs: 300,
+            local: LocalCacheConfig::default(),
+        }
     }
 }
 
@@ -193,6 +218,14 @@ impl Config {
         if self.server.startup_timeout_ms == 0 {
             problems.push("server.startup_timeout_ms: must be above 0".to_owned());
         }
+        if self.cache.max_entry_bytes == 0
+            || self.cache.max_entry_bytes as u64 > self.cache.local.max_bytes
+        {
+            problems.push(format!(
+                "cache.max_entry_bytes: {} must be between 1 and cache.local.max_bytes ({})",
+                self.cache.max_entry_bytes, self.cache.local.max_bytes
+            ));
+        }
         if self.upstream.connect_timeout_ms == 0 {
             problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());
         }
@@ -253,6 +286,10 @@ impl Config {
 
     pub fn startup_timeout(&self) -> Duration {
         Duration::from_millis(self.server.startup_timeout_ms)
+    }
+
+    pub fn default_ttl(&self) -> Duration {
+        Duration::from_secs(self.cache.default_ttl_secs)
     }
 
     pub fn shutdown_timeout(&self) -> Duration {

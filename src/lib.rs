@@ -13,7 +13,9 @@
 //! - [`protocol`]: framing, startup packets, messages pgcache writes itself.
 
 pub mod backend;
+pub mod cache;
 pub mod cancel;
+pub mod classify;
 pub mod config;
 pub mod protocol;
 pub mod server;
@@ -24,7 +26,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
-pub use server::run;
+pub use server::{run, serve};
 
 /// State shared by every session of one pgcache instance. Nothing in pgcache
 /// is process-global, so several instances can run in one test binary.
@@ -37,6 +39,7 @@ pub struct App {
     pub drain: CancellationToken,
     /// Shutdown timeout expired: sessions close now.
     pub force: CancellationToken,
+    pub cache: cache::CacheState,
 }
 
 impl App {
@@ -45,7 +48,13 @@ impl App {
         let upstream = config
             .upstream_addrs()
             .map_err(|e| config::ConfigError::Invalid(vec![format!("upstream.url: {e}")]))?;
+        let local = cache::LocalCache::new(
+            config.cache.local.max_bytes,
+            config.cache.max_entry_bytes,
+            config.default_ttl(),
+        );
         Ok(Self {
+            cache: cache::CacheState::new(local),
             config,
             upstream,
             cancel: Arc::default(),

@@ -20,7 +20,13 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), crate::config::ConfigError> {
-    let app = Arc::new(App::new(config)?);
+    serve(Arc::new(App::new(config)?), listener, shutdown).await;
+    Ok(())
+}
+
+/// [`run`] with an [`App`] the caller keeps a handle to (tests read its
+/// counters).
+pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     let limit = Arc::new(Semaphore::new(app.config.server.max_client_connections));
     let sessions = TaskTracker::new();
     tokio::pin!(shutdown);
@@ -64,5 +70,4 @@ pub async fn run(
         sessions.wait().await;
     }
     info!("pgcache stopped");
-    Ok(())
 }

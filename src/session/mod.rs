@@ -14,7 +14,7 @@
 //! something from it. Reads go into `BytesMut` with `read_buf`, which is
 //! cancel-safe, so the `select!` never loses bytes.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -23,11 +23,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, warn};
 
+mod query;
+
 use crate::App;
 use crate::backend::{self, BackendStream};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::config::UpstreamAddr;
-use crate::protocol::codec::{self, FrameError, HEADER_LEN, parse_frame, read_cstr, read_i32};
+use crate::protocol::codec::{self, FrameError, HEADER_LEN, parse_frame, read_i32};
 use crate::protocol::messages::{self, error_field};
 use crate::protocol::startup::{self, Startup, StartupPacket};
 use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
@@ -118,7 +120,9 @@ pub async fn serve<C>(
     };
 
     let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
+    let db = app.cache.db(startup.startup.database());
     let mut session = Session {
+        caching: app.config.cache.enabled,
         app: Arc::clone(&app),
         client,
         client_buf: buf,
@@ -126,16 +130,17 @@ pub async fn serve<C>(
         backend_addr: addr,
         backend_buf: BytesMut::with_capacity(READ_CHUNK),
         out: BytesMut::new(),
+        to_backend: BytesMut::new(),
         startup: startup.startup,
-        server_params: BTreeMap::new(),
         tx_status: TxStatus::Idle,
         ready: false,
-        pending: 0,
+        inflight: VecDeque::new(),
         unsynced: false,
         backend_fatal: false,
         draining: false,
         backend_key: None,
         cancel: None,
+        cache: query::CacheSession::new(db),
     };
     match session.run(&startup.raw).instrument(span).await {
         Ok(()) => debug!("session closed"),
@@ -226,21 +231,23 @@ where
 
 struct Session<C> {
     app: Arc<App>,
+    /// Cache lookups and fills are on (`cache.enabled`).
+    caching: bool,
     client: C,
     client_buf: BytesMut,
     backend: BackendStream,
     backend_addr: UpstreamAddr,
     backend_buf: BytesMut,
-    /// Staging for client writes that need rewriting (BackendKeyData).
+    /// Staging for client writes that pgcache assembles or rewrites.
     out: BytesMut,
+    /// Client frames waiting to be written to the backend in one go.
+    to_backend: BytesMut,
     startup: Startup,
-    /// The backend's ParameterStatus values, kept for cache keys.
-    server_params: BTreeMap<String, String>,
     tx_status: TxStatus,
     /// The first ReadyForQuery has been seen (authentication is over).
     ready: bool,
-    /// Requests (Query, Sync, FunctionCall) still waiting for ReadyForQuery.
-    pending: usize,
+    /// Requests sent to the backend and still owed a ReadyForQuery, oldest first.
+    inflight: VecDeque<query::Inflight>,
     /// Extended-protocol messages sent since the last Sync.
     unsynced: bool,
     /// The backend reported a FATAL error: its close is expected.
@@ -249,6 +256,8 @@ struct Session<C> {
     /// The backend's own cancel key, and the registration of ours.
     backend_key: Option<CancelTarget>,
     cancel: Option<CancelGuard>,
+    /// Cache state of this session: settings, plans, statements, transaction.
+    cache: query::CacheSession,
 }
 
 enum Flow {
@@ -273,105 +282,94 @@ where
                 &mut self.client_buf,
                 self.app.config.server.max_message_bytes,
             );
-            let flow = tokio::select! {
+            let result = tokio::select! {
                 biased;
                 _ = force.cancelled() => {
                     self.shutdown_client("terminating connection: pgcache shutdown timeout reached").await;
-                    Flow::Close
+                    Ok(Flow::Close)
                 }
                 r = self.backend.read_buf(&mut self.backend_buf) => match r {
-                    Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Flow::Close }
-                    Ok(_) => self.on_backend_data().await?,
+                    Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Ok(Flow::Close) }
+                    Ok(_) => self.on_backend_data().await,
                 },
                 r = self.client.read_buf(&mut self.client_buf) => match r {
-                    Ok(0) => { self.client_gone().await; Flow::Close }
-                    Ok(_) => self.on_client_data().await?,
-                    Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)); }
+                    Ok(0) => { self.client_gone().await; Ok(Flow::Close) }
+                    Ok(_) => self.on_client_data().await,
+                    Err(e) => { self.client_gone().await; Err(SessionError::ClientIo(e)) }
                 },
                 _ = drain.cancelled(), if !self.draining => {
                     self.draining = true;
-                    self.close_if_drained().await
+                    Ok(self.close_if_drained().await)
                 }
             };
-            if let Flow::Close = flow {
-                return Ok(());
+            match result {
+                Ok(Flow::Continue) => {}
+                Ok(Flow::Close) => return Ok(()),
+                Err(SessionError::BackendIo(e)) => {
+                    self.backend_lost(Some(e)).await;
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
             }
         }
     }
 
-    /// Relays every complete backend frame now buffered to the client.
+    /// Relays every complete backend frame now buffered to the client,
+    /// teeing result frames into cache captures and swallowing the answers
+    /// to pgcache's own injected messages.
     async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
         let mut pos = 0;
-        let mut copied = 0; // bytes before this are already in `out`
-        let buf = &self.backend_buf;
+        let mut copied = 0; // bytes of backend_buf before this are in `out` or dropped
         loop {
-            let len = match parse_frame(&buf[pos..], MAX_BACKEND_FRAME) {
+            let len = match parse_frame(&self.backend_buf[pos..], MAX_BACKEND_FRAME) {
                 Ok(Some(len)) => len,
                 Ok(None) => break,
                 Err(e) => return Err(SessionError::Protocol(format!("from backend: {e}"))),
             };
-            let frame = &buf[pos..pos + len];
-            let body = &frame[HEADER_LEN..];
-            match frame[0] {
-                be::READY_FOR_QUERY => {
-                    if !self.ready {
-                        debug!(
-                            user = self.startup.user(),
-                            db = self.startup.database(),
-                            params = self.server_params.len(),
-                            "session ready"
-                        );
-                    }
-                    self.ready = true;
-                    self.pending = self.pending.saturating_sub(1);
-                    if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
-                        self.tx_status = status;
-                    }
-                }
-                be::PARAMETER_STATUS => {
-                    let mut p = 0;
-                    if let (Some(k), Some(v)) = (read_cstr(body, &mut p), read_cstr(body, &mut p)) {
-                        self.server_params.insert(
-                            String::from_utf8_lossy(k).into_owned(),
-                            String::from_utf8_lossy(v).into_owned(),
-                        );
-                    }
+            let tag = self.backend_buf[pos];
+            let keep = match tag {
+                be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
+                    let body = self.backend_buf[pos + HEADER_LEN..pos + len].to_vec();
+                    let replacement = self.register_cancel_key(&body);
+                    self.out.extend_from_slice(&self.backend_buf[copied..pos]);
+                    self.out.extend_from_slice(&replacement);
+                    copied = pos + len;
+                    true
                 }
                 be::ERROR_RESPONSE => {
+                    let body = &self.backend_buf[pos + HEADER_LEN..pos + len];
                     if matches!(error_field(body, b'S'), Some("FATAL" | "PANIC")) {
                         self.backend_fatal = true;
                     }
+                    self.on_response_frame(pos, len)
                 }
-                be::BACKEND_KEY_DATA if body.len() >= 8 => {
-                    // Hand the client our own key instead of the backend's.
-                    let mut p = 0;
-                    let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
-                    let target = CancelTarget {
-                        addr: self.backend_addr.clone(),
-                        backend_pid,
-                        backend_secret: body[4..].to_vec(),
-                    };
-                    self.backend_key = Some(target.clone());
-                    let (pid, secret, guard) = self.app.cancel.register(target);
-                    self.cancel = Some(guard);
-                    self.out.extend_from_slice(&buf[copied..pos]);
-                    self.out.extend_from_slice(&[be::BACKEND_KEY_DATA]);
-                    self.out
-                        .extend_from_slice(&((8 + secret.len()) as u32).to_be_bytes());
-                    self.out.extend_from_slice(&pid.to_be_bytes());
-                    self.out.extend_from_slice(&secret);
-                    copied = pos + len;
+                be::READY_FOR_QUERY => {
+                    let status = self
+                        .backend_buf
+                        .get(pos + HEADER_LEN)
+                        .and_then(|b| TxStatus::from_byte(*b));
+                    let keep = self.inflight.front().is_none_or(|f| f.to_client);
+                    self.on_ready_for_query(status.unwrap_or(TxStatus::Idle));
+                    keep
                 }
-                _ => {}
+                _ => self.on_response_frame(pos, len),
+            };
+            if !keep {
+                self.out.extend_from_slice(&self.backend_buf[copied..pos]);
+                copied = pos + len;
             }
             pos += len;
         }
         if pos > 0 {
-            let result = if self.out.is_empty() {
+            let result = if self.out.is_empty() && copied == 0 {
                 self.client.write_all(&self.backend_buf[..pos]).await
             } else {
                 self.out.extend_from_slice(&self.backend_buf[copied..pos]);
-                let r = self.client.write_all(&self.out).await;
+                let r = if self.out.is_empty() {
+                    Ok(())
+                } else {
+                    self.client.write_all(&self.out).await
+                };
                 self.out.clear();
                 r
             };
@@ -388,42 +386,67 @@ where
         Ok(Flow::Continue)
     }
 
+    /// Hands the client pgcache's own cancel key for the backend's.
+    fn register_cancel_key(&mut self, body: &[u8]) -> Vec<u8> {
+        let mut p = 0;
+        let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
+        let target = CancelTarget {
+            addr: self.backend_addr.clone(),
+            backend_pid,
+            backend_secret: body[4..].to_vec(),
+        };
+        self.backend_key = Some(target.clone());
+        let (pid, secret, guard) = self.app.cancel.register(target);
+        self.cancel = Some(guard);
+        let mut frame = Vec::with_capacity(HEADER_LEN + 4 + secret.len());
+        frame.push(be::BACKEND_KEY_DATA);
+        frame.extend_from_slice(&((8 + secret.len()) as u32).to_be_bytes());
+        frame.extend_from_slice(&pid.to_be_bytes());
+        frame.extend_from_slice(&secret);
+        frame
+    }
+
     /// Relays every complete client frame now buffered to the backend.
     async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
         let max = self.app.config.server.max_message_bytes;
-        let mut pos = 0;
-        let mut terminate = false;
+        let mut flow = Flow::Continue;
         let mut violation = None;
-        while !terminate {
-            let len = match parse_frame(&self.client_buf[pos..], max) {
-                Ok(Some(len)) => len,
-                Ok(None) => break,
-                Err(e) => {
-                    violation = Some(e);
-                    break;
+        if !self.caching {
+            // Pure pass-through: forward whole runs of frames without copying.
+            let mut pos = 0;
+            while let Flow::Continue = flow {
+                match parse_frame(&self.client_buf[pos..], max) {
+                    Ok(Some(len)) => {
+                        flow = self.note_client_frame(self.client_buf[pos]);
+                        pos += len;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        violation = Some(e);
+                        break;
+                    }
                 }
-            };
-            match self.client_buf[pos] {
-                fe::QUERY | fe::FUNCTION_CALL => self.pending += 1,
-                fe::SYNC => {
-                    self.pending += 1;
-                    self.unsynced = false;
-                }
-                fe::PARSE | fe::BIND | fe::EXECUTE | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => {
-                    self.unsynced = true
-                }
-                fe::TERMINATE => terminate = true,
-                _ => {}
             }
-            pos += len;
-        }
-        if pos > 0 {
-            let r = self.backend.write_all(&self.client_buf[..pos]).await;
-            self.client_buf.advance(pos);
-            if let Err(e) = r {
-                self.backend_lost(Some(e)).await;
-                return Ok(Flow::Close);
+            if pos > 0 {
+                let r = self.backend.write_all(&self.client_buf[..pos]).await;
+                self.client_buf.advance(pos);
+                r.map_err(SessionError::BackendIo)?;
             }
+        } else {
+            while let Flow::Continue = flow {
+                match parse_frame(&self.client_buf, max) {
+                    Ok(Some(len)) => {
+                        let frame = self.client_buf.split_to(len).freeze();
+                        flow = self.on_client_frame(frame).await?;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        violation = Some(e);
+                        break;
+                    }
+                }
+            }
+            self.flush_backend().await?;
         }
         shrink_if_idle(&mut self.client_buf);
         if let Some(e) = violation {
@@ -436,15 +459,46 @@ where
             self.close_with(code, &e.to_string()).await;
             return Err(SessionError::Protocol(e.to_string()));
         }
-        Ok(if terminate {
-            Flow::Close
-        } else {
-            Flow::Continue
-        })
+        Ok(flow)
+    }
+
+    /// Bookkeeping for a client frame forwarded as is: requests that will be
+    /// answered with ReadyForQuery, and the extended-protocol sync state.
+    fn note_client_frame(&mut self, tag: u8) -> Flow {
+        match tag {
+            fe::QUERY | fe::FUNCTION_CALL => self.inflight.push_back(query::Inflight::default()),
+            fe::SYNC => {
+                self.inflight.push_back(query::Inflight::default());
+                self.unsynced = false;
+            }
+            fe::PARSE | fe::BIND | fe::EXECUTE | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => {
+                self.unsynced = true
+            }
+            fe::TERMINATE => return Flow::Close,
+            _ => {}
+        }
+        Flow::Continue
+    }
+
+    /// Writes the queued client frames to the backend.
+    async fn flush_backend(&mut self) -> Result<(), SessionError> {
+        if !self.to_backend.is_empty() {
+            let r = self.backend.write_all(&self.to_backend).await;
+            self.to_backend.clear();
+            if self.to_backend.capacity() > SHRINK_ABOVE {
+                self.to_backend = BytesMut::new();
+            }
+            r.map_err(SessionError::BackendIo)?;
+        }
+        Ok(())
     }
 
     fn is_idle(&self) -> bool {
-        self.ready && self.tx_status == TxStatus::Idle && self.pending == 0 && !self.unsynced
+        self.ready
+            && self.tx_status == TxStatus::Idle
+            && self.inflight.is_empty()
+            && !self.unsynced
+            && !self.cache.holds_batch()
     }
 
     async fn close_if_drained(&mut self) -> Flow {
@@ -503,7 +557,7 @@ where
     /// The client went away: stop whatever the backend is still doing for it,
     /// then close the backend connection.
     async fn client_gone(&mut self) {
-        if self.pending > 0 {
+        if !self.inflight.is_empty() {
             // A backend busy with a long query would not notice the closed
             // socket until it writes; cancel it so it is freed now.
             if let Some(target) = self.backend_key.clone() {

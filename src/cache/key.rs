@@ -1,0 +1,166 @@
+//! Cache keys: a 128-bit xxh3 hash over every input that can change a
+//! result, each length-prefixed so that no two inputs can run together.
+//!
+//! | part | why |
+//! | --- | --- |
+//! | format version | an entry written by another layout is never read |
+//! | session prefix | database, startup parameters (but `application_name`), `current_user`, `session_user`, every setting in `pg_settings` (search_path, TimeZone, DateStyle, IntervalStyle, client_encoding, extra_float_digits, bytea_output, lc_*, ...), and the custom settings RLS policies read |
+//! | flavour | simple and extended responses differ in shape |
+//! | statement | the exact SQL bytes (hashed) |
+//! | extended only | message shape, parameter type OIDs, parameter formats and values (NULL distinct from empty), result formats |
+//! | epoch, versions | the database epoch and the version of every table read, read before the query is forwarded |
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+
+const KEY_FORMAT: u8 = 1;
+
+pub const SIMPLE: u8 = b'Q';
+pub const EXTENDED: u8 = b'X';
+
+pub fn sql_hash(sql: &[u8]) -> u128 {
+    xxh3_128(sql)
+}
+
+/// Hashes the session's identity: computed when its settings are read.
+pub fn session_prefix<'a>(
+    database: &str,
+    startup: impl Iterator<Item = (&'a str, &'a str)>,
+    settings: &[Option<String>],
+) -> u128 {
+    let mut h = Xxh3::new();
+    h.update(&[KEY_FORMAT]);
+    put(&mut h, database.as_bytes());
+    let mut params: Vec<(&str, &str)> = startup.filter(|(k, _)| *k != "application_name").collect();
+    params.sort_unstable();
+    for (k, v) in params {
+        put(&mut h, k.as_bytes());
+        put(&mut h, v.as_bytes());
+    }
+    h.update(&[0xff]);
+    for s in settings {
+        put_opt(&mut h, s.as_deref().map(str::as_bytes));
+    }
+    h.digest128()
+}
+
+/// Builds one request's key.
+pub struct KeyBuilder(Xxh3);
+
+impl KeyBuilder {
+    pub fn new(prefix: u128, flavour: u8, sql_hash: u128) -> Self {
+        let mut h = Xxh3::new();
+        h.update(&prefix.to_le_bytes());
+        h.update(&[flavour]);
+        h.update(&sql_hash.to_le_bytes());
+        Self(h)
+    }
+
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        put(&mut self.0, b);
+        self
+    }
+
+    pub fn value(&mut self, v: Option<&[u8]>) -> &mut Self {
+        put_opt(&mut self.0, v);
+        self
+    }
+
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.update(&v.to_le_bytes());
+        self
+    }
+
+    /// The epoch and table versions, read now.
+    pub fn finish(mut self, epoch: u64, versions: &[Arc<AtomicU64>]) -> u128 {
+        self.0.update(&[0xfe]);
+        self.0.update(&epoch.to_le_bytes());
+        for v in versions {
+            self.0.update(&v.load(Ordering::Acquire).to_le_bytes());
+        }
+        self.0.digest128()
+    }
+}
+
+fn put(h: &mut Xxh3, b: &[u8]) {
+    h.update(&(b.len() as u64).to_le_bytes());
+    h.update(b);
+}
+
+fn put_opt(h: &mut Xxh3, b: Option<&[u8]>) {
+    match b {
+        Some(b) => put(h, b),
+        None => h.update(&u64::MAX.to_le_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefix(db: &str, user: &str, settings: &[&str]) -> u128 {
+        let s: Vec<Option<String>> = settings.iter().map(|s| Some(s.to_string())).collect();
+        session_prefix(
+            db,
+            [("user", user), ("application_name", "x")].into_iter(),
+            &s,
+        )
+    }
+
+    #[test]
+    fn every_session_input_changes_the_prefix() {
+        let base = prefix("db", "alice", &["TimeZone=UTC"]);
+        assert_eq!(base, prefix("db", "alice", &["TimeZone=UTC"]));
+        assert_ne!(base, prefix("db2", "alice", &["TimeZone=UTC"]));
+        assert_ne!(base, prefix("db", "bob", &["TimeZone=UTC"]));
+        assert_ne!(base, prefix("db", "alice", &["TimeZone=Asia/Tokyo"]));
+        let only_app_name = session_prefix(
+            "db",
+            [("user", "alice"), ("application_name", "other")].into_iter(),
+            &[Some("TimeZone=UTC".into())],
+        );
+        assert_eq!(
+            base, only_app_name,
+            "application_name does not change results"
+        );
+    }
+
+    #[test]
+    fn null_empty_and_boundaries_are_distinct() {
+        let key = |f: &dyn Fn(&mut KeyBuilder)| {
+            let mut k = KeyBuilder::new(1, EXTENDED, 2);
+            f(&mut k);
+            k.finish(0, &[])
+        };
+        let null = key(&|k| {
+            k.value(None);
+        });
+        let empty = key(&|k| {
+            k.value(Some(b""));
+        });
+        assert_ne!(null, empty);
+        let ab_c = key(&|k| {
+            k.bytes(b"ab").bytes(b"c");
+        });
+        let a_bc = key(&|k| {
+            k.bytes(b"a").bytes(b"bc");
+        });
+        assert_ne!(ab_c, a_bc);
+    }
+
+    #[test]
+    fn a_version_bump_changes_the_key() {
+        let v = Arc::new(AtomicU64::new(0));
+        let before = KeyBuilder::new(1, SIMPLE, 2).finish(0, std::slice::from_ref(&v));
+        v.fetch_add(1, Ordering::AcqRel);
+        let after = KeyBuilder::new(1, SIMPLE, 2).finish(0, std::slice::from_ref(&v));
+        assert_ne!(before, after);
+        assert_ne!(before, KeyBuilder::new(1, SIMPLE, 2).finish(1, &[]));
+        assert_ne!(
+            KeyBuilder::new(1, SIMPLE, 2).finish(0, &[]),
+            KeyBuilder::new(1, EXTENDED, 2).finish(0, &[])
+        );
+    }
+}

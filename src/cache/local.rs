@@ -1,0 +1,103 @@
+//! The local tier: moka, bounded in bytes, entries stored as the backend's
+//! own response bytes so a hit is a single write.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+/// A stored result: the backend's frames from the first response message up
+/// to (not including) ReadyForQuery.
+#[derive(Debug)]
+pub struct CachedResponse {
+    pub bytes: Bytes,
+    pub created: Instant,
+}
+
+/// Per-entry bookkeeping moka counts against `max_bytes` besides the bytes.
+const ENTRY_OVERHEAD: usize = 96;
+
+pub struct LocalCache {
+    inner: moka::sync::Cache<u128, Arc<CachedResponse>>,
+    max_entry_bytes: usize,
+}
+
+impl LocalCache {
+    /// `ttl` of zero means entries live until evicted or invalidated.
+    pub fn new(max_bytes: u64, max_entry_bytes: usize, ttl: Duration) -> Self {
+        let mut builder = moka::sync::Cache::builder()
+            .max_capacity(max_bytes)
+            .weigher(|_k: &u128, v: &Arc<CachedResponse>| {
+                u32::try_from(v.bytes.len() + ENTRY_OVERHEAD).unwrap_or(u32::MAX)
+            });
+        if !ttl.is_zero() {
+            builder = builder.time_to_live(ttl);
+        }
+        Self {
+            inner: builder.build(),
+            max_entry_bytes,
+        }
+    }
+
+    pub fn get(&self, key: u128) -> Option<Arc<CachedResponse>> {
+        self.inner.get(&key)
+    }
+
+    pub fn insert(&self, key: u128, bytes: Bytes) {
+        if bytes.len() <= self.max_entry_bytes {
+            self.inner.insert(
+                key,
+                Arc::new(CachedResponse {
+                    bytes,
+                    created: Instant::now(),
+                }),
+            );
+        }
+    }
+
+    pub fn max_entry_bytes(&self) -> usize {
+        self.max_entry_bytes
+    }
+
+    pub fn entry_count(&self) -> u64 {
+        self.inner.run_pending_tasks();
+        self.inner.entry_count()
+    }
+
+    pub fn weighted_bytes(&self) -> u64 {
+        self.inner.run_pending_tasks();
+        self.inner.weighted_size()
+    }
+
+    pub fn clear(&self) {
+        self.inner.invalidate_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stays_within_its_byte_budget() {
+        let cache = LocalCache::new(64 * 1024, 4096, Duration::ZERO);
+        for k in 0..1000u128 {
+            cache.insert(k, Bytes::from(vec![0u8; 1000]));
+        }
+        assert!(
+            cache.weighted_bytes() <= 64 * 1024,
+            "{}",
+            cache.weighted_bytes()
+        );
+        assert!(cache.entry_count() < 100);
+    }
+
+    #[test]
+    fn entries_over_the_size_limit_are_not_stored() {
+        let cache = LocalCache::new(1 << 20, 100, Duration::ZERO);
+        cache.insert(1, Bytes::from(vec![0u8; 101]));
+        cache.insert(2, Bytes::from(vec![0u8; 100]));
+        assert!(cache.get(1).is_none());
+        assert_eq!(cache.get(2).unwrap().bytes.len(), 100);
+    }
+}

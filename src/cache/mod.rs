@@ -1,0 +1,156 @@
+//! The cache: what may be served, under which key, and what invalidates it.
+//!
+//! - **Keys** ([`key`]) hash everything that can change a result: the
+//!   session's identity and settings, the statement and its parameters, the
+//!   protocol flavour, and the *versions* of the tables it reads plus the
+//!   database's epoch.
+//! - **Invalidation is a version bump** ([`DbState`]): a write bumps the
+//!   versions of the tables it touched; anything pgcache cannot see through
+//!   bumps the database's epoch. Old entries become unreachable at once and
+//!   age out of the LRU. Versions are read *before* a miss is forwarded, so a
+//!   result computed before a write lands under the old version and can
+//!   never be served after the bump (race-free fill).
+//! - **The local tier** ([`local`]) is moka, bounded in bytes.
+
+pub mod catalog;
+pub mod key;
+pub mod local;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::classify::Analysis;
+pub use catalog::Catalog;
+pub use local::{CachedResponse, LocalCache};
+
+/// Invalidation state of one database.
+#[derive(Default)]
+pub struct DbState {
+    /// Bumped by statements whose effects pgcache cannot see: part of every key.
+    epoch: AtomicU64,
+    /// Bumped by DDL: the catalog snapshot must be reloaded.
+    catalog_gen: AtomicU64,
+    catalog: RwLock<Option<(u64, Arc<Catalog>)>>,
+    families: Mutex<HashMap<String, Arc<AtomicU64>>>,
+}
+
+impl DbState {
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    pub fn bump_epoch(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn catalog_gen(&self) -> u64 {
+        self.catalog_gen.load(Ordering::Acquire)
+    }
+
+    /// DDL ran: every cached result and the catalog snapshot are stale.
+    pub fn schema_changed(&self) {
+        self.catalog_gen.fetch_add(1, Ordering::AcqRel);
+        self.bump_epoch();
+    }
+
+    /// The snapshot, if it is current.
+    pub fn catalog(&self) -> Option<(u64, Arc<Catalog>)> {
+        let generation = self.catalog_gen();
+        let guard = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref().filter(|(g, _)| *g == generation).cloned()
+    }
+
+    /// Installs a snapshot loaded while the catalog generation was `generation`.
+    pub fn set_catalog(&self, generation: u64, catalog: Arc<Catalog>) {
+        let mut guard = self.catalog.write().unwrap_or_else(|e| e.into_inner());
+        *guard = Some((generation, catalog));
+    }
+
+    /// The version counter of a partition tree (or plain table).
+    pub fn family(&self, name: &str) -> Arc<AtomicU64> {
+        let mut map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(map.entry(name.to_owned()).or_default())
+    }
+}
+
+/// Counters of cache outcomes (exported as metrics, read by tests).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Requests answered from the cache.
+    pub hits: AtomicU64,
+    /// Cacheable requests forwarded to fill the cache.
+    pub misses: AtomicU64,
+    /// Requests that could not use the cache.
+    pub bypasses: AtomicU64,
+    /// Results stored.
+    pub stores: AtomicU64,
+}
+
+impl Stats {
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+
+    pub fn stores(&self) -> u64 {
+        self.stores.load(Ordering::Relaxed)
+    }
+}
+
+/// Everything cache-related shared by the sessions of one pgcache.
+pub struct CacheState {
+    pub local: LocalCache,
+    pub stats: Stats,
+    dbs: Mutex<HashMap<String, Arc<DbState>>>,
+    /// Statement analyses, memoised by the hash of their text.
+    analyses: moka::sync::Cache<u128, Arc<Analysis>>,
+}
+
+/// Statements longer than this are not parsed (nor cached): their effects
+/// are assumed unknown.
+pub const MAX_ANALYZED_SQL: usize = 64 * 1024;
+
+impl CacheState {
+    pub fn new(local: LocalCache) -> Self {
+        Self {
+            local,
+            stats: Stats::default(),
+            dbs: Mutex::default(),
+            analyses: moka::sync::Cache::new(10_000),
+        }
+    }
+
+    pub fn db(&self, name: &str) -> Arc<DbState> {
+        let mut map = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(map.entry(name.to_owned()).or_default())
+    }
+
+    /// The analysis of `sql` (hash `hash`), parsed once per text.
+    pub fn analysis(&self, hash: u128, sql: &[u8]) -> Arc<Analysis> {
+        if let Some(a) = self.analyses.get(&hash) {
+            return a;
+        }
+        let analysis = Arc::new(match std::str::from_utf8(sql) {
+            Ok(text) if sql.len() <= MAX_ANALYZED_SQL => crate::classify::analyze(text),
+            _ => opaque_analysis(),
+        });
+        self.analyses.insert(hash, Arc::clone(&analysis));
+        analysis
+    }
+}
+
+fn opaque_analysis() -> Analysis {
+    let mut a = crate::classify::analyze("");
+    a.statements.push(crate::classify::StatementInfo {
+        effect: crate::classify::Effect::Opaque,
+        cacheable: Err(crate::classify::BypassReason::TooLarge),
+        relations: Vec::new(),
+        functions: Default::default(),
+        creates_temp: false,
+    });
+    a
+}

@@ -1,0 +1,813 @@
+//! What a statement does, from its text alone (pure, no I/O).
+//!
+//! [`analyze`] parses SQL with sqlparser's PostgreSQL dialect and reports,
+//! per statement, whether it is a candidate for caching and what it may
+//! change. It never looks at the catalog: whether a relation is a plain
+//! table, or a function immutable, is decided later against the catalog
+//! snapshot (`cache::catalog`). Anything the parser does not understand is
+//! [`Effect::Opaque`]: treated as if it could have changed anything.
+
+use std::collections::BTreeSet;
+use std::ops::ControlFlow;
+
+use sqlparser::ast::{
+    CopySource, Expr, FunctionArguments, ObjectName, ObjectNamePart, Query, Select, SetExpr,
+    Statement, TableFactor, TransactionIsolationLevel, TransactionMode, Value, Visit, Visitor,
+};
+use sqlparser::dialect::PostgreSqlDialect;
+use sqlparser::parser::Parser;
+
+/// Why a statement is not served from or stored in the cache. The labels
+/// double as metric label values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BypassReason {
+    NotSelect,
+    MultiStatement,
+    ParseError,
+    LockingClause,
+    SelectInto,
+    ModifyingCte,
+    VolatileFunction,
+    TimeLiteral,
+    SystemCatalog,
+    NotATable,
+    UnknownRelation,
+    TempObjects,
+    InTransactionAfterWrite,
+    IsolationLevel,
+    SettingsUnknown,
+    CatalogUnavailable,
+    TooLarge,
+    Pipelined,
+    UnsupportedShape,
+    Disabled,
+}
+
+impl BypassReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NotSelect => "not_select",
+            Self::MultiStatement => "multi_statement",
+            Self::ParseError => "parse_error",
+            Self::LockingClause => "locking_clause",
+            Self::SelectInto => "select_into",
+            Self::ModifyingCte => "modifying_cte",
+            Self::VolatileFunction => "volatile_function",
+            Self::TimeLiteral => "time_literal",
+            Self::SystemCatalog => "system_catalog",
+            Self::NotATable => "not_a_table",
+            Self::UnknownRelation => "unknown_relation",
+            Self::TempObjects => "temp_objects",
+            Self::InTransactionAfterWrite => "in_transaction_after_write",
+            Self::IsolationLevel => "isolation_level",
+            Self::SettingsUnknown => "settings_unknown",
+            Self::CatalogUnavailable => "catalog_unavailable",
+            Self::TooLarge => "too_large",
+            Self::Pipelined => "pipelined",
+            Self::UnsupportedShape => "unsupported_shape",
+            Self::Disabled => "disabled",
+        }
+    }
+}
+
+/// A relation name as written, identifiers normalised the way PostgreSQL
+/// does: unquoted folded to lower case, quoted kept as is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RelName {
+    pub schema: Option<String>,
+    pub name: String,
+}
+
+/// What running a statement may change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Reads only (its functions still need checking against the catalog).
+    None,
+    /// Writes rows of these relations (INSERT/UPDATE/DELETE/MERGE/TRUNCATE/
+    /// COPY FROM, data-modifying CTEs). Every relation named in the statement
+    /// is listed: over-invalidating what was only read is harmless.
+    Write(Vec<RelName>),
+    /// Changes session settings (SET, RESET, DISCARD, SET ROLE...).
+    Settings,
+    /// Starts a transaction block; `strict` when its isolation level is
+    /// REPEATABLE READ or SERIALIZABLE.
+    Begin { strict: bool },
+    /// Anything else: DDL, GRANT, CALL, DO, EXPLAIN ANALYZE, unparsable text.
+    Opaque,
+}
+
+/// One analysed statement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatementInfo {
+    pub effect: Effect,
+    /// `Ok` for a SELECT that may be cached if its relations and functions
+    /// check out against the catalog.
+    pub cacheable: Result<(), BypassReason>,
+    /// Relations read (table functions and CTE names excluded).
+    pub relations: Vec<RelName>,
+    /// Functions called, by lower-cased unqualified name.
+    pub functions: BTreeSet<String>,
+    /// Creates a temporary object (CREATE TEMP TABLE ...).
+    pub creates_temp: bool,
+}
+
+/// The whole text of one Query or Parse message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Analysis {
+    pub statements: Vec<StatementInfo>,
+}
+
+impl Analysis {
+    /// The single cacheable SELECT this text consists of, if it is one.
+    pub fn cacheable_select(&self) -> Result<&StatementInfo, BypassReason> {
+        match self.statements.as_slice() {
+            [one] => one.cacheable.map(|()| one),
+            [] => Err(BypassReason::NotSelect),
+            _ => Err(BypassReason::MultiStatement),
+        }
+    }
+}
+
+/// Names that look like columns but are functions of the session or clock.
+const SPECIAL_IDENTIFIERS: &[&str] = &[
+    "current_user",
+    "session_user",
+    "current_role",
+    "user",
+    "current_schema",
+    "current_catalog",
+    "current_date",
+    "current_time",
+    "current_timestamp",
+    "localtime",
+    "localtimestamp",
+    "system_user",
+];
+
+/// Input strings whose meaning depends on when they are parsed.
+const TIME_LITERALS: &[&str] = &["now", "today", "tomorrow", "yesterday"];
+
+/// First keywords of statements sqlparser may not parse but which cannot
+/// change table data.
+const HARMLESS_KEYWORDS: &[&str] = &[
+    "show",
+    "begin",
+    "start",
+    "commit",
+    "end",
+    "rollback",
+    "abort",
+    "savepoint",
+    "release",
+    "listen",
+    "unlisten",
+    "notify",
+    "deallocate",
+    "fetch",
+    "move",
+    "close",
+    "checkpoint",
+    "prepare transaction",
+];
+const SETTINGS_KEYWORDS: &[&str] = &["set", "reset", "discard"];
+
+/// Analyses a SQL text. Never panics on any input.
+pub fn analyze(sql: &str) -> Analysis {
+    match Parser::parse_sql(&PostgreSqlDialect {}, sql) {
+        Ok(statements) if !statements.is_empty() => Analysis {
+            statements: statements.iter().map(analyze_statement).collect(),
+        },
+        Ok(_) => Analysis {
+            statements: Vec::new(),
+        },
+        Err(_) => Analysis {
+            statements: vec![fallback(sql)],
+        },
+    }
+}
+
+/// What to assume about text the parser rejected, from its first keyword.
+fn fallback(sql: &str) -> StatementInfo {
+    let lower = first_words(sql);
+    let effect = if SETTINGS_KEYWORDS
+        .iter()
+        .any(|k| starts_with_word(&lower, k))
+    {
+        Effect::Settings
+    } else if HARMLESS_KEYWORDS
+        .iter()
+        .any(|k| starts_with_word(&lower, k))
+    {
+        Effect::None
+    } else {
+        Effect::Opaque
+    };
+    let mut info = StatementInfo::new(effect);
+    info.cacheable = Err(BypassReason::ParseError);
+    info.creates_temp = lower.starts_with("create temp") || lower.starts_with("create local temp");
+    info
+}
+
+/// The first few words of `sql`, comments skipped, lower-cased, single-spaced.
+fn first_words(sql: &str) -> String {
+    let mut rest = sql.trim_start();
+    loop {
+        if let Some(r) = rest.strip_prefix("--") {
+            rest = r.find('\n').map_or("", |i| &r[i + 1..]).trim_start();
+        } else if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.find("*/").map_or("", |i| &r[i + 2..]).trim_start();
+        } else {
+            break;
+        }
+    }
+    rest.split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_ascii_lowercase()
+}
+
+fn starts_with_word(text: &str, word: &str) -> bool {
+    text.strip_prefix(word)
+        .is_some_and(|r| r.is_empty() || !r.starts_with(|c: char| c.is_alphanumeric() || c == '_'))
+}
+
+impl StatementInfo {
+    fn new(effect: Effect) -> Self {
+        Self {
+            effect,
+            cacheable: Err(BypassReason::NotSelect),
+            relations: Vec::new(),
+            functions: BTreeSet::new(),
+            creates_temp: false,
+        }
+    }
+}
+
+fn analyze_statement(stmt: &Statement) -> StatementInfo {
+    let mut facts = Facts::default();
+    let _ = stmt.visit(&mut facts);
+    let mut relations = facts.relations();
+    if let Statement::Copy {
+        source: CopySource::Table { table_name, .. },
+        ..
+    } = stmt
+    {
+        relations.extend(rel_name(table_name));
+    }
+    let mut info = StatementInfo::new(Effect::Opaque);
+    info.functions = std::mem::take(&mut facts.functions);
+
+    info.effect = match stmt {
+        Statement::Query(_) if facts.nested_dml => Effect::Write(relations.clone()),
+        Statement::Query(_) if facts.select_into => Effect::Opaque,
+        Statement::Query(_) => Effect::None,
+        Statement::Insert(_)
+        | Statement::Update(_)
+        | Statement::Delete(_)
+        | Statement::Merge(_)
+        | Statement::Truncate(_) => Effect::Write(relations.clone()),
+        Statement::Copy { to: true, .. } => Effect::None,
+        Statement::Copy {
+            source: CopySource::Table { .. },
+            ..
+        } => Effect::Write(relations.clone()),
+        Statement::StartTransaction { modes, .. } => Effect::Begin {
+            strict: modes.iter().any(|m| {
+                matches!(
+                    m,
+                    TransactionMode::IsolationLevel(
+                        TransactionIsolationLevel::RepeatableRead
+                            | TransactionIsolationLevel::Serializable
+                            | TransactionIsolationLevel::Snapshot
+                    )
+                )
+            }),
+        },
+        Statement::Commit { .. }
+        | Statement::Rollback { .. }
+        | Statement::Savepoint { .. }
+        | Statement::ReleaseSavepoint { .. }
+        | Statement::ShowVariable { .. }
+        | Statement::ShowVariables { .. }
+        | Statement::Declare { .. }
+        | Statement::Fetch { .. }
+        | Statement::Close { .. }
+        | Statement::Deallocate { .. }
+        | Statement::LISTEN { .. }
+        | Statement::UNLISTEN { .. }
+        | Statement::NOTIFY { .. }
+        | Statement::Lock(_) => Effect::None,
+        Statement::Explain { analyze: false, .. } => Effect::None,
+        Statement::Set(_) | Statement::Reset(_) | Statement::Discard { .. } => Effect::Settings,
+        Statement::CreateTable(t) if t.temporary => {
+            info.creates_temp = true;
+            Effect::Opaque
+        }
+        _ => Effect::Opaque,
+    };
+    if let Statement::CreateView(v) = stmt {
+        info.creates_temp |= v.temporary;
+    }
+    if let Statement::CreateSequence {
+        temporary: true, ..
+    } = stmt
+    {
+        info.creates_temp = true;
+    }
+    info.relations = relations;
+
+    info.cacheable = if !matches!(stmt, Statement::Query(_)) || info.effect != Effect::None {
+        Err(if facts.nested_dml {
+            BypassReason::ModifyingCte
+        } else if facts.select_into {
+            BypassReason::SelectInto
+        } else {
+            BypassReason::NotSelect
+        })
+    } else if facts.locking {
+        Err(BypassReason::LockingClause)
+    } else if facts.special_identifier {
+        Err(BypassReason::VolatileFunction)
+    } else if facts.time_literal {
+        Err(BypassReason::TimeLiteral)
+    } else if info
+        .relations
+        .iter()
+        .any(|r| is_system_schema(r.schema.as_deref()))
+    {
+        Err(BypassReason::SystemCatalog)
+    } else {
+        Ok(())
+    };
+    info
+}
+
+pub fn is_system_schema(schema: Option<&str>) -> bool {
+    matches!(
+        schema,
+        Some("pg_catalog" | "information_schema" | "pg_toast")
+    ) || schema.is_some_and(|s| s.starts_with("pg_temp") || s.starts_with("pg_toast_temp"))
+}
+
+pub fn normalize_ident(value: &str, quote: Option<char>) -> String {
+    if quote.is_some() {
+        value.to_owned()
+    } else {
+        value.to_lowercase()
+    }
+}
+
+fn rel_name(name: &ObjectName) -> Option<RelName> {
+    let parts: Vec<String> = name
+        .0
+        .iter()
+        .map(|p| match p {
+            ObjectNamePart::Identifier(i) => Some(normalize_ident(&i.value, i.quote_style)),
+            ObjectNamePart::Function(_) => None,
+        })
+        .collect::<Option<_>>()?;
+    match parts.as_slice() {
+        [name] => Some(RelName {
+            schema: None,
+            name: name.clone(),
+        }),
+        [.., schema, name] => Some(RelName {
+            schema: Some(schema.clone()),
+            name: name.clone(),
+        }),
+        [] => None,
+    }
+}
+
+/// Lower-cased last part of a function name.
+fn function_name(name: &ObjectName) -> String {
+    match name.0.last() {
+        Some(ObjectNamePart::Identifier(i)) => normalize_ident(&i.value, i.quote_style),
+        _ => String::new(),
+    }
+}
+
+/// Everything the visitor collects in one walk of the tree.
+#[derive(Default)]
+struct Facts {
+    raw_relations: Vec<Option<RelName>>,
+    table_functions: Vec<RelName>,
+    cte_names: BTreeSet<String>,
+    functions: BTreeSet<String>,
+    statements: usize,
+    nested_dml: bool,
+    select_into: bool,
+    locking: bool,
+    special_identifier: bool,
+    time_literal: bool,
+}
+
+impl Facts {
+    /// Relations read, minus CTE references and table functions, deduplicated.
+    fn relations(&self) -> Vec<RelName> {
+        let mut functions = self.table_functions.clone();
+        let mut out = BTreeSet::new();
+        for rel in &self.raw_relations {
+            let Some(rel) = rel else {
+                continue;
+            };
+            if let Some(i) = functions.iter().position(|f| f == rel) {
+                functions.swap_remove(i);
+                continue;
+            }
+            if rel.schema.is_none() && self.cte_names.contains(&rel.name) {
+                continue;
+            }
+            out.insert(rel.clone());
+        }
+        out.into_iter().collect()
+    }
+}
+
+impl Visitor for Facts {
+    type Break = ();
+
+    fn pre_visit_statement(&mut self, stmt: &Statement) -> ControlFlow<()> {
+        self.statements += 1;
+        if self.statements > 1
+            && matches!(
+                stmt,
+                Statement::Insert(_)
+                    | Statement::Update(_)
+                    | Statement::Delete(_)
+                    | Statement::Merge(_)
+            )
+        {
+            self.nested_dml = true;
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_query(&mut self, query: &Query) -> ControlFlow<()> {
+        if let Some(with) = &query.with {
+            for cte in &with.cte_tables {
+                self.cte_names.insert(normalize_ident(
+                    &cte.alias.name.value,
+                    cte.alias.name.quote_style,
+                ));
+                if matches!(
+                    *cte.query.body,
+                    SetExpr::Insert(_)
+                        | SetExpr::Update(_)
+                        | SetExpr::Delete(_)
+                        | SetExpr::Merge(_)
+                ) {
+                    self.nested_dml = true;
+                }
+            }
+        }
+        if !query.locks.is_empty() || query.for_clause.is_some() {
+            self.locking = true;
+        }
+        if matches!(
+            *query.body,
+            SetExpr::Insert(_) | SetExpr::Update(_) | SetExpr::Delete(_) | SetExpr::Merge(_)
+        ) {
+            self.nested_dml = true;
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_select(&mut self, select: &Select) -> ControlFlow<()> {
+        if select.into.is_some() {
+            self.select_into = true;
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_relation(&mut self, relation: &ObjectName) -> ControlFlow<()> {
+        self.raw_relations.push(rel_name(relation));
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        match factor {
+            TableFactor::Table {
+                name,
+                args: Some(_),
+                ..
+            } => {
+                if let Some(rel) = rel_name(name) {
+                    self.table_functions.push(rel);
+                }
+                self.functions.insert(function_name(name));
+            }
+            TableFactor::Function { name, .. } => {
+                self.functions.insert(function_name(name));
+            }
+            _ => {}
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
+        match expr {
+            Expr::Function(f) => {
+                let name = function_name(&f.name);
+                if matches!(f.args, FunctionArguments::None)
+                    && SPECIAL_IDENTIFIERS.contains(&name.as_str())
+                {
+                    self.special_identifier = true;
+                }
+                self.functions.insert(name);
+            }
+            Expr::Identifier(ident)
+                if ident.quote_style.is_none()
+                    && SPECIAL_IDENTIFIERS.contains(&ident.value.to_lowercase().as_str()) =>
+            {
+                self.special_identifier = true;
+            }
+            Expr::Value(v) if is_time_literal(&v.value) => self.time_literal = true,
+            Expr::TypedString(t) if is_time_literal(&t.value.value) => self.time_literal = true,
+            _ => {}
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+/// What a row-level-security policy expression depends on.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PolicyFacts {
+    /// Functions called (other than `current_setting`).
+    pub functions: BTreeSet<String>,
+    /// Custom settings read with `current_setting('name')`.
+    pub settings: Vec<String>,
+    /// The expression reads relations or calls `current_setting` with a
+    /// computed name: its result cannot be keyed.
+    pub opaque: bool,
+}
+
+/// Analyses a policy expression as `pg_get_expr` prints it. `None` if it
+/// does not parse.
+pub fn policy_facts(expr: &str) -> Option<PolicyFacts> {
+    let parsed = Parser::new(&PostgreSqlDialect {})
+        .try_with_sql(expr)
+        .ok()?
+        .parse_expr()
+        .ok()?;
+    let mut facts = Facts::default();
+    let _ = parsed.visit(&mut facts);
+    let mut out = PolicyFacts {
+        opaque: !facts.raw_relations.is_empty() || facts.time_literal,
+        ..Default::default()
+    };
+    let _ = sqlparser::ast::visit_expressions(&parsed, |e| {
+        if let Expr::Function(f) = e
+            && function_name(&f.name) == "current_setting"
+        {
+            let literal = match &f.args {
+                FunctionArguments::List(list) => list.args.first().and_then(|a| {
+                    let text = a.to_string();
+                    let name = text.split("::").next()?.trim();
+                    (name.len() >= 2 && name.starts_with('\'') && name.ends_with('\''))
+                        .then(|| name[1..name.len() - 1].to_ascii_lowercase())
+                }),
+                _ => None,
+            };
+            match literal {
+                Some(name) => out.settings.push(name),
+                None => out.opaque = true,
+            }
+        }
+        ControlFlow::<()>::Continue(())
+    });
+    out.functions = facts.functions;
+    out.functions.remove("current_setting");
+    Some(out)
+}
+
+fn is_time_literal(value: &Value) -> bool {
+    value.clone().into_string().is_some_and(|s| {
+        TIME_LITERALS
+            .iter()
+            .any(|t| s.trim().eq_ignore_ascii_case(t))
+    })
+}
+
+/// Whether a text-format parameter value is one of PostgreSQL's special
+/// time inputs ('now', 'today'...): its meaning changes with the clock.
+pub fn is_time_literal_text(value: &[u8]) -> bool {
+    std::str::from_utf8(value)
+        .map(|s| {
+            TIME_LITERALS
+                .iter()
+                .any(|t| s.trim().eq_ignore_ascii_case(t))
+        })
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(sql: &str) -> StatementInfo {
+        let a = analyze(sql);
+        assert_eq!(a.statements.len(), 1, "{sql}: {a:?}");
+        a.statements.into_iter().next().unwrap()
+    }
+
+    fn rel(schema: Option<&str>, name: &str) -> RelName {
+        RelName {
+            schema: schema.map(str::to_owned),
+            name: name.to_owned(),
+        }
+    }
+
+    #[test]
+    fn plain_selects_are_candidates_with_their_tables() {
+        type Tables<'a> = &'a [(Option<&'a str>, &'a str)];
+        let cases: &[(&str, Tables)] = &[
+            ("SELECT * FROM t WHERE id = $1", &[(None, "t")]),
+            (
+                "select a from Public.Items i join orders o on o.id = i.oid",
+                &[(None, "orders"), (Some("public"), "items")],
+            ),
+            ("SELECT * FROM \"MixedCase\"", &[(None, "MixedCase")]),
+            (
+                "SELECT (SELECT max(x) FROM s.u) FROM t",
+                &[(None, "t"), (Some("s"), "u")],
+            ),
+            (
+                "WITH c AS (SELECT * FROM t) SELECT * FROM c",
+                &[(None, "t")],
+            ),
+            (
+                "SELECT * FROM generate_series(1, 3) g JOIN t ON t.id = g",
+                &[(None, "t")],
+            ),
+            ("SELECT 1", &[]),
+            (
+                "SELECT a FROM t UNION SELECT b FROM u",
+                &[(None, "t"), (None, "u")],
+            ),
+        ];
+        for (sql, tables) in cases {
+            let info = one(sql);
+            assert_eq!(info.cacheable, Ok(()), "{sql}");
+            assert_eq!(info.effect, Effect::None, "{sql}");
+            let mut want: Vec<RelName> = tables.iter().map(|(s, n)| rel(*s, n)).collect();
+            want.sort();
+            assert_eq!(info.relations, want, "{sql}");
+        }
+    }
+
+    #[test]
+    fn never_cacheable_statements_say_why() {
+        use BypassReason::*;
+        let cases: &[(&str, BypassReason)] = &[
+            ("INSERT INTO t VALUES (1)", NotSelect),
+            ("UPDATE t SET a = 1", NotSelect),
+            ("SELECT * FROM t FOR UPDATE", LockingClause),
+            ("SELECT * FROM t FOR SHARE", LockingClause),
+            ("SELECT * INTO newt FROM t", SelectInto),
+            (
+                "WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d",
+                ModifyingCte,
+            ),
+            ("SELECT current_user", VolatileFunction),
+            ("SELECT CURRENT_TIMESTAMP", VolatileFunction),
+            ("SELECT 'now'::timestamptz", TimeLiteral),
+            ("SELECT * FROM t WHERE d > 'today'", TimeLiteral),
+            ("SELECT * FROM pg_catalog.pg_class", SystemCatalog),
+            ("SELECT * FROM information_schema.tables", SystemCatalog),
+            ("SELECT * FROM pg_temp.x", SystemCatalog),
+            ("SELECT 1 FROM (((", ParseError),
+        ];
+        for (sql, reason) in cases {
+            assert_eq!(one(sql).cacheable, Err(*reason), "{sql}");
+        }
+        assert_eq!(
+            analyze("SELECT 1; SELECT 2")
+                .cacheable_select()
+                .unwrap_err(),
+            MultiStatement
+        );
+    }
+
+    #[test]
+    fn functions_are_collected_for_the_catalog_check() {
+        let info =
+            one("SELECT lower(name), now(), pg_catalog.upper(x) FROM t WHERE f(id) > random()");
+        let want: BTreeSet<String> = ["lower", "now", "upper", "f", "random"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(info.functions, want);
+        assert_eq!(
+            info.cacheable,
+            Ok(()),
+            "volatility is judged against pg_proc, later"
+        );
+    }
+
+    #[test]
+    fn writes_name_every_relation_they_touch() {
+        let cases: &[(&str, &[&str])] = &[
+            ("INSERT INTO t SELECT * FROM u", &["t", "u"]),
+            ("UPDATE t SET a = u.a FROM u WHERE t.id = u.id", &["t", "u"]),
+            ("DELETE FROM t USING u WHERE t.id = u.id", &["t", "u"]),
+            ("TRUNCATE t, u", &["t", "u"]),
+            ("COPY t FROM STDIN", &["t"]),
+            (
+                "MERGE INTO t USING u ON t.id = u.id WHEN MATCHED THEN DELETE",
+                &["t", "u"],
+            ),
+            (
+                "WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d",
+                &["t"],
+            ),
+        ];
+        for (sql, tables) in cases {
+            let Effect::Write(rels) = one(sql).effect else {
+                panic!("{sql} is not a write")
+            };
+            let names: Vec<&str> = rels.iter().map(|r| r.name.as_str()).collect();
+            assert_eq!(names, *tables, "{sql}");
+        }
+        assert_eq!(one("COPY t TO STDOUT").effect, Effect::None);
+    }
+
+    #[test]
+    fn session_and_transaction_statements() {
+        assert_eq!(one("SET search_path = a, b").effect, Effect::Settings);
+        assert_eq!(one("RESET ALL").effect, Effect::Settings);
+        assert_eq!(one("SET ROLE alice").effect, Effect::Settings);
+        assert_eq!(
+            one("SET SESSION AUTHORIZATION alice").effect,
+            Effect::Settings
+        );
+        assert_eq!(one("DISCARD ALL").effect, Effect::Settings);
+        assert_eq!(one("BEGIN").effect, Effect::Begin { strict: false });
+        assert_eq!(
+            one("BEGIN ISOLATION LEVEL REPEATABLE READ").effect,
+            Effect::Begin { strict: true }
+        );
+        assert_eq!(
+            one("START TRANSACTION ISOLATION LEVEL SERIALIZABLE").effect,
+            Effect::Begin { strict: true }
+        );
+        assert_eq!(one("COMMIT").effect, Effect::None);
+        assert_eq!(one("ROLLBACK").effect, Effect::None);
+    }
+
+    #[test]
+    fn unknown_effects_are_opaque() {
+        for sql in [
+            "CREATE TABLE x(a int)",
+            "ALTER TABLE t ADD COLUMN b int",
+            "DROP TABLE t",
+            "GRANT SELECT ON t TO bob",
+            "REVOKE SELECT ON t FROM bob",
+            "CALL do_things()",
+            "DO $$ BEGIN PERFORM 1; END $$",
+            "EXPLAIN ANALYZE DELETE FROM t",
+            "VACUUM t",
+            "some words the parser has never seen",
+        ] {
+            assert_eq!(one(sql).effect, Effect::Opaque, "{sql}");
+        }
+        assert!(one("CREATE TEMP TABLE x(a int)").creates_temp);
+        assert!(one("CREATE TEMPORARY VIEW v AS SELECT 1").creates_temp);
+    }
+
+    #[test]
+    fn unparsable_but_harmless_statements_keep_their_nature() {
+        assert_eq!(fallback("SHOW ALL whatever(").effect, Effect::None);
+        assert_eq!(
+            fallback("/* c */ SET LOCAL something odd(").effect,
+            Effect::Settings
+        );
+        assert_eq!(fallback("-- c\nselect broken((").effect, Effect::Opaque);
+        assert!(!starts_with_word("settle", "set"));
+    }
+
+    #[test]
+    fn policy_expressions_report_settings_and_dependencies() {
+        let p =
+            policy_facts("(tenant_id = (current_setting('app.tenant'::text))::integer)").unwrap();
+        assert_eq!(p.settings, vec!["app.tenant".to_owned()]);
+        assert!(!p.opaque);
+        let p = policy_facts("(owner = CURRENT_USER)").unwrap();
+        assert!(!p.opaque && p.settings.is_empty());
+        let p = policy_facts("(EXISTS ( SELECT 1 FROM members m WHERE (m.uid = t.uid)))").unwrap();
+        assert!(p.opaque, "reads another table");
+        let p = policy_facts("(current_setting(name_col) = 'x'::text)").unwrap();
+        assert!(p.opaque, "computed setting name");
+        let p = policy_facts("(app_tenant() = tenant_id)").unwrap();
+        assert!(p.functions.contains("app_tenant"));
+    }
+
+    #[test]
+    fn time_literal_parameters_are_spotted() {
+        assert!(is_time_literal_text(b" NOW "));
+        assert!(is_time_literal_text(b"tomorrow"));
+        assert!(!is_time_literal_text(b"2024-01-01"));
+        assert!(!is_time_literal_text(&[0xff, 0xfe]));
+    }
+}

@@ -1,0 +1,226 @@
+//! Bounds-checked views of the extended-protocol messages the cache inspects
+//! (Parse, Bind, Describe, Execute, Close), and DataRow for pgcache's own
+//! queries. pgwire's decoders are not used here: they panic on malformed
+//! input, may read past a message into the next one, and decode strings
+//! lossily (see the README's design notes). Every reader here returns `None`
+//! on a short or malformed body instead.
+
+use super::codec::{read_cstr, read_i32};
+
+fn read_i16(buf: &[u8], pos: &mut usize) -> Option<i16> {
+    let b = buf.get(*pos..*pos + 2)?;
+    *pos += 2;
+    Some(i16::from_be_bytes([b[0], b[1]]))
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Parse<'a> {
+    pub name: &'a [u8],
+    pub query: &'a [u8],
+    /// The raw parameter-type section (count and OIDs), for the cache key.
+    pub param_types: &'a [u8],
+}
+
+pub fn parse(body: &[u8]) -> Option<Parse<'_>> {
+    let mut pos = 0;
+    let name = read_cstr(body, &mut pos)?;
+    let query = read_cstr(body, &mut pos)?;
+    let start = pos;
+    let n = read_i16(body, &mut pos)?;
+    if n < 0 || body.len() != pos + 4 * n as usize {
+        return None;
+    }
+    Some(Parse {
+        name,
+        query,
+        param_types: &body[start..],
+    })
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Bind<'a> {
+    pub portal: &'a [u8],
+    pub statement: &'a [u8],
+    /// One format code per parameter (0 text, 1 binary), normalised.
+    pub param_formats: Vec<i16>,
+    /// Parameter values; `None` is SQL NULL.
+    pub params: Vec<Option<&'a [u8]>>,
+    /// Result format codes, normalised: one code when all are the same.
+    pub result_formats: Vec<i16>,
+}
+
+pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
+    let mut pos = 0;
+    let portal = read_cstr(body, &mut pos)?;
+    let statement = read_cstr(body, &mut pos)?;
+    let nfmt = read_i16(body, &mut pos)?;
+    let mut formats = Vec::with_capacity(nfmt.max(0) as usize);
+    for _ in 0..nfmt {
+        formats.push(read_i16(body, &mut pos)?);
+    }
+    let nparams = read_i16(body, &mut pos)?;
+    if nfmt < 0 || nparams < 0 || (nfmt > 1 && nfmt != nparams) {
+        return None;
+    }
+    let mut params = Vec::with_capacity(nparams as usize);
+    for _ in 0..nparams {
+        let len = read_i32(body, &mut pos)?;
+        if len == -1 {
+            params.push(None);
+        } else if len < 0 {
+            return None;
+        } else {
+            let v = body.get(pos..pos + len as usize)?;
+            pos += len as usize;
+            params.push(Some(v));
+        }
+    }
+    let nres = read_i16(body, &mut pos)?;
+    let mut result_formats = Vec::with_capacity(nres.max(0) as usize);
+    for _ in 0..nres {
+        result_formats.push(read_i16(body, &mut pos)?);
+    }
+    if pos != body.len() {
+        return None;
+    }
+    let param_formats = match formats.len() {
+        0 => vec![0; params.len()],
+        1 => vec![formats[0]; params.len()],
+        _ => formats,
+    };
+    if result_formats.windows(2).all(|w| w[0] == w[1]) {
+        result_formats.truncate(1);
+    }
+    if result_formats.is_empty() {
+        result_formats.push(0);
+    }
+    Some(Bind {
+        portal,
+        statement,
+        param_formats,
+        params,
+        result_formats,
+    })
+}
+
+/// Describe and Close: a kind byte ('S' statement, 'P' portal) and a name.
+pub fn target(body: &[u8]) -> Option<(u8, &[u8])> {
+    let (&kind, rest) = body.split_first()?;
+    let mut pos = 0;
+    let name = read_cstr(rest, &mut pos)?;
+    (pos == rest.len() && (kind == b'S' || kind == b'P')).then_some((kind, name))
+}
+
+/// Execute: portal name and row limit (0 = all rows).
+pub fn execute(body: &[u8]) -> Option<(&[u8], i32)> {
+    let mut pos = 0;
+    let portal = read_cstr(body, &mut pos)?;
+    let max_rows = read_i32(body, &mut pos)?;
+    (pos == body.len()).then_some((portal, max_rows))
+}
+
+/// A DataRow's columns as text (pgcache's own queries use text format).
+pub fn data_row(body: &[u8]) -> Option<Vec<Option<String>>> {
+    let mut pos = 0;
+    let n = read_i16(body, &mut pos)?;
+    let mut out = Vec::with_capacity(n.max(0) as usize);
+    for _ in 0..n {
+        let len = read_i32(body, &mut pos)?;
+        if len < 0 {
+            out.push(None);
+        } else {
+            let v = body.get(pos..pos + len as usize)?;
+            pos += len as usize;
+            out.push(Some(String::from_utf8_lossy(v).into_owned()));
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bind_body(fmts: &[i16], params: &[Option<&[u8]>], res: &[i16]) -> Vec<u8> {
+        let mut b = b"portal\0stmt\0".to_vec();
+        b.extend((fmts.len() as i16).to_be_bytes());
+        for f in fmts {
+            b.extend(f.to_be_bytes());
+        }
+        b.extend((params.len() as i16).to_be_bytes());
+        for p in params {
+            match p {
+                None => b.extend((-1i32).to_be_bytes()),
+                Some(v) => {
+                    b.extend((v.len() as i32).to_be_bytes());
+                    b.extend(*v);
+                }
+            }
+        }
+        b.extend((res.len() as i16).to_be_bytes());
+        for r in res {
+            b.extend(r.to_be_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn bind_normalises_formats_and_keeps_nulls_apart_from_empty() {
+        let body = bind_body(&[1], &[Some(b"ab"), None, Some(b"")], &[1, 1, 1]);
+        let b = bind(&body).unwrap();
+        assert_eq!(b.portal, b"portal");
+        assert_eq!(b.statement, b"stmt");
+        assert_eq!(b.param_formats, vec![1, 1, 1]);
+        assert_eq!(b.params, vec![Some(&b"ab"[..]), None, Some(&b""[..])]);
+        assert_eq!(b.result_formats, vec![1]);
+        let body2 = bind_body(&[], &[Some(b"x")], &[]);
+        let b2 = bind(&body2).unwrap();
+        assert_eq!(b2.param_formats, vec![0]);
+        assert_eq!(b2.result_formats, vec![0]);
+        let body3 = bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]);
+        let b3 = bind(&body3).unwrap();
+        assert_eq!(b3.result_formats, vec![0, 1]);
+    }
+
+    #[test]
+    fn malformed_binds_are_rejected_not_panics() {
+        let good = bind_body(&[0], &[Some(b"abc")], &[0]);
+        for cut in 0..good.len() {
+            assert!(bind(&good[..cut]).is_none(), "cut at {cut}");
+        }
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert!(bind(&trailing).is_none());
+        // Three formats for one parameter.
+        assert!(bind(&bind_body(&[0, 0, 0], &[Some(b"a")], &[])).is_none());
+        // A parameter claiming more bytes than there are.
+        let mut lying = b"\0\0".to_vec();
+        lying.extend(0i16.to_be_bytes());
+        lying.extend(1i16.to_be_bytes());
+        lying.extend(1000i32.to_be_bytes());
+        lying.extend(b"x");
+        assert!(bind(&lying).is_none());
+    }
+
+    #[test]
+    fn parse_describe_execute_and_data_row() {
+        let mut body = b"s1\0SELECT $1\0".to_vec();
+        body.extend(1i16.to_be_bytes());
+        body.extend(23i32.to_be_bytes());
+        let p = parse(&body).unwrap();
+        assert_eq!((p.name, p.query), (&b"s1"[..], &b"SELECT $1"[..]));
+        assert_eq!(p.param_types.len(), 6);
+        assert!(parse(&body[..body.len() - 1]).is_none());
+        assert_eq!(target(b"Pp1\0"), Some((b'P', &b"p1"[..])));
+        assert_eq!(target(b"Xp1\0"), None);
+        let mut exec = b"\0".to_vec();
+        exec.extend(0i32.to_be_bytes());
+        assert_eq!(execute(&exec), Some((&b""[..], 0)));
+        let mut row = 2i16.to_be_bytes().to_vec();
+        row.extend(1i32.to_be_bytes());
+        row.extend(b"a");
+        row.extend((-1i32).to_be_bytes());
+        assert_eq!(data_row(&row), Some(vec![Some("a".into()), None]));
+        assert!(data_row(&row[..row.len() - 1]).is_none());
+    }
+}

@@ -1,0 +1,952 @@
+//! The cache path of a session.
+//!
+//! ```text
+//! Query / Parse..Sync
+//!   → plan (memoised per text: analysis × catalog snapshot → read? effects)
+//!   → may it be served? (single SELECT, no temp objects, nothing in flight,
+//!      not after a write in this transaction, not REPEATABLE READ, settings known)
+//!   → key (session prefix, statement, parameters, epoch + table versions *now*)
+//!   → hit: write the stored frames + ReadyForQuery, the backend never sees it
+//!   → miss: forward, tee the response into a capture, store it at
+//!      ReadyForQuery (or at COMMIT, for reads inside a transaction)
+//! every forwarded request carries its effects (table versions to bump,
+//! epoch, schema change), applied when its ReadyForQuery arrives and again
+//! when its transaction ends.
+//! ```
+//!
+//! pgcache learns the catalog and the session's settings by running its own
+//! queries ("hidden queries") on the client's backend connection, only while
+//! the session is idle, so they can never interleave with the client's work.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::debug;
+
+use super::{Flow, MAX_BACKEND_FRAME, Session, SessionError};
+use crate::cache::DbState;
+use crate::cache::catalog::{Catalog, SNAPSHOT_SQL};
+use crate::cache::key::{self, KeyBuilder};
+use crate::classify::{Analysis, BypassReason, Effect, is_time_literal_text};
+use crate::protocol::codec::{HEADER_LEN, parse_frame};
+use crate::protocol::{TxStatus, backend as be, extended, frontend as fe};
+
+/// What a request changes, applied when its ReadyForQuery arrives.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Effects {
+    /// Table (partition tree) versions to bump.
+    bump: Vec<Arc<AtomicU64>>,
+    /// Unknown effects: bump the database epoch.
+    epoch: bool,
+    /// DDL: the catalog snapshot is stale too.
+    schema: bool,
+}
+
+impl Effects {
+    fn opaque() -> Self {
+        Self {
+            bump: Vec::new(),
+            epoch: true,
+            schema: true,
+        }
+    }
+
+    fn merge(&mut self, other: &Effects) {
+        for v in &other.bump {
+            if !self.bump.iter().any(|b| Arc::ptr_eq(b, v)) {
+                self.bump.push(Arc::clone(v));
+            }
+        }
+        self.epoch |= other.epoch;
+        self.schema |= other.schema;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.bump.is_empty() && !self.epoch && !self.schema
+    }
+
+    fn apply(&self, db: &DbState) {
+        for v in &self.bump {
+            v.fetch_add(1, Ordering::AcqRel);
+        }
+        if self.schema {
+            db.schema_changed();
+        } else if self.epoch {
+            db.bump_epoch();
+        }
+    }
+}
+
+/// A request the backend still owes a ReadyForQuery.
+pub(crate) struct Inflight {
+    /// false: pgcache's own injected messages, whose answers are swallowed.
+    pub to_client: bool,
+    capture: Option<Capture>,
+    effects: Effects,
+    /// Prepared statements this request defined: forgotten if it fails.
+    parsed: Vec<Bytes>,
+    failed: bool,
+}
+
+impl Default for Inflight {
+    fn default() -> Self {
+        Self {
+            to_client: true,
+            capture: None,
+            effects: Effects::default(),
+            parsed: Vec::new(),
+            failed: false,
+        }
+    }
+}
+
+/// A response being copied for the cache as it is relayed.
+struct Capture {
+    key: u128,
+    buf: BytesMut,
+    ok: bool,
+}
+
+/// What a statement text means for the cache, given the catalog snapshot.
+#[derive(Debug)]
+struct Plan {
+    /// Catalog generation the plan was made with.
+    generation: u64,
+    /// For a cacheable single SELECT: the version counters of its tables.
+    read: Result<Vec<Arc<AtomicU64>>, BypassReason>,
+    effects: Effects,
+    /// It may change the session's settings.
+    settings: bool,
+    /// It may write (starts "after a write" in a transaction).
+    writes: bool,
+    creates_temp: bool,
+    begin_strict: Option<bool>,
+}
+
+/// A prepared statement as the client defined it.
+struct Statement {
+    hash: u128,
+    sql: Bytes,
+    param_types: Bytes,
+}
+
+/// Extended-protocol messages held until Sync, to answer the batch from the
+/// cache if every part of it can be.
+#[derive(Default)]
+struct Batch {
+    raw: BytesMut,
+    /// Tags (and Describe kinds) of the held messages, for the shape check.
+    shape: Vec<u8>,
+    parse: Option<(Bytes, Bytes)>,
+    bind: Option<Bytes>,
+    describe: Option<(u8, Bytes)>,
+    execute: Option<(Bytes, i32)>,
+    /// Part of the batch already went to the backend: nothing more is held.
+    forwarded: bool,
+    effects: Effects,
+    parsed: Vec<Bytes>,
+}
+
+/// Per-session cache state.
+pub(crate) struct CacheSession {
+    db: Arc<DbState>,
+    /// Hash of the session's identity and settings, with the catalog
+    /// generation it was computed under. `None`: settings may have changed.
+    prefix: Option<(u128, u64)>,
+    /// default_transaction_isolation is REPEATABLE READ or SERIALIZABLE.
+    default_strict: bool,
+    /// The session created temporary objects: its names may shadow tables.
+    temp: bool,
+    tx_strict: bool,
+    tx_wrote: bool,
+    tx_effects: Effects,
+    /// Results read inside the current transaction, stored if it commits.
+    deferred: Vec<(u128, Bytes)>,
+    last_was_commit: bool,
+    plans: HashMap<u128, Arc<Plan>>,
+    statements: HashMap<Bytes, Arc<Statement>>,
+    portals: HashMap<Bytes, Arc<Statement>>,
+    /// Parse messages answered from the cache that the backend has not seen.
+    unsent_parses: Vec<(Bytes, Bytes)>,
+    batch: Batch,
+}
+
+const MAX_PLANS: usize = 4096;
+const MAX_HELD_MESSAGES: usize = 8;
+const MAX_HELD_BYTES: usize = 256 * 1024;
+const MAX_DEFERRED: usize = 64;
+const SYNC_FRAME: [u8; 5] = [fe::SYNC, 0, 0, 0, 4];
+
+impl CacheSession {
+    pub(crate) fn new(db: Arc<DbState>) -> Self {
+        Self {
+            db,
+            prefix: None,
+            default_strict: false,
+            temp: false,
+            tx_strict: false,
+            tx_wrote: false,
+            tx_effects: Effects::default(),
+            deferred: Vec::new(),
+            last_was_commit: false,
+            plans: HashMap::new(),
+            statements: HashMap::new(),
+            portals: HashMap::new(),
+            unsent_parses: Vec::new(),
+            batch: Batch::default(),
+        }
+    }
+
+    pub(crate) fn holds_batch(&self) -> bool {
+        !self.batch.shape.is_empty()
+    }
+}
+
+fn make_plan(
+    analysis: &Analysis,
+    catalog: Option<&Catalog>,
+    db: &DbState,
+    generation: u64,
+) -> Plan {
+    let mut plan = Plan {
+        generation,
+        read: Err(BypassReason::NotSelect),
+        effects: Effects::default(),
+        settings: false,
+        writes: false,
+        creates_temp: false,
+        begin_strict: None,
+    };
+    for st in &analysis.statements {
+        match &st.effect {
+            Effect::None => {}
+            Effect::Write(rels) => {
+                plan.writes = true;
+                for rel in rels {
+                    match catalog.and_then(|c| c.relation(&rel.name)) {
+                        Some(facts) if !facts.write_hazard => {
+                            let v = db.family(&facts.family);
+                            if !plan.effects.bump.iter().any(|b| Arc::ptr_eq(b, &v)) {
+                                plan.effects.bump.push(v);
+                            }
+                        }
+                        _ => plan.effects.epoch = true,
+                    }
+                }
+            }
+            Effect::Settings => plan.settings = true,
+            Effect::Begin { strict } => plan.begin_strict = Some(*strict),
+            Effect::Opaque => {
+                plan.effects.merge(&Effects::opaque());
+                plan.settings = true;
+                plan.writes = true;
+            }
+        }
+        for f in &st.functions {
+            match catalog.and_then(|c| c.function(f)) {
+                Some(facts) if !facts.may_write => {}
+                _ => {
+                    // A function that may write, or one not known yet.
+                    plan.effects.epoch = true;
+                    plan.writes = true;
+                    plan.settings = true;
+                }
+            }
+            if f == "set_config" {
+                plan.settings = true;
+            }
+        }
+        plan.creates_temp |= st.creates_temp;
+    }
+    plan.read = analysis.cacheable_select().and_then(|st| {
+        let catalog = catalog.ok_or(BypassReason::CatalogUnavailable)?;
+        let mut families: Vec<&str> = Vec::with_capacity(st.relations.len());
+        for rel in &st.relations {
+            let facts = catalog
+                .relation(&rel.name)
+                .ok_or(BypassReason::UnknownRelation)?;
+            if !facts.readable {
+                return Err(if rel.name.starts_with("pg_") {
+                    BypassReason::SystemCatalog
+                } else {
+                    BypassReason::NotATable
+                });
+            }
+            families.push(&facts.family);
+        }
+        if !st
+            .functions
+            .iter()
+            .all(|f| catalog.function(f).is_some_and(|f| f.immutable))
+        {
+            return Err(BypassReason::VolatileFunction);
+        }
+        families.sort_unstable();
+        families.dedup();
+        Ok(families.into_iter().map(|f| db.family(f)).collect())
+    });
+    plan
+}
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// One complete client frame, with caching on.
+    pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        match frame[0] {
+            fe::QUERY => self.on_query(frame).await,
+            fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE | fe::CLOSE => {
+                self.on_extended(frame).await
+            }
+            fe::SYNC => self.on_sync(frame).await,
+            fe::FUNCTION_CALL => {
+                self.release_batch();
+                self.forward(&frame);
+                self.cache.prefix = None;
+                self.cache.tx_wrote = true;
+                self.inflight.push_back(Inflight {
+                    effects: Effects::opaque(),
+                    ..Inflight::default()
+                });
+                Ok(Flow::Continue)
+            }
+            tag => {
+                if tag == fe::FLUSH {
+                    self.release_batch();
+                    self.unsynced = true;
+                }
+                self.forward(&frame);
+                Ok(if tag == fe::TERMINATE {
+                    Flow::Close
+                } else {
+                    Flow::Continue
+                })
+            }
+        }
+    }
+
+    /// Queues a frame for the backend, first replaying any Parse the
+    /// backend has not seen because the cache answered it.
+    fn forward(&mut self, frame: &[u8]) {
+        if self.to_backend.is_empty() && !self.cache.unsent_parses.is_empty() {
+            for (_, raw) in self.cache.unsent_parses.drain(..) {
+                self.to_backend.extend_from_slice(&raw);
+            }
+            self.to_backend.extend_from_slice(&SYNC_FRAME);
+            self.inflight.push_back(Inflight {
+                to_client: false,
+                ..Inflight::default()
+            });
+        }
+        self.to_backend.extend_from_slice(frame);
+    }
+
+    async fn on_query(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        self.release_batch();
+        let body = &frame[HEADER_LEN..];
+        let sql = body.strip_suffix(&[0]).unwrap_or(body);
+        let hash = key::sql_hash(sql);
+        let plan = self.plan(hash, sql).await?;
+        let mut inflight = Inflight {
+            effects: plan.effects.clone(),
+            ..Inflight::default()
+        };
+        match self.may_serve(&plan, true).await? {
+            Ok((prefix, versions)) => {
+                let key = KeyBuilder::new(prefix, key::SIMPLE, hash)
+                    .finish(self.cache.db.epoch(), versions);
+                if self.serve_hit(key).await? {
+                    return Ok(Flow::Continue);
+                }
+                inflight.capture = Some(self.capture(key));
+            }
+            Err(reason) => self.bypassed(reason),
+        }
+        self.note_effects(&plan);
+        self.forward(&frame);
+        self.inflight.push_back(inflight);
+        Ok(Flow::Continue)
+    }
+
+    fn capture(&self, key: u128) -> Capture {
+        self.app.cache.stats.misses.fetch_add(1, Ordering::Relaxed);
+        Capture {
+            key,
+            buf: BytesMut::new(),
+            ok: true,
+        }
+    }
+
+    fn bypassed(&self, reason: BypassReason) {
+        if reason != BypassReason::NotSelect {
+            debug!(reason = reason.label(), "cache bypass");
+        }
+        self.app
+            .cache
+            .stats
+            .bypasses
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Answers from the cache if `key` is stored. The backend is idle
+    /// (checked by `may_serve`), so the answer cannot overtake another.
+    async fn serve_hit(&mut self, key: u128) -> Result<bool, SessionError> {
+        let Some(entry) = self.app.cache.local.get(key) else {
+            return Ok(false);
+        };
+        self.app.cache.stats.hits.fetch_add(1, Ordering::Relaxed);
+        let status = match self.tx_status {
+            TxStatus::Idle => b'I',
+            TxStatus::InTransaction => b'T',
+            TxStatus::Failed => b'E',
+        };
+        self.out.clear();
+        self.out.extend_from_slice(&entry.bytes);
+        self.out
+            .extend_from_slice(&[be::READY_FOR_QUERY, 0, 0, 0, 5, status]);
+        let r = self.client.write_all(&self.out).await;
+        self.out.clear();
+        r.map_err(SessionError::ClientIo)?;
+        Ok(true)
+    }
+
+    /// State changes a forwarded statement causes at once.
+    fn note_effects(&mut self, plan: &Plan) {
+        if plan.settings {
+            self.cache.prefix = None;
+        }
+        if plan.creates_temp {
+            self.cache.temp = true;
+        }
+        if let Some(strict) = plan.begin_strict {
+            self.cache.tx_strict = strict;
+        }
+        if plan.writes {
+            self.cache.tx_wrote = true;
+        }
+    }
+
+    /// Whether a read may be served from (and stored in) the cache now, and
+    /// under which session prefix and table versions.
+    async fn may_serve<'p>(
+        &mut self,
+        plan: &'p Plan,
+        in_transaction_ok: bool,
+    ) -> Result<Result<(u128, &'p [Arc<AtomicU64>]), BypassReason>, SessionError> {
+        let versions = match &plan.read {
+            Ok(v) => v.as_slice(),
+            Err(reason) => return Ok(Err(*reason)),
+        };
+        if self.cache.temp {
+            return Ok(Err(BypassReason::TempObjects));
+        }
+        if !self.inflight.is_empty() || !self.to_backend.is_empty() || self.unsynced {
+            return Ok(Err(BypassReason::Pipelined));
+        }
+        match self.tx_status {
+            TxStatus::Idle => {}
+            TxStatus::Failed => return Ok(Err(BypassReason::InTransactionAfterWrite)),
+            TxStatus::InTransaction => {
+                if !in_transaction_ok {
+                    return Ok(Err(BypassReason::UnsupportedShape));
+                }
+                if self.cache.tx_wrote {
+                    return Ok(Err(BypassReason::InTransactionAfterWrite));
+                }
+                if self.cache.tx_strict || self.cache.default_strict {
+                    return Ok(Err(BypassReason::IsolationLevel));
+                }
+            }
+        }
+        Ok(self.session_prefix().await?.map(|p| (p, versions)))
+    }
+
+    /// Whether pgcache may run its own query on the backend now.
+    fn can_hide(&self) -> bool {
+        self.ready
+            && self.tx_status == TxStatus::Idle
+            && self.inflight.is_empty()
+            && self.to_backend.is_empty()
+            && !self.unsynced
+            && !self.cache.batch.forwarded
+    }
+
+    /// The memoised plan for a statement text.
+    async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
+        let generation = self.cache.db.catalog_gen();
+        if let Some(plan) = self.cache.plans.get(&hash)
+            && plan.generation == generation
+        {
+            return Ok(Arc::clone(plan));
+        }
+        let analysis = self.app.cache.analysis(hash, sql);
+        let needs_catalog = analysis
+            .statements
+            .iter()
+            .any(|s| !s.relations.is_empty() || !s.functions.is_empty());
+        let catalog = if needs_catalog {
+            self.catalog().await?
+        } else {
+            None
+        };
+        let generation = catalog.as_ref().map_or(generation, |(g, _)| *g);
+        let plan = Arc::new(make_plan(
+            &analysis,
+            catalog.as_ref().map(|(_, c)| &**c),
+            &self.cache.db,
+            generation,
+        ));
+        if catalog.is_some() || !needs_catalog {
+            if self.cache.plans.len() >= MAX_PLANS {
+                self.cache.plans.clear();
+            }
+            self.cache.plans.insert(hash, Arc::clone(&plan));
+        }
+        Ok(plan)
+    }
+
+    /// The database's catalog snapshot, loaded now if it is missing or
+    /// stale and the session is idle.
+    async fn catalog(&mut self) -> Result<Option<(u64, Arc<Catalog>)>, SessionError> {
+        if let Some(c) = self.cache.db.catalog() {
+            return Ok(Some(c));
+        }
+        if !self.can_hide() {
+            return Ok(None);
+        }
+        let generation = self.cache.db.catalog_gen();
+        let Some(rows) = self.hidden_query(SNAPSHOT_SQL).await? else {
+            return Ok(None);
+        };
+        let catalog = Arc::new(Catalog::from_rows(&rows));
+        debug!(
+            relations = catalog.relation_count(),
+            "catalog snapshot loaded"
+        );
+        self.cache.db.set_catalog(generation, Arc::clone(&catalog));
+        Ok(Some((generation, catalog)))
+    }
+
+    /// The hash of the session's identity and settings, read from the
+    /// backend when they may have changed.
+    async fn session_prefix(&mut self) -> Result<Result<u128, BypassReason>, SessionError> {
+        let generation = self.cache.db.catalog_gen();
+        if let Some((prefix, g)) = self.cache.prefix
+            && g == generation
+        {
+            return Ok(Ok(prefix));
+        }
+        if !self.can_hide() {
+            return Ok(Err(BypassReason::SettingsUnknown));
+        }
+        let Some((generation, catalog)) = self.catalog().await? else {
+            return Ok(Err(BypassReason::CatalogUnavailable));
+        };
+        let mut sql = String::from(
+            "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), \
+             (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
+              FROM pg_catalog.pg_settings WHERE name <> 'application_name')",
+        );
+        for name in &catalog.policy_settings {
+            sql.push_str(", pg_catalog.current_setting('");
+            sql.push_str(&name.replace('\'', "''"));
+            sql.push_str("', true)");
+        }
+        let Some(rows) = self.hidden_query(&sql).await? else {
+            return Ok(Err(BypassReason::SettingsUnknown));
+        };
+        let Some(row) = rows.into_iter().next() else {
+            return Ok(Err(BypassReason::SettingsUnknown));
+        };
+        self.cache.default_strict = !matches!(
+            row.get(2).and_then(|v| v.as_deref()),
+            Some("read committed" | "read uncommitted")
+        );
+        let params = self
+            .startup
+            .params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()));
+        let prefix = key::session_prefix(self.startup.database(), params, &row);
+        self.cache.prefix = Some((prefix, generation));
+        Ok(Ok(prefix))
+    }
+
+    /// Runs pgcache's own simple query on the idle backend and returns its
+    /// rows as text, or `None` if it failed. Notifications and parameter
+    /// changes arriving meanwhile go on to the client; notices caused by the
+    /// query itself do not.
+    async fn hidden_query(
+        &mut self,
+        sql: &str,
+    ) -> Result<Option<Vec<Vec<Option<String>>>>, SessionError> {
+        let mut msg = BytesMut::with_capacity(sql.len() + 6);
+        msg.put_u8(fe::QUERY);
+        msg.put_u32((sql.len() + 5) as u32);
+        msg.put_slice(sql.as_bytes());
+        msg.put_u8(0);
+        self.backend
+            .write_all(&msg)
+            .await
+            .map_err(SessionError::BackendIo)?;
+        let mut rows = Vec::new();
+        let mut failed = false;
+        loop {
+            while let Some(len) = parse_frame(&self.backend_buf, MAX_BACKEND_FRAME)
+                .map_err(|e| SessionError::Protocol(format!("from backend: {e}")))?
+            {
+                let frame = self.backend_buf.split_to(len);
+                let body = &frame[HEADER_LEN..];
+                match frame[0] {
+                    b'D' => match extended::data_row(body) {
+                        Some(row) => rows.push(row),
+                        None => failed = true,
+                    },
+                    be::ERROR_RESPONSE => failed = true,
+                    be::READY_FOR_QUERY => {
+                        if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
+                            self.tx_status = status;
+                        }
+                        return Ok((!failed).then_some(rows));
+                    }
+                    be::NOTIFICATION | be::PARAMETER_STATUS => {
+                        self.client
+                            .write_all(&frame)
+                            .await
+                            .map_err(SessionError::ClientIo)?;
+                    }
+                    _ => {}
+                }
+            }
+            self.backend_buf.reserve(super::READ_CHUNK);
+            if self
+                .backend
+                .read_buf(&mut self.backend_buf)
+                .await
+                .map_err(SessionError::BackendIo)?
+                == 0
+            {
+                return Err(SessionError::BackendIo(
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ));
+            }
+        }
+    }
+
+    /// Parse, Bind, Describe, Execute, Close: held while the batch could
+    /// still be answered from the cache, forwarded otherwise.
+    async fn on_extended(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let tag = frame[0];
+        let body = frame.slice(HEADER_LEN..);
+        let mut holdable = self.inflight.is_empty()
+            && self.tx_status == TxStatus::Idle
+            && !self.cache.batch.forwarded
+            && !self.unsynced
+            && self.cache.batch.shape.len() < MAX_HELD_MESSAGES
+            && self.cache.batch.raw.len() + frame.len() <= MAX_HELD_BYTES;
+        match tag {
+            fe::PARSE => match extended::parse(&body) {
+                Some(p) => {
+                    let name = body.slice_ref(p.name);
+                    let stmt = Arc::new(Statement {
+                        hash: key::sql_hash(p.query),
+                        sql: body.slice_ref(p.query),
+                        param_types: body.slice_ref(p.param_types),
+                    });
+                    if name.is_empty() {
+                        self.cache.unsent_parses.retain(|(n, _)| !n.is_empty());
+                    }
+                    self.cache.statements.insert(name.clone(), stmt);
+                    self.cache.batch.parsed.push(name.clone());
+                    holdable &= self.cache.batch.parse.is_none();
+                    if holdable {
+                        self.cache.batch.parse = Some((name, frame.clone()));
+                    }
+                }
+                None => holdable = false,
+            },
+            fe::BIND => match extended::bind(&body) {
+                Some(b) => {
+                    let portal = body.slice_ref(b.portal);
+                    match self.cache.statements.get(b.statement) {
+                        Some(stmt) => {
+                            let stmt = Arc::clone(stmt);
+                            self.cache.portals.insert(portal, stmt);
+                        }
+                        None => {
+                            self.cache.portals.remove(&portal);
+                            holdable = false;
+                        }
+                    }
+                    holdable &= self.cache.batch.bind.is_none();
+                    if holdable {
+                        self.cache.batch.bind = Some(frame.clone());
+                    }
+                }
+                None => holdable = false,
+            },
+            fe::DESCRIBE => match extended::target(&body) {
+                Some((kind, name)) => {
+                    holdable &= self.cache.batch.describe.is_none();
+                    if holdable {
+                        self.cache.batch.describe = Some((kind, body.slice_ref(name)));
+                    }
+                }
+                None => holdable = false,
+            },
+            fe::EXECUTE => {
+                let parsed = extended::execute(&body).map(|(p, rows)| (body.slice_ref(p), rows));
+                let stmt = parsed
+                    .as_ref()
+                    .and_then(|(p, _)| self.cache.portals.get(p).cloned());
+                match (parsed, stmt) {
+                    (Some((portal, max_rows)), Some(stmt)) => {
+                        let plan = self.plan(stmt.hash, &stmt.sql.clone()).await?;
+                        self.cache.batch.effects.merge(&plan.effects);
+                        self.note_effects(&plan);
+                        holdable &= plan.read.is_ok()
+                            && max_rows == 0
+                            && self.cache.batch.execute.is_none();
+                        if holdable {
+                            self.cache.batch.execute = Some((portal, max_rows));
+                        }
+                    }
+                    _ => {
+                        self.cache.batch.effects.merge(&Effects::opaque());
+                        self.cache.prefix = None;
+                        self.cache.tx_wrote = true;
+                        holdable = false;
+                    }
+                }
+            }
+            _ => {
+                // Close
+                if let Some((kind, name)) = extended::target(&body) {
+                    if kind == b'S' {
+                        self.cache.statements.remove(name);
+                        self.cache.unsent_parses.retain(|(n, _)| n.as_ref() != name);
+                    } else {
+                        self.cache.portals.remove(name);
+                    }
+                }
+                holdable = false;
+            }
+        }
+        if holdable {
+            self.cache.batch.raw.extend_from_slice(&frame);
+            self.cache.batch.shape.push(tag);
+            if tag == fe::DESCRIBE {
+                self.cache
+                    .batch
+                    .shape
+                    .push(body.first().copied().unwrap_or(0));
+            }
+        } else {
+            self.release_batch();
+            self.forward(&frame);
+            self.unsynced = true;
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Forwards the held part of the batch; the rest of it goes straight
+    /// through until Sync.
+    fn release_batch(&mut self) {
+        if !self.cache.batch.raw.is_empty() {
+            let raw = std::mem::take(&mut self.cache.batch.raw);
+            self.forward(&raw);
+            self.unsynced = true;
+        }
+        if self.cache.holds_batch() {
+            self.cache.batch.forwarded = true;
+        }
+    }
+
+    async fn on_sync(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let mut inflight = Inflight::default();
+        if !self.cache.batch.raw.is_empty() && !self.cache.batch.forwarded {
+            match self.extended_key().await? {
+                Ok(key) => {
+                    if self.serve_hit(key).await? {
+                        let batch = std::mem::take(&mut self.cache.batch);
+                        if let Some((name, raw)) = batch.parse {
+                            self.cache.unsent_parses.retain(|(n, _)| *n != name);
+                            self.cache.unsent_parses.push((name, raw));
+                        }
+                        return Ok(Flow::Continue);
+                    }
+                    inflight.capture = Some(self.capture(key));
+                }
+                Err(reason) => self.bypassed(reason),
+            }
+        }
+        let batch = std::mem::take(&mut self.cache.batch);
+        if !batch.raw.is_empty() {
+            self.forward(&batch.raw);
+        }
+        self.forward(&frame);
+        self.unsynced = false;
+        inflight.effects = batch.effects;
+        inflight.parsed = batch.parsed;
+        self.inflight.push_back(inflight);
+        Ok(Flow::Continue)
+    }
+
+    /// The key of a held batch of the shape drivers send for one query:
+    /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
+    async fn extended_key(&mut self) -> Result<Result<u128, BypassReason>, SessionError> {
+        let batch = &self.cache.batch;
+        let (Some(bind_frame), Some((portal, 0))) = (&batch.bind, &batch.execute) else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        let Some(bind) = extended::bind(&bind_frame[HEADER_LEN..]) else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        let describe_ok = match &batch.describe {
+            None => true,
+            Some((b'P', name)) => name.as_ref() == bind.portal,
+            Some((_, name)) => name.as_ref() == bind.statement,
+        };
+        if !bind.portal.is_empty() || portal.as_ref() != bind.portal || !describe_ok {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        }
+        let Some(stmt) = self.cache.statements.get(bind.statement).cloned() else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        if bind
+            .params
+            .iter()
+            .zip(&bind.param_formats)
+            .any(|(v, f)| *f == 0 && v.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v)))
+        {
+            return Ok(Err(BypassReason::TimeLiteral));
+        }
+        let shape = batch.shape.clone();
+        let plan = self.plan(stmt.hash, &stmt.sql).await?;
+        let (prefix, versions) = match self.may_serve(&plan, false).await? {
+            Ok(ok) => ok,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
+        k.bytes(&shape).bytes(&stmt.param_types);
+        // The Bind was parsed from `bind_frame` before the awaits above; parse
+        // it again rather than hold a borrow across them.
+        let bind_frame = self.cache.batch.bind.clone().unwrap_or_default();
+        let bind = extended::bind(&bind_frame[HEADER_LEN..])
+            .ok_or(SessionError::Protocol("bind changed".into()))?;
+        for (value, format) in bind.params.iter().zip(&bind.param_formats) {
+            k.u64(*format as u64).value(*value);
+        }
+        for f in &bind.result_formats {
+            k.u64(*f as u64);
+        }
+        Ok(Ok(k.finish(self.cache.db.epoch(), versions)))
+    }
+
+    /// A response frame (not ReadyForQuery) for the oldest request in
+    /// flight. Returns whether it goes on to the client.
+    pub(super) fn on_response_frame(&mut self, pos: usize, len: usize) -> bool {
+        let tag = self.backend_buf[pos];
+        if tag == be::PARAMETER_STATUS {
+            self.cache.prefix = None;
+        }
+        let max = self.app.cache.local.max_entry_bytes();
+        let Some(front) = self.inflight.front_mut() else {
+            return true;
+        };
+        if !front.to_client {
+            return matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS);
+        }
+        match tag {
+            be::NOTIFICATION => return true,
+            be::ERROR_RESPONSE => {
+                front.failed = true;
+                self.cache.last_was_commit = false;
+            }
+            b'C' => {
+                let body = &self.backend_buf[pos + HEADER_LEN..pos + len];
+                self.cache.last_was_commit = body.starts_with(b"COMMIT\0");
+            }
+            _ => {}
+        }
+        if let Some(cap) = &mut front.capture {
+            let storable = !matches!(
+                tag,
+                be::ERROR_RESPONSE
+                    | be::NOTICE_RESPONSE
+                    | be::PARAMETER_STATUS
+                    | b'G'
+                    | b'H'
+                    | b'W'
+                    | b's'
+                    | b'd'
+                    | b'c'
+            );
+            if cap.ok && storable && cap.buf.len() + len <= max {
+                cap.buf.extend_from_slice(&self.backend_buf[pos..pos + len]);
+            } else if cap.ok {
+                cap.ok = false;
+                cap.buf = BytesMut::new();
+            }
+        }
+        true
+    }
+
+    /// ReadyForQuery: the oldest request is complete. Applies its effects,
+    /// stores its capture, and closes the transaction's books when it ends.
+    pub(super) fn on_ready_for_query(&mut self, status: TxStatus) {
+        let previous = self.tx_status;
+        self.tx_status = status;
+        self.ready = true;
+        if let Some(done) = self.inflight.pop_front() {
+            if !done.effects.is_empty() {
+                done.effects.apply(&self.cache.db);
+                if status != TxStatus::Idle {
+                    self.cache.tx_effects.merge(&done.effects);
+                }
+            }
+            if done.failed {
+                for name in &done.parsed {
+                    self.cache.statements.remove(name);
+                }
+            }
+            if let Some(cap) = done.capture
+                && cap.ok
+                && !done.failed
+            {
+                let bytes = cap.buf.freeze();
+                match status {
+                    TxStatus::Idle => self.store(cap.key, bytes),
+                    TxStatus::InTransaction if self.cache.deferred.len() < MAX_DEFERRED => {
+                        self.cache.deferred.push((cap.key, bytes));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if status == TxStatus::Idle {
+            if previous != TxStatus::Idle {
+                // The transaction ended: its writes are visible (or gone) now.
+                let effects = std::mem::take(&mut self.cache.tx_effects);
+                effects.apply(&self.cache.db);
+                let deferred = std::mem::take(&mut self.cache.deferred);
+                if self.cache.last_was_commit {
+                    for (key, bytes) in deferred {
+                        self.store(key, bytes);
+                    }
+                }
+            }
+            self.cache.tx_wrote = false;
+            self.cache.tx_strict = false;
+        }
+    }
+
+    fn store(&self, key: u128, bytes: Bytes) {
+        self.app.cache.stats.stores.fetch_add(1, Ordering::Relaxed);
+        self.app.cache.local.insert(key, bytes);
+    }
+}
