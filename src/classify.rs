@@ -578,7 +578,16 @@ pub fn policy_facts(expr: &str) -> Option<PolicyFacts> {
         ControlFlow::<()>::Continue(())
     });
     out.functions = facts.functions;
-    out.functions.remove("current_setting");
+    // The role is part of every cache key; current_setting is handled above.
+    for keyed in [
+        "current_setting",
+        "current_user",
+        "session_user",
+        "current_role",
+        "user",
+    ] {
+        out.functions.remove(keyed);
+    }
     Some(out)
 }
 

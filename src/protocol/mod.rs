@@ -40,6 +40,7 @@ pub mod backend {
     pub const ERROR_RESPONSE: u8 = b'E';
     pub const NOTICE_RESPONSE: u8 = b'N';
     pub const NOTIFICATION: u8 = b'A';
+    pub const COPY_IN_RESPONSE: u8 = b'G';
 }
 
 /// Transaction status carried by ReadyForQuery.

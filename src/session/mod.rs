@@ -141,6 +141,7 @@ pub async fn serve<C>(
         backend_key: None,
         cancel: None,
         cache: query::CacheSession::new(db),
+        copy: CopyTracker::default(),
     };
     match session.run(&startup.raw).instrument(span).await {
         Ok(()) => debug!("session closed"),
@@ -258,6 +259,36 @@ struct Session<C> {
     cancel: Option<CancelGuard>,
     /// Cache state of this session: settings, plans, statements, transaction.
     cache: query::CacheSession,
+    copy: CopyTracker,
+}
+
+/// Tracks the one protocol rule that breaks "one ReadyForQuery per Sync":
+/// PostgreSQL ignores Sync messages received in copy-in mode. Drivers such
+/// as tokio-postgres send `Bind, Execute, Sync` before the COPY data, then
+/// `CopyDone, Sync`; only the second Sync is answered.
+#[derive(Default)]
+struct CopyTracker {
+    /// A CopyDone/CopyFail was sent since the last Execute or Query.
+    ended_since_execute: bool,
+    /// The backend is in copy-in mode and the client has not ended it yet.
+    active: bool,
+    /// Bookkeeping of ignored Syncs, for the next one that is answered.
+    carry: Option<query::Inflight>,
+}
+
+impl CopyTracker {
+    fn executed(&mut self) {
+        self.ended_since_execute = false;
+    }
+
+    fn ended(&mut self) {
+        self.ended_since_execute = true;
+        self.active = false;
+    }
+
+    fn sync_may_be_ignored(&self) -> bool {
+        !self.ended_since_execute
+    }
 }
 
 enum Flow {
@@ -327,6 +358,7 @@ where
                 Err(e) => return Err(SessionError::Protocol(format!("from backend: {e}"))),
             };
             let tag = self.backend_buf[pos];
+            tracing::trace!(tag = %char::from(tag), "backend frame");
             let keep = match tag {
                 be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
                     let body = self.backend_buf[pos + HEADER_LEN..pos + len].to_vec();
@@ -341,6 +373,10 @@ where
                     if matches!(error_field(body, b'S'), Some("FATAL" | "PANIC")) {
                         self.backend_fatal = true;
                     }
+                    self.on_response_frame(pos, len)
+                }
+                be::COPY_IN_RESPONSE => {
+                    self.on_copy_in_started();
                     self.on_response_frame(pos, len)
                 }
                 be::READY_FOR_QUERY => {
@@ -466,18 +502,68 @@ where
     /// answered with ReadyForQuery, and the extended-protocol sync state.
     fn note_client_frame(&mut self, tag: u8) -> Flow {
         match tag {
-            fe::QUERY | fe::FUNCTION_CALL => self.inflight.push_back(query::Inflight::default()),
+            fe::QUERY | fe::FUNCTION_CALL => {
+                self.copy.executed();
+                self.push_request(query::Inflight::default());
+            }
             fe::SYNC => {
-                self.inflight.push_back(query::Inflight::default());
+                let mut request = query::Inflight::default();
+                request.may_be_ignored = self.copy.sync_may_be_ignored();
+                self.push_request(request);
                 self.unsynced = false;
             }
-            fe::PARSE | fe::BIND | fe::EXECUTE | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => {
-                self.unsynced = true
+            fe::EXECUTE => {
+                self.copy.executed();
+                self.unsynced = true;
             }
+            fe::PARSE | fe::BIND | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => self.unsynced = true,
+            fe::COPY_DONE | fe::COPY_FAIL => self.copy.ended(),
             fe::TERMINATE => return Flow::Close,
             _ => {}
         }
         Flow::Continue
+    }
+
+    /// Queues a request that expects a ReadyForQuery, unless PostgreSQL
+    /// will ignore it (a Sync in copy-in mode): then its bookkeeping waits
+    /// for the next request that is answered.
+    fn push_request(&mut self, mut request: query::Inflight) {
+        if self.copy.active && request.may_be_ignored {
+            match &mut self.copy.carry {
+                Some(carry) => carry.absorb(request),
+                None => self.copy.carry = Some(request),
+            }
+            return;
+        }
+        if let Some(ignored) = self.copy.carry.take() {
+            request.absorb(ignored);
+        }
+        self.inflight.push_back(request);
+    }
+
+    /// CopyInResponse: the backend entered copy-in mode. Syncs the client
+    /// sent since the COPY's Execute (and before CopyDone/CopyFail) will
+    /// never be answered: take them out of the queue.
+    fn on_copy_in_started(&mut self) {
+        self.copy.active = !self.copy.ended_since_execute;
+        while self
+            .inflight
+            .front()
+            .is_some_and(|f| f.may_be_ignored && f.to_client)
+        {
+            let ignored = self.inflight.pop_front().expect("checked above");
+            match &mut self.copy.carry {
+                Some(carry) => carry.absorb(ignored),
+                None => self.copy.carry = Some(ignored),
+            }
+        }
+        if let Some(carry) = self.copy.carry.take() {
+            // The Sync after CopyDone may already be queued: it inherits.
+            match self.inflight.front_mut() {
+                Some(next) => next.absorb(carry),
+                None => self.copy.carry = Some(carry),
+            }
+        }
     }
 
     /// Writes the queued client frames to the backend.

@@ -84,6 +84,10 @@ impl Effects {
 pub(crate) struct Inflight {
     /// false: pgcache's own injected messages, whose answers are swallowed.
     pub to_client: bool,
+    /// Made by a Sync sent after an Execute with no CopyDone/CopyFail in
+    /// between: if that Execute starts COPY FROM STDIN, PostgreSQL ignores
+    /// this Sync and no ReadyForQuery will answer it.
+    pub may_be_ignored: bool,
     capture: Option<Capture>,
     effects: Effects,
     /// Prepared statements this request defined: forgotten if it fails.
@@ -91,10 +95,20 @@ pub(crate) struct Inflight {
     failed: bool,
 }
 
+impl Inflight {
+    /// Takes over the bookkeeping of a Sync PostgreSQL ignored.
+    pub(crate) fn absorb(&mut self, ignored: Inflight) {
+        self.effects.merge(&ignored.effects);
+        self.parsed.extend(ignored.parsed);
+        self.failed |= ignored.failed;
+    }
+}
+
 impl Default for Inflight {
     fn default() -> Self {
         Self {
             to_client: true,
+            may_be_ignored: false,
             capture: None,
             effects: Effects::default(),
             parsed: Vec::new(),
@@ -297,6 +311,7 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        tracing::trace!(tag = %char::from(frame[0]), "client frame");
         match frame[0] {
             fe::QUERY => self.on_query(frame).await,
             fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE | fe::CLOSE => {
@@ -308,7 +323,7 @@ where
                 self.forward(&frame);
                 self.cache.prefix = None;
                 self.cache.tx_wrote = true;
-                self.inflight.push_back(Inflight {
+                self.push_request(Inflight {
                     effects: Effects::opaque(),
                     ..Inflight::default()
                 });
@@ -318,6 +333,9 @@ where
                 if tag == fe::FLUSH {
                     self.release_batch();
                     self.unsynced = true;
+                }
+                if tag == fe::COPY_DONE || tag == fe::COPY_FAIL {
+                    self.copy.ended();
                 }
                 self.forward(&frame);
                 Ok(if tag == fe::TERMINATE {
@@ -351,6 +369,7 @@ where
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
         let hash = key::sql_hash(sql);
         let plan = self.plan(hash, sql).await?;
+        self.before_begin(&plan).await?;
         let mut inflight = Inflight {
             effects: plan.effects.clone(),
             ..Inflight::default()
@@ -368,7 +387,8 @@ where
         }
         self.note_effects(&plan);
         self.forward(&frame);
-        self.inflight.push_back(inflight);
+        self.copy.executed();
+        self.push_request(inflight);
         Ok(Flow::Continue)
     }
 
@@ -412,6 +432,16 @@ where
         self.out.clear();
         r.map_err(SessionError::ClientIo)?;
         Ok(true)
+    }
+
+    /// Reads inside a transaction can only use the cache if the session's
+    /// settings are known, and they can only be read while it is idle: so
+    /// read them just before a BEGIN goes out, if they are not known.
+    async fn before_begin(&mut self, plan: &Plan) -> Result<(), SessionError> {
+        if plan.begin_strict == Some(false) && self.cache.prefix.is_none() && self.can_hide() {
+            let _ = self.session_prefix().await?;
+        }
+        Ok(())
     }
 
     /// State changes a forwarded statement causes at once.
@@ -706,6 +736,7 @@ where
                 match (parsed, stmt) {
                     (Some((portal, max_rows)), Some(stmt)) => {
                         let plan = self.plan(stmt.hash, &stmt.sql.clone()).await?;
+                        self.before_begin(&plan).await?;
                         self.cache.batch.effects.merge(&plan.effects);
                         self.note_effects(&plan);
                         holdable &= plan.read.is_ok()
@@ -735,6 +766,9 @@ where
                 }
                 holdable = false;
             }
+        }
+        if tag == fe::EXECUTE {
+            self.copy.executed();
         }
         if holdable {
             self.cache.batch.raw.extend_from_slice(&frame);
@@ -792,7 +826,8 @@ where
         self.unsynced = false;
         inflight.effects = batch.effects;
         inflight.parsed = batch.parsed;
-        self.inflight.push_back(inflight);
+        inflight.may_be_ignored = self.copy.sync_may_be_ignored();
+        self.push_request(inflight);
         Ok(Flow::Continue)
     }
 
@@ -900,6 +935,7 @@ where
     /// stores its capture, and closes the transaction's books when it ends.
     pub(super) fn on_ready_for_query(&mut self, status: TxStatus) {
         let previous = self.tx_status;
+        tracing::trace!(?status, inflight = self.inflight.len(), "ready for query");
         self.tx_status = status;
         self.ready = true;
         if let Some(done) = self.inflight.pop_front() {
@@ -946,6 +982,7 @@ where
     }
 
     fn store(&self, key: u128, bytes: Bytes) {
+        tracing::trace!(key, len = bytes.len(), "store");
         self.app.cache.stats.stores.fetch_add(1, Ordering::Relaxed);
         self.app.cache.local.insert(key, bytes);
     }

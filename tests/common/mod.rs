@@ -436,24 +436,32 @@ pub fn redis_ping(port: u16) -> bool {
 /// pgcache running in this test's runtime.
 pub struct Proxy {
     pub addr: SocketAddr,
+    pub app: std::sync::Arc<pgcache::App>,
     shutdown: Option<oneshot::Sender<()>>,
     join: Option<JoinHandle<()>>,
 }
 
 impl Proxy {
     pub async fn start(config: Config) -> Proxy {
+        // RUST_LOG=pgcache=debug shows pgcache's log in a failing test's output.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let listener = TcpListener::bind(config.server.listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
-        let join = tokio::spawn(async move {
-            pgcache::run(config, listener, async {
+        let app = std::sync::Arc::new(pgcache::App::new(config).expect("valid config"));
+        let join = tokio::spawn(pgcache::serve(
+            std::sync::Arc::clone(&app),
+            listener,
+            async {
                 let _ = rx.await;
-            })
-            .await
-            .expect("pgcache run");
-        });
+            },
+        ));
         Proxy {
             addr,
+            app,
             shutdown: Some(tx),
             join: Some(join),
         }
@@ -464,6 +472,14 @@ impl Proxy {
             "host=127.0.0.1 port={} user={user} dbname={db}",
             self.addr.port()
         )
+    }
+
+    pub fn hits(&self) -> u64 {
+        self.app.cache.stats.hits()
+    }
+
+    pub fn stores(&self) -> u64 {
+        self.app.cache.stats.stores()
     }
 
     pub async fn connect(&self, db: &str) -> tokio_postgres::Client {
