@@ -10,7 +10,7 @@ PIDS=()
 PGBIN=$(pg_config --bindir 2>/dev/null || ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 
 free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null
 }
 
 # Run as the postgres OS user when root (PostgreSQL, PgBouncer and Pgpool-II refuse root).
@@ -107,4 +107,32 @@ tps() {
     sed -n 's/^tps = \([0-9.]*\) .*/\1/p' <<<"$out"
 }
 
+# best2 CMD...: runs a measurement twice, prints the larger result. Used for
+# every contender alike, interleaved, to damp the shared machine's noise.
+best2() {
+    local a b
+    a=$("$@"); b=$("$@")
+    python3 -c "print(max(float('$a'), float('$b')))"
+}
+
 ratio() { python3 -c "print(f'{float($1)/float($2):.2f}')"; }
+
+# Pgpool-II with its in-memory query cache, from the anchor config.
+start_pgpool() {
+    command -v pgpool >/dev/null || apt_install pgpool2
+    PGPOOL_PORT=$(free_port)
+    local pcp_port; pcp_port=$(free_port)
+    mkdir -p "$RUNDIR/pgpool/oiddir"
+    sed -e "s#@RUNDIR@#$RUNDIR#g" -e "s/55432/$PGPORT/" -e "s/^port = 59999/port = $PGPOOL_PORT/" \
+        -e "s/^pcp_port = 59898/pcp_port = $pcp_port/" \
+        "$ROOT/../shared/anchors/pgpool-cache.conf" >"$RUNDIR/pgpool.conf"
+    cp "$ROOT/../shared/anchors/pool_hba.conf" "$RUNDIR/pool_hba.conf"
+    : >"$RUNDIR/pcp.conf"
+    [ "$(id -u)" -eq 0 ] && chown -R postgres: "$RUNDIR/pgpool" "$RUNDIR/pgpool.conf" "$RUNDIR/pool_hba.conf" "$RUNDIR/pcp.conf"
+    as_pg pgpool -n -f "$RUNDIR/pgpool.conf" -a "$RUNDIR/pool_hba.conf" -F "$RUNDIR/pcp.conf" >"$RUNDIR/pgpool/stdout.log" 2>&1 &
+    PIDS+=($!)
+    wait_port "$PGPOOL_PORT"
+}
+
+# Peak resident memory of a process, in MiB.
+peak_rss_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status" 2>/dev/null; }

@@ -148,7 +148,7 @@ struct Statement {
 }
 
 /// Extended-protocol messages held until Sync, to answer the batch from the
-/// cache if every part of it can be.
+/// cache if every part of it can be. Reused from batch to batch.
 #[derive(Default)]
 struct Batch {
     raw: BytesMut,
@@ -162,6 +162,23 @@ struct Batch {
     forwarded: bool,
     effects: Effects,
     parsed: Vec<Bytes>,
+}
+
+impl Batch {
+    /// Ends the batch, keeping the buffers' memory for the next one.
+    fn reset(&mut self) -> (Effects, Vec<Bytes>) {
+        self.raw.clear();
+        self.shape.clear();
+        self.parse = None;
+        self.bind = None;
+        self.describe = None;
+        self.execute = None;
+        self.forwarded = false;
+        (
+            std::mem::take(&mut self.effects),
+            std::mem::take(&mut self.parsed),
+        )
+    }
 }
 
 /// Per-session cache state.
@@ -791,8 +808,10 @@ where
     /// through until Sync.
     fn release_batch(&mut self) {
         if !self.cache.batch.raw.is_empty() {
-            let raw = std::mem::take(&mut self.cache.batch.raw);
+            let mut raw = std::mem::take(&mut self.cache.batch.raw);
             self.forward(&raw);
+            raw.clear();
+            self.cache.batch.raw = raw;
             self.unsynced = true;
         }
         if self.cache.holds_batch() {
@@ -806,11 +825,11 @@ where
             match self.extended_key().await? {
                 Ok(key) => {
                     if self.serve_hit(key).await? {
-                        let batch = std::mem::take(&mut self.cache.batch);
-                        if let Some((name, raw)) = batch.parse {
+                        if let Some((name, raw)) = self.cache.batch.parse.take() {
                             self.cache.unsent_parses.retain(|(n, _)| *n != name);
                             self.cache.unsent_parses.push((name, raw));
                         }
+                        self.cache.batch.reset();
                         return Ok(Flow::Continue);
                     }
                     inflight.capture = Some(self.capture(key));
@@ -818,14 +837,14 @@ where
                 Err(reason) => self.bypassed(reason),
             }
         }
-        let batch = std::mem::take(&mut self.cache.batch);
-        if !batch.raw.is_empty() {
-            self.forward(&batch.raw);
+        if !self.cache.batch.raw.is_empty() {
+            let raw = std::mem::take(&mut self.cache.batch.raw);
+            self.forward(&raw);
+            self.cache.batch.raw = raw;
         }
         self.forward(&frame);
         self.unsynced = false;
-        inflight.effects = batch.effects;
-        inflight.parsed = batch.parsed;
+        (inflight.effects, inflight.parsed) = self.cache.batch.reset();
         inflight.may_be_ignored = self.copy.sync_may_be_ignored();
         self.push_request(inflight);
         Ok(Flow::Continue)
@@ -834,8 +853,11 @@ where
     /// The key of a held batch of the shape drivers send for one query:
     /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
     async fn extended_key(&mut self) -> Result<Result<u128, BypassReason>, SessionError> {
+        // Cheap clones of refcounted bytes: the Bind stays parsed across the
+        // awaits below without borrowing the session.
         let batch = &self.cache.batch;
-        let (Some(bind_frame), Some((portal, 0))) = (&batch.bind, &batch.execute) else {
+        let (Some(bind_frame), Some((portal, 0))) = (batch.bind.clone(), batch.execute.clone())
+        else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
         let Some(bind) = extended::bind(&bind_frame[HEADER_LEN..]) else {
@@ -860,19 +882,13 @@ where
         {
             return Ok(Err(BypassReason::TimeLiteral));
         }
-        let shape = batch.shape.clone();
         let plan = self.plan(stmt.hash, &stmt.sql).await?;
         let (prefix, versions) = match self.may_serve(&plan, false).await? {
             Ok(ok) => ok,
             Err(reason) => return Ok(Err(reason)),
         };
         let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
-        k.bytes(&shape).bytes(&stmt.param_types);
-        // The Bind was parsed from `bind_frame` before the awaits above; parse
-        // it again rather than hold a borrow across them.
-        let bind_frame = self.cache.batch.bind.clone().unwrap_or_default();
-        let bind = extended::bind(&bind_frame[HEADER_LEN..])
-            .ok_or(SessionError::Protocol("bind changed".into()))?;
+        k.bytes(&self.cache.batch.shape).bytes(&stmt.param_types);
         for (value, format) in bind.params.iter().zip(&bind.param_formats) {
             k.u64(*format as u64).value(*value);
         }
@@ -954,11 +970,10 @@ where
                 && cap.ok
                 && !done.failed
             {
-                let bytes = cap.buf.freeze();
                 match status {
-                    TxStatus::Idle => self.store(cap.key, bytes),
+                    TxStatus::Idle => self.store(cap.key, &cap.buf),
                     TxStatus::InTransaction if self.cache.deferred.len() < MAX_DEFERRED => {
-                        self.cache.deferred.push((cap.key, bytes));
+                        self.cache.deferred.push((cap.key, cap.buf.freeze()));
                     }
                     _ => {}
                 }
@@ -972,7 +987,7 @@ where
                 let deferred = std::mem::take(&mut self.cache.deferred);
                 if self.cache.last_was_commit {
                     for (key, bytes) in deferred {
-                        self.store(key, bytes);
+                        self.store(key, &bytes);
                     }
                 }
             }
@@ -981,7 +996,7 @@ where
         }
     }
 
-    fn store(&self, key: u128, bytes: Bytes) {
+    fn store(&self, key: u128, bytes: &[u8]) {
         tracing::trace!(key, len = bytes.len(), "store");
         self.app.cache.stats.stores.fetch_add(1, Ordering::Relaxed);
         self.app.cache.local.insert(key, bytes);
