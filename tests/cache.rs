@@ -765,3 +765,60 @@ async fn after_an_extended_copy_the_session_is_idle_and_hits_again() {
         Some("4")
     );
 }
+
+#[tokio::test]
+async fn a_table_created_outside_pgcache_becomes_cacheable() {
+    let (db, proxy, client) = setup("newtable", "CREATE TABLE t(v int)").await;
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM t").await.as_deref(),
+        Some("0")
+    );
+    pg().psql_db(
+        &db,
+        "CREATE TABLE fresh(v int); INSERT INTO fresh VALUES (5)",
+    );
+    // Unknown at first (not cached), then the snapshot is reloaded.
+    let hits = eventually(Duration::from_secs(10), "a hit on the new table", || {
+        let client = &client;
+        let proxy = &proxy;
+        async move {
+            let before = proxy.hits();
+            assert_eq!(
+                scalar(client, "SELECT v FROM fresh").await.as_deref(),
+                Some("5")
+            );
+            (proxy.hits() > before).then_some(proxy.hits())
+        }
+    })
+    .await;
+    assert!(hits > 0);
+}
+
+#[tokio::test]
+async fn entries_expire_after_the_default_ttl() {
+    let db = pg().create_db("ttl");
+    pg().psql_db(&db, "CREATE TABLE t(v int); INSERT INTO t VALUES (1)");
+    let mut config = pg().proxy_config();
+    config.cache.default_ttl_secs = 1;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    assert_eq!(
+        scalar(&client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(proxy.hits(), 1);
+    // A write made directly on PostgreSQL is invisible to pgcache (until
+    // replication): the TTL is what bounds it.
+    pg().psql_db(&db, "UPDATE t SET v = 2");
+    let started = Instant::now();
+    eventually(Duration::from_secs(10), "the entry to expire", || {
+        let client = &client;
+        async move { (scalar(client, "SELECT v FROM t").await.as_deref() == Some("2")).then_some(()) }
+    })
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(5));
+}

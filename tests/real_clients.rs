@@ -188,3 +188,56 @@ fn redis_harness_starts_a_private_server() {
     assert!(redis_ping(redis.port));
     assert_ne!(redis.port, 6379, "a private server, not the machine's");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbench_prepared_hot_keys_hit_the_cache_with_zero_failures() {
+    let db = pg().create_db("pgbenchcache");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let port = port_arg(&proxy);
+    let base = ["-h", "127.0.0.1", "-p", port.as_str(), "-U", "postgres"];
+    let mut init = base.to_vec();
+    init.extend(["-i", "-s", "1", "-q", db.as_str()]);
+    assert!(run_tool(&pg().bin("pgbench"), &init).await.status.success());
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("hot.sql");
+    std::fs::write(
+        &script,
+        "\\set aid random(1, 20)\nSELECT abalance FROM pgbench_accounts WHERE aid = :aid;\n",
+    )
+    .unwrap();
+    for mode in ["simple", "extended", "prepared"] {
+        let hits = proxy.hits();
+        let mut args = base.to_vec();
+        args.extend([
+            "-n",
+            "-M",
+            mode,
+            "-c",
+            "4",
+            "-j",
+            "2",
+            "-t",
+            "500",
+            "-f",
+            script.to_str().unwrap(),
+            db.as_str(),
+        ]);
+        let out = run_tool(&pg().bin("pgbench"), &args).await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{mode}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("number of failed transactions: 0 (0.000%)"),
+            "{mode}: {stdout}"
+        );
+        // 2,000 reads of 20 keys: all but the first read of each key may hit.
+        assert!(
+            proxy.hits() - hits > 1500,
+            "{mode}: only {} hits",
+            proxy.hits() - hits
+        );
+    }
+}

@@ -33,7 +33,12 @@ pub struct DbState {
     catalog_gen: AtomicU64,
     catalog: RwLock<Option<(u64, Arc<Catalog>)>>,
     families: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    /// When a reload for an unknown relation was last asked for.
+    last_reload: Mutex<Option<std::time::Instant>>,
 }
+
+/// A query naming a relation the snapshot lacks reloads it at most this often.
+const RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl DbState {
     pub fn epoch(&self) -> u64 {
@@ -52,6 +57,16 @@ impl DbState {
     pub fn schema_changed(&self) {
         self.catalog_gen.fetch_add(1, Ordering::AcqRel);
         self.bump_epoch();
+    }
+
+    /// A query named a relation the snapshot does not know (created outside
+    /// pgcache, or since): reload the snapshot, at most once a second.
+    pub fn request_reload(&self) {
+        let mut last = self.last_reload.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| t.elapsed() >= RELOAD_INTERVAL) {
+            *last = Some(std::time::Instant::now());
+            self.catalog_gen.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// The snapshot, if it is current.

@@ -547,6 +547,9 @@ where
             &self.cache.db,
             generation,
         ));
+        if matches!(plan.read, Err(BypassReason::UnknownRelation)) {
+            self.cache.db.request_reload();
+        }
         if catalog.is_some() || !needs_catalog {
             if self.cache.plans.len() >= MAX_PLANS {
                 self.cache.plans.clear();
