@@ -742,8 +742,11 @@ async fn after_an_extended_copy_the_session_is_idle_and_hits_again() {
         "CREATE TABLE t(v int); CREATE TABLE u(v int); INSERT INTO u VALUES (7)",
     )
     .await;
+    // Prepared once: dropping a statement makes tokio-postgres send Close in
+    // the background, which would race with the reads below.
+    let copy = client.prepare("COPY t FROM STDIN").await.unwrap();
     for round in 0..2 {
-        let sink = client.copy_in("COPY t FROM STDIN").await.unwrap();
+        let sink = client.copy_in(&copy).await.unwrap();
         futures_util::pin_mut!(sink);
         futures_util::SinkExt::send(&mut sink, bytes::Bytes::from_static(b"1\n2\n"))
             .await
