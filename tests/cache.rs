@@ -481,9 +481,11 @@ async fn extended_protocol_hits_with_binary_results_nulls_and_new_parameters() {
         "two parameter values, each stored once and hit twice"
     );
     assert!(client.query_opt(&stmt, &[&3i32]).await.unwrap().is_none());
-    // Unnamed statements re-parsed each time (as psycopg and pgbench -M extended do).
+    // Statements parsed anew for each query (as psycopg and pgbench -M
+    // extended do). tokio-postgres closes each in the background, which can
+    // race with the next query (then forwarded): most, not all, hit.
     let hits = proxy.hits();
-    for _ in 0..3 {
+    for _ in 0..6 {
         let r = client
             .query_one("SELECT name FROM t WHERE id = 1", &[])
             .await
