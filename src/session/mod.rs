@@ -120,7 +120,6 @@ pub async fn serve<C>(
     };
 
     let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
-    let db = app.cache.db(startup.startup.database());
     let mut session = Session {
         caching: app.config.cache.enabled,
         app: Arc::clone(&app),
@@ -140,7 +139,7 @@ pub async fn serve<C>(
         draining: false,
         backend_key: None,
         cancel: None,
-        cache: query::CacheSession::new(db),
+        cache: query::CacheSession::new(Arc::default()),
         copy: CopyTracker::default(),
     };
     match session.run(&startup.raw).instrument(span).await {

@@ -196,6 +196,7 @@ pub(crate) struct CacheSession {
     tx_effects: Effects,
     /// Results read inside the current transaction, stored if it commits.
     deferred: Vec<(u128, Bytes)>,
+    deferred_bytes: usize,
     last_was_commit: bool,
     plans: HashMap<u128, Arc<Plan>>,
     statements: HashMap<Bytes, Arc<Statement>>,
@@ -209,6 +210,8 @@ const MAX_PLANS: usize = 4096;
 const MAX_HELD_MESSAGES: usize = 8;
 const MAX_HELD_BYTES: usize = 256 * 1024;
 const MAX_DEFERRED: usize = 64;
+/// Bytes of results a session holds back until its transaction commits.
+const MAX_DEFERRED_BYTES: usize = 4 * 1024 * 1024;
 const SYNC_FRAME: [u8; 5] = [fe::SYNC, 0, 0, 0, 4];
 
 impl CacheSession {
@@ -222,6 +225,7 @@ impl CacheSession {
             tx_wrote: false,
             tx_effects: Effects::default(),
             deferred: Vec::new(),
+            deferred_bytes: 0,
             last_was_commit: false,
             plans: HashMap::new(),
             statements: HashMap::new(),
@@ -953,6 +957,11 @@ where
     /// ReadyForQuery: the oldest request is complete. Applies its effects,
     /// stores its capture, and closes the transaction's books when it ends.
     pub(super) fn on_ready_for_query(&mut self, status: TxStatus) {
+        if !self.ready {
+            // Logged in: only now does the database get shared state, so
+            // clients naming made-up databases cannot grow the registry.
+            self.cache.db = self.app.cache.db(self.startup.database());
+        }
         let previous = self.tx_status;
         tracing::trace!(?status, inflight = self.inflight.len(), "ready for query");
         self.tx_status = status;
@@ -975,7 +984,11 @@ where
             {
                 match status {
                     TxStatus::Idle => self.store(cap.key, &cap.buf),
-                    TxStatus::InTransaction if self.cache.deferred.len() < MAX_DEFERRED => {
+                    TxStatus::InTransaction
+                        if self.cache.deferred.len() < MAX_DEFERRED
+                            && self.cache.deferred_bytes + cap.buf.len() <= MAX_DEFERRED_BYTES =>
+                    {
+                        self.cache.deferred_bytes += cap.buf.len();
                         self.cache.deferred.push((cap.key, cap.buf.freeze()));
                     }
                     _ => {}
@@ -988,6 +1001,7 @@ where
                 let effects = std::mem::take(&mut self.cache.tx_effects);
                 effects.apply(&self.cache.db);
                 let deferred = std::mem::take(&mut self.cache.deferred);
+                self.cache.deferred_bytes = 0;
                 if self.cache.last_was_commit {
                     for (key, bytes) in deferred {
                         self.store(key, &bytes);
