@@ -41,6 +41,7 @@ pub enum BypassReason {
     Pipelined,
     UnsupportedShape,
     Disabled,
+    ReplicationDown,
 }
 
 impl BypassReason {
@@ -66,6 +67,7 @@ impl BypassReason {
             Self::Pipelined => "pipelined",
             Self::UnsupportedShape => "unsupported_shape",
             Self::Disabled => "disabled",
+            Self::ReplicationDown => "replication_down",
         }
     }
 }

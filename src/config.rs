@@ -32,6 +32,37 @@ pub struct Config {
     pub cache: CacheConfig,
     pub redis: RedisConfig,
     pub metrics: MetricsConfig,
+    pub replication: ReplicationConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplicationConfig {
+    /// Invalidate from PostgreSQL logical replication.
+    pub enabled: bool,
+    /// Refuse to start when replication cannot work (else: TTL-only, loudly).
+    pub required: bool,
+    /// Publication the streams read.
+    pub publication: String,
+    /// Keep the publication listing every table with a replica identity.
+    pub manage_publication: bool,
+    /// Install an event trigger that announces DDL in the stream.
+    pub ddl_event_trigger: bool,
+    /// Commit-to-receipt delay past which the database's cache is not served.
+    pub max_lag_ms: u64,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            required: true,
+            publication: "pgcache".to_owned(),
+            manage_publication: true,
+            ddl_event_trigger: true,
+            max_lag_ms: 1000,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -225,6 +256,9 @@ impl Config {
                 "cache.max_entry_bytes: {} must be between 1 and cache.local.max_bytes ({})",
                 self.cache.max_entry_bytes, self.cache.local.max_bytes
             ));
+        }
+        if self.replication.publication.is_empty() {
+            problems.push("replication.publication: must not be empty".to_owned());
         }
         if self.upstream.connect_timeout_ms == 0 {
             problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());

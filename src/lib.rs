@@ -10,6 +10,9 @@
 //! - [`session`]: one client: startup negotiation and the relay loop.
 //! - [`backend`]: connections to PostgreSQL, cancel forwarding.
 //! - [`cancel`]: pgcache's own BackendKeyData and CancelRequest routing.
+//! - [`classify`]: what a statement reads, writes and calls (sqlparser).
+//! - [`cache`]: keys, the local tier, catalog snapshot, table versions.
+//! - [`invalidation`]: logical replication streams that bump versions.
 //! - [`protocol`]: framing, startup packets, messages pgcache writes itself.
 
 pub mod backend;
@@ -17,13 +20,16 @@ pub mod cache;
 pub mod cancel;
 pub mod classify;
 pub mod config;
+pub mod invalidation;
 pub mod protocol;
 pub mod server;
 pub mod session;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 pub use config::Config;
 pub use server::{run, serve};
@@ -40,6 +46,17 @@ pub struct App {
     /// Shutdown timeout expired: sessions close now.
     pub force: CancellationToken,
     pub cache: cache::CacheState,
+    /// Replication streams invalidate (checked at start-up).
+    replication: AtomicBool,
+}
+
+/// Why pgcache cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Replication(#[from] invalidation::replication::ReplicationError),
 }
 
 impl App {
@@ -60,6 +77,37 @@ impl App {
             cancel: Arc::default(),
             drain: CancellationToken::new(),
             force: CancellationToken::new(),
+            replication: AtomicBool::new(false),
         })
+    }
+
+    /// Builds the shared state and runs the start-up checks: with caching
+    /// and `replication.enabled`, PostgreSQL must be able to stream changes,
+    /// or pgcache refuses to start (`replication.required`) or runs with
+    /// TTL-only invalidation and says so.
+    pub async fn start(config: Config) -> Result<Arc<Self>, StartError> {
+        let app = Self::new(config)?;
+        if app.config.cache.enabled && app.config.replication.enabled {
+            match invalidation::preflight(&app.config).await {
+                Ok(()) => app.replication.store(true, Ordering::Release),
+                Err(e) if app.config.replication.required => return Err(e.into()),
+                Err(e) => warn!(
+                    "REPLICATION IS OFF ({e}). Writes made outside pgcache are NOT seen: cached results expire only \
+                     after cache.default_ttl_secs ({}s)",
+                    app.config.cache.default_ttl_secs
+                ),
+            }
+        }
+        Ok(Arc::new(app))
+    }
+
+    pub fn replication_on(&self) -> bool {
+        self.replication.load(Ordering::Acquire)
+    }
+
+    /// Cached results of `db` may be served: replication is off (TTL-only
+    /// by configuration), or its stream is up and current.
+    pub fn cache_allowed(&self, db: &cache::DbState) -> bool {
+        !self.replication_on() || db.is_current()
     }
 }

@@ -19,8 +19,8 @@ pub async fn run(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), crate::config::ConfigError> {
-    serve(Arc::new(App::new(config)?), listener, shutdown).await;
+) -> Result<(), crate::StartError> {
+    serve(App::start(config).await?, listener, shutdown).await;
     Ok(())
 }
 

@@ -238,7 +238,7 @@ async fn trigger_and_cascade_writes_to_other_tables_invalidate_them() {
 async fn partition_writes_invalidate_the_parent_and_the_other_way_round() {
     let (db, proxy, client) = setup(
         "partition",
-        "CREATE TABLE m(id int, v int) PARTITION BY RANGE (id);
+        "CREATE TABLE m(id int PRIMARY KEY, v int) PARTITION BY RANGE (id);
          CREATE TABLE m_low PARTITION OF m FOR VALUES FROM (0) TO (100);
          CREATE TABLE m_high PARTITION OF m FOR VALUES FROM (100) TO (200);
          INSERT INTO m VALUES (1, 1), (150, 1);",
@@ -336,8 +336,11 @@ async fn never_cached_statements_always_reach_postgres() {
 
 #[tokio::test]
 async fn temp_tables_disable_the_cache_for_their_session() {
-    let (db, proxy, client) =
-        setup("temp", "CREATE TABLE t(v int); INSERT INTO t VALUES (1)").await;
+    let (db, proxy, client) = setup(
+        "temp",
+        "CREATE TABLE t(v int PRIMARY KEY); INSERT INTO t VALUES (1)",
+    )
+    .await;
     assert_eq!(
         scalar(&client, "SELECT v FROM t").await.as_deref(),
         Some("1")
@@ -411,7 +414,11 @@ async fn reads_after_a_write_in_a_transaction_see_that_write_and_aborted_reads_a
 
 #[tokio::test]
 async fn repeatable_read_and_serializable_transactions_bypass_the_cache() {
-    let (db, proxy, client) = setup("rr", "CREATE TABLE t(v int); INSERT INTO t VALUES (1)").await;
+    let (db, proxy, client) = setup(
+        "rr",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
     assert_eq!(
         scalar(&client, "SELECT v FROM t").await.as_deref(),
         Some("1")
@@ -510,7 +517,7 @@ async fn extended_protocol_hits_with_binary_results_nulls_and_new_parameters() {
 #[tokio::test]
 async fn results_over_the_entry_limit_are_streamed_not_stored() {
     let db = pg().create_db("large");
-    pg().psql_db(&db, "CREATE TABLE big AS SELECT g AS id, repeat('x', 100) AS pad FROM generate_series(1, 20000) g");
+    pg().psql_db(&db, "CREATE TABLE big AS SELECT g AS id, repeat('x', 100) AS pad FROM generate_series(1, 20000) g; ALTER TABLE big ADD PRIMARY KEY (id)");
     let mut config = pg().proxy_config();
     config.cache.max_entry_bytes = 64 * 1024;
     let proxy = Proxy::start(config).await;
@@ -532,14 +539,14 @@ async fn row_level_security_gives_each_role_its_own_rows() {
     let db = pg().create_db("rls");
     pg().psql_db(
         &db,
-        "CREATE TABLE docs(owner text, body text);
-         INSERT INTO docs VALUES ('alice', 'a1'), ('bob', 'b1'), ('bob', 'b2');
+        "CREATE TABLE docs(id serial PRIMARY KEY, owner text, body text);
+         INSERT INTO docs(owner, body) VALUES ('alice', 'a1'), ('bob', 'b1'), ('bob', 'b2');
          ALTER TABLE docs ENABLE ROW LEVEL SECURITY;
          CREATE POLICY own ON docs USING (owner = current_user);
          DO $$ BEGIN CREATE ROLE alice LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
          DO $$ BEGIN CREATE ROLE bob LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
          GRANT SELECT ON docs TO alice, bob;
-         CREATE TABLE tenant_rows(tenant int, v text);
+         CREATE TABLE tenant_rows(tenant int PRIMARY KEY, v text);
          INSERT INTO tenant_rows VALUES (1, 'one'), (2, 'two');
          ALTER TABLE tenant_rows ENABLE ROW LEVEL SECURITY;
          CREATE POLICY by_tenant ON tenant_rows USING (tenant = current_setting('app.tenant')::int);
@@ -548,6 +555,7 @@ async fn row_level_security_gives_each_role_its_own_rows() {
     let proxy = Proxy::start(pg().proxy_config()).await;
     let alice = connect_dsn(&proxy.dsn("alice", &db)).await.unwrap();
     let bob = connect_dsn(&proxy.dsn("bob", &db)).await.unwrap();
+    proxy.wait_streaming(&db).await;
     for _ in 0..2 {
         assert_eq!(
             rows(&alice, "SELECT body FROM docs ORDER BY body")
@@ -598,7 +606,7 @@ async fn the_same_text_under_two_search_paths_reads_two_tables() {
     let (db, proxy, client) = setup(
         "searchpath",
         "CREATE SCHEMA s1; CREATE SCHEMA s2;
-         CREATE TABLE s1.t(v text); CREATE TABLE s2.t(v text);
+         CREATE TABLE s1.t(v text PRIMARY KEY); CREATE TABLE s2.t(v text PRIMARY KEY);
          INSERT INTO s1.t VALUES ('from s1'); INSERT INTO s2.t VALUES ('from s2');",
     )
     .await;
@@ -627,7 +635,7 @@ async fn the_same_text_under_two_search_paths_reads_two_tables() {
 async fn set_time_zone_changes_timestamptz_output() {
     let (_db, _proxy, client) = setup(
         "tz",
-        "CREATE TABLE e(at timestamptz); INSERT INTO e VALUES ('2024-01-01 00:00:00+00')",
+        "CREATE TABLE e(at timestamptz PRIMARY KEY); INSERT INTO e VALUES ('2024-01-01 00:00:00+00')",
     )
     .await;
     client.batch_execute("SET TIME ZONE 'UTC'").await.unwrap();
@@ -741,7 +749,7 @@ async fn no_read_returns_a_value_older_than_an_acknowledged_write() {
 async fn after_an_extended_copy_the_session_is_idle_and_hits_again() {
     let (_db, proxy, client) = setup(
         "copysync",
-        "CREATE TABLE t(v int); CREATE TABLE u(v int); INSERT INTO u VALUES (7)",
+        "CREATE TABLE t(v int); CREATE TABLE u(v int PRIMARY KEY); INSERT INTO u VALUES (7)",
     )
     .await;
     // Prepared once: dropping a statement makes tokio-postgres send Close in
@@ -773,14 +781,14 @@ async fn after_an_extended_copy_the_session_is_idle_and_hits_again() {
 
 #[tokio::test]
 async fn a_table_created_outside_pgcache_becomes_cacheable() {
-    let (db, proxy, client) = setup("newtable", "CREATE TABLE t(v int)").await;
+    let (db, proxy, client) = setup("newtable", "CREATE TABLE t(v int PRIMARY KEY)").await;
     assert_eq!(
         scalar(&client, "SELECT count(*) FROM t").await.as_deref(),
         Some("0")
     );
     pg().psql_db(
         &db,
-        "CREATE TABLE fresh(v int); INSERT INTO fresh VALUES (5)",
+        "CREATE TABLE fresh(v int PRIMARY KEY); INSERT INTO fresh VALUES (5)",
     );
     // Unknown at first (not cached), then the snapshot is reloaded.
     let hits = eventually(Duration::from_secs(10), "a hit on the new table", || {
@@ -802,9 +810,14 @@ async fn a_table_created_outside_pgcache_becomes_cacheable() {
 #[tokio::test]
 async fn entries_expire_after_the_default_ttl() {
     let db = pg().create_db("ttl");
-    pg().psql_db(&db, "CREATE TABLE t(v int); INSERT INTO t VALUES (1)");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(v int PRIMARY KEY); INSERT INTO t VALUES (1)",
+    );
     let mut config = pg().proxy_config();
     config.cache.default_ttl_secs = 1;
+    // Replication would see the direct write below: test the TTL alone.
+    config.replication.enabled = false;
     let proxy = Proxy::start(config).await;
     let client = proxy.connect(&db).await;
     assert_eq!(
@@ -816,8 +829,8 @@ async fn entries_expire_after_the_default_ttl() {
         Some("1")
     );
     assert_eq!(proxy.hits(), 1);
-    // A write made directly on PostgreSQL is invisible to pgcache (until
-    // replication): the TTL is what bounds it.
+    // Without replication a write made directly on PostgreSQL is invisible
+    // to pgcache: the TTL is what bounds it.
     pg().psql_db(&db, "UPDATE t SET v = 2");
     let started = Instant::now();
     eventually(Duration::from_secs(10), "the entry to expire", || {

@@ -149,7 +149,9 @@ async fn pgbench_init_then_every_protocol_mode_with_zero_failures() {
     assert_eq!(history, 1600, "every transaction wrote its history row");
 }
 
-#[tokio::test]
+// Multi-threaded: Pg::stop blocks a thread, and the in-process pgcache must
+// keep answering its walsender meanwhile or PostgreSQL waits to shut down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restart_gives_errors_then_everything_recovers() {
     let pg = Pg::dedicated();
     let mut config = pg.proxy_config();

@@ -12,13 +12,24 @@ use std::collections::{BTreeSet, HashMap};
 
 use crate::classify::policy_facts;
 
-/// One row per relation name, function name and policy. Fully qualified so
-/// that a client's search_path cannot redirect it.
-pub const SNAPSHOT_SQL: &str = "\
-SELECT 'r', c.relname,
+/// One row per relation name, function name and policy, fully qualified so
+/// that a client's search_path cannot redirect it. With `publication`, a
+/// relation counts as readable only if it (or its partition root) is in it.
+pub fn snapshot_sql(publication: Option<&str>) -> String {
+    let published = match publication {
+        Some(name) => format!(
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_publication p WHERE p.pubname = '{}' AND (p.puballtables OR EXISTS \
+             (SELECT 1 FROM pg_catalog.pg_publication_rel pr WHERE pr.prpubid = p.oid \
+              AND pr.prrelid = coalesce(pg_catalog.pg_partition_root(c.oid), c.oid))))",
+            name.replace('\'', "''")
+        ),
+        None => "true".to_owned(),
+    };
+    format!(
+        "SELECT 'r', c.relname,
   pg_catalog.bool_and(c.relkind IN ('r','p') AND c.relpersistence = 'p'
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')
-    AND NOT (c.relkind = 'r' AND c.relhassubclass))::text,
+    AND NOT (c.relkind = 'r' AND c.relhassubclass) AND {published})::text,
   pg_catalog.bool_or(c.relkind NOT IN ('r','p') OR c.relhasrules
     OR EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t WHERE t.tgrelid = c.oid AND NOT t.tgisinternal)
     OR EXISTS (SELECT 1 FROM pg_catalog.pg_constraint k WHERE k.confrelid = c.oid AND k.contype = 'f'
@@ -36,7 +47,9 @@ FROM pg_catalog.pg_proc p GROUP BY p.proname
 UNION ALL
 SELECT 'p', c.relname, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL
 FROM pg_catalog.pg_policy pol JOIN pg_catalog.pg_class c ON c.oid = pol.polrelid
-WHERE pol.polqual IS NOT NULL";
+WHERE pol.polqual IS NOT NULL"
+    )
+}
 
 /// SQL constructs sqlparser reports as function calls that are not in
 /// pg_proc, and are immutable.
@@ -70,7 +83,7 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    /// Builds the snapshot from [`SNAPSHOT_SQL`]'s rows.
+    /// Builds the snapshot from [`snapshot_sql`]'s rows.
     pub fn from_rows(rows: &[Vec<Option<String>>]) -> Catalog {
         let mut catalog = Catalog::default();
         let mut policies: Vec<(String, String)> = Vec::new();

@@ -35,6 +35,16 @@ pub struct DbState {
     families: Mutex<HashMap<String, Arc<AtomicU64>>>,
     /// When a reload for an unknown relation was last asked for.
     last_reload: Mutex<Option<std::time::Instant>>,
+    /// A replication stream task exists for this database.
+    stream_claimed: std::sync::atomic::AtomicBool,
+    /// The stream is up and has flushed what it may have missed.
+    streaming: std::sync::atomic::AtomicBool,
+    /// The last commit arrived later than `replication.max_lag_ms`.
+    lagging: std::sync::atomic::AtomicBool,
+    /// Commit-to-receipt delay of the last transaction, in milliseconds.
+    lag_ms: AtomicU64,
+    /// How many times the stream (re)started.
+    stream_starts: AtomicU64,
 }
 
 /// A query naming a relation the snapshot lacks reloads it at most this often.
@@ -67,6 +77,53 @@ impl DbState {
             *last = Some(std::time::Instant::now());
             self.catalog_gen.fetch_add(1, Ordering::AcqRel);
         }
+    }
+
+    /// A change to relation `name` arrived through replication: bump its
+    /// version, and its partition tree's if the snapshot knows it.
+    pub fn bump_relation(&self, name: &str) {
+        self.family(name).fetch_add(1, Ordering::AcqRel);
+        if let Some((_, catalog)) = self.catalog()
+            && let Some(facts) = catalog.relation(name)
+            && facts.family != name
+        {
+            self.family(&facts.family).fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// True for the one caller that should start this database's stream.
+    pub fn claim_stream(&self) -> bool {
+        !self.stream_claimed.swap(true, Ordering::AcqRel)
+    }
+
+    pub fn set_streaming(&self, up: bool) {
+        self.streaming.store(up, Ordering::Release);
+    }
+
+    /// The stream is up and not lagging: cached results may be served.
+    pub fn is_current(&self) -> bool {
+        self.streaming.load(Ordering::Acquire) && !self.lagging.load(Ordering::Acquire)
+    }
+
+    pub fn is_streaming(&self) -> bool {
+        self.streaming.load(Ordering::Acquire)
+    }
+
+    pub fn stream_started(&self) {
+        self.stream_starts.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn stream_starts(&self) -> u64 {
+        self.stream_starts.load(Ordering::Acquire)
+    }
+
+    pub fn set_lag(&self, lag_ms: u64, lagging: bool) {
+        self.lag_ms.store(lag_ms, Ordering::Release);
+        self.lagging.store(lagging, Ordering::Release);
+    }
+
+    pub fn lag_ms(&self) -> u64 {
+        self.lag_ms.load(Ordering::Acquire)
     }
 
     /// The snapshot, if it is current.

@@ -28,7 +28,7 @@ use tracing::debug;
 
 use super::{Flow, MAX_BACKEND_FRAME, Session, SessionError};
 use crate::cache::DbState;
-use crate::cache::catalog::{Catalog, SNAPSHOT_SQL};
+use crate::cache::catalog::{Catalog, snapshot_sql};
 use crate::cache::key::{self, KeyBuilder};
 use crate::classify::{Analysis, BypassReason, Effect, is_time_literal_text};
 use crate::protocol::codec::{HEADER_LEN, parse_frame};
@@ -495,6 +495,9 @@ where
         if self.cache.temp {
             return Ok(Err(BypassReason::TempObjects));
         }
+        if !self.app.cache_allowed(&self.cache.db) {
+            return Ok(Err(BypassReason::ReplicationDown));
+        }
         if !self.inflight.is_empty() || !self.to_backend.is_empty() || self.unsynced {
             return Ok(Err(BypassReason::Pipelined));
         }
@@ -573,7 +576,11 @@ where
             return Ok(None);
         }
         let generation = self.cache.db.catalog_gen();
-        let Some(rows) = self.hidden_query(SNAPSHOT_SQL).await? else {
+        let publication = self
+            .app
+            .replication_on()
+            .then_some(self.app.config.replication.publication.as_str());
+        let Some(rows) = self.hidden_query(&snapshot_sql(publication)).await? else {
             return Ok(None);
         };
         let catalog = Arc::new(Catalog::from_rows(&rows));
@@ -961,6 +968,13 @@ where
             // Logged in: only now does the database get shared state, so
             // clients naming made-up databases cannot grow the registry.
             self.cache.db = self.app.cache.db(self.startup.database());
+            if self.caching {
+                crate::invalidation::ensure_stream(
+                    &self.app,
+                    self.startup.database(),
+                    &self.cache.db,
+                );
+            }
         }
         let previous = self.tx_status;
         tracing::trace!(?status, inflight = self.inflight.len(), "ready for query");

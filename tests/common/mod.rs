@@ -148,6 +148,7 @@ pub struct Pg {
     pub dir: PathBuf,
     bindir: PathBuf,
     owned: bool,
+    extra: String,
 }
 
 static SHARED_PG: OnceLock<Pg> = OnceLock::new();
@@ -175,12 +176,21 @@ pub fn pg() -> &'static Pg {
 impl Pg {
     /// A PostgreSQL of the test's own, stopped when dropped.
     pub fn dedicated() -> Pg {
-        let mut pg = Pg::start();
+        Pg::dedicated_with("")
+    }
+
+    /// A dedicated PostgreSQL with extra server options (`-c name=value ...`).
+    pub fn dedicated_with(extra: &str) -> Pg {
+        let mut pg = Pg::start_with(extra);
         pg.owned = true;
         pg
     }
 
     fn start() -> Pg {
+        Pg::start_with("")
+    }
+
+    fn start_with(extra: &str) -> Pg {
         let bindir = pg_bindir();
         let dir = scratch_dir("pg-");
         let data = dir.join("data");
@@ -219,6 +229,7 @@ impl Pg {
             dir,
             bindir,
             owned: false,
+            extra: extra.to_owned(),
         };
         for _attempt in 0..5 {
             pg.port = free_port();
@@ -242,9 +253,10 @@ impl Pg {
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c wal_level=logical -c fsync=off \
              -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 \
              -c max_replication_slots=40 -c max_wal_senders=40 -c shared_buffers=64MB \
-             -c max_prepared_transactions=10",
+             -c max_prepared_transactions=10 {}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.extra
         );
         server_cmd(self.bindir.join("pg_ctl"))
             .arg("-D")
@@ -342,7 +354,7 @@ impl Pg {
     /// pgcache configuration pointing at this server, listening on port 0.
     pub fn proxy_config(&self) -> Config {
         let mut config = Config::default();
-        config.upstream.url = format!("postgres://127.0.0.1:{}", self.port);
+        config.upstream.url = format!("postgres://postgres@127.0.0.1:{}", self.port);
         config.server.listen = "127.0.0.1:0".parse().unwrap();
         config.metrics.listen = "127.0.0.1:0".parse().unwrap();
         config
@@ -451,7 +463,7 @@ impl Proxy {
         let listener = TcpListener::bind(config.server.listen).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
-        let app = std::sync::Arc::new(pgcache::App::new(config).expect("valid config"));
+        let app = pgcache::App::start(config).await.expect("pgcache starts");
         let join = tokio::spawn(pgcache::serve(
             std::sync::Arc::clone(&app),
             listener,
@@ -482,10 +494,25 @@ impl Proxy {
         self.app.cache.stats.stores()
     }
 
+    /// Connects as `postgres`, and waits until the database's replication
+    /// stream is up (until then pgcache serves nothing from its cache).
     pub async fn connect(&self, db: &str) -> tokio_postgres::Client {
-        connect_dsn(&self.dsn("postgres", db))
+        let client = connect_dsn(&self.dsn("postgres", db))
             .await
-            .expect("connect through pgcache")
+            .expect("connect through pgcache");
+        self.wait_streaming(db).await;
+        client
+    }
+
+    pub async fn wait_streaming(&self, db: &str) {
+        if self.app.replication_on() {
+            let state = self.app.cache.db(db);
+            eventually(Duration::from_secs(20), "the replication stream", || {
+                let up = state.is_streaming();
+                async move { up.then_some(()) }
+            })
+            .await;
+        }
     }
 
     /// Starts shutdown; returns the task that finishes when pgcache stops.

@@ -1,0 +1,27 @@
+//! Invalidation from PostgreSQL logical replication, so writes that never
+//! pass through pgcache (other services, psql, cron jobs, other pgcache
+//! instances) invalidate cached results too.
+//!
+//! One stream per database that clients use, started when the first session
+//! to it logs in:
+//!
+//! ```text
+//! control connection (tokio-postgres, upstream credentials)
+//!   → keep the publication current: every table with a replica identity,
+//!     never one without (that would make its UPDATE/DELETE fail)
+//!   → install the DDL event trigger (best effort)
+//! replication connection (pgwire-replication)
+//!   → CREATE_REPLICATION_SLOT ... TEMPORARY LOGICAL pgoutput
+//!   → START_REPLICATION; then bump the epoch (anything may have been
+//!     missed) and only then mark the stream up
+//!   → per transaction: collect the relations changed; at Commit bump their
+//!     versions and acknowledge the LSN; a `pgcache_ddl` message bumps the
+//!     epoch and reloads the catalog
+//! on error: mark the stream down (no cache for the database), back off,
+//! reconnect
+//! ```
+
+pub mod pgoutput;
+pub mod replication;
+
+pub use replication::{ensure_stream, preflight};

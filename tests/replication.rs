@@ -1,0 +1,322 @@
+//! Invalidation from logical replication: writes made directly on
+//! PostgreSQL, never through pgcache, stop being served from the cache.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tokio_postgres::{Client, SimpleQueryMessage};
+
+async fn scalar(client: &Client, sql: &str) -> Option<String> {
+    client
+        .simple_query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .into_iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(r) => Some(r.get(0).map(str::to_owned)),
+            _ => None,
+        })
+        .flatten()
+}
+
+/// Reads `sql` through pgcache until it returns `want` (polling, with a deadline).
+async fn eventually_reads(client: &Client, sql: &str, want: &str) {
+    eventually(
+        Duration::from_secs(10),
+        &format!("{sql} to return {want}"),
+        || async { (scalar(client, sql).await.as_deref() == Some(want)).then_some(()) },
+    )
+    .await;
+}
+
+/// Reads `sql` twice and checks the second read was a hit.
+async fn cached(proxy: &Proxy, client: &Client, sql: &str) -> Option<String> {
+    let first = scalar(client, sql).await;
+    let hits = proxy.hits();
+    let second = scalar(client, sql).await;
+    assert_eq!(first, second);
+    assert_eq!(proxy.hits(), hits + 1, "{sql} was not served from cache");
+    second
+}
+
+async fn setup(name: &str, sql: &str) -> (String, Proxy, Client, Client) {
+    let db = pg().create_db(name);
+    pg().psql_db(&db, sql);
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg().direct(&db).await;
+    (db, proxy, client, direct)
+}
+
+#[tokio::test]
+async fn direct_writes_of_every_kind_invalidate() {
+    let (_db, proxy, client, direct) = setup(
+        "directwrites",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 0)",
+    )
+    .await;
+    let read = "SELECT sum(v)::text || '/' || count(*) FROM t";
+    assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("0/1"));
+    direct.batch_execute("UPDATE t SET v = 5").await.unwrap();
+    eventually_reads(&client, read, "5/1").await;
+    assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("5/1"));
+    direct
+        .batch_execute("INSERT INTO t VALUES (2, 1)")
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "6/2").await;
+    cached(&proxy, &client, read).await;
+    direct
+        .batch_execute("DELETE FROM t WHERE id = 1")
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "1/1").await;
+    cached(&proxy, &client, read).await;
+    let sink = direct.copy_in("COPY t FROM STDIN").await.unwrap();
+    futures_util::pin_mut!(sink);
+    futures_util::SinkExt::send(&mut sink, bytes::Bytes::from_static(b"10\t10\n"))
+        .await
+        .unwrap();
+    sink.finish().await.unwrap();
+    eventually_reads(&client, read, "11/2").await;
+    cached(&proxy, &client, read).await;
+    direct.batch_execute("TRUNCATE t").await.unwrap();
+    eventually_reads(&client, "SELECT count(*) FROM t", "0").await;
+}
+
+#[tokio::test]
+async fn a_rolled_back_transaction_leaves_the_cache_alone() {
+    let (_db, proxy, client, direct) = setup(
+        "rollback",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1); CREATE TABLE other(id int PRIMARY KEY)",
+    )
+    .await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("1"));
+    direct
+        .batch_execute("BEGIN; UPDATE t SET v = 2; ROLLBACK")
+        .await
+        .unwrap();
+    // A later committed change proves the stream has passed the rollback.
+    direct
+        .batch_execute("INSERT INTO other VALUES (1)")
+        .await
+        .unwrap();
+    eventually_reads(&client, "SELECT count(*) FROM other", "1").await;
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("1"));
+    assert_eq!(
+        proxy.hits(),
+        hits + 1,
+        "the rolled-back update must not invalidate"
+    );
+}
+
+#[tokio::test]
+async fn a_direct_write_to_a_partition_invalidates_the_parent() {
+    let (_db, proxy, client, direct) = setup(
+        "partitions",
+        "CREATE TABLE m(id int PRIMARY KEY, v int) PARTITION BY RANGE (id);
+         CREATE TABLE m1 PARTITION OF m FOR VALUES FROM (0) TO (100);
+         CREATE TABLE m2 PARTITION OF m FOR VALUES FROM (100) TO (200);
+         INSERT INTO m VALUES (1, 1), (150, 1);",
+    )
+    .await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT sum(v) FROM m")
+            .await
+            .as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        cached(&proxy, &client, "SELECT sum(v) FROM m2")
+            .await
+            .as_deref(),
+        Some("1")
+    );
+    direct.batch_execute("UPDATE m1 SET v = 10").await.unwrap();
+    eventually_reads(&client, "SELECT sum(v) FROM m", "11").await;
+    direct
+        .batch_execute("UPDATE m SET v = 7 WHERE id = 150")
+        .await
+        .unwrap();
+    eventually_reads(&client, "SELECT sum(v) FROM m2", "7").await;
+}
+
+#[tokio::test]
+async fn a_table_without_a_primary_key_is_never_published_and_its_writes_work() {
+    let (db, proxy, client, direct) = setup(
+        "nopk",
+        "CREATE TABLE log(msg text); INSERT INTO log VALUES ('a'); CREATE TABLE t(id int PRIMARY KEY)",
+    )
+    .await;
+    // Created after the stream started, outside pgcache: also never published.
+    direct
+        .batch_execute("CREATE TABLE later(msg text); INSERT INTO later VALUES ('x')")
+        .await
+        .unwrap();
+    // Give the DDL time to reach the stream: a committed change after it.
+    direct
+        .batch_execute("INSERT INTO t VALUES (1)")
+        .await
+        .unwrap();
+    eventually_reads(&client, "SELECT count(*) FROM t", "1").await;
+    for table in ["log", "later"] {
+        direct
+            .batch_execute(&format!("UPDATE {table} SET msg = 'b'"))
+            .await
+            .unwrap();
+        direct
+            .batch_execute(&format!("DELETE FROM {table}"))
+            .await
+            .unwrap();
+        client
+            .batch_execute(&format!(
+                "INSERT INTO {table} VALUES ('c'); UPDATE {table} SET msg = 'd'"
+            ))
+            .await
+            .unwrap();
+        let hits = proxy.hits();
+        assert_eq!(
+            scalar(&client, &format!("SELECT msg FROM {table}"))
+                .await
+                .as_deref(),
+            Some("d")
+        );
+        assert_eq!(
+            scalar(&client, &format!("SELECT msg FROM {table}"))
+                .await
+                .as_deref(),
+            Some("d")
+        );
+        assert_eq!(
+            proxy.hits(),
+            hits,
+            "{table} has no replica identity: never cached"
+        );
+    }
+    let published = pg().psql_db(&db, "SELECT string_agg(tablename, ',' ORDER BY tablename) FROM pg_publication_tables WHERE pubname = 'pgcache'");
+    assert_eq!(published.trim(), "t");
+}
+
+#[tokio::test]
+async fn ddl_made_outside_pgcache_invalidates() {
+    let (_db, proxy, client, direct) = setup(
+        "ddl",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT * FROM t").await.as_deref(),
+        Some("1")
+    );
+    direct
+        .batch_execute("ALTER TABLE t RENAME COLUMN id TO key")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "the rename to be seen", || async {
+        let rows = client.simple_query("SELECT * FROM t").await.unwrap();
+        rows.iter()
+            .find_map(|m| match m {
+                SimpleQueryMessage::RowDescription(cols) => Some(cols[0].name() == "key"),
+                _ => None,
+            })
+            .unwrap_or(false)
+            .then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
+    let (db, proxy, client, direct) = setup(
+        "walsender",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("1"));
+    let state = proxy.app.cache.db(&db);
+    let starts = state.stream_starts();
+    let killed: i64 = direct
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE backend_type = 'walsender' AND datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1);
+    eventually(Duration::from_secs(20), "the stream to come back", || {
+        let again = state.stream_starts() > starts && state.is_streaming();
+        async move { again.then_some(()) }
+    })
+    .await;
+    // Whatever was cached before may have missed changes: not served again.
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("1"));
+    assert_eq!(proxy.hits(), hits, "the reconnect must flush");
+    assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("1"));
+    direct.batch_execute("UPDATE t SET v = 2").await.unwrap();
+    eventually_reads(&client, read, "2").await;
+}
+
+// Multi-threaded: Pg::stop blocks a thread, and the in-process pgcache must
+// keep answering its walsender meanwhile or PostgreSQL waits to shut down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_breaks_sessions_then_caching_recovers() {
+    let pg = Pg::dedicated();
+    pg.psql_admin("CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)");
+    let mut config = pg.proxy_config();
+    config.upstream.connect_timeout_ms = 1000;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect("postgres").await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+    pg.stop();
+    assert!(
+        client.simple_query("SELECT v FROM t").await.is_err(),
+        "the session's backend is gone"
+    );
+    pg.restart();
+    let client = eventually(Duration::from_secs(30), "a new session", || async {
+        connect_dsn(&proxy.dsn("postgres", "postgres")).await.ok()
+    })
+    .await;
+    proxy.wait_streaming("postgres").await;
+    pg.psql_admin("UPDATE t SET v = 3");
+    eventually_reads(&client, "SELECT v FROM t", "3").await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT v FROM t").await.as_deref(),
+        Some("3")
+    );
+}
+
+#[tokio::test]
+async fn without_logical_wal_pgcache_refuses_to_start_and_says_how_to_fix_it() {
+    let pg = Pg::dedicated_with("-c wal_level=replica");
+    let err = match pgcache::App::start(pg.proxy_config()).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("started without logical replication"),
+    };
+    assert!(
+        err.contains("wal_level") && err.contains("logical"),
+        "{err}"
+    );
+    assert!(err.contains("replication.required = false"), "{err}");
+    // Not required: starts with replication off, and still caches (TTL-only).
+    let mut config = pg.proxy_config();
+    config.replication.required = false;
+    let proxy = Proxy::start(config).await;
+    assert!(!proxy.app.replication_on());
+    pg.psql_admin("CREATE TABLE t(id int PRIMARY KEY); INSERT INTO t VALUES (1)");
+    let client = proxy.connect("postgres").await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT id FROM t").await.as_deref(),
+        Some("1")
+    );
+}
