@@ -39,7 +39,7 @@ start_postgres() {
     [ "$(id -u)" -eq 0 ] && chown postgres: "$RUNDIR" "$RUNDIR/sock"
     as_pg "$PGBIN/initdb" -D "$RUNDIR/pgdata" -U postgres --auth=trust -E UTF8 --locale=C --no-sync >/dev/null
     as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/pgdata" -l "$RUNDIR/pg.log" -w start -o \
-        "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c shared_buffers=256MB -c fsync=off -c synchronous_commit=off" >/dev/null
+        "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c shared_buffers=256MB -c fsync=off" >/dev/null
     export PGHOST=127.0.0.1 PGUSER=postgres
 }
 
@@ -51,7 +51,7 @@ build_pgcache() {
 # start_pgcache PORT [flags...]
 start_pgcache() {
     local port=$1; shift
-    RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "postgres://127.0.0.1:$PGPORT" \
+    RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
         --metrics "127.0.0.1:$(free_port)" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
     PIDS+=($!)
     wait_port "$port"

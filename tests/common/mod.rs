@@ -251,7 +251,7 @@ impl Pg {
     fn ctl_start(&self) -> bool {
         let opts = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c wal_level=logical -c fsync=off \
-             -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 \
+             -c full_page_writes=off -c max_connections=400 \
              -c max_replication_slots=40 -c max_wal_senders=40 -c shared_buffers=64MB \
              -c max_prepared_transactions=10 {}",
             self.port,
