@@ -5,6 +5,7 @@
 //!
 //! `cargo run --release --example staleness -- DIRECT_DSN PGCACHE_DSN [SAMPLES]`
 //! Prints p50, p99 and max in milliseconds. Used by `bench/invalidation.sh`.
+#![allow(clippy::print_stdout)] // its output is the report
 
 use std::time::{Duration, Instant};
 
