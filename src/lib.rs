@@ -21,6 +21,7 @@ pub mod cancel;
 pub mod classify;
 pub mod config;
 pub mod invalidation;
+pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod session;
@@ -48,6 +49,11 @@ pub struct App {
     pub cache: cache::CacheState,
     /// Replication streams invalidate (checked at start-up).
     replication: AtomicBool,
+    pub metrics: metrics::Metrics,
+    /// Bound by [`App::start`], served by [`serve`].
+    metrics_listener: std::sync::Mutex<Option<tokio::net::TcpListener>>,
+    /// Where `/metrics` is served (known after [`App::start`]).
+    pub metrics_addr: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 /// Why pgcache cannot start.
@@ -57,6 +63,11 @@ pub enum StartError {
     Config(#[from] config::ConfigError),
     #[error(transparent)]
     Replication(#[from] invalidation::replication::ReplicationError),
+    #[error("cannot listen on {addr} (metrics.listen): {source}")]
+    MetricsListen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 impl App {
@@ -78,7 +89,18 @@ impl App {
             drain: CancellationToken::new(),
             force: CancellationToken::new(),
             replication: AtomicBool::new(false),
+            metrics: metrics::Metrics::new(),
+            metrics_listener: std::sync::Mutex::new(None),
+            metrics_addr: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The metrics listener bound at start-up, taken once by [`serve`].
+    pub(crate) fn take_metrics_listener(&self) -> Option<tokio::net::TcpListener> {
+        self.metrics_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Builds the shared state and runs the start-up checks: with caching
@@ -87,6 +109,16 @@ impl App {
     /// TTL-only invalidation and says so.
     pub async fn start(config: Config) -> Result<Arc<Self>, StartError> {
         let app = Self::new(config)?;
+        let addr = app.config.metrics.listen;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::MetricsListen { addr, source })?;
+        if let Ok(bound) = listener.local_addr() {
+            let _ = app.metrics_addr.set(bound);
+        }
+        *app.metrics_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(listener);
         if app.config.cache.enabled && app.config.replication.enabled {
             match invalidation::preflight(&app.config).await {
                 Ok(()) => app.replication.store(true, Ordering::Release),

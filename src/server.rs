@@ -27,6 +27,9 @@ pub async fn run(
 /// [`run`] with an [`App`] the caller keeps a handle to (tests read its
 /// counters).
 pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
+    if let Some(listener) = app.take_metrics_listener() {
+        tokio::spawn(crate::metrics::serve(Arc::clone(&app), listener));
+    }
     let limit = Arc::new(Semaphore::new(app.config.server.max_client_connections));
     let sessions = TaskTracker::new();
     tokio::pin!(shutdown);

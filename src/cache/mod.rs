@@ -43,6 +43,8 @@ pub struct DbState {
     lagging: std::sync::atomic::AtomicBool,
     /// Commit-to-receipt delay of the last transaction, in milliseconds.
     lag_ms: AtomicU64,
+    /// WAL announced by the server beyond what has been applied.
+    lag_bytes: AtomicU64,
     /// How many times the stream (re)started.
     stream_starts: AtomicU64,
 }
@@ -122,6 +124,14 @@ impl DbState {
         self.lagging.store(lagging, Ordering::Release);
     }
 
+    pub fn set_lag_bytes(&self, bytes: u64) {
+        self.lag_bytes.store(bytes, Ordering::Release);
+    }
+
+    pub fn lag_bytes(&self) -> u64 {
+        self.lag_bytes.load(Ordering::Acquire)
+    }
+
     pub fn lag_ms(&self) -> u64 {
         self.lag_ms.load(Ordering::Acquire)
     }
@@ -146,37 +156,9 @@ impl DbState {
     }
 }
 
-/// Counters of cache outcomes (exported as metrics, read by tests).
-#[derive(Debug, Default)]
-pub struct Stats {
-    /// Requests answered from the cache.
-    pub hits: AtomicU64,
-    /// Cacheable requests forwarded to fill the cache.
-    pub misses: AtomicU64,
-    /// Requests that could not use the cache.
-    pub bypasses: AtomicU64,
-    /// Results stored.
-    pub stores: AtomicU64,
-}
-
-impl Stats {
-    pub fn hits(&self) -> u64 {
-        self.hits.load(Ordering::Relaxed)
-    }
-
-    pub fn misses(&self) -> u64 {
-        self.misses.load(Ordering::Relaxed)
-    }
-
-    pub fn stores(&self) -> u64 {
-        self.stores.load(Ordering::Relaxed)
-    }
-}
-
 /// Everything cache-related shared by the sessions of one pgcache.
 pub struct CacheState {
     pub local: LocalCache,
-    pub stats: Stats,
     dbs: Mutex<HashMap<String, Arc<DbState>>>,
     /// Statement analyses, memoised by the hash of their text.
     analyses: moka::sync::Cache<u128, Arc<Analysis>>,
@@ -190,10 +172,17 @@ impl CacheState {
     pub fn new(local: LocalCache) -> Self {
         Self {
             local,
-            stats: Stats::default(),
             dbs: Mutex::default(),
             analyses: moka::sync::Cache::new(10_000),
         }
+    }
+
+    /// Every database seen so far, for metrics and readiness.
+    pub fn databases(&self) -> Vec<(String, Arc<DbState>)> {
+        let map = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
+        map.iter()
+            .map(|(k, v)| (k.clone(), Arc::clone(v)))
+            .collect()
     }
 
     pub fn db(&self, name: &str) -> Arc<DbState> {

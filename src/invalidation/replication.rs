@@ -222,6 +222,8 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
     let mut touched: HashSet<u32> = HashSet::new();
     let mut in_transaction = false;
     let mut republish = false;
+    // Server WAL position seen and position applied, for the byte lag.
+    let (mut server_lsn, mut applied_lsn) = (0u64, 0u64);
     loop {
         let Some(event) = stream.recv().await? else {
             return Ok(());
@@ -231,17 +233,20 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
                 in_transaction = true;
                 touched.clear();
             }
-            ReplicationEvent::XLogData { data, .. } => match pgoutput::decode(&data) {
-                Some(Change::Relation { oid, name, .. }) => {
-                    relations.insert(oid, name);
+            ReplicationEvent::XLogData { data, wal_end, .. } => {
+                server_lsn = server_lsn.max(wal_end.0);
+                match pgoutput::decode(&data) {
+                    Some(Change::Relation { oid, name, .. }) => {
+                        relations.insert(oid, name);
+                    }
+                    Some(Change::Row { oid }) => {
+                        touched.insert(oid);
+                    }
+                    Some(Change::Truncate { oids }) => touched.extend(oids),
+                    Some(Change::Other) => {}
+                    None => warn!(database, "malformed pgoutput message ignored"),
                 }
-                Some(Change::Row { oid }) => {
-                    touched.insert(oid);
-                }
-                Some(Change::Truncate { oids }) => touched.extend(oids),
-                Some(Change::Other) => {}
-                None => warn!(database, "malformed pgoutput message ignored"),
-            },
+            }
             ReplicationEvent::Commit {
                 end_lsn,
                 commit_time_micros,
@@ -257,6 +262,8 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
                     }
                 }
                 stream.update_applied_lsn(end_lsn);
+                applied_lsn = applied_lsn.max(end_lsn.0);
+                server_lsn = server_lsn.max(end_lsn.0);
                 let lag = now_pg_micros() - commit_time_micros;
                 db.set_lag(lag.max(0) as u64 / 1000, lag > max_lag);
             }
@@ -267,14 +274,17 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             }
             ReplicationEvent::Message { lsn, .. } => stream.update_applied_lsn(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
+                server_lsn = server_lsn.max(wal_end.0);
                 if !in_transaction {
                     // Idle and told where WAL ends: caught up.
                     stream.update_applied_lsn(wal_end);
+                    applied_lsn = applied_lsn.max(wal_end.0);
                     db.set_lag(0, false);
                 }
             }
             ReplicationEvent::StoppedAt { .. } => return Ok(()),
         }
+        db.set_lag_bytes(server_lsn.saturating_sub(applied_lsn));
         if republish && !in_transaction {
             republish = false;
             if let Err(e) = sync_publication(&ctl, publication).await {

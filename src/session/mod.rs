@@ -119,6 +119,8 @@ pub async fn serve<C>(
         }
     };
 
+    app.metrics.client_connections.inc();
+    let _connected = ConnectionGauge(&app);
     let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
     let mut session = Session {
         caching: app.config.cache.enabled,
@@ -146,6 +148,15 @@ pub async fn serve<C>(
         Ok(()) => debug!("session closed"),
         Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
         Err(e) => info!(error = %e, "session ended"),
+    }
+}
+
+/// Decrements the client-connection gauge when the session ends.
+struct ConnectionGauge<'a>(&'a App);
+
+impl Drop for ConnectionGauge<'_> {
+    fn drop(&mut self) {
+        self.0.metrics.client_connections.dec();
     }
 }
 

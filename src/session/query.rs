@@ -414,7 +414,7 @@ where
     }
 
     fn capture(&self, key: u128) -> Capture {
-        self.app.cache.stats.misses.fetch_add(1, Ordering::Relaxed);
+        self.app.metrics.misses.inc();
         Capture {
             key,
             buf: BytesMut::new(),
@@ -426,11 +426,7 @@ where
         if reason != BypassReason::NotSelect {
             debug!(reason = reason.label(), "cache bypass");
         }
-        self.app
-            .cache
-            .stats
-            .bypasses
-            .fetch_add(1, Ordering::Relaxed);
+        self.app.metrics.bypasses.inc();
     }
 
     /// Answers from the cache if `key` is stored. The backend is idle
@@ -439,7 +435,7 @@ where
         let Some(entry) = self.app.cache.local.get(key) else {
             return Ok(false);
         };
-        self.app.cache.stats.hits.fetch_add(1, Ordering::Relaxed);
+        self.app.metrics.hits.inc();
         let status = match self.tx_status {
             TxStatus::Idle => b'I',
             TxStatus::InTransaction => b'T',
@@ -1029,7 +1025,7 @@ where
 
     fn store(&self, key: u128, bytes: &[u8]) {
         tracing::trace!(key, len = bytes.len(), "store");
-        self.app.cache.stats.stores.fetch_add(1, Ordering::Relaxed);
+        self.app.metrics.stores.inc();
         self.app.cache.local.insert(key, bytes);
     }
 }

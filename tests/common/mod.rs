@@ -487,11 +487,11 @@ impl Proxy {
     }
 
     pub fn hits(&self) -> u64 {
-        self.app.cache.stats.hits()
+        self.app.metrics.hits.get()
     }
 
     pub fn stores(&self) -> u64 {
-        self.app.cache.stats.stores()
+        self.app.metrics.stores.get()
     }
 
     /// Connects as `postgres`, and waits until the database's replication

@@ -1,0 +1,101 @@
+//! The Prometheus endpoint: exact counts, replication lag, health and readiness.
+
+mod common;
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// GET `path` on pgcache's metrics port; returns (status, body).
+async fn get(proxy: &Proxy, path: &str) -> (u16, String) {
+    let addr = *proxy
+        .app
+        .metrics_addr
+        .get()
+        .expect("metrics endpoint bound");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: pgcache\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.unwrap();
+    let status = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The value of one sample line, by its full name and labels.
+fn sample(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_report_the_exact_lookups_of_a_known_workload() {
+    let db = pg().create_db("metrics");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY); INSERT INTO t VALUES (1)",
+    );
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    for _ in 0..3 {
+        client.simple_query("SELECT id FROM t").await.unwrap();
+    }
+    client.simple_query("SELECT now()").await.unwrap();
+    let (status, body) = get(&proxy, "/metrics").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        sample(&body, r#"pgcache_cache_lookups_total{result="miss"}"#),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, r#"pgcache_cache_lookups_total{result="hit"}"#),
+        Some(2.0),
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, r#"pgcache_cache_lookups_total{result="bypass"}"#),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(sample(&body, "pgcache_cache_stores_total"), Some(1.0));
+    assert_eq!(sample(&body, "pgcache_client_connections"), Some(1.0));
+    assert!(sample(&body, "pgcache_cache_entries").unwrap() >= 1.0);
+    let labels = format!(r#"{{database="{db}"}}"#);
+    assert_eq!(
+        sample(&body, &format!("pgcache_replication_up{labels}")),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(
+        sample(&body, &format!("pgcache_replication_lag_seconds{labels}")).is_some(),
+        "{body}"
+    );
+    assert!(
+        sample(&body, &format!("pgcache_replication_lag_bytes{labels}")).is_some(),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn health_and_readiness() {
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    assert_eq!(get(&proxy, "/healthz").await.0, 200);
+    assert_eq!(get(&proxy, "/readyz").await.0, 200);
+    assert_eq!(get(&proxy, "/nope").await.0, 404);
+    let mut config = pg().proxy_config();
+    config.upstream.url = format!("postgres://postgres@127.0.0.1:{}", free_port());
+    let down = Proxy::start(config).await;
+    let (status, body) = get(&down, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("could not connect"), "{body}");
+    assert_eq!(get(&down, "/healthz").await.0, 200);
+}
