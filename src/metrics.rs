@@ -37,6 +37,7 @@ pub struct Metrics {
     replication_lag_seconds: GaugeVec,
     replication_lag_bytes: IntGaugeVec,
     replication_restarts: IntGaugeVec,
+    unpublished_tables: IntGaugeVec,
     local_entries: IntGauge,
     local_bytes: IntGauge,
 }
@@ -126,6 +127,17 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
+            unpublished_tables: register(
+                &registry,
+                IntGaugeVec::new(
+                    db(
+                        "pgcache_unpublished_tables",
+                        "Tables without a replica identity: never published, never cached",
+                    ),
+                    &["database"],
+                )
+                .expect("valid metric"),
+            ),
             local_entries: register(
                 &registry,
                 IntGauge::new("pgcache_cache_entries", "Entries in the local tier")
@@ -159,6 +171,9 @@ impl Metrics {
             self.replication_restarts
                 .with_label_values(&labels)
                 .set(db.stream_starts() as i64);
+            self.unpublished_tables
+                .with_label_values(&labels)
+                .set(db.unpublished() as i64);
         }
         self.local_entries.set(app.cache.local.entry_count() as i64);
         self.local_bytes

@@ -320,3 +320,67 @@ async fn without_logical_wal_pgcache_refuses_to_start_and_says_how_to_fix_it() {
         Some("1")
     );
 }
+
+#[tokio::test]
+async fn while_the_stream_is_down_the_database_is_served_from_postgres() {
+    let db = pg().create_db("down");
+    let role = format!("repl_{}", rand_suffix());
+    pg().psql_db(
+        &db,
+        &format!(
+            "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
+             CREATE ROLE {role} LOGIN REPLICATION;
+             CREATE PUBLICATION pgcache FOR ALL TABLES;"
+        ),
+    );
+    // pgcache replicates as its own role; the test can then refuse it.
+    let mut config = pg().proxy_config();
+    config.upstream.url = format!("postgres://{role}@127.0.0.1:{}", pg().port);
+    config.replication.manage_publication = false;
+    config.replication.ddl_event_trigger = false;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg().direct(&db).await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+
+    direct
+        .batch_execute(&format!(
+            "ALTER ROLE {role} NOLOGIN;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+        ))
+        .await
+        .unwrap();
+    let state = proxy.app.cache.db(&db);
+    eventually(Duration::from_secs(10), "the stream to go down", || {
+        let down = !state.is_streaming();
+        async move { down.then_some(()) }
+    })
+    .await;
+    // Down: no cached result is served, so a direct write is seen at once.
+    direct.batch_execute("UPDATE t SET v = 2").await.unwrap();
+    let hits = proxy.hits();
+    for _ in 0..3 {
+        assert_eq!(
+            scalar(&client, "SELECT v FROM t").await.as_deref(),
+            Some("2")
+        );
+    }
+    assert_eq!(
+        proxy.hits(),
+        hits,
+        "nothing served from cache while the stream is down"
+    );
+
+    direct
+        .batch_execute(&format!("ALTER ROLE {role} LOGIN"))
+        .await
+        .unwrap();
+    proxy.wait_streaming(&db).await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT v FROM t").await.as_deref(),
+        Some("2")
+    );
+}

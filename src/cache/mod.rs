@@ -47,6 +47,8 @@ pub struct DbState {
     lag_bytes: AtomicU64,
     /// How many times the stream (re)started.
     stream_starts: AtomicU64,
+    /// Tables left out of the publication for lack of a replica identity.
+    unpublished: AtomicU64,
 }
 
 /// A query naming a relation the snapshot lacks reloads it at most this often.
@@ -122,6 +124,14 @@ impl DbState {
     pub fn set_lag(&self, lag_ms: u64, lagging: bool) {
         self.lag_ms.store(lag_ms, Ordering::Release);
         self.lagging.store(lagging, Ordering::Release);
+    }
+
+    pub fn set_unpublished(&self, tables: u64) {
+        self.unpublished.store(tables, Ordering::Release);
+    }
+
+    pub fn unpublished(&self) -> u64 {
+        self.unpublished.load(Ordering::Acquire)
     }
 
     pub fn set_lag_bytes(&self, bytes: u64) {

@@ -163,7 +163,7 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
     let publication = &config.replication.publication;
     let ctl = control(config, database).await?;
     if config.replication.manage_publication {
-        sync_publication(&ctl, publication).await?;
+        db.set_unpublished(sync_publication(&ctl, publication).await?);
     }
     if config.replication.ddl_event_trigger {
         install_ddl_trigger(&ctl, database).await;
@@ -287,8 +287,9 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
         db.set_lag_bytes(server_lsn.saturating_sub(applied_lsn));
         if republish && !in_transaction {
             republish = false;
-            if let Err(e) = sync_publication(&ctl, publication).await {
-                warn!(database, error = %e, "could not update the publication after DDL");
+            match sync_publication(&ctl, publication).await {
+                Ok(unpublished) => db.set_unpublished(unpublished),
+                Err(e) => warn!(database, error = %e, "could not update the publication after DDL"),
             }
         }
     }
@@ -316,11 +317,11 @@ WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartitio
   AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'";
 
 /// Creates the publication if needed and makes it list exactly the tables
-/// that have a replica identity.
+/// that have a replica identity. Returns how many tables are left out.
 pub async fn sync_publication(
     ctl: &tokio_postgres::Client,
     publication: &str,
-) -> Result<(), ReplicationError> {
+) -> Result<u64, ReplicationError> {
     let quoted = quote_ident(publication);
     let exists = ctl
         .query_opt(
@@ -331,7 +332,7 @@ pub async fn sync_publication(
     match exists {
         Some(row) if row.get::<_, bool>(0) => {
             // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-            return Ok(());
+            return Ok(0);
         }
         Some(_) => {}
         None => {
@@ -384,7 +385,7 @@ pub async fn sync_publication(
             "tables without a replica identity (no primary key, identity index or FULL) are not cached"
         );
     }
-    Ok(())
+    Ok(unpublishable.len() as u64)
 }
 
 /// Installs an event trigger that announces DDL in the stream, so DDL made
