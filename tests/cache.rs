@@ -9,37 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio_postgres::{Client, SimpleQueryMessage};
-
-/// The first column of the first row of a simple query, as text.
-async fn scalar(client: &Client, sql: &str) -> Option<String> {
-    client
-        .simple_query(sql)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .into_iter()
-        .find_map(|m| match m {
-            SimpleQueryMessage::Row(r) => Some(r.get(0).map(str::to_owned)),
-            _ => None,
-        })
-        .flatten()
-}
-
-/// All rows of a simple query, as text.
-async fn rows(client: &Client, sql: &str) -> Vec<Vec<Option<String>>> {
-    client
-        .simple_query(sql)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .into_iter()
-        .filter_map(|m| match m {
-            SimpleQueryMessage::Row(r) => {
-                Some((0..r.len()).map(|i| r.get(i).map(str::to_owned)).collect())
-            }
-            _ => None,
-        })
-        .collect()
-}
+use tokio_postgres::Client;
 
 /// Holds `table` under ACCESS EXCLUSIVE on a direct connection until the
 /// returned client is dropped or rolls back: a forwarded read of it would

@@ -8,19 +8,6 @@ use std::time::Duration;
 use common::*;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-async fn scalar(client: &Client, sql: &str) -> Option<String> {
-    client
-        .simple_query(sql)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .into_iter()
-        .find_map(|m| match m {
-            SimpleQueryMessage::Row(r) => Some(r.get(0).map(str::to_owned)),
-            _ => None,
-        })
-        .flatten()
-}
-
 /// Reads `sql` through pgcache until it returns `want` (polling, with a deadline).
 async fn eventually_reads(client: &Client, sql: &str, want: &str) {
     eventually(

@@ -551,3 +551,33 @@ pub async fn run_tool(program: &Path, args: &[&str]) -> std::process::Output {
         .await
         .unwrap_or_else(|e| panic!("run {}: {e}", program.display()))
 }
+
+/// The first column of the first row of a simple query, as text.
+pub async fn scalar(client: &tokio_postgres::Client, sql: &str) -> Option<String> {
+    client
+        .simple_query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .into_iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(r.get(0).map(str::to_owned)),
+            _ => None,
+        })
+        .flatten()
+}
+
+/// All rows of a simple query, as text.
+pub async fn rows(client: &tokio_postgres::Client, sql: &str) -> Vec<Vec<Option<String>>> {
+    client
+        .simple_query(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => {
+                Some((0..r.len()).map(|i| r.get(i).map(str::to_owned)).collect())
+            }
+            _ => None,
+        })
+        .collect()
+}
