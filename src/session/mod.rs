@@ -368,7 +368,6 @@ where
                 Err(e) => return Err(SessionError::Protocol(format!("from backend: {e}"))),
             };
             let tag = self.backend_buf[pos];
-            tracing::trace!(tag = %char::from(tag), "backend frame");
             let keep = match tag {
                 be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
                     let body = self.backend_buf[pos + HEADER_LEN..pos + len].to_vec();

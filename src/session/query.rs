@@ -332,7 +332,6 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        tracing::trace!(tag = %char::from(frame[0]), "client frame");
         match frame[0] {
             fe::QUERY => self.on_query(frame).await,
             fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE | fe::CLOSE => {
