@@ -99,3 +99,73 @@ async fn health_and_readiness() {
     assert!(body.contains("could not connect"), "{body}");
     assert_eq!(get(&down, "/healthz").await.0, 200);
 }
+
+/// Every metric the Grafana dashboard queries exists in a live `/metrics`.
+#[tokio::test]
+async fn every_metric_in_the_dashboard_exists() {
+    let db = pg().create_db("dashboard");
+    pg().psql_db(&db, "CREATE TABLE t(id int PRIMARY KEY)");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    client.simple_query("SELECT id FROM t").await.unwrap();
+    let (_, body) = get(&proxy, "/metrics").await;
+    let families: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string("config/grafana/dashboards/pgcache.json").unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for name in expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("pgcache_"))
+            {
+                assert!(
+                    families.contains(&name),
+                    "dashboard uses {name}, which /metrics lacks"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 8, "only {checked} metric references found");
+}
+
+/// docker-compose.yml only names files and ports that exist in the repo.
+#[test]
+fn docker_compose_refers_only_to_what_the_repository_has() {
+    let compose = std::fs::read_to_string("docker-compose.yml").unwrap();
+    for service in ["postgres:", "redis:", "pgcache:", "prometheus:", "grafana:"] {
+        assert!(
+            compose.contains(&format!("\n  {service}")),
+            "service {service} missing"
+        );
+    }
+    let mut mounts = 0;
+    for line in compose.lines() {
+        let line = line.trim().trim_start_matches("- ");
+        if let Some(path) = line.strip_prefix("./") {
+            let path = path.split(':').next().unwrap();
+            assert!(
+                std::path::Path::new(path).exists(),
+                "docker-compose.yml mounts missing ./{path}"
+            );
+            mounts += 1;
+        }
+    }
+    assert!(mounts >= 3);
+    assert!(compose.contains("build: .") && std::path::Path::new("Dockerfile").exists());
+    assert!(compose.contains("wal_level=logical"));
+    assert!(compose.contains("\"6432:6432\"") && compose.contains("9187:9187"));
+    let prometheus = std::fs::read_to_string("config/prometheus.yml").unwrap();
+    assert!(
+        prometheus.contains("pgcache:9187"),
+        "Prometheus scrapes pgcache's metrics port"
+    );
+}
