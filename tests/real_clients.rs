@@ -200,6 +200,25 @@ async fn pgbench_prepared_hot_keys_hit_the_cache_with_zero_failures() {
     let mut init = base.to_vec();
     init.extend(["-i", "-s", "1", "-q", db.as_str()]);
     assert!(run_tool(&pg().bin("pgbench"), &init).await.status.success());
+    // The tables pgbench created reach the publication through the stream:
+    // wait until a read of pgbench_accounts is really served from cache.
+    let client = proxy.connect(&db).await;
+    eventually(
+        Duration::from_secs(20),
+        "pgbench_accounts to be cacheable",
+        || {
+            let client = &client;
+            let proxy = &proxy;
+            async move {
+                let sql = "SELECT abalance FROM pgbench_accounts WHERE aid = 1";
+                client.simple_query(sql).await.unwrap();
+                let hits = proxy.hits();
+                client.simple_query(sql).await.unwrap();
+                (proxy.hits() > hits).then_some(())
+            }
+        },
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let script = dir.path().join("hot.sql");
     std::fs::write(
