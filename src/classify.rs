@@ -40,7 +40,6 @@ pub enum BypassReason {
     TooLarge,
     Pipelined,
     UnsupportedShape,
-    Disabled,
     ReplicationDown,
 }
 
@@ -66,7 +65,6 @@ impl BypassReason {
             Self::TooLarge => "too_large",
             Self::Pipelined => "pipelined",
             Self::UnsupportedShape => "unsupported_shape",
-            Self::Disabled => "disabled",
             Self::ReplicationDown => "replication_down",
         }
     }

@@ -2,7 +2,7 @@
 //! own response bytes so a hit is a single write.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -11,7 +11,6 @@ use bytes::Bytes;
 #[derive(Debug)]
 pub struct CachedResponse {
     pub bytes: Bytes,
-    pub created: Instant,
 }
 
 /// Memory an entry costs besides its bytes, charged against `max_bytes`:
@@ -54,7 +53,6 @@ impl LocalCache {
                 key,
                 Arc::new(CachedResponse {
                     bytes: Bytes::copy_from_slice(bytes),
-                    created: Instant::now(),
                 }),
             );
         }

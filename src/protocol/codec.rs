@@ -1,28 +1,9 @@
 //! Frame boundaries: find where one tagged message ends, check its length
 //! against limits before any allocation, and never read past it.
 
-use bytes::Bytes;
-
 /// Every tagged message has a 1-byte tag and a 4-byte length that counts
 /// itself but not the tag.
 pub const HEADER_LEN: usize = 5;
-
-/// One complete tagged message, as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Frame {
-    /// The whole message: tag, length, body.
-    pub raw: Bytes,
-}
-
-impl Frame {
-    pub fn tag(&self) -> u8 {
-        self.raw[0]
-    }
-
-    pub fn body(&self) -> &[u8] {
-        &self.raw[HEADER_LEN..]
-    }
-}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {

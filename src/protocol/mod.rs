@@ -11,7 +11,7 @@ pub mod extended;
 pub mod messages;
 pub mod startup;
 
-pub use codec::{Frame, FrameError, parse_frame};
+pub use codec::{FrameError, parse_frame};
 
 /// Frontend (client → server) message tags that pgcache looks at.
 pub mod frontend {
