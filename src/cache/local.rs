@@ -71,10 +71,6 @@ impl LocalCache {
         self.inner.run_pending_tasks();
         self.inner.weighted_size()
     }
-
-    pub fn clear(&self) {
-        self.inner.invalidate_all();
-    }
 }
 
 #[cfg(test)]

@@ -221,7 +221,9 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
     let mut relations: HashMap<u32, String> = HashMap::new();
     let mut touched: HashSet<u32> = HashSet::new();
     let mut in_transaction = false;
-    let mut republish = false;
+    let mut current_xid = 0u32;
+    // A committed transaction that ran DDL, to act on once it is visible.
+    let mut ddl_xid: Option<u32> = None;
     // Server WAL position seen and position applied, for the byte lag.
     let (mut server_lsn, mut applied_lsn) = (0u64, 0u64);
     loop {
@@ -229,8 +231,9 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             return Ok(());
         };
         match event {
-            ReplicationEvent::Begin { .. } => {
+            ReplicationEvent::Begin { xid, .. } => {
                 in_transaction = true;
+                current_xid = xid;
                 touched.clear();
             }
             ReplicationEvent::XLogData { data, wal_end, .. } => {
@@ -270,7 +273,7 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             ReplicationEvent::Message { prefix, .. } if prefix == DDL_MESSAGE_PREFIX => {
                 debug!(database, "DDL seen in the stream");
                 db.schema_changed();
-                republish = config.replication.manage_publication;
+                ddl_xid = Some(current_xid);
             }
             ReplicationEvent::Message { lsn, .. } => stream.update_applied_lsn(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -285,13 +288,41 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             ReplicationEvent::StoppedAt { .. } => return Ok(()),
         }
         db.set_lag_bytes(server_lsn.saturating_sub(applied_lsn));
-        if republish && !in_transaction {
-            republish = false;
-            match sync_publication(&ctl, publication).await {
-                Ok(unpublished) => db.set_unpublished(unpublished),
-                Err(e) => warn!(database, error = %e, "could not update the publication after DDL"),
+        if !in_transaction && let Some(xid) = ddl_xid.take() {
+            // The stream can deliver a commit before the transaction is
+            // visible to other sessions. Wait until it is, then make the
+            // catalog snapshot (and the publication) reflect it.
+            wait_visible(&ctl, xid).await?;
+            db.schema_changed();
+            if config.replication.manage_publication {
+                match sync_publication(&ctl, publication).await {
+                    Ok(unpublished) => db.set_unpublished(unpublished),
+                    Err(e) => {
+                        warn!(database, error = %e, "could not update the publication after DDL")
+                    }
+                }
             }
         }
+    }
+}
+
+/// Waits until transaction `xid` (32-bit, from the stream) is visible in a
+/// new snapshot of the control connection. Gives up after two seconds.
+async fn wait_visible(ctl: &tokio_postgres::Client, xid: u32) -> Result<(), ReplicationError> {
+    // Widen the xid with the epoch of the current snapshot's xmax.
+    const VISIBLE: &str = "SELECT pg_catalog.pg_visible_in_snapshot(
+        ((((x >> 32) - CASE WHEN $1 > (x & 4294967295) THEN 1 ELSE 0 END) << 32) | $1)::text::xid8, s)
+        FROM pg_catalog.pg_current_snapshot() s,
+             LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let visible: bool = ctl.query_one(VISIBLE, &[&i64::from(xid)]).await?.get(0);
+        if visible || tokio::time::Instant::now() >= deadline {
+            return Ok(());
+        }
+        // The window is the few microseconds between a commit's WAL flush
+        // and its proc-array update: a short pause, not a synchronisation.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

@@ -49,6 +49,15 @@ pub struct Bind<'a> {
     pub result_formats: Vec<i16>,
 }
 
+/// Only the portal and statement names of a Bind: what the session needs for
+/// every Bind, without decoding (and allocating for) its parameters.
+pub fn bind_names(body: &[u8]) -> Option<(&[u8], &[u8])> {
+    let mut pos = 0;
+    let portal = read_cstr(body, &mut pos)?;
+    let statement = read_cstr(body, &mut pos)?;
+    Some((portal, statement))
+}
+
 pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
     let mut pos = 0;
     let portal = read_cstr(body, &mut pos)?;
@@ -170,6 +179,7 @@ mod tests {
         let b = bind(&body).unwrap();
         assert_eq!(b.portal, b"portal");
         assert_eq!(b.statement, b"stmt");
+        assert_eq!(bind_names(&body), Some((&b"portal"[..], &b"stmt"[..])));
         assert_eq!(b.param_formats, vec![1, 1, 1]);
         assert_eq!(b.params, vec![Some(&b"ab"[..]), None, Some(&b""[..])]);
         assert_eq!(b.result_formats, vec![1]);

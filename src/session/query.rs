@@ -725,10 +725,11 @@ where
                 }
                 None => holdable = false,
             },
-            fe::BIND => match extended::bind(&body) {
-                Some(b) => {
-                    let portal = body.slice_ref(b.portal);
-                    match self.cache.statements.get(b.statement) {
+            // Parameters are decoded once, at Sync, if the batch may be cached.
+            fe::BIND => match extended::bind_names(&body) {
+                Some((portal, statement)) => {
+                    let portal = body.slice_ref(portal);
+                    match self.cache.statements.get(statement) {
                         Some(stmt) => {
                             let stmt = Arc::clone(stmt);
                             self.cache.portals.insert(portal, stmt);
