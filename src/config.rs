@@ -99,6 +99,40 @@ pub struct CacheConfig {
     /// Lifetime of an entry; 0 = until evicted or invalidated.
     pub default_ttl_secs: u64,
     pub local: LocalCacheConfig,
+    pub shared: SharedCacheConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SharedCacheConfig {
+    /// Lifetime of a Redis entry (every key gets one).
+    pub ttl_secs: u64,
+    /// Prefix of every Redis key and of the invalidation channel.
+    pub prefix: String,
+    /// Deadline of one Redis operation.
+    pub timeout_ms: u64,
+    /// Results larger than this are kept in the local tier only.
+    pub max_entry_bytes: usize,
+    /// Consecutive failures that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps pgcache from trying Redis.
+    pub breaker_open_ms: u64,
+    /// Stores to Redis in flight at once; more are dropped (and counted).
+    pub max_pending_stores: usize,
+}
+
+impl Default for SharedCacheConfig {
+    fn default() -> Self {
+        Self {
+            ttl_secs: 300,
+            prefix: "pgcache:".to_owned(),
+            timeout_ms: 50,
+            max_entry_bytes: 512 * 1024,
+            breaker_failures: 3,
+            breaker_open_ms: 2000,
+            max_pending_stores: 256,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -119,8 +153,45 @@ impl Default for LocalCacheConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
-    /// Shared tier; empty = local tier only.
+    /// Shared tier; empty = local tier only. Several comma-separated URLs,
+    /// or a `redis+cluster://` URL, name the nodes of a Redis Cluster.
     pub url: String,
+    /// The URL names a Redis Cluster even though it lists one node.
+    pub cluster: bool,
+}
+
+/// Where the shared tier lives, parsed from `redis.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisNodes {
+    pub urls: Vec<String>,
+    pub cluster: bool,
+}
+
+impl RedisConfig {
+    /// The node URLs, or `None` when no shared tier is configured.
+    pub fn nodes(&self) -> Option<RedisNodes> {
+        let mut cluster = self.cluster;
+        let urls: Vec<String> = self
+            .url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(|u| {
+                for (from, to) in [
+                    ("redis+cluster://", "redis://"),
+                    ("rediss+cluster://", "rediss://"),
+                ] {
+                    if let Some(rest) = u.strip_prefix(from) {
+                        cluster = true;
+                        return format!("{to}{rest}");
+                    }
+                }
+                u.to_owned()
+            })
+            .collect();
+        cluster |= urls.len() > 1;
+        (!urls.is_empty()).then_some(RedisNodes { urls, cluster })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -158,6 +229,7 @@ impl Default for CacheConfig {
             max_entry_bytes: 1024 * 1024,
             default_ttl_secs: 300,
             local: LocalCacheConfig::default(),
+            shared: SharedCacheConfig::default(),
         }
     }
 }
@@ -266,14 +338,51 @@ impl Config {
         if let Err(e) = self.upstream_addrs() {
             problems.push(format!("upstream.url: {e}"));
         }
-        if !self.redis.url.is_empty()
-            && !["redis://", "rediss://", "redis+unix://", "unix://"]
-                .iter()
-                .any(|p| self.redis.url.starts_with(p))
-        {
+        if let Some(nodes) = self.redis.nodes() {
+            for url in &nodes.urls {
+                if let Err(e) = redis::Client::open(url.as_str()) {
+                    problems.push(format!("redis.url: {:?}: {e}", redact(url)));
+                }
+            }
+            if nodes.cluster
+                && nodes
+                    .urls
+                    .iter()
+                    .any(|u| u.starts_with("unix:") || u.starts_with("redis+unix:"))
+            {
+                problems.push(
+                    "redis.url: a Redis Cluster is reached over TCP, not Unix sockets".to_owned(),
+                );
+            }
+        }
+        let shared = &self.cache.shared;
+        if shared.ttl_secs == 0 {
+            problems.push(
+                "cache.shared.ttl_secs: must be above 0 (every Redis key has a TTL)".to_owned(),
+            );
+        }
+        if shared.timeout_ms == 0 || shared.timeout_ms > 10_000 {
             problems.push(format!(
-                "redis.url: {:?} is not a redis:// or rediss:// URL",
-                redact(&self.redis.url)
+                "cache.shared.timeout_ms: {} is outside 1..=10000",
+                shared.timeout_ms
+            ));
+        }
+        if shared.max_entry_bytes == 0 || shared.max_entry_bytes > 512 * 1024 * 1024 {
+            problems.push(format!(
+                "cache.shared.max_entry_bytes: {} is outside 1..=536870912 (Redis's largest value)",
+                shared.max_entry_bytes
+            ));
+        }
+        if shared.breaker_failures == 0 {
+            problems.push("cache.shared.breaker_failures: must be at least 1".to_owned());
+        }
+        if shared.max_pending_stores == 0 {
+            problems.push("cache.shared.max_pending_stores: must be at least 1".to_owned());
+        }
+        if shared.prefix.contains(char::is_whitespace) {
+            problems.push(format!(
+                "cache.shared.prefix: {:?} must not contain whitespace",
+                shared.prefix
             ));
         }
         if problems.is_empty() {
@@ -324,6 +433,14 @@ impl Config {
 
     pub fn default_ttl(&self) -> Duration {
         Duration::from_secs(self.cache.default_ttl_secs)
+    }
+
+    pub fn shared_ttl(&self) -> Duration {
+        Duration::from_secs(self.cache.shared.ttl_secs)
+    }
+
+    pub fn shared_timeout(&self) -> Duration {
+        Duration::from_millis(self.cache.shared.timeout_ms)
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -435,6 +552,47 @@ mod tests {
                 host: "127.0.0.1".into(),
                 port: 5432
             }]
+        );
+    }
+
+    #[test]
+    fn redis_url_names_one_node_or_a_cluster() {
+        let mut r = RedisConfig::default();
+        assert_eq!(r.nodes(), None);
+        r.url = "redis://a:1".to_owned();
+        assert_eq!(
+            r.nodes().unwrap(),
+            RedisNodes {
+                urls: vec!["redis://a:1".into()],
+                cluster: false
+            }
+        );
+        r.url = "redis://a:1, redis://b:2".to_owned();
+        let n = r.nodes().unwrap();
+        assert!(n.cluster);
+        assert_eq!(
+            n.urls,
+            vec!["redis://a:1".to_owned(), "redis://b:2".to_owned()]
+        );
+        r.url = "redis+cluster://a:1".to_owned();
+        assert_eq!(
+            r.nodes().unwrap(),
+            RedisNodes {
+                urls: vec!["redis://a:1".into()],
+                cluster: true
+            }
+        );
+        let mut c = Config::default();
+        c.redis.url = "redis://ok:1,http://bad".to_owned();
+        c.cache.shared.ttl_secs = 0;
+        let ConfigError::Invalid(problems) = c.validate().unwrap_err() else {
+            panic!("expected Invalid")
+        };
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].contains("http://bad"), "{problems:?}");
+        assert!(
+            problems[1].starts_with("cache.shared.ttl_secs"),
+            "{problems:?}"
         );
     }
 

@@ -13,6 +13,7 @@
 //! - [`classify`]: what a statement reads, writes and calls (sqlparser).
 //! - [`cache`]: keys, the local tier, catalog snapshot, table versions.
 //! - [`invalidation`]: logical replication streams that bump versions.
+//! - [`shared`]: the Redis tier and the versions kept coherent through it.
 //! - [`protocol`]: framing, startup packets, messages pgcache writes itself.
 
 pub mod backend;
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod session;
+pub mod shared;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +49,8 @@ pub struct App {
     /// Shutdown timeout expired: sessions close now.
     pub force: CancellationToken,
     pub cache: cache::CacheState,
+    /// The shared tier, when `redis.url` is set and caching is on.
+    pub shared: Option<Arc<shared::SharedTier>>,
     /// Replication streams invalidate (checked at start-up).
     replication: AtomicBool,
     pub metrics: metrics::Metrics,
@@ -81,15 +85,26 @@ impl App {
             config.cache.max_entry_bytes,
             config.default_ttl(),
         );
+        let metrics = metrics::Metrics::new();
+        let shared = match config.redis.nodes() {
+            Some(nodes) if config.cache.enabled => Some(Arc::new(shared::SharedTier::new(
+                &config,
+                nodes,
+                &upstream_namespace(&upstream),
+                metrics.shared.clone(),
+            ))),
+            _ => None,
+        };
         Ok(Self {
             cache: cache::CacheState::new(local),
+            shared,
             config,
             upstream,
             cancel: Arc::default(),
             drain: CancellationToken::new(),
             force: CancellationToken::new(),
             replication: AtomicBool::new(false),
-            metrics: metrics::Metrics::new(),
+            metrics,
             metrics_listener: std::sync::Mutex::new(None),
             metrics_addr: std::sync::OnceLock::new(),
         })
@@ -108,7 +123,7 @@ impl App {
     /// or pgcache refuses to start (`replication.required`) or runs with
     /// TTL-only invalidation and says so.
     pub async fn start(config: Config) -> Result<Arc<Self>, StartError> {
-        let app = Self::new(config)?;
+        let mut app = Self::new(config)?;
         let addr = app.config.metrics.listen;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -130,7 +145,42 @@ impl App {
                 ),
             }
         }
-        Ok(Arc::new(app))
+        if let (Some(nodes), Some(_)) = (app.config.redis.nodes(), &app.shared) {
+            // Entries of different PostgreSQL clusters must never meet in one
+            // Redis: name the cluster by its system identifier when possible.
+            let namespace = match invalidation::cluster_id(&app.config).await {
+                Some(id) => id,
+                None => {
+                    let fallback = upstream_namespace(&app.upstream);
+                    warn!(
+                        "cannot read PostgreSQL's system identifier: shared-tier keys are named after upstream.url                          ({fallback}), so every instance must use the same upstream.url"
+                    );
+                    fallback
+                }
+            };
+            app.shared = Some(Arc::new(shared::SharedTier::new(
+                &app.config,
+                nodes,
+                &namespace,
+                app.metrics.shared.clone(),
+            )));
+        }
+        let app = Arc::new(app);
+        shared::SharedTier::spawn(&app);
+        Ok(app)
+    }
+
+    /// Applies invalidations: the local counters at once, then (with a
+    /// shared tier) Redis and every other instance.
+    pub async fn invalidate(&self, db: &cache::DbState, bumps: &cache::Bumps) {
+        match &self.shared {
+            None => bumps.apply_local(db),
+            Some(shared) => {
+                let pending = shared.begin();
+                bumps.apply_local(db);
+                shared.publish(db, bumps, pending).await;
+            }
+        }
     }
 
     pub fn replication_on(&self) -> bool {
@@ -142,4 +192,10 @@ impl App {
     pub fn cache_allowed(&self, db: &cache::DbState) -> bool {
         !self.replication_on() || db.is_current()
     }
+}
+
+/// A name for the PostgreSQL cluster when its system identifier is unknown.
+fn upstream_namespace(upstream: &[config::UpstreamAddr]) -> String {
+    let text = format!("{upstream:?}");
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()))
 }

@@ -40,6 +40,106 @@ pub struct Metrics {
     unpublished_tables: IntGaugeVec,
     local_entries: IntGauge,
     local_bytes: IntGauge,
+    pub shared: SharedMetrics,
+}
+
+/// The shared tier's counters; label handles resolved once.
+#[derive(Clone)]
+pub struct SharedMetrics {
+    pub hit: IntCounter,
+    pub miss: IntCounter,
+    /// An entry failed its checks: never served.
+    pub rejected: IntCounter,
+    pub error: IntCounter,
+    /// Not asked: breaker open, not connected, or versions not in sync.
+    pub skipped: IntCounter,
+    pub rejected_format: IntCounter,
+    pub rejected_checksum: IntCounter,
+    pub rejected_key: IntCounter,
+    pub rejected_versions: IntCounter,
+    pub stored: IntCounter,
+    pub store_failed: IntCounter,
+    pub store_dropped: IntCounter,
+    pub store_too_large: IntCounter,
+    /// Commands (or pipelines, or scripts) sent to Redis.
+    pub round_trips: IntCounter,
+    pub invalidations_sent: IntCounter,
+    pub invalidations_received: IntCounter,
+    pub resyncs: IntCounter,
+    pub breaker_opens: IntCounter,
+    /// 1 while the shared tier is in use (subscribed, in sync, breaker closed).
+    pub up: IntGauge,
+}
+
+impl SharedMetrics {
+    fn new(registry: &Registry) -> Self {
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            register(
+                registry,
+                IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric"),
+            )
+        };
+        let counter = |name: &str, help: &str| {
+            register(registry, IntCounter::new(name, help).expect("valid metric"))
+        };
+        let lookups = counter_vec(
+            "pgcache_shared_lookups_total",
+            "Shared-tier (Redis) lookups after a local miss, by result",
+            "result",
+        );
+        let rejected = counter_vec(
+            "pgcache_shared_rejected_total",
+            "Redis values that failed a check and were treated as misses, by reason",
+            "reason",
+        );
+        let stores = counter_vec(
+            "pgcache_shared_stores_total",
+            "Stores to the shared tier, by result",
+            "result",
+        );
+        let invalidations = counter_vec(
+            "pgcache_shared_invalidations_total",
+            "Version bumps sent to or received from other instances through Redis",
+            "direction",
+        );
+        Self {
+            hit: lookups.with_label_values(&["hit"]),
+            miss: lookups.with_label_values(&["miss"]),
+            rejected: lookups.with_label_values(&["rejected"]),
+            error: lookups.with_label_values(&["error"]),
+            skipped: lookups.with_label_values(&["skipped"]),
+            rejected_format: rejected.with_label_values(&["format"]),
+            rejected_checksum: rejected.with_label_values(&["checksum"]),
+            rejected_key: rejected.with_label_values(&["key"]),
+            rejected_versions: rejected.with_label_values(&["versions"]),
+            stored: stores.with_label_values(&["ok"]),
+            store_failed: stores.with_label_values(&["error"]),
+            store_dropped: stores.with_label_values(&["dropped"]),
+            store_too_large: stores.with_label_values(&["too_large"]),
+            round_trips: counter(
+                "pgcache_shared_round_trips_total",
+                "Round trips to Redis (a pipeline or script counts once)",
+            ),
+            invalidations_sent: invalidations.with_label_values(&["sent"]),
+            invalidations_received: invalidations.with_label_values(&["received"]),
+            resyncs: counter(
+                "pgcache_shared_resyncs_total",
+                "Times a database's versions were read back from Redis after a gap",
+            ),
+            breaker_opens: counter(
+                "pgcache_shared_breaker_opens_total",
+                "Times the circuit breaker stopped pgcache from trying Redis",
+            ),
+            up: register(
+                registry,
+                IntGauge::new(
+                    "pgcache_shared_up",
+                    "1 while the shared tier is in use: subscribed, in sync, breaker closed",
+                )
+                .expect("valid metric"),
+            ),
+        }
+    }
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
@@ -151,6 +251,7 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
+            shared: SharedMetrics::new(&registry),
             registry,
         }
     }
@@ -176,6 +277,9 @@ impl Metrics {
                 .set(db.unpublished() as i64);
         }
         self.local_entries.set(app.cache.local.entry_count() as i64);
+        if let Some(shared) = &app.shared {
+            self.shared.up.set(i64::from(shared.is_up()));
+        }
         self.local_bytes
             .set(app.cache.local.weighted_bytes() as i64);
         let mut out = Vec::new();

@@ -8,11 +8,11 @@
 //! | flavour | simple and extended responses differ in shape |
 //! | statement | the exact SQL bytes (hashed) |
 //! | extended only | message shape, parameter type OIDs, parameter formats and values (NULL distinct from empty), result formats |
-//! | epoch, versions | the database epoch and the version of every table read, read before the query is forwarded |
+//! | epoch, versions | the database epoch and the version of every table read, read before the query is forwarded: the `local` counters for the local tier, the `shared` ones (mirrored from Redis) for the shared tier |
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::{Family, Version};
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
 const KEY_FORMAT: u8 = 1;
@@ -73,14 +73,43 @@ impl KeyBuilder {
         self
     }
 
-    /// The epoch and table versions, read now.
-    pub fn finish(mut self, epoch: u64, versions: &[Arc<AtomicU64>]) -> u128 {
-        self.0.update(&[0xfe]);
-        self.0.update(&epoch.to_le_bytes());
-        for v in versions {
-            self.0.update(&v.load(Ordering::Acquire).to_le_bytes());
+    /// The request's identity, without versions.
+    pub fn finish(self) -> RequestKey {
+        RequestKey(self.0.digest128())
+    }
+}
+
+/// A request's identity; combined with the versions of what it reads, read
+/// at the moment of lookup, it makes the key of one tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestKey(pub u128);
+
+impl RequestKey {
+    /// The local tier's key: the epoch and table versions, `local` counters.
+    pub fn local(self, epoch: &Version, families: &[Arc<Family>]) -> u128 {
+        let mut h = Xxh3::new();
+        h.update(&self.0.to_le_bytes());
+        h.update(b"L");
+        h.update(&epoch.local().to_le_bytes());
+        for f in families {
+            h.update(&f.version.local().to_le_bytes());
         }
-        self.0.digest128()
+        h.digest128()
+    }
+
+    /// The shared tier's key, from the counters mirrored from Redis, with
+    /// the versions it was made from (stored in the entry, checked on read).
+    pub fn shared(self, epoch: &Version, families: &[Arc<Family>]) -> (u128, Vec<u64>) {
+        let mut stamp = Vec::with_capacity(families.len() + 1);
+        stamp.push(epoch.shared());
+        stamp.extend(families.iter().map(|f| f.version.shared()));
+        let mut h = Xxh3::new();
+        h.update(&self.0.to_le_bytes());
+        h.update(b"S");
+        for v in &stamp {
+            h.update(&v.to_le_bytes());
+        }
+        (h.digest128(), stamp)
     }
 }
 
@@ -132,7 +161,7 @@ mod tests {
         let key = |f: &dyn Fn(&mut KeyBuilder)| {
             let mut k = KeyBuilder::new(1, EXTENDED, 2);
             f(&mut k);
-            k.finish(0, &[])
+            k.finish()
         };
         let null = key(&|k| {
             k.value(None);
@@ -152,15 +181,52 @@ mod tests {
 
     #[test]
     fn a_version_bump_changes_the_key() {
-        let v = Arc::new(AtomicU64::new(0));
-        let before = KeyBuilder::new(1, SIMPLE, 2).finish(0, std::slice::from_ref(&v));
-        v.fetch_add(1, Ordering::AcqRel);
-        let after = KeyBuilder::new(1, SIMPLE, 2).finish(0, std::slice::from_ref(&v));
-        assert_ne!(before, after);
-        assert_ne!(before, KeyBuilder::new(1, SIMPLE, 2).finish(1, &[]));
+        let epoch = Version::default();
+        let f = Arc::new(Family {
+            name: "t".into(),
+            version: Version::default(),
+        });
+        let fs = std::slice::from_ref(&f);
+        let req = KeyBuilder::new(1, SIMPLE, 2).finish();
+        let before = req.local(&epoch, fs);
+        f.version.bump_local();
+        assert_ne!(before, req.local(&epoch, fs));
+        assert_ne!(req.local(&epoch, fs), req.local(&epoch, &[]));
+        epoch.bump_local();
+        assert_ne!(before, req.local(&epoch, fs));
         assert_ne!(
-            KeyBuilder::new(1, SIMPLE, 2).finish(0, &[]),
-            KeyBuilder::new(1, EXTENDED, 2).finish(0, &[])
+            KeyBuilder::new(1, SIMPLE, 2).finish(),
+            KeyBuilder::new(1, EXTENDED, 2).finish()
+        );
+    }
+
+    #[test]
+    fn shared_keys_follow_only_the_redis_counters() {
+        let epoch = Version::default();
+        let f = Arc::new(Family {
+            name: "t".into(),
+            version: Version::default(),
+        });
+        let fs = std::slice::from_ref(&f);
+        let req = KeyBuilder::new(1, SIMPLE, 2).finish();
+        let (before, stamp) = req.shared(&epoch, fs);
+        assert_eq!(stamp, vec![0, 0]);
+        f.version.bump_local();
+        assert_eq!(
+            req.shared(&epoch, fs).0,
+            before,
+            "a local bump is not Redis's"
+        );
+        let local = req.local(&epoch, fs);
+        assert!(f.version.raise_shared(5));
+        assert!(!f.version.raise_shared(4), "never backwards");
+        let (after, stamp) = req.shared(&epoch, fs);
+        assert_ne!(after, before);
+        assert_eq!(stamp, vec![0, 5]);
+        assert_ne!(
+            req.local(&epoch, fs),
+            local,
+            "news from Redis moves the local key too"
         );
     }
 }

@@ -11,6 +11,11 @@
 //!   result computed before a write lands under the old version and can
 //!   never be served after the bump (race-free fill).
 //! - **The local tier** ([`local`]) is moka, bounded in bytes.
+//! - **Two counters per version** ([`Version`]): `local` is bumped by every
+//!   invalidation this instance learns of and keys the local tier; `shared`
+//!   mirrors the counter in Redis and keys the shared tier. Only Redis hands
+//!   out shared values, so two instances can never use one value for
+//!   different states of a table (see [`crate::shared`]).
 
 pub mod catalog;
 pub mod key;
@@ -18,21 +23,118 @@ pub mod local;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::classify::Analysis;
 pub use catalog::Catalog;
 pub use local::{CachedResponse, LocalCache};
 
+/// A version counter: see the module documentation.
+#[derive(Debug, Default)]
+pub struct Version {
+    local: AtomicU64,
+    shared: AtomicU64,
+}
+
+impl Version {
+    pub fn local(&self) -> u64 {
+        self.local.load(Ordering::Acquire)
+    }
+
+    pub fn shared(&self) -> u64 {
+        self.shared.load(Ordering::Acquire)
+    }
+
+    pub fn bump_local(&self) {
+        self.local.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Redis says the counter is `value`. If that is news, the local
+    /// counter moves too: *after* the shared one, so a reader that sees the
+    /// new local value also sees the new shared value.
+    pub fn raise_shared(&self, value: u64) -> bool {
+        let raised = self.shared.fetch_max(value, Ordering::AcqRel) < value;
+        if raised {
+            self.bump_local();
+        }
+        raised
+    }
+}
+
+/// The version of one table, or of a partition tree (its root's name).
+#[derive(Debug)]
+pub struct Family {
+    pub name: Box<str>,
+    pub version: Version,
+}
+
+/// Invalidations to apply: table versions, the epoch, the catalog.
+#[derive(Debug, Default, Clone)]
+pub struct Bumps {
+    pub families: Vec<Arc<Family>>,
+    /// Unknown effects: everything in the database may have changed.
+    pub epoch: bool,
+    /// DDL: the catalog snapshot is stale too (implies `epoch`).
+    pub schema: bool,
+}
+
+impl Bumps {
+    pub fn opaque() -> Self {
+        Self {
+            families: Vec::new(),
+            epoch: true,
+            schema: true,
+        }
+    }
+
+    pub fn add_family(&mut self, family: Arc<Family>) {
+        if !self.families.iter().any(|f| Arc::ptr_eq(f, &family)) {
+            self.families.push(family);
+        }
+    }
+
+    pub fn merge(&mut self, other: &Bumps) {
+        for f in &other.families {
+            self.add_family(Arc::clone(f));
+        }
+        self.epoch |= other.epoch;
+        self.schema |= other.schema;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.families.is_empty() && !self.epoch && !self.schema
+    }
+
+    /// Bumps the local counters only.
+    pub fn apply_local(&self, db: &DbState) {
+        for f in &self.families {
+            f.version.bump_local();
+        }
+        if self.schema {
+            db.catalog_gen.fetch_add(1, Ordering::AcqRel);
+        }
+        if self.schema || self.epoch {
+            db.epoch.bump_local();
+        }
+    }
+}
+
 /// Invalidation state of one database.
 #[derive(Default)]
 pub struct DbState {
+    pub name: String,
     /// Bumped by statements whose effects pgcache cannot see: part of every key.
-    epoch: AtomicU64,
+    pub epoch: Version,
+    /// Bumped (in Redis) by DDL, so other instances reload their catalog.
+    pub ddl: Version,
     /// Bumped by DDL: the catalog snapshot must be reloaded.
     catalog_gen: AtomicU64,
     catalog: RwLock<Option<(u64, Arc<Catalog>)>>,
-    families: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    families: Mutex<HashMap<String, Arc<Family>>>,
+    /// The shared tier's sync generation this database's versions were
+    /// last read from Redis under; 0 = never.
+    pub shared_synced: AtomicU64,
     /// When a reload for an unknown relation was last asked for.
     last_reload: Mutex<Option<std::time::Instant>>,
     /// A replication stream task exists for this database.
@@ -55,22 +157,8 @@ pub struct DbState {
 const RELOAD_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl DbState {
-    pub fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::Acquire)
-    }
-
-    pub fn bump_epoch(&self) {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
-    }
-
     pub fn catalog_gen(&self) -> u64 {
         self.catalog_gen.load(Ordering::Acquire)
-    }
-
-    /// DDL ran: every cached result and the catalog snapshot are stale.
-    pub fn schema_changed(&self) {
-        self.catalog_gen.fetch_add(1, Ordering::AcqRel);
-        self.bump_epoch();
     }
 
     /// A query named a relation the snapshot does not know (created outside
@@ -83,15 +171,20 @@ impl DbState {
         }
     }
 
-    /// A change to relation `name` arrived through replication: bump its
-    /// version, and its partition tree's if the snapshot knows it.
-    pub fn bump_relation(&self, name: &str) {
-        self.family(name).fetch_add(1, Ordering::AcqRel);
+    /// Another instance ran DDL: reload the catalog snapshot.
+    pub fn reload_catalog(&self) {
+        self.catalog_gen.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The families a replicated change to relation `name` invalidates: its
+    /// own, and its partition tree's if the snapshot knows it.
+    pub fn relation_families(&self, name: &str, bumps: &mut Bumps) {
+        bumps.add_family(self.family(name));
         if let Some((_, catalog)) = self.catalog()
             && let Some(facts) = catalog.relation(name)
             && facts.family != name
         {
-            self.family(&facts.family).fetch_add(1, Ordering::AcqRel);
+            bumps.add_family(self.family(&facts.family));
         }
     }
 
@@ -160,9 +253,23 @@ impl DbState {
     }
 
     /// The version counter of a partition tree (or plain table).
-    pub fn family(&self, name: &str) -> Arc<AtomicU64> {
+    pub fn family(&self, name: &str) -> Arc<Family> {
         let mut map = self.families.lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(map.entry(name.to_owned()).or_default())
+        if let Some(f) = map.get(name) {
+            return Arc::clone(f);
+        }
+        let f = Arc::new(Family {
+            name: name.into(),
+            version: Version::default(),
+        });
+        map.insert(name.to_owned(), Arc::clone(&f));
+        f
+    }
+
+    /// Every family known, for a resynchronisation with Redis.
+    pub fn families(&self) -> Vec<Arc<Family>> {
+        let map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        map.values().cloned().collect()
     }
 }
 
@@ -197,7 +304,18 @@ impl CacheState {
 
     pub fn db(&self, name: &str) -> Arc<DbState> {
         let mut map = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(map.entry(name.to_owned()).or_default())
+        Arc::clone(map.entry(name.to_owned()).or_insert_with(|| {
+            Arc::new(DbState {
+                name: name.to_owned(),
+                ..DbState::default()
+            })
+        }))
+    }
+
+    /// The state of a database this instance already serves.
+    pub fn existing_db(&self, name: &str) -> Option<Arc<DbState>> {
+        let map = self.dbs.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(name).cloned()
     }
 
     /// The analysis of `sql` (hash `hash`), parsed once per text.

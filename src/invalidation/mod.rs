@@ -24,4 +24,4 @@
 pub mod pgoutput;
 pub mod replication;
 
-pub use replication::{ensure_stream, preflight};
+pub use replication::{cluster_id, ensure_stream, preflight};

@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 
 use super::pgoutput::{self, Change};
 use crate::App;
-use crate::cache::DbState;
+use crate::cache::{Bumps, DbState};
 use crate::config::{Config, UpstreamAddr};
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +114,26 @@ pub async fn preflight(config: &Config) -> Result<(), ReplicationError> {
     }
 }
 
+/// PostgreSQL's system identifier, which names the cluster in shared-tier
+/// keys; `None` if it cannot be read within a few seconds.
+pub async fn cluster_id(config: &Config) -> Option<String> {
+    let query = async {
+        let client = control(config, &default_database(config)).await.ok()?;
+        let row = client
+            .query_one(
+                "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+                &[],
+            )
+            .await
+            .ok()?;
+        row.try_get::<_, String>(0).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(5), query)
+        .await
+        .ok()
+        .flatten()
+}
+
 fn default_database(config: &Config) -> String {
     tokio_postgres::Config::from_str(&config.upstream.url)
         .ok()
@@ -212,7 +232,7 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
     stream.wait_started().await?;
     // Changes made while no stream was running were missed: everything
     // cached for this database is stale, and so is the catalog snapshot.
-    db.schema_changed();
+    app.invalidate(db, &Bumps::opaque()).await;
     db.stream_started();
     db.set_streaming(true);
     info!(database, slot, "replication stream up");
@@ -256,13 +276,17 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
                 ..
             } => {
                 in_transaction = false;
+                let mut bumps = Bumps::default();
                 for oid in touched.drain() {
                     match relations.get(&oid) {
-                        Some(name) => db.bump_relation(name),
+                        Some(name) => db.relation_families(name, &mut bumps),
                         // A change without its Relation message cannot be
                         // attributed: assume anything changed.
-                        None => db.bump_epoch(),
+                        None => bumps.epoch = true,
                     }
+                }
+                if !bumps.is_empty() {
+                    app.invalidate(db, &bumps).await;
                 }
                 stream.update_applied_lsn(end_lsn);
                 applied_lsn = applied_lsn.max(end_lsn.0);
@@ -272,7 +296,7 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             }
             ReplicationEvent::Message { prefix, .. } if prefix == DDL_MESSAGE_PREFIX => {
                 debug!(database, "DDL seen in the stream");
-                db.schema_changed();
+                app.invalidate(db, &Bumps::opaque()).await;
                 ddl_xid = Some(current_xid);
             }
             ReplicationEvent::Message { lsn, .. } => stream.update_applied_lsn(lsn),
@@ -293,7 +317,7 @@ async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), Repl
             // visible to other sessions. Wait until it is, then make the
             // catalog snapshot (and the publication) reflect it.
             wait_visible(&ctl, xid).await?;
-            db.schema_changed();
+            app.invalidate(db, &Bumps::opaque()).await;
             if config.replication.manage_publication {
                 match sync_publication(&ctl, publication).await {
                     Ok(unpublished) => db.set_unpublished(unpublished),

@@ -406,6 +406,7 @@ where
             pos += len;
         }
         if pos > 0 {
+            self.publish_invalidations().await;
             let result = if self.out.is_empty() && copied == 0 {
                 self.client.write_all(&self.backend_buf[..pos]).await
             } else {

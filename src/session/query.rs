@@ -20,65 +20,22 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::debug;
 
 use super::{Flow, MAX_BACKEND_FRAME, Session, SessionError};
-use crate::cache::DbState;
 use crate::cache::catalog::{Catalog, snapshot_sql};
-use crate::cache::key::{self, KeyBuilder};
+use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::cache::{Bumps, DbState, Family};
 use crate::classify::{Analysis, BypassReason, Effect, is_time_literal_text};
 use crate::protocol::codec::{HEADER_LEN, parse_frame};
 use crate::protocol::{TxStatus, backend as be, extended, frontend as fe};
+use crate::shared::Pending;
 
 /// What a request changes, applied when its ReadyForQuery arrives.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Effects {
-    /// Table (partition tree) versions to bump.
-    bump: Vec<Arc<AtomicU64>>,
-    /// Unknown effects: bump the database epoch.
-    epoch: bool,
-    /// DDL: the catalog snapshot is stale too.
-    schema: bool,
-}
-
-impl Effects {
-    fn opaque() -> Self {
-        Self {
-            bump: Vec::new(),
-            epoch: true,
-            schema: true,
-        }
-    }
-
-    fn merge(&mut self, other: &Effects) {
-        for v in &other.bump {
-            if !self.bump.iter().any(|b| Arc::ptr_eq(b, v)) {
-                self.bump.push(Arc::clone(v));
-            }
-        }
-        self.epoch |= other.epoch;
-        self.schema |= other.schema;
-    }
-
-    fn is_empty(&self) -> bool {
-        self.bump.is_empty() && !self.epoch && !self.schema
-    }
-
-    fn apply(&self, db: &DbState) {
-        for v in &self.bump {
-            v.fetch_add(1, Ordering::AcqRel);
-        }
-        if self.schema {
-            db.schema_changed();
-        } else if self.epoch {
-            db.bump_epoch();
-        }
-    }
-}
+pub(crate) type Effects = Bumps;
 
 /// A request the backend still owes a ReadyForQuery.
 pub(crate) struct Inflight {
@@ -119,9 +76,17 @@ impl Default for Inflight {
 
 /// A response being copied for the cache as it is relayed.
 struct Capture {
-    key: u128,
+    key: Keys,
     buf: BytesMut,
     ok: bool,
+}
+
+/// Where a result is stored: the local key, and the shared key with the
+/// versions it was made from if the shared tier was usable.
+#[derive(Debug, Clone)]
+struct Keys {
+    local: u128,
+    shared: Option<(u128, Vec<u64>)>,
 }
 
 /// What a statement text means for the cache, given the catalog snapshot.
@@ -130,7 +95,7 @@ struct Plan {
     /// Catalog generation the plan was made with.
     generation: u64,
     /// For a cacheable single SELECT: the version counters of its tables.
-    read: Result<Vec<Arc<AtomicU64>>, BypassReason>,
+    read: Result<Vec<Arc<Family>>, BypassReason>,
     effects: Effects,
     /// It may change the session's settings.
     settings: bool,
@@ -195,7 +160,10 @@ pub(crate) struct CacheSession {
     tx_wrote: bool,
     tx_effects: Effects,
     /// Results read inside the current transaction, stored if it commits.
-    deferred: Vec<(u128, Bytes)>,
+    deferred: Vec<(Keys, Bytes)>,
+    /// Visible invalidations applied locally, to send to Redis before the
+    /// client hears that its statement completed.
+    to_publish: Vec<(Effects, Pending)>,
     deferred_bytes: usize,
     last_was_commit: bool,
     plans: HashMap<u128, Arc<Plan>>,
@@ -225,6 +193,7 @@ impl CacheSession {
             tx_wrote: false,
             tx_effects: Effects::default(),
             deferred: Vec::new(),
+            to_publish: Vec::new(),
             deferred_bytes: 0,
             last_was_commit: false,
             plans: HashMap::new(),
@@ -263,10 +232,7 @@ fn make_plan(
                 for rel in rels {
                     match catalog.and_then(|c| c.relation(&rel.name)) {
                         Some(facts) if !facts.write_hazard => {
-                            let v = db.family(&facts.family);
-                            if !plan.effects.bump.iter().any(|b| Arc::ptr_eq(b, &v)) {
-                                plan.effects.bump.push(v);
-                            }
+                            plan.effects.add_family(db.family(&facts.family));
                         }
                         _ => plan.effects.epoch = true,
                     }
@@ -275,7 +241,7 @@ fn make_plan(
             Effect::Settings => plan.settings = true,
             Effect::Begin { strict } => plan.begin_strict = Some(*strict),
             Effect::Opaque => {
-                plan.effects.merge(&Effects::opaque());
+                plan.effects.merge(&Bumps::opaque());
                 plan.settings = true;
                 plan.writes = true;
             }
@@ -344,7 +310,7 @@ where
                 self.cache.prefix = None;
                 self.cache.tx_wrote = true;
                 self.push_request(Inflight {
-                    effects: Effects::opaque(),
+                    effects: Bumps::opaque(),
                     ..Inflight::default()
                 });
                 Ok(Flow::Continue)
@@ -396,12 +362,11 @@ where
         };
         match self.may_serve(&plan, true).await? {
             Ok((prefix, versions)) => {
-                let key = KeyBuilder::new(prefix, key::SIMPLE, hash)
-                    .finish(self.cache.db.epoch(), versions);
-                if self.serve_hit(key).await? {
-                    return Ok(Flow::Continue);
+                let request = KeyBuilder::new(prefix, key::SIMPLE, hash).finish();
+                match self.lookup(request, versions).await? {
+                    Some(capture) => inflight.capture = Some(capture),
+                    None => return Ok(Flow::Continue),
                 }
-                inflight.capture = Some(self.capture(key));
             }
             Err(reason) => self.bypassed(reason),
         }
@@ -412,15 +377,6 @@ where
         Ok(Flow::Continue)
     }
 
-    fn capture(&self, key: u128) -> Capture {
-        self.app.metrics.misses.inc();
-        Capture {
-            key,
-            buf: BytesMut::new(),
-            ok: true,
-        }
-    }
-
     fn bypassed(&self, reason: BypassReason) {
         if reason != BypassReason::NotSelect {
             debug!(reason = reason.label(), "cache bypass");
@@ -428,26 +384,61 @@ where
         self.app.metrics.bypasses.inc();
     }
 
-    /// Answers from the cache if `key` is stored. The backend is idle
-    /// (checked by `may_serve`), so the answer cannot overtake another.
-    async fn serve_hit(&mut self, key: u128) -> Result<bool, SessionError> {
-        let Some(entry) = self.app.cache.local.get(key) else {
-            return Ok(false);
-        };
-        self.app.metrics.hits.inc();
+    /// Answers from the local tier, else from the shared tier (filling the
+    /// local one), else returns the capture that will store the backend's
+    /// answer. The backend is idle (checked by `may_serve`), so an answer
+    /// from the cache cannot overtake another.
+    async fn lookup(
+        &mut self,
+        request: RequestKey,
+        versions: &[Arc<Family>],
+    ) -> Result<Option<Capture>, SessionError> {
+        let db = Arc::clone(&self.cache.db);
+        // Local counters first, then the shared tier's state, then its
+        // counters: see `SharedTier::usable`.
+        let local = request.local(&db.epoch, versions);
+        if let Some(entry) = self.app.cache.local.get(local) {
+            self.app.metrics.hits.inc();
+            self.write_hit(&entry.bytes).await?;
+            return Ok(None);
+        }
+        let mut shared = None;
+        if let Some(tier) = &self.app.shared {
+            if tier.usable(&db) {
+                let (key, stamp) = request.shared(&db.epoch, versions);
+                if let Some(payload) = tier.get(key, &stamp).await {
+                    self.app.cache.local.insert(local, &payload);
+                    self.app.metrics.hits.inc();
+                    self.write_hit(&payload).await?;
+                    return Ok(None);
+                }
+                shared = Some((key, stamp));
+            } else {
+                tier.skipped();
+            }
+        }
+        self.app.metrics.misses.inc();
+        Ok(Some(Capture {
+            key: Keys { local, shared },
+            buf: BytesMut::new(),
+            ok: true,
+        }))
+    }
+
+    /// Writes a stored response and the ReadyForQuery that ends it, in one write.
+    async fn write_hit(&mut self, frames: &[u8]) -> Result<(), SessionError> {
         let status = match self.tx_status {
             TxStatus::Idle => b'I',
             TxStatus::InTransaction => b'T',
             TxStatus::Failed => b'E',
         };
         self.out.clear();
-        self.out.extend_from_slice(&entry.bytes);
+        self.out.extend_from_slice(frames);
         self.out
             .extend_from_slice(&[be::READY_FOR_QUERY, 0, 0, 0, 5, status]);
         let r = self.client.write_all(&self.out).await;
         self.out.clear();
-        r.map_err(SessionError::ClientIo)?;
-        Ok(true)
+        r.map_err(SessionError::ClientIo)
     }
 
     /// Reads inside a transaction can only use the cache if the session's
@@ -482,7 +473,7 @@ where
         &mut self,
         plan: &'p Plan,
         in_transaction_ok: bool,
-    ) -> Result<Result<(u128, &'p [Arc<AtomicU64>]), BypassReason>, SessionError> {
+    ) -> Result<Result<(u128, &'p [Arc<Family>]), BypassReason>, SessionError> {
         let versions = match &plan.read {
             Ok(v) => v.as_slice(),
             Err(reason) => return Ok(Err(*reason)),
@@ -774,7 +765,7 @@ where
                         }
                     }
                     _ => {
-                        self.cache.batch.effects.merge(&Effects::opaque());
+                        self.cache.batch.effects.merge(&Bumps::opaque());
                         self.cache.prefix = None;
                         self.cache.tx_wrote = true;
                         holdable = false;
@@ -833,16 +824,19 @@ where
         let mut inflight = Inflight::default();
         if !self.cache.batch.raw.is_empty() && !self.cache.batch.forwarded {
             match self.extended_key().await? {
-                Ok(key) => {
-                    if self.serve_hit(key).await? {
-                        if let Some((name, raw)) = self.cache.batch.parse.take() {
-                            self.cache.unsent_parses.retain(|(n, _)| *n != name);
-                            self.cache.unsent_parses.push((name, raw));
+                Ok((request, plan)) => {
+                    let versions = plan.read.as_deref().unwrap_or_default();
+                    match self.lookup(request, versions).await? {
+                        Some(capture) => inflight.capture = Some(capture),
+                        None => {
+                            if let Some((name, raw)) = self.cache.batch.parse.take() {
+                                self.cache.unsent_parses.retain(|(n, _)| *n != name);
+                                self.cache.unsent_parses.push((name, raw));
+                            }
+                            self.cache.batch.reset();
+                            return Ok(Flow::Continue);
                         }
-                        self.cache.batch.reset();
-                        return Ok(Flow::Continue);
                     }
-                    inflight.capture = Some(self.capture(key));
                 }
                 Err(reason) => self.bypassed(reason),
             }
@@ -862,7 +856,9 @@ where
 
     /// The key of a held batch of the shape drivers send for one query:
     /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
-    async fn extended_key(&mut self) -> Result<Result<u128, BypassReason>, SessionError> {
+    async fn extended_key(
+        &mut self,
+    ) -> Result<Result<(RequestKey, Arc<Plan>), BypassReason>, SessionError> {
         // Cheap clones of refcounted bytes: the Bind stays parsed across the
         // awaits below without borrowing the session.
         let batch = &self.cache.batch;
@@ -893,8 +889,8 @@ where
             return Ok(Err(BypassReason::TimeLiteral));
         }
         let plan = self.plan(stmt.hash, &stmt.sql).await?;
-        let (prefix, versions) = match self.may_serve(&plan, false).await? {
-            Ok(ok) => ok,
+        let prefix = match self.may_serve(&plan, false).await? {
+            Ok((prefix, _)) => prefix,
             Err(reason) => return Ok(Err(reason)),
         };
         let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
@@ -905,7 +901,7 @@ where
         for f in &bind.result_formats {
             k.u64(*f as u64);
         }
-        Ok(Ok(k.finish(self.cache.db.epoch(), versions)))
+        Ok(Ok((k.finish(), plan)))
     }
 
     /// A response frame (not ReadyForQuery) for the oldest request in
@@ -978,8 +974,11 @@ where
         self.ready = true;
         if let Some(done) = self.inflight.pop_front() {
             if !done.effects.is_empty() {
-                done.effects.apply(&self.cache.db);
-                if status != TxStatus::Idle {
+                if status == TxStatus::Idle {
+                    self.invalidate(done.effects);
+                } else {
+                    // Not visible to others before the transaction ends.
+                    done.effects.apply_local(&self.cache.db);
                     self.cache.tx_effects.merge(&done.effects);
                 }
             }
@@ -1009,7 +1008,9 @@ where
             if previous != TxStatus::Idle {
                 // The transaction ended: its writes are visible (or gone) now.
                 let effects = std::mem::take(&mut self.cache.tx_effects);
-                effects.apply(&self.cache.db);
+                if !effects.is_empty() {
+                    self.invalidate(effects);
+                }
                 let deferred = std::mem::take(&mut self.cache.deferred);
                 self.cache.deferred_bytes = 0;
                 if self.cache.last_was_commit {
@@ -1023,9 +1024,34 @@ where
         }
     }
 
-    fn store(&self, key: u128, bytes: &[u8]) {
-        tracing::trace!(key, len = bytes.len(), "store");
+    fn store(&self, keys: Keys, bytes: &[u8]) {
+        tracing::trace!(key = keys.local, len = bytes.len(), "store");
         self.app.metrics.stores.inc();
-        self.app.cache.local.insert(key, bytes);
+        self.app.cache.local.insert(keys.local, bytes);
+        if let (Some(tier), Some((key, versions))) = (&self.app.shared, keys.shared) {
+            tier.put(key, &versions, bytes);
+        }
+    }
+
+    /// Applies invalidations others can now see: the local counters at
+    /// once; Redis (and every other instance) before the client is told
+    /// the statement completed, in [`Self::publish_invalidations`].
+    fn invalidate(&mut self, effects: Effects) {
+        match &self.app.shared {
+            None => effects.apply_local(&self.cache.db),
+            Some(tier) => {
+                let pending = tier.begin();
+                effects.apply_local(&self.cache.db);
+                self.cache.to_publish.push((effects, pending));
+            }
+        }
+    }
+
+    pub(super) async fn publish_invalidations(&mut self) {
+        if let Some(tier) = &self.app.shared {
+            for (effects, pending) in self.cache.to_publish.drain(..) {
+                tier.publish(&self.cache.db, &effects, pending).await;
+            }
+        }
     }
 }

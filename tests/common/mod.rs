@@ -381,57 +381,184 @@ pub fn rand_suffix() -> String {
     format!("{:08x}", rand::random::<u32>())
 }
 
-/// A redis-server of the test binary's own.
+/// A redis-server of the test's own, on a free port, stopped when dropped
+/// (and, whatever happens, when the test process exits).
 pub struct Redis {
     pub port: u16,
+    dir: PathBuf,
+    args: Vec<String>,
 }
 
 static SHARED_REDIS: OnceLock<Redis> = OnceLock::new();
 
+/// The test binary's shared redis-server.
 pub fn redis() -> &'static Redis {
-    SHARED_REDIS.get_or_init(|| {
+    SHARED_REDIS.get_or_init(Redis::dedicated)
+}
+
+impl Redis {
+    pub fn dedicated() -> Redis {
+        Self::start_with(free_port(), &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> Redis {
         let dir = scratch_dir("redis-");
-        for _attempt in 0..5 {
-            let port = free_port();
-            let pidfile = dir.join("redis.pid");
-            let ok = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--daemonize", "yes", "--pidfile"])
-                .arg(&pidfile)
-                .arg("--dir")
-                .arg(&dir)
-                .arg("--logfile")
-                .arg(dir.join("redis.log"))
-                .status()
-                .expect("redis-server not found: run .ci/run or install redis-server")
-                .success();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while ok && Instant::now() < deadline {
-                if redis_ping(port) {
-                    on_process_exit(&format!(
-                        "kill $(cat {}) 2>/dev/null; rm -rf {}",
-                        pidfile.display(),
-                        dir.display()
-                    ));
-                    return Redis { port };
-                }
-                std::thread::sleep(Duration::from_millis(20));
+        let mut args: Vec<String> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "yes",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        for (flag, file) in [("--pidfile", "redis.pid"), ("--logfile", "redis.log")] {
+            args.push(flag.to_owned());
+            args.push(dir.join(file).display().to_string());
+        }
+        args.push("--dir".to_owned());
+        args.push(dir.display().to_string());
+        on_process_exit(&format!(
+            "kill $(cat {}/redis.pid) 2>/dev/null; rm -rf {}",
+            dir.display(),
+            dir.display()
+        ));
+        let redis = Redis { port, dir, args };
+        redis.restart();
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again, on the same port, empty).
+    pub fn restart(&self) {
+        let ok = Command::new("redis-server")
+            .args(&self.args)
+            .status()
+            .expect("redis-server not found: run .ci/run or install redis-server")
+            .success();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ok && Instant::now() < deadline {
+            if redis_ping(self.port) {
+                return;
             }
+            std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
             "redis-server did not start; see {}",
-            dir.join("redis.log").display()
+            self.dir.join("redis.log").display()
         )
-    })
+    }
+
+    /// Kills the server as a crash would (SIGKILL) and waits until it is gone.
+    pub fn kill(&self) {
+        let pid = std::fs::read_to_string(self.dir.join("redis.pid")).unwrap_or_default();
+        Command::new("kill")
+            .args(["-KILL", pid.trim()])
+            .status()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis_ping(self.port) {
+            assert!(Instant::now() < deadline, "redis-server did not die");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_file(self.dir.join("redis.pid"));
+    }
+
+    /// A connection of the test's own, to inspect or tamper with Redis.
+    pub async fn client(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let pid = std::fs::read_to_string(self.dir.join("redis.pid")).unwrap_or_default();
+        let _ = Command::new("kill").args(["-KILL", pid.trim()]).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Redis Cluster of three masters, each a redis-server of its own.
+pub struct RedisCluster {
+    pub nodes: Vec<Redis>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let mut nodes = Vec::new();
+        while nodes.len() < 3 {
+            // The cluster bus listens on port + 10000.
+            let port = free_port();
+            if port > 55_000 || !port_is_free(port + 10_000) {
+                continue;
+            }
+            nodes.push(Redis::start_with(
+                port,
+                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+            ));
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for node in &nodes {
+            while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
+                assert!(Instant::now() < deadline, "the cluster did not form");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    /// The seed list pgcache takes: every node, comma-separated.
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(Redis::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+fn port_is_free(port: u16) -> bool {
+    StdListener::bind(("127.0.0.1", port)).is_ok()
 }
 
 /// Sends PING over a raw socket and checks for +PONG.

@@ -1,0 +1,512 @@
+//! The shared tier: several pgcache instances sharing one Redis (or Redis
+//! Cluster) serve each other's results, never serve what another instance
+//! or a direct write invalidated, and carry on without Redis.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use tokio_postgres::Client;
+
+fn config(redis_url: &str) -> pgcache::Config {
+    let mut config = pg().proxy_config();
+    config.redis.url = redis_url.to_owned();
+    // Generous for a loaded CI machine: a slow answer counts as a failure.
+    config.cache.shared.timeout_ms = 1000;
+    config
+}
+
+/// Waits until `proxy` may use the shared tier for `db`.
+async fn shared_ready(proxy: &Proxy, db: &str) {
+    let tier = proxy.app.shared.clone().expect("a shared tier");
+    let state = proxy.app.cache.db(db);
+    eventually(Duration::from_secs(20), "the shared tier", || {
+        let ready = tier.usable(&state);
+        async move { ready.then_some(()) }
+    })
+    .await;
+}
+
+async fn stored(proxy: &Proxy, at_least: u64) {
+    let m = proxy.app.metrics.shared.clone();
+    eventually(Duration::from_secs(10), "a store to Redis", || {
+        let n = m.stored.get();
+        async move { (n >= at_least).then_some(()) }
+    })
+    .await;
+}
+
+/// Two instances on one Redis, both streaming and in sync for `db`.
+async fn pair(redis_url: &str, db: &str) -> (Proxy, Client, Proxy, Client) {
+    let a = Proxy::start(config(redis_url)).await;
+    let b = Proxy::start(config(redis_url)).await;
+    let ca = a.connect(db).await;
+    let cb = b.connect(db).await;
+    shared_ready(&a, db).await;
+    shared_ready(&b, db).await;
+    (a, ca, b, cb)
+}
+
+async fn lock_table(db: &str, table: &str) -> Client {
+    let locker = pg().direct(db).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await
+        .unwrap();
+    locker
+}
+
+const ITEMS: &str = "CREATE TABLE items(id int PRIMARY KEY, v int); \
+                     INSERT INTO items SELECT g, g * 10 FROM generate_series(1, 50) g";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_computed_by_one_instance_is_served_by_another_without_the_backend() {
+    let db = pg().create_db("shared_fill");
+    pg().psql_db(&db, ITEMS);
+    let (a, ca, b, cb) = pair(&redis().url(), &db).await;
+    // B learns its session settings before the table is locked.
+    assert_eq!(scalar(&cb, "SELECT 1").await.as_deref(), Some("1"));
+
+    let sql = "SELECT sum(v) FROM items WHERE id <= 20";
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("2100"));
+    stored(&a, 1).await;
+
+    // Locked: a read that reached PostgreSQL would wait.
+    let locker = lock_table(&db, "items").await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), scalar(&cb, sql))
+        .await
+        .expect("B answers from Redis without touching PostgreSQL");
+    assert_eq!(answer.as_deref(), Some("2100"));
+    assert_eq!(b.app.metrics.shared.hit.get(), 1);
+    assert_eq!(b.hits(), 1);
+    drop(locker);
+
+    // The shared hit filled B's local tier: the next one does not ask Redis.
+    let trips = b.app.metrics.shared.round_trips.get();
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("2100"));
+    assert_eq!(b.hits(), 2);
+    assert_eq!(b.app.metrics.shared.round_trips.get(), trips);
+
+    // Extended protocol too, with parameters.
+    let stmt = "SELECT v FROM items WHERE id = $1";
+    let row = ca.query_one(stmt, &[&7i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 70);
+    stored(&a, 2).await;
+    let before = b.app.metrics.shared.hit.get();
+    let row = cb.query_one(stmt, &[&7i32]).await.unwrap();
+    assert_eq!(row.get::<_, i32>(0), 70);
+    assert_eq!(b.app.metrics.shared.hit.get(), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_redis_key_has_a_ttl_and_large_results_stay_local() {
+    let redis = Redis::dedicated();
+    let db = pg().create_db("shared_ttl");
+    pg().psql_db(&db, ITEMS);
+    let mut cfg = config(&redis.url());
+    cfg.cache.shared.ttl_secs = 120;
+    cfg.cache.shared.max_entry_bytes = 4096;
+    let proxy = Proxy::start(cfg).await;
+    let client = proxy.connect(&db).await;
+    shared_ready(&proxy, &db).await;
+    scalar(&client, "SELECT v FROM items WHERE id = 1").await;
+    stored(&proxy, 1).await;
+    // Over 4 KiB: stored locally, not in Redis.
+    rows(&client, "SELECT id, v, repeat('x', 200) FROM items").await;
+    assert_eq!(proxy.app.metrics.shared.store_too_large.get(), 1);
+    assert_eq!(proxy.stores(), 2);
+
+    let mut conn = redis.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("pgcache:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let entries: Vec<&String> = keys.iter().filter(|k| k.contains(":e:")).collect();
+    assert_eq!(entries.len(), 1, "{keys:?}");
+    for key in &keys {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if key.contains(":e:") {
+            assert!(ttl > 0 && ttl <= 120_000, "{key}: PTTL {ttl}");
+        } else {
+            assert!(
+                key.contains(":v:"),
+                "only entries and version hashes: {key}"
+            );
+        }
+    }
+}
+
+/// Polls `client` until `sql` gives `want`, then checks it keeps giving it.
+async fn converges(client: &Client, sql: &str, want: &str) {
+    eventually(Duration::from_secs(10), "the new value", || async {
+        (scalar(client, sql).await.as_deref() == Some(want)).then_some(())
+    })
+    .await;
+    for _ in 0..5 {
+        assert_eq!(scalar(client, sql).await.as_deref(), Some(want));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_through_another_instance_or_directly_are_not_served_stale() {
+    let db = pg().create_db("shared_stale");
+    pg().psql_db(&db, ITEMS);
+    let (a, ca, b, cb) = pair(&redis().url(), &db).await;
+    let sql = "SELECT v FROM items WHERE id = 3";
+    // Both instances hold the result, locally and in Redis.
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("30"));
+    stored(&a, 1).await;
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("30"));
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("30"));
+    assert!(b.hits() >= 2);
+
+    // A write through A: A itself never serves the old value again...
+    ca.batch_execute("UPDATE items SET v = 31 WHERE id = 3")
+        .await
+        .unwrap();
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("31"));
+    // ...and B stops serving it once the announcement arrives.
+    converges(&cb, sql, "31").await;
+
+    // A write made directly on PostgreSQL, seen by both replication streams.
+    let direct = pg().direct(&db).await;
+    direct
+        .batch_execute("UPDATE items SET v = 32 WHERE id = 3")
+        .await
+        .unwrap();
+    converges(&cb, sql, "32").await;
+    converges(&ca, sql, "32").await;
+    assert!(a.app.metrics.shared.invalidations_sent.get() >= 1);
+    assert!(b.app.metrics.shared.invalidations_received.get() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_on_two_instances_never_leave_a_stale_result() {
+    // Every write goes through one instance or the other; after each one,
+    // its own instance must show it at once and the other one soon after.
+    let db = pg().create_db("shared_race");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE c(id int PRIMARY KEY, n int); INSERT INTO c VALUES (1, 0)",
+    );
+    let (a, ca, b, cb) = pair(&redis().url(), &db).await;
+    let sql = "SELECT n FROM c WHERE id = 1";
+    // Readers on both instances keep filling the cache while the writes
+    // land, so fills race with invalidations.
+    let done = Arc::new(AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for proxy in [&a, &b] {
+        let reader = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+        let done = Arc::clone(&done);
+        readers.push(tokio::spawn(async move {
+            let mut reads = 0u64;
+            while !done.load(Ordering::Acquire) {
+                scalar(&reader, sql).await.unwrap();
+                reads += 1;
+            }
+            reads
+        }));
+    }
+    for i in 1..=40u64 {
+        let (writer, other) = if i % 2 == 0 { (&ca, &cb) } else { (&cb, &ca) };
+        writer
+            .batch_execute(&format!("UPDATE c SET n = {i} WHERE id = 1"))
+            .await
+            .unwrap();
+        assert_eq!(
+            scalar(writer, sql).await.as_deref(),
+            Some(i.to_string().as_str()),
+            "the writing instance serves its own write at once"
+        );
+        converges(other, sql, &i.to_string()).await;
+    }
+    done.store(true, Ordering::Release);
+    for r in readers {
+        assert!(r.await.unwrap() > 0);
+    }
+    converges(&ca, sql, "40").await;
+    converges(&cb, sql, "40").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_redis_value_is_rejected_and_never_served() {
+    let redis = Redis::dedicated();
+    let db = pg().create_db("shared_tamper");
+    pg().psql_db(&db, ITEMS);
+    let (a, ca, b, cb) = pair(&redis.url(), &db).await;
+    let sql = "SELECT v FROM items WHERE id = 5";
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("50"));
+    stored(&a, 1).await;
+
+    let mut conn = redis.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("pgcache:*:e:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&keys[0])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // The stored row says "50": make it say "99".
+    let at = value
+        .windows(2)
+        .rposition(|w| w == b"50")
+        .expect("the row is in the value");
+    let _: () = redis::cmd("SETRANGE")
+        .arg(&keys[0])
+        .arg(at)
+        .arg("99")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("50"));
+    let m = &b.app.metrics.shared;
+    assert_eq!(m.rejected.get(), 1);
+    assert_eq!(m.rejected_checksum.get(), 1);
+    assert_eq!(m.hit.get(), 0);
+    // B stores the right answer over the tampered one.
+    stored(&b, 1).await;
+
+    // A value moved to another key is rejected too.
+    let other_sql = "SELECT v FROM items WHERE id = 6";
+    assert_eq!(scalar(&ca, other_sql).await.as_deref(), Some("60"));
+    stored(&a, 2).await;
+    let now: Vec<String> = redis::cmd("KEYS")
+        .arg("pgcache:*:e:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let other_key = now
+        .iter()
+        .find(|k| **k != keys[0])
+        .expect("the second entry")
+        .clone();
+    let _: () = redis::cmd("COPY")
+        .arg(&keys[0])
+        .arg(&other_key)
+        .arg("REPLACE")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(scalar(&cb, other_sql).await.as_deref(), Some("60"));
+    assert_eq!(m.rejected_key.get(), 1);
+    assert_eq!(m.hit.get(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
+    let redis = Redis::dedicated();
+    let db = pg().create_db("shared_kill");
+    pg().psql_db(&db, ITEMS);
+    let mut cfg = config(&redis.url());
+    cfg.cache.shared.timeout_ms = 100;
+    cfg.cache.shared.breaker_open_ms = 200;
+    let a = Proxy::start(cfg.clone()).await;
+    a.connect(&db).await;
+    shared_ready(&a, &db).await;
+
+    // Four clients read (and sometimes write) without pause throughout.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..4i32 {
+        let client = connect_dsn(&a.dsn("postgres", &db)).await.unwrap();
+        let stop = Arc::clone(&stop);
+        workers.push(tokio::spawn(async move {
+            let mut queries = 0u64;
+            let mut i = 0i32;
+            while !stop.load(Ordering::Acquire) {
+                i += 1;
+                let id = (i % 50) + 1;
+                if i % 25 == 0 {
+                    client
+                        .execute("UPDATE items SET v = v WHERE id = $1", &[&(w + 1)])
+                        .await
+                        .expect("write during the outage");
+                }
+                let row = client
+                    .query_one("SELECT v FROM items WHERE id = $1", &[&id])
+                    .await
+                    .expect("read during the outage");
+                assert_eq!(row.get::<_, i32>(0), id * 10);
+                queries += 1;
+            }
+            queries
+        }));
+    }
+    let m = a.app.metrics.shared.clone();
+    let progress = |n: u64| {
+        let m = m.clone();
+        async move {
+            eventually(Duration::from_secs(20), "shared-tier traffic", || {
+                let trips = m.round_trips.get();
+                async move { (trips >= n).then_some(()) }
+            })
+            .await
+        }
+    };
+    progress(m.round_trips.get() + 20).await;
+    redis.kill();
+    // Failures are noticed, the breaker opens, and the workload goes on.
+    eventually(Duration::from_secs(20), "the breaker to open", || {
+        let opens = m.breaker_opens.get();
+        async move { (opens >= 1).then_some(()) }
+    })
+    .await;
+    let tier = a.app.shared.clone().unwrap();
+    assert!(!tier.is_up());
+    let hits = a.hits();
+    eventually(Duration::from_secs(20), "local hits without Redis", || {
+        let now = a.hits();
+        async move { (now > hits + 20).then_some(()) }
+    })
+    .await;
+
+    redis.restart();
+    shared_ready(&a, &db).await;
+    let stored_before = m.stored.get();
+    eventually(
+        Duration::from_secs(20),
+        "stores to the restarted Redis",
+        || {
+            let n = m.stored.get();
+            async move { (n > stored_before).then_some(()) }
+        },
+    )
+    .await;
+    stop.store(true, Ordering::Release);
+    for w in workers {
+        assert!(w.await.expect("no client saw an error") > 0);
+    }
+    // A second instance, cold, is served from the restarted Redis.
+    let b = Proxy::start(cfg).await;
+    let cb = b.connect(&db).await;
+    shared_ready(&b, &db).await;
+    let ca = a.connect(&db).await;
+    let stmt = "SELECT v FROM items WHERE id = $1";
+    for id in 1..=50i32 {
+        ca.query_one(stmt, &[&id]).await.unwrap();
+    }
+    let mut id = 0i32;
+    eventually(
+        Duration::from_secs(20),
+        "a shared hit after the restart",
+        || {
+            id = id % 50 + 1;
+            let (cb, b) = (&cb, &b);
+            async move {
+                let row = cb.query_one(stmt, &[&id]).await.unwrap();
+                assert_eq!(row.get::<_, i32>(0), id * 10);
+                (b.app.metrics.shared.hit.get() > 0).then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_at_start_leaves_the_local_tier_working() {
+    let port = free_port(); // nothing listens here
+    let db = pg().create_db("shared_down");
+    pg().psql_db(&db, ITEMS);
+    let proxy = Proxy::start(config(&format!("redis://127.0.0.1:{port}"))).await;
+    let client = proxy.connect(&db).await;
+    for _ in 0..3 {
+        assert_eq!(
+            scalar(&client, "SELECT v FROM items WHERE id = 9")
+                .await
+                .as_deref(),
+            Some("90")
+        );
+    }
+    assert_eq!(proxy.hits(), 2);
+    assert!(!proxy.app.shared.as_ref().unwrap().is_up());
+    assert!(proxy.app.metrics.shared.skipped.get() >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_subscription_resynchronises_and_treats_the_gap_as_changed() {
+    let redis = Redis::dedicated();
+    let db = pg().create_db("shared_gap");
+    pg().psql_db(&db, ITEMS);
+    let (a, ca, b, cb) = pair(&redis.url(), &db).await;
+    let sql = "SELECT v FROM items WHERE id = 4";
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("40"));
+    stored(&a, 1).await;
+    let epoch_before = b.app.cache.db(&db).epoch.shared();
+    let resyncs = b.app.metrics.shared.resyncs.get();
+
+    // Redis drops every subscriber, as it does one that falls behind.
+    let killed = redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert!(killed.trim().parse::<u32>().unwrap() >= 2, "{killed}");
+    eventually(Duration::from_secs(20), "B to resynchronise", || {
+        let n = b.app.metrics.shared.resyncs.get();
+        async move { (n > resyncs).then_some(()) }
+    })
+    .await;
+    shared_ready(&b, &db).await;
+    assert!(
+        b.app.cache.db(&db).epoch.shared() > epoch_before,
+        "the gap counts as a change"
+    );
+    // What A stored before the gap is not served to B afterwards...
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("40"));
+    assert_eq!(b.app.metrics.shared.hit.get(), 0);
+    // ...and new entries are shared again.
+    shared_ready(&a, &db).await;
+    let other = "SELECT v FROM items WHERE id = 8";
+    assert_eq!(scalar(&ca, other).await.as_deref(), Some("80"));
+    stored(&a, 2).await;
+    eventually(Duration::from_secs(10), "a shared hit", || async {
+        assert_eq!(scalar(&cb, other).await.as_deref(), Some("80"));
+        (b.app.metrics.shared.hit.get() == 1).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_serves_as_the_shared_tier() {
+    let cluster = RedisCluster::start();
+    let db = pg().create_db("shared_cluster");
+    pg().psql_db(&db, ITEMS);
+    let (a, ca, b, cb) = pair(&cluster.url(), &db).await;
+    // Thirty keys land in slots all over the cluster.
+    for id in 1..=30 {
+        let sql = format!("SELECT v FROM items WHERE id = {id}");
+        assert_eq!(scalar(&ca, &sql).await, Some((id * 10).to_string()));
+    }
+    stored(&a, 30).await;
+    let per_node: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
+        .collect();
+    assert!(
+        per_node.iter().filter(|n| **n > 0).count() >= 2,
+        "keys spread over the nodes: {per_node:?}"
+    );
+    for id in 1..=30 {
+        let sql = format!("SELECT v FROM items WHERE id = {id}");
+        assert_eq!(scalar(&cb, &sql).await, Some((id * 10).to_string()));
+    }
+    assert_eq!(b.app.metrics.shared.hit.get(), 30);
+
+    // Invalidation crosses the cluster: a write through A reaches B.
+    ca.batch_execute("UPDATE items SET v = 0 WHERE id = 2")
+        .await
+        .unwrap();
+    converges(&cb, "SELECT v FROM items WHERE id = 2", "0").await;
+}
