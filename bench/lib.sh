@@ -48,11 +48,12 @@ build_pgcache() {
     PGCACHE_BIN="$ROOT/target/release/pgcache"
 }
 
-# start_pgcache PORT [flags...]
+# start_pgcache PORT [flags...]; its metrics port is left in $METRICS_PORT.
 start_pgcache() {
     local port=$1; shift
+    METRICS_PORT=$(free_port)
     RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
-        --metrics "127.0.0.1:$(free_port)" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
+        --metrics "127.0.0.1:$METRICS_PORT" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
     PIDS+=($!)
     wait_port "$port"
 }

@@ -322,7 +322,8 @@ impl Config {
             problems.push("server.startup_timeout_ms: must be above 0".to_owned());
         }
         if self.cache.max_entry_bytes == 0
-            || self.cache.max_entry_bytes as u64 > self.cache.local.max_bytes
+            || (self.cache.local.max_bytes > 0
+                && self.cache.max_entry_bytes as u64 > self.cache.local.max_bytes)
         {
             problems.push(format!(
                 "cache.max_entry_bytes: {} must be between 1 and cache.local.max_bytes ({})",

@@ -20,13 +20,21 @@ pub struct CachedResponse {
 const ENTRY_OVERHEAD: usize = 320;
 
 pub struct LocalCache {
-    inner: moka::sync::Cache<u128, Arc<CachedResponse>>,
+    /// `None`: no local tier (`cache.local.max_bytes = 0`), Redis only.
+    inner: Option<moka::sync::Cache<u128, Arc<CachedResponse>>>,
     max_entry_bytes: usize,
 }
 
 impl LocalCache {
-    /// `ttl` of zero means entries live until evicted or invalidated.
+    /// `ttl` of zero means entries live until evicted or invalidated;
+    /// `max_bytes` of zero means no local tier at all.
     pub fn new(max_bytes: u64, max_entry_bytes: usize, ttl: Duration) -> Self {
+        if max_bytes == 0 {
+            return Self {
+                inner: None,
+                max_entry_bytes,
+            };
+        }
         let mut builder = moka::sync::Cache::builder()
             .max_capacity(max_bytes)
             .weigher(|_k: &u128, v: &Arc<CachedResponse>| {
@@ -36,20 +44,22 @@ impl LocalCache {
             builder = builder.time_to_live(ttl);
         }
         Self {
-            inner: builder.build(),
+            inner: Some(builder.build()),
             max_entry_bytes,
         }
     }
 
     pub fn get(&self, key: u128) -> Option<Arc<CachedResponse>> {
-        self.inner.get(&key)
+        self.inner.as_ref()?.get(&key)
     }
 
     /// Stores a copy of `bytes` in an allocation of exactly its size (a
     /// capture buffer may have grown to twice what it holds).
     pub fn insert(&self, key: u128, bytes: &[u8]) {
-        if bytes.len() <= self.max_entry_bytes {
-            self.inner.insert(
+        if let Some(inner) = &self.inner
+            && bytes.len() <= self.max_entry_bytes
+        {
+            inner.insert(
                 key,
                 Arc::new(CachedResponse {
                     bytes: Bytes::copy_from_slice(bytes),
@@ -63,13 +73,17 @@ impl LocalCache {
     }
 
     pub fn entry_count(&self) -> u64 {
-        self.inner.run_pending_tasks();
-        self.inner.entry_count()
+        self.inner.as_ref().map_or(0, |c| {
+            c.run_pending_tasks();
+            c.entry_count()
+        })
     }
 
     pub fn weighted_bytes(&self) -> u64 {
-        self.inner.run_pending_tasks();
-        self.inner.weighted_size()
+        self.inner.as_ref().map_or(0, |c| {
+            c.run_pending_tasks();
+            c.weighted_size()
+        })
     }
 }
 
@@ -89,6 +103,14 @@ mod tests {
             cache.weighted_bytes()
         );
         assert!(cache.entry_count() < 100);
+    }
+
+    #[test]
+    fn a_zero_budget_means_no_local_tier() {
+        let cache = LocalCache::new(0, 100, Duration::ZERO);
+        cache.insert(1, &[0u8; 10]);
+        assert!(cache.get(1).is_none());
+        assert_eq!(cache.entry_count(), 0);
     }
 
     #[test]
