@@ -172,11 +172,11 @@ impl App {
 
     /// Applies invalidations: the local counters at once, then (with a
     /// shared tier) Redis and every other instance.
-    pub async fn invalidate(&self, db: &cache::DbState, bumps: &cache::Bumps) {
+    pub async fn invalidate(&self, db: &Arc<cache::DbState>, bumps: &cache::Bumps) {
         match &self.shared {
             None => bumps.apply_local(db),
             Some(shared) => {
-                let pending = shared.begin();
+                let pending = shared.begin(db);
                 bumps.apply_local(db);
                 shared.publish(db, bumps, pending).await;
             }

@@ -135,6 +135,8 @@ pub struct DbState {
     /// The shared tier's sync generation this database's versions were
     /// last read from Redis under; 0 = never.
     pub shared_synced: AtomicU64,
+    /// A bump of this instance never reached Redis.
+    pub shared_dirty: std::sync::atomic::AtomicBool,
     /// When a reload for an unknown relation was last asked for.
     last_reload: Mutex<Option<std::time::Instant>>,
     /// A replication stream task exists for this database.

@@ -178,7 +178,7 @@ async fn run(app: Arc<App>, database: String, db: Arc<DbState>) {
     }
 }
 
-async fn stream_once(app: &App, database: &str, db: &DbState) -> Result<(), ReplicationError> {
+async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(), ReplicationError> {
     let config = &app.config;
     let publication = &config.replication.publication;
     let ctl = control(config, database).await?;

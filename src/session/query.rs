@@ -1040,7 +1040,7 @@ where
         match &self.app.shared {
             None => effects.apply_local(&self.cache.db),
             Some(tier) => {
-                let pending = tier.begin();
+                let pending = tier.begin(&self.cache.db);
                 effects.apply_local(&self.cache.db);
                 self.cache.to_publish.push((effects, pending));
             }

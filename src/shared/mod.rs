@@ -160,6 +160,7 @@ impl Breaker {
 /// writes). Dropped without [`Pending::done`], it marks the tier out of sync.
 pub struct Pending {
     tier: Arc<SharedTier>,
+    db: Arc<DbState>,
     done: bool,
 }
 
@@ -172,6 +173,9 @@ impl Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         if !self.done {
+            // Redis does not know of this change: its entries for the
+            // database may be stale until a resync bumps the epoch there.
+            self.db.shared_dirty.store(true, Ordering::Release);
             self.tier.out_of_sync("a bump did not reach Redis");
         }
         self.tier.pending.fetch_sub(1, Ordering::AcqRel);
@@ -397,10 +401,11 @@ impl SharedTier {
 
     /// Announces that a bump of this instance is on its way: call before
     /// bumping the local counters.
-    pub fn begin(self: &Arc<Self>) -> Pending {
+    pub fn begin(self: &Arc<Self>, db: &Arc<DbState>) -> Pending {
         self.pending.fetch_add(1, Ordering::AcqRel);
         Pending {
             tier: Arc::clone(self),
+            db: Arc::clone(db),
             done: false,
         }
     }
@@ -581,11 +586,14 @@ impl SharedTier {
             if synced == generation {
                 continue;
             }
-            // Never synced: the mirrors start from Redis. Synced before:
-            // this instance may have missed bumps or failed to send its own.
-            let missed = synced != 0;
+            // Never synced and nothing to tell: the mirrors start from
+            // Redis. Otherwise this instance may have missed bumps, or
+            // failed to send its own.
+            let missed = synced != 0 || db.shared_dirty.load(Ordering::Acquire);
             match self.resync_db(&db, missed).await {
                 Ok(()) => {
+                    // A failure from now on moves the generation again.
+                    db.shared_dirty.store(false, Ordering::Release);
                     db.shared_synced.store(generation, Ordering::Release);
                     self.metrics.resyncs.inc();
                 }
