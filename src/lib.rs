@@ -21,6 +21,7 @@ pub mod cache;
 pub mod cancel;
 pub mod classify;
 pub mod config;
+pub mod hints;
 pub mod invalidation;
 pub mod metrics;
 pub mod protocol;

@@ -1,0 +1,436 @@
+//! Cache hints in SQL comments, and the normalised text statistics are
+//! kept under. One pass of a small lexer over the statement text, run once
+//! per distinct text (the result is memoised with the statement's plan), so
+//! the hit path never scans SQL.
+//!
+//! | comment | meaning |
+//! | --- | --- |
+//! | `/*+ cache */`, `/*FORCE QUERY CACHE*/` | cache even where `cache.mode = "opt_in"` would not; never an unsafe statement |
+//! | `/*+ nocache */`, `/*NO QUERY CACHE*/` | do not cache |
+//! | `/*+ cache ttl=30s */` | entries live at most 30 s (units `ms`, `s`, `m`, `h`; a bare number is seconds); also allows relations replication cannot watch |
+//! | `/*+ cache tier=local\|shared\|both */` | which tiers hold the entry |
+//! | `/*+ cache ttl=60s refresh=50s */` | once an entry is 50 s old, a hit refreshes it in the background |
+//!
+//! Comments may stand anywhere a comment may; text in string literals,
+//! quoted identifiers and dollar quotes is never read as a hint. A `/*+`
+//! comment whose first word is not `cache`/`nocache` but has parentheses is
+//! taken for pg_hint_plan's and ignored; any other one, and a malformed
+//! `cache` hint, is reported (the statement runs under the configured policy).
+
+use std::time::Duration;
+
+/// Where an entry may be kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Tier {
+    Local,
+    Shared,
+    #[default]
+    Both,
+}
+
+impl Tier {
+    pub fn local(self) -> bool {
+        self != Tier::Shared
+    }
+
+    pub fn shared(self) -> bool {
+        self != Tier::Local
+    }
+}
+
+/// What the hints of a statement ask for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Hints {
+    /// `Some(true)`: cache; `Some(false)`: do not; `None`: no hint.
+    pub cache: Option<bool>,
+    pub ttl: Option<Duration>,
+    pub refresh: Option<Duration>,
+    pub tier: Tier,
+    /// Hints that were malformed or unknown, as written, with why.
+    pub problems: Vec<String>,
+}
+
+/// The hints and the normalised text of a statement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scan {
+    pub hints: Hints,
+    /// Comments dropped, whitespace collapsed, literals replaced with `?`.
+    pub normalized: String,
+}
+
+/// Longest normalised text kept (statistics show it; it is not a key).
+const MAX_NORMALIZED: usize = 2048;
+const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+pub fn scan(sql: &str) -> Scan {
+    let mut out = Scan::default();
+    let b = sql.as_bytes();
+    let mut i = 0;
+    let mut space = false;
+    let push = |out: &mut Scan, s: &str, space: &mut bool| {
+        if out.normalized.len() >= MAX_NORMALIZED {
+            return;
+        }
+        if *space && !out.normalized.is_empty() {
+            out.normalized.push(' ');
+        }
+        *space = false;
+        out.normalized.push_str(s);
+    };
+    while i < b.len() {
+        let c = b[i];
+        match c {
+            b' ' | b'\t' | b'\n' | b'\r' | b'\x0c' => {
+                space = true;
+                i += 1;
+            }
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+                space = true;
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let start = i + 2;
+                let mut depth = 1;
+                i += 2;
+                while i < b.len() && depth > 0 {
+                    if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                        depth += 1;
+                        i += 2;
+                    } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                        depth -= 1;
+                        i += 2;
+                    } else {
+                        i += 1;
+                    }
+                }
+                let end = if depth == 0 { i - 2 } else { b.len() };
+                comment(&sql[start..end], &mut out.hints);
+                space = true;
+            }
+            b'\'' => {
+                i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
+                push(&mut out, "?", &mut space);
+            }
+            b'"' => {
+                let start = i;
+                i = skip_quoted(b, i + 1, b'"', false);
+                push(&mut out, &sql[start..i], &mut space);
+            }
+            b'$' => {
+                // $1 (a parameter) or $tag$ ... $tag$ (a string).
+                let mut j = i + 1;
+                while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
+                    j += 1;
+                }
+                if b.get(j) == Some(&b'$') && !b[i + 1..j].first().is_some_and(u8::is_ascii_digit) {
+                    let tag = &sql[i..=j];
+                    i = match sql[j + 1..].find(tag) {
+                        Some(k) => j + 1 + k + tag.len(),
+                        None => b.len(),
+                    };
+                    push(&mut out, "?", &mut space);
+                } else {
+                    push(&mut out, &sql[i..j], &mut space);
+                    i = j;
+                }
+            }
+            b'0'..=b'9' => {
+                let mut j = i;
+                while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'.' || b[j] == b'_')
+                {
+                    j += 1;
+                }
+                push(&mut out, "?", &mut space);
+                i = j;
+            }
+            _ if c.is_ascii_alphabetic() || c == b'_' || c >= 0x80 => {
+                let mut j = i;
+                while j < b.len()
+                    && (b[j].is_ascii_alphanumeric()
+                        || b[j] == b'_'
+                        || b[j] == b'$'
+                        || b[j] >= 0x80)
+                {
+                    j += 1;
+                }
+                // E'...' and friends: the prefix is part of the literal.
+                if j == i + 1
+                    && b.get(j) == Some(&b'\'')
+                    && matches!(c, b'e' | b'E' | b'b' | b'B' | b'x' | b'X' | b'n' | b'N')
+                {
+                    i = j;
+                    continue;
+                }
+                push(&mut out, &sql[i..j], &mut space);
+                i = j;
+            }
+            _ => {
+                let len = sql[i..].chars().next().map_or(1, char::len_utf8);
+                push(&mut out, &sql[i..i + len], &mut space);
+                i += len;
+            }
+        }
+    }
+    out
+}
+
+/// Skips to just past the closing quote; a doubled quote is an escaped
+/// one, and with `backslash` so is `\'`.
+fn skip_quoted(b: &[u8], mut i: usize, quote: u8, backslash: bool) -> usize {
+    while i < b.len() {
+        if backslash && b[i] == b'\\' {
+            i += 2;
+            continue;
+        }
+        if b[i] == quote {
+            if b.get(i + 1) == Some(&quote) {
+                i += 2;
+                continue;
+            }
+            return i + 1;
+        }
+        i += 1;
+    }
+    b.len()
+}
+
+/// Reads one block comment's text.
+fn comment(text: &str, hints: &mut Hints) {
+    let trimmed = text.trim();
+    if let Some(body) = trimmed.strip_prefix('+') {
+        let mut words = body.split_whitespace();
+        match words.next().map(str::to_ascii_lowercase).as_deref() {
+            Some("cache") => cache_hint(words, hints, trimmed),
+            Some("nocache") => {
+                let rest: Vec<&str> = words.collect();
+                if rest.is_empty() {
+                    hints.cache = Some(false);
+                } else {
+                    hints
+                        .problems
+                        .push(format!("/*{trimmed}*/: nocache takes no options"));
+                }
+            }
+            _ if body.contains('(') => {} // pg_hint_plan's, not ours
+            _ => hints.problems.push(format!(
+                "/*{trimmed}*/: unknown hint (expected cache or nocache)"
+            )),
+        }
+        return;
+    }
+    let words: Vec<String> = trimmed
+        .split_whitespace()
+        .map(str::to_ascii_uppercase)
+        .collect();
+    match words.join(" ").as_str() {
+        "NO QUERY CACHE" => hints.cache = Some(false),
+        "FORCE QUERY CACHE" => {
+            if hints.cache.is_none() {
+                hints.cache = Some(true);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text: &str) {
+    let mut parsed = Hints::default();
+    for word in words {
+        let problem = match word.split_once('=') {
+            Some((key, value)) => match key.to_ascii_lowercase().as_str() {
+                "ttl" => duration(value).map(|d| parsed.ttl = Some(d)),
+                "refresh" => duration(value).map(|d| parsed.refresh = Some(d)),
+                "tier" => match value.to_ascii_lowercase().as_str() {
+                    "local" => Ok(parsed.tier = Tier::Local),
+                    "shared" => Ok(parsed.tier = Tier::Shared),
+                    "both" => Ok(parsed.tier = Tier::Both),
+                    _ => Err(format!("tier={value}: expected local, shared or both")),
+                },
+                _ => Err(format!("unknown option {key:?}")),
+            },
+            None => Err(format!("{word:?} is not key=value")),
+        };
+        if let Err(why) = problem {
+            hints.problems.push(format!("/*{text}*/: {why}"));
+            return;
+        }
+    }
+    if let (Some(refresh), ttl) = (parsed.refresh, parsed.ttl)
+        && ttl.is_some_and(|ttl| refresh >= ttl)
+    {
+        hints
+            .problems
+            .push(format!("/*{text}*/: refresh must be shorter than ttl"));
+        return;
+    }
+    // NO QUERY CACHE / nocache win over cache.
+    if hints.cache != Some(false) {
+        hints.cache = Some(true);
+    }
+    hints.ttl = parsed.ttl.or(hints.ttl);
+    hints.refresh = parsed.refresh.or(hints.refresh);
+    if parsed.tier != Tier::Both {
+        hints.tier = parsed.tier;
+    }
+}
+
+/// `30s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
+pub fn duration(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 30s"))?;
+    let d = match unit.to_ascii_lowercase().as_str() {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err(format!("{text:?}: unit must be ms, s, m or h")),
+    };
+    if d.is_zero() || d > MAX_DURATION {
+        return Err(format!("{text:?} must be above 0 and at most 30 days"));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hints(sql: &str) -> Hints {
+        scan(sql).hints
+    }
+
+    #[test]
+    fn hint_forms() {
+        let cases: &[(&str, Option<bool>, Option<u64>, Tier)] = &[
+            ("SELECT 1", None, None, Tier::Both),
+            ("/*+ cache */ SELECT 1", Some(true), None, Tier::Both),
+            (
+                "SELECT /*+ nocache */ 1",
+                None.or(Some(false)),
+                None,
+                Tier::Both,
+            ),
+            (
+                "SELECT 1 /*+ cache ttl=30s */",
+                Some(true),
+                Some(30_000),
+                Tier::Both,
+            ),
+            (
+                "SELECT 1 /*+ cache ttl=500ms */",
+                Some(true),
+                Some(500),
+                Tier::Both,
+            ),
+            (
+                "SELECT 1 /*+ CACHE TTL=5m tier=local */",
+                Some(true),
+                Some(300_000),
+                Tier::Local,
+            ),
+            (
+                "SELECT 1 /*+ cache ttl=1h tier=shared */",
+                Some(true),
+                Some(3_600_000),
+                Tier::Shared,
+            ),
+            (
+                "SELECT 1 /*+ cache ttl=45 */",
+                Some(true),
+                Some(45_000),
+                Tier::Both,
+            ),
+            ("/*NO QUERY CACHE*/ SELECT 1", Some(false), None, Tier::Both),
+            (
+                "/* FORCE QUERY CACHE */ SELECT 1",
+                Some(true),
+                None,
+                Tier::Both,
+            ),
+            (
+                "/*+ cache */ /*NO QUERY CACHE*/ SELECT 1",
+                Some(false),
+                None,
+                Tier::Both,
+            ),
+            ("SELECT 1 -- /*+ cache */\n", None, None, Tier::Both),
+            ("SELECT '/*+ cache */'", None, None, Tier::Both),
+            ("SELECT \"/*+ cache */\"", None, None, Tier::Both),
+            ("SELECT $x$ /*+ cache */ $x$", None, None, Tier::Both),
+            ("SELECT E'\\' /*+ cache */'", None, None, Tier::Both),
+            (
+                "/* outer /* inner */ /*+ cache */ */ SELECT 1",
+                None,
+                None,
+                Tier::Both,
+            ),
+            ("/*+ SeqScan(t) */ SELECT 1", None, None, Tier::Both),
+        ];
+        for (sql, cache, ttl_ms, tier) in cases {
+            let h = hints(sql);
+            assert_eq!(h.cache, *cache, "{sql}");
+            assert_eq!(h.ttl.map(|d| d.as_millis() as u64), *ttl_ms, "{sql}");
+            assert_eq!(h.tier, *tier, "{sql}");
+            assert!(h.problems.is_empty(), "{sql}: {:?}", h.problems);
+        }
+        let h = hints("/*+ cache ttl=60s refresh=50s */ SELECT 1");
+        assert_eq!(h.refresh, Some(Duration::from_secs(50)));
+    }
+
+    #[test]
+    fn malformed_and_unknown_hints_are_reported_and_ignored() {
+        for sql in [
+            "/*+ cache ttl=abc */ SELECT 1",
+            "/*+ cache ttl=0s */ SELECT 1",
+            "/*+ cache ttl=10d */ SELECT 1",
+            "/*+ cache tier=disk */ SELECT 1",
+            "/*+ cache color=blue */ SELECT 1",
+            "/*+ cache forever */ SELECT 1",
+            "/*+ cache ttl=10s refresh=20s */ SELECT 1",
+            "/*+ nocache please */ SELECT 1",
+            "/*+ cash */ SELECT 1",
+        ] {
+            let h = hints(sql);
+            assert_eq!(h.problems.len(), 1, "{sql}: {h:?}");
+            assert!(h.problems[0].starts_with("/*+"), "{:?}", h.problems);
+            assert_eq!(h.cache, None, "{sql}: a bad hint changes nothing");
+        }
+    }
+
+    #[test]
+    fn normalisation_drops_comments_and_literals() {
+        let n = |s: &str| scan(s).normalized;
+        assert_eq!(
+            n("SELECT  v FROM t\n WHERE id = 42 AND name = 'x''y' /*+ cache */"),
+            "SELECT v FROM t WHERE id = ? AND name = ?"
+        );
+        assert_eq!(
+            n("select * from t1 where a=$1"),
+            "select * from t1 where a=$1"
+        );
+        assert_eq!(n("SELECT E'a\\'b', $q$x$q$, 1.5e3"), "SELECT ?, ?, ?");
+        assert_eq!(
+            n("SELECT \"Odd Name\" FROM x -- c\n"),
+            "SELECT \"Odd Name\" FROM x"
+        );
+        assert_eq!(n("SELECT 'ünï', ç FROM t"), "SELECT ?, ç FROM t");
+        assert_eq!(n("SELECT 'unterminated"), "SELECT ?");
+        assert_eq!(n("/* unterminated"), "");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(duration("2h"), Ok(Duration::from_secs(7200)));
+        assert!(duration("").is_err());
+        assert!(duration("s").is_err());
+        assert!(duration("99999999999999999999").is_err());
+    }
+}
