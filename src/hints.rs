@@ -226,11 +226,7 @@ fn comment(text: &str, hints: &mut Hints) {
         .collect();
     match words.join(" ").as_str() {
         "NO QUERY CACHE" => hints.cache = Some(false),
-        "FORCE QUERY CACHE" => {
-            if hints.cache.is_none() {
-                hints.cache = Some(true);
-            }
-        }
+        "FORCE QUERY CACHE" if hints.cache.is_none() => hints.cache = Some(true),
         _ => {}
     }
 }
@@ -243,11 +239,12 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
                 "ttl" => duration(value).map(|d| parsed.ttl = Some(d)),
                 "refresh" => duration(value).map(|d| parsed.refresh = Some(d)),
                 "tier" => match value.to_ascii_lowercase().as_str() {
-                    "local" => Ok(parsed.tier = Tier::Local),
-                    "shared" => Ok(parsed.tier = Tier::Shared),
-                    "both" => Ok(parsed.tier = Tier::Both),
+                    "local" => Ok(Tier::Local),
+                    "shared" => Ok(Tier::Shared),
+                    "both" => Ok(Tier::Both),
                     _ => Err(format!("tier={value}: expected local, shared or both")),
-                },
+                }
+                .map(|tier| parsed.tier = tier),
                 _ => Err(format!("unknown option {key:?}")),
             },
             None => Err(format!("{word:?} is not key=value")),
