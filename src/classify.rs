@@ -41,6 +41,13 @@ pub enum BypassReason {
     Pipelined,
     UnsupportedShape,
     ReplicationDown,
+    /// `/*+ nocache */` or `/*NO QUERY CACHE*/`.
+    Hint,
+    /// `cache.mode = "opt_in"` and no hint asked.
+    OptIn,
+    TableRule,
+    RoleRule,
+    DatabaseRule,
 }
 
 impl BypassReason {
@@ -66,6 +73,11 @@ impl BypassReason {
             Self::Pipelined => "pipelined",
             Self::UnsupportedShape => "unsupported_shape",
             Self::ReplicationDown => "replication_down",
+            Self::Hint => "hint",
+            Self::OptIn => "opt_in",
+            Self::TableRule => "table_rule",
+            Self::RoleRule => "role_rule",
+            Self::DatabaseRule => "database_rule",
         }
     }
 }

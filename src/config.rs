@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use serde::Deserialize;
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -24,7 +26,7 @@ pub enum ConfigError {
     Invalid(Vec<String>),
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub server: ServerConfig,
@@ -33,9 +35,10 @@ pub struct Config {
     pub redis: RedisConfig,
     pub metrics: MetricsConfig,
     pub replication: ReplicationConfig,
+    pub admin: AdminConfig,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ReplicationConfig {
     /// Invalidate from PostgreSQL logical replication.
@@ -65,7 +68,7 @@ impl Default for ReplicationConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// Address clients connect to.
@@ -80,7 +83,7 @@ pub struct ServerConfig {
     pub shutdown_timeout_secs: u64,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct UpstreamConfig {
     /// libpq URL or key=value string naming the PostgreSQL server.
@@ -89,7 +92,7 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
     /// false = pure pass-through (same as --no-cache).
@@ -98,11 +101,75 @@ pub struct CacheConfig {
     pub max_entry_bytes: usize,
     /// Lifetime of an entry; 0 = until evicted or invalidated.
     pub default_ttl_secs: u64,
+    /// `auto`: every safe SELECT; `opt_in`: only hinted ones.
+    pub mode: CacheMode,
+    /// A hit on an entry older than this refreshes it in the background;
+    /// 0 = only when a hint asks (`refresh=`).
+    pub refresh_after_secs: u64,
+    /// How long a miss waits for a concurrent identical one to fill the
+    /// cache before going to PostgreSQL itself.
+    pub coalesce_wait_ms: u64,
+    /// Rules per table (by name, as pgcache knows tables: without schema).
+    pub tables: Vec<TableRule>,
+    /// Caching on or off per role (`current_user`).
+    pub roles: BTreeMap<String, bool>,
+    /// Caching on or off per database.
+    pub databases: BTreeMap<String, bool>,
     pub local: LocalCacheConfig,
     pub shared: SharedCacheConfig,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheMode {
+    #[default]
+    Auto,
+    OptIn,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TableRule {
+    /// Table, view or foreign table name (a `schema.` prefix is ignored).
+    pub name: String,
+    /// false: results reading it are never cached.
+    #[serde(default = "yes")]
+    pub cache: bool,
+    /// Entries reading it live at most this long.
+    #[serde(default)]
+    pub ttl_secs: Option<u64>,
+    /// Cache it although replication cannot watch it (a view, a foreign
+    /// table, a table without replica identity): changes are seen only
+    /// when `ttl_secs` runs out.
+    #[serde(default)]
+    pub ttl_only: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// The virtual database that is pgcache's admin console.
+    pub database: String,
+    pub user: String,
+    /// Empty: the console is off.
+    pub password: String,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            database: "pgcache".to_owned(),
+            user: "pgcache".to_owned(),
+            password: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SharedCacheConfig {
     /// Lifetime of a Redis entry (every key gets one).
@@ -135,7 +202,7 @@ impl Default for SharedCacheConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LocalCacheConfig {
     /// Memory budget of the in-process tier, entries and bookkeeping.
@@ -150,7 +217,7 @@ impl Default for LocalCacheConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
     /// Shared tier; empty = local tier only. Several comma-separated URLs,
@@ -194,7 +261,7 @@ impl RedisConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Address of the Prometheus endpoint.
@@ -228,6 +295,12 @@ impl Default for CacheConfig {
             enabled: true,
             max_entry_bytes: 1024 * 1024,
             default_ttl_secs: 300,
+            mode: CacheMode::Auto,
+            refresh_after_secs: 0,
+            coalesce_wait_ms: 2000,
+            tables: Vec::new(),
+            roles: BTreeMap::new(),
+            databases: BTreeMap::new(),
             local: LocalCacheConfig::default(),
             shared: SharedCacheConfig::default(),
         }
@@ -355,6 +428,34 @@ impl Config {
                     "redis.url: a Redis Cluster is reached over TCP, not Unix sockets".to_owned(),
                 );
             }
+        }
+        for (i, rule) in self.cache.tables.iter().enumerate() {
+            if rule.name.trim().is_empty() {
+                problems.push(format!("cache.tables[{i}].name: must not be empty"));
+            }
+            if rule.ttl_secs == Some(0) {
+                problems.push(format!("cache.tables[{i}].ttl_secs: must be above 0"));
+            }
+            if rule.ttl_only && rule.ttl_secs.is_none() {
+                problems.push(format!(
+                    "cache.tables[{i}] ({}): ttl_only needs ttl_secs, the only way its changes are seen",
+                    rule.name
+                ));
+            }
+        }
+        if self.cache.coalesce_wait_ms > 60_000 {
+            problems.push(format!(
+                "cache.coalesce_wait_ms: {} is above 60000",
+                self.cache.coalesce_wait_ms
+            ));
+        }
+        if !self.admin.password.is_empty()
+            && (self.admin.database.is_empty() || self.admin.user.is_empty())
+        {
+            problems.push(
+                "admin.database and admin.user: must not be empty when admin.password is set"
+                    .to_owned(),
+            );
         }
         let shared = &self.cache.shared;
         if shared.ttl_secs == 0 {

@@ -24,10 +24,12 @@ pub mod config;
 pub mod hints;
 pub mod invalidation;
 pub mod metrics;
+pub mod policy;
 pub mod protocol;
 pub mod server;
 pub mod session;
 pub mod shared;
+pub mod stats;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,6 +61,13 @@ pub struct App {
     metrics_listener: std::sync::Mutex<Option<tokio::net::TcpListener>>,
     /// Where `/metrics` is served (known after [`App::start`]).
     pub metrics_addr: std::sync::OnceLock<std::net::SocketAddr>,
+    /// The caching policy, replaced by RELOAD.
+    policy: std::sync::RwLock<Arc<policy::Policy>>,
+    policy_generation: std::sync::atomic::AtomicU64,
+    /// The configuration now in force (RELOAD replaces the live parts).
+    live_config: std::sync::RwLock<Arc<Config>>,
+    /// Where RELOAD reads the configuration from.
+    config_source: std::sync::OnceLock<(Option<std::path::PathBuf>, config::Overrides)>,
 }
 
 /// Why pgcache cannot start.
@@ -81,11 +90,8 @@ impl App {
         let upstream = config
             .upstream_addrs()
             .map_err(|e| config::ConfigError::Invalid(vec![format!("upstream.url: {e}")]))?;
-        let local = cache::LocalCache::new(
-            config.cache.local.max_bytes,
-            config.cache.max_entry_bytes,
-            config.default_ttl(),
-        );
+        let local =
+            cache::LocalCache::new(config.cache.local.max_bytes, config.cache.max_entry_bytes);
         let metrics = metrics::Metrics::new();
         let shared = match config.redis.nodes() {
             Some(nodes) if config.cache.enabled => Some(Arc::new(shared::SharedTier::new(
@@ -99,7 +105,6 @@ impl App {
         Ok(Self {
             cache: cache::CacheState::new(local),
             shared,
-            config,
             upstream,
             cancel: Arc::default(),
             drain: CancellationToken::new(),
@@ -108,6 +113,11 @@ impl App {
             metrics,
             metrics_listener: std::sync::Mutex::new(None),
             metrics_addr: std::sync::OnceLock::new(),
+            policy: std::sync::RwLock::new(Arc::new(policy::Policy::new(&config.cache, 1))),
+            policy_generation: std::sync::atomic::AtomicU64::new(1),
+            live_config: std::sync::RwLock::new(Arc::new(config.clone())),
+            config_source: std::sync::OnceLock::new(),
+            config,
         })
     }
 
@@ -182,6 +192,70 @@ impl App {
                 shared.publish(db, bumps, pending).await;
             }
         }
+    }
+
+    /// The policy's generation: one atomic load, for sessions to notice a RELOAD.
+    pub fn policy_generation(&self) -> u64 {
+        self.policy_generation.load(Ordering::Acquire)
+    }
+
+    pub fn policy(&self) -> Arc<policy::Policy> {
+        Arc::clone(&self.policy.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn live_config(&self) -> Arc<Config> {
+        Arc::clone(&self.live_config.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Remembers where the configuration came from, for RELOAD.
+    pub fn set_config_source(
+        &self,
+        path: Option<std::path::PathBuf>,
+        overrides: config::Overrides,
+    ) {
+        let _ = self.config_source.set((path, overrides));
+    }
+
+    /// Re-reads the configuration and applies what can change live: the
+    /// caching policy (`cache.mode`, `default_ttl_secs`,
+    /// `refresh_after_secs`, `coalesce_wait_ms`, `tables`, `roles`,
+    /// `databases`) and the admin credentials. Returns what changed but
+    /// needs a restart; on error nothing changes.
+    pub fn reload(&self) -> Result<Vec<String>, config::ConfigError> {
+        let (path, overrides) = self
+            .config_source
+            .get()
+            .cloned()
+            .unwrap_or((None, config::Overrides::default()));
+        let new = Config::load(path.as_deref(), &overrides)?;
+        let old = self.live_config();
+        let mut restart = Vec::new();
+        let sections = [
+            ("server", old.server != new.server),
+            ("upstream", old.upstream != new.upstream),
+            ("redis", old.redis != new.redis),
+            ("metrics", old.metrics != new.metrics),
+            ("replication", old.replication != new.replication),
+            ("cache.enabled", old.cache.enabled != new.cache.enabled),
+            (
+                "cache.max_entry_bytes",
+                old.cache.max_entry_bytes != new.cache.max_entry_bytes,
+            ),
+            ("cache.local", old.cache.local != new.cache.local),
+            ("cache.shared", old.cache.shared != new.cache.shared),
+        ];
+        for (name, changed) in sections {
+            if changed {
+                restart.push(name.to_owned());
+            }
+        }
+        let generation = self.policy_generation() + 1;
+        *self.policy.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(policy::Policy::new(&new.cache, generation));
+        *self.live_config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        self.policy_generation.store(generation, Ordering::Release);
+        tracing::info!(?restart, "configuration reloaded");
+        Ok(restart)
     }
 
     pub fn replication_on(&self) -> bool {

@@ -32,6 +32,12 @@ pub struct Metrics {
     pub bypasses: IntCounter,
     /// Results stored in the local tier.
     pub stores: IntCounter,
+    /// Malformed or unknown cache hints reported to clients.
+    pub hint_problems: IntCounter,
+    /// Misses that waited for a concurrent identical miss.
+    pub coalesced: IntCounter,
+    /// Entries refreshed in the background while being served.
+    pub refreshes: IntCounter,
     pub client_connections: IntGauge,
     replication_up: IntGaugeVec,
     replication_lag_seconds: GaugeVec,
@@ -171,6 +177,30 @@ impl Metrics {
             )
             .expect("valid metric"),
         );
+        let hint_problems = register(
+            &registry,
+            IntCounter::new(
+                "pgcache_hint_problems_total",
+                "Malformed or unknown cache hints (each reported to its client once per statement text)",
+            )
+            .expect("valid metric"),
+        );
+        let coalesced = register(
+            &registry,
+            IntCounter::new(
+                "pgcache_cache_coalesced_total",
+                "Misses that waited for a concurrent miss of the same key instead of querying PostgreSQL",
+            )
+            .expect("valid metric"),
+        );
+        let refreshes = register(
+            &registry,
+            IntCounter::new(
+                "pgcache_cache_refreshes_total",
+                "Entries refreshed in the background while still being served",
+            )
+            .expect("valid metric"),
+        );
         let client_connections = register(
             &registry,
             IntGauge::new("pgcache_client_connections", "Client connections open")
@@ -182,6 +212,9 @@ impl Metrics {
             misses: lookups.with_label_values(&["miss"]),
             bypasses: lookups.with_label_values(&["bypass"]),
             stores,
+            hint_problems,
+            coalesced,
+            refreshes,
             client_connections,
             replication_up: register(
                 &registry,

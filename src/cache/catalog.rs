@@ -36,16 +36,18 @@ pub fn snapshot_sql(publication: Option<&str>) -> String {
                AND (k.confupdtype NOT IN ('a','r') OR k.confdeltype NOT IN ('a','r')))
     OR (EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i WHERE i.inhrelid = c.oid) AND NOT c.relispartition))::text,
   pg_catalog.min(CASE WHEN c.relispartition THEN
-    (SELECT r.relname FROM pg_catalog.pg_class r WHERE r.oid = pg_catalog.pg_partition_root(c.oid)) END)
+    (SELECT r.relname FROM pg_catalog.pg_class r WHERE r.oid = pg_catalog.pg_partition_root(c.oid)) END),
+  pg_catalog.bool_and(c.relkind IN ('r','p','v','m','f') AND c.relpersistence = 'p'
+    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast'))::text
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r','p','v','m','f','S')
 GROUP BY c.relname
 UNION ALL
 SELECT 'f', p.proname, pg_catalog.bool_and(p.provolatile = 'i')::text,
-  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text, NULL
+  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text, NULL, NULL
 FROM pg_catalog.pg_proc p GROUP BY p.proname
 UNION ALL
-SELECT 'p', c.relname, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL
+SELECT 'p', c.relname, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL
 FROM pg_catalog.pg_policy pol JOIN pg_catalog.pg_class c ON c.oid = pol.polrelid
 WHERE pol.polqual IS NOT NULL"
     )
@@ -64,6 +66,10 @@ pub struct RelFacts {
     pub write_hazard: bool,
     /// Versions are kept per partition tree: the root's name.
     pub family: String,
+    /// Every relation of this name is permanent, outside the system
+    /// schemas, and a table, view, materialized view or foreign table: it
+    /// may be cached with a TTL even if replication cannot watch it.
+    pub ttl_ok: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +106,7 @@ impl Catalog {
                             readable: col(2) == Some("true"),
                             write_hazard: col(3) != Some("false"),
                             family: col(4).unwrap_or(name).to_owned(),
+                            ttl_ok: col(5) == Some("true"),
                         },
                     );
                 }
@@ -129,6 +136,7 @@ impl Catalog {
             };
             if let (false, Some(rel)) = (ok, catalog.rels.get_mut(&table)) {
                 rel.readable = false;
+                rel.ttl_ok = false;
             }
         }
         catalog.policy_settings = settings.into_iter().collect();
@@ -173,7 +181,14 @@ mod tests {
                 Some("false"),
                 Some("t"),
             ]),
-            row(&[Some("r"), Some("v"), Some("false"), Some("true"), None]),
+            row(&[
+                Some("r"),
+                Some("v"),
+                Some("false"),
+                Some("true"),
+                None,
+                Some("true"),
+            ]),
             row(&[Some("f"), Some("lower"), Some("true"), Some("false"), None]),
             row(&[Some("f"), Some("bump"), Some("false"), Some("true"), None]),
             row(&[Some("r"), Some("secure"), Some("true"), Some("false"), None]),
@@ -198,6 +213,11 @@ mod tests {
         assert_eq!(c.relation("t_2024").unwrap().family, "t");
         assert!(!c.relation("v").unwrap().readable);
         assert!(c.relation("v").unwrap().write_hazard);
+        assert!(
+            c.relation("v").unwrap().ttl_ok,
+            "a view may be cached with a TTL"
+        );
+        assert!(!c.relation("t").unwrap().ttl_ok);
         assert!(c.function("lower").unwrap().immutable);
         assert!(c.function("bump").unwrap().may_write);
         assert!(c.function("coalesce").unwrap().immutable);

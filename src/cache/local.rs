@@ -2,7 +2,7 @@
 //! own response bytes so a hit is a single write.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -11,6 +11,37 @@ use bytes::Bytes;
 #[derive(Debug)]
 pub struct CachedResponse {
     pub bytes: Bytes,
+    pub created: Instant,
+    /// How long it may be served; `None`: until evicted or invalidated.
+    pub ttl: Option<Duration>,
+    /// Past this age a hit refreshes it in the background.
+    pub refresh: Option<Duration>,
+}
+
+impl CachedResponse {
+    pub fn wants_refresh(&self) -> bool {
+        self.refresh.is_some_and(|r| self.created.elapsed() >= r)
+    }
+}
+
+/// How long an entry lives, and when it is refreshed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Lifetime {
+    pub ttl: Option<Duration>,
+    pub refresh: Option<Duration>,
+}
+
+struct PerEntryTtl;
+
+impl moka::Expiry<u128, Arc<CachedResponse>> for PerEntryTtl {
+    fn expire_after_create(
+        &self,
+        _key: &u128,
+        value: &Arc<CachedResponse>,
+        _created_at: Instant,
+    ) -> Option<Duration> {
+        value.ttl
+    }
 }
 
 /// Memory an entry costs besides its bytes, charged against `max_bytes`:
@@ -26,23 +57,21 @@ pub struct LocalCache {
 }
 
 impl LocalCache {
-    /// `ttl` of zero means entries live until evicted or invalidated;
-    /// `max_bytes` of zero means no local tier at all.
-    pub fn new(max_bytes: u64, max_entry_bytes: usize, ttl: Duration) -> Self {
+    /// `max_bytes` of zero means no local tier at all. Each entry has its
+    /// own lifetime.
+    pub fn new(max_bytes: u64, max_entry_bytes: usize) -> Self {
         if max_bytes == 0 {
             return Self {
                 inner: None,
                 max_entry_bytes,
             };
         }
-        let mut builder = moka::sync::Cache::builder()
+        let builder = moka::sync::Cache::builder()
             .max_capacity(max_bytes)
+            .expire_after(PerEntryTtl)
             .weigher(|_k: &u128, v: &Arc<CachedResponse>| {
                 u32::try_from(v.bytes.len() + ENTRY_OVERHEAD).unwrap_or(u32::MAX)
             });
-        if !ttl.is_zero() {
-            builder = builder.time_to_live(ttl);
-        }
         Self {
             inner: Some(builder.build()),
             max_entry_bytes,
@@ -55,16 +84,36 @@ impl LocalCache {
 
     /// Stores a copy of `bytes` in an allocation of exactly its size (a
     /// capture buffer may have grown to twice what it holds).
-    pub fn insert(&self, key: u128, bytes: &[u8]) {
-        if let Some(inner) = &self.inner
-            && bytes.len() <= self.max_entry_bytes
-        {
-            inner.insert(
-                key,
-                Arc::new(CachedResponse {
-                    bytes: Bytes::copy_from_slice(bytes),
-                }),
-            );
+    pub fn insert(&self, key: u128, bytes: &[u8], lifetime: Lifetime) {
+        self.insert_aged(key, bytes, lifetime, Duration::ZERO);
+    }
+
+    /// Stores an entry that is already `age` old (it came from Redis).
+    pub fn insert_aged(&self, key: u128, bytes: &[u8], lifetime: Lifetime, age: Duration) {
+        let Some(inner) = &self.inner else { return };
+        if bytes.len() > self.max_entry_bytes {
+            return;
+        }
+        let ttl = match lifetime.ttl {
+            Some(ttl) if ttl <= age => return,
+            Some(ttl) => Some(ttl - age),
+            None => None,
+        };
+        inner.insert(
+            key,
+            Arc::new(CachedResponse {
+                bytes: Bytes::copy_from_slice(bytes),
+                created: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
+                ttl,
+                refresh: lifetime.refresh,
+            }),
+        );
+    }
+
+    /// Drops every entry (INVALIDATE ALL).
+    pub fn clear(&self) {
+        if let Some(inner) = &self.inner {
+            inner.invalidate_all();
         }
     }
 
@@ -93,9 +142,9 @@ mod tests {
 
     #[test]
     fn stays_within_its_byte_budget() {
-        let cache = LocalCache::new(64 * 1024, 4096, Duration::ZERO);
+        let cache = LocalCache::new(64 * 1024, 4096);
         for k in 0..1000u128 {
-            cache.insert(k, &[0u8; 1000]);
+            cache.insert(k, &[0u8; 1000], Lifetime::default());
         }
         assert!(
             cache.weighted_bytes() <= 64 * 1024,
@@ -107,18 +156,47 @@ mod tests {
 
     #[test]
     fn a_zero_budget_means_no_local_tier() {
-        let cache = LocalCache::new(0, 100, Duration::ZERO);
-        cache.insert(1, &[0u8; 10]);
+        let cache = LocalCache::new(0, 100);
+        cache.insert(1, &[0u8; 10], Lifetime::default());
         assert!(cache.get(1).is_none());
         assert_eq!(cache.entry_count(), 0);
     }
 
     #[test]
     fn entries_over_the_size_limit_are_not_stored() {
-        let cache = LocalCache::new(1 << 20, 100, Duration::ZERO);
-        cache.insert(1, &[0u8; 101]);
-        cache.insert(2, &[0u8; 100]);
+        let cache = LocalCache::new(1 << 20, 100);
+        cache.insert(1, &[0u8; 101], Lifetime::default());
+        cache.insert(2, &[0u8; 100], Lifetime::default());
         assert!(cache.get(1).is_none());
         assert_eq!(cache.get(2).unwrap().bytes.len(), 100);
+    }
+
+    #[test]
+    fn each_entry_expires_after_its_own_ttl() {
+        let cache = LocalCache::new(1 << 20, 100);
+        let short = Lifetime {
+            ttl: Some(Duration::from_millis(30)),
+            refresh: None,
+        };
+        cache.insert(1, b"short", short);
+        cache.insert(2, b"forever", Lifetime::default());
+        // Already older than its TTL: not stored at all.
+        cache.insert_aged(3, b"old", short, Duration::from_millis(31));
+        assert!(cache.get(3).is_none());
+        assert!(cache.get(1).is_some());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cache.get(1).is_some() {
+            assert!(Instant::now() < deadline, "the entry never expired");
+            std::thread::yield_now();
+        }
+        assert!(cache.get(2).is_some());
+        let aged = Lifetime {
+            ttl: None,
+            refresh: Some(Duration::from_millis(10)),
+        };
+        cache.insert_aged(4, b"x", aged, Duration::from_millis(10));
+        assert!(cache.get(4).unwrap().wants_refresh());
+        cache.insert(5, b"x", aged);
+        assert!(!cache.get(5).unwrap().wants_refresh());
     }
 }

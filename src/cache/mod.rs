@@ -28,13 +28,16 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::classify::Analysis;
 pub use catalog::Catalog;
-pub use local::{CachedResponse, LocalCache};
+pub use local::{CachedResponse, Lifetime, LocalCache};
 
 /// A version counter: see the module documentation.
 #[derive(Debug, Default)]
 pub struct Version {
     local: AtomicU64,
     shared: AtomicU64,
+    /// Invalidations seen, and when the last one was (Unix milliseconds).
+    changes: AtomicU64,
+    last_change_ms: AtomicU64,
 }
 
 impl Version {
@@ -48,6 +51,17 @@ impl Version {
 
     pub fn bump_local(&self) {
         self.local.fetch_add(1, Ordering::AcqRel);
+        self.changes.fetch_add(1, Ordering::Relaxed);
+        self.last_change_ms.store(unix_ms(), Ordering::Relaxed);
+    }
+
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Relaxed)
+    }
+
+    /// Unix milliseconds of the last invalidation; 0 = never.
+    pub fn last_change_ms(&self) -> u64 {
+        self.last_change_ms.load(Ordering::Relaxed)
     }
 
     /// Redis says the counter is `value`. If that is news, the local
@@ -60,6 +74,12 @@ impl Version {
         }
         raised
     }
+}
+
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The version of one table, or of a partition tree (its root's name).
@@ -280,7 +300,16 @@ pub struct CacheState {
     pub local: LocalCache,
     dbs: Mutex<HashMap<String, Arc<DbState>>>,
     /// Statement analyses, memoised by the hash of their text.
-    analyses: moka::sync::Cache<u128, Arc<Analysis>>,
+    analyses: moka::sync::Cache<u128, Arc<Analyzed>>,
+    pub stats: crate::stats::StatsRegistry,
+    pub fills: Arc<Fills>,
+}
+
+/// What pgcache knows of a statement text, worked out once per text.
+pub struct Analyzed {
+    pub analysis: Analysis,
+    pub scan: crate::hints::Scan,
+    pub stats: Arc<crate::stats::QueryStats>,
 }
 
 /// Statements longer than this are not parsed (nor cached): their effects
@@ -293,6 +322,8 @@ impl CacheState {
             local,
             dbs: Mutex::default(),
             analyses: moka::sync::Cache::new(10_000),
+            stats: crate::stats::StatsRegistry::new(10_000),
+            fills: Arc::default(),
         }
     }
 
@@ -321,16 +352,27 @@ impl CacheState {
     }
 
     /// The analysis of `sql` (hash `hash`), parsed once per text.
-    pub fn analysis(&self, hash: u128, sql: &[u8]) -> Arc<Analysis> {
+    pub fn analysis(&self, hash: u128, sql: &[u8]) -> Arc<Analyzed> {
         if let Some(a) = self.analyses.get(&hash) {
             return a;
         }
-        let analysis = Arc::new(match std::str::from_utf8(sql) {
-            Ok(text) if sql.len() <= MAX_ANALYZED_SQL => crate::classify::analyze(text),
-            _ => opaque_analysis(),
+        let (analysis, scan) = match std::str::from_utf8(sql) {
+            Ok(text) if sql.len() <= MAX_ANALYZED_SQL => {
+                (crate::classify::analyze(text), crate::hints::scan(text))
+            }
+            _ => (
+                opaque_analysis(),
+                crate::hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)])),
+            ),
+        };
+        let stats = self.stats.get(&scan.normalized);
+        let analyzed = Arc::new(Analyzed {
+            analysis,
+            scan,
+            stats,
         });
-        self.analyses.insert(hash, Arc::clone(&analysis));
-        analysis
+        self.analyses.insert(hash, Arc::clone(&analyzed));
+        analyzed
     }
 }
 
@@ -344,4 +386,54 @@ fn opaque_analysis() -> Analysis {
         creates_temp: false,
     });
     a
+}
+
+/// Misses being filled now, by local key: concurrent identical misses wait
+/// for the first one instead of all going to PostgreSQL.
+#[derive(Default)]
+pub struct Fills {
+    filling: Mutex<HashMap<u128, tokio::sync::watch::Sender<()>>>,
+}
+
+/// Held by the one session filling a key; dropping it (after the store, or
+/// when the fill fails) wakes the waiters.
+pub struct FillGuard {
+    fills: Arc<Fills>,
+    key: u128,
+}
+
+impl Drop for FillGuard {
+    fn drop(&mut self) {
+        let mut map = self.fills.filling.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&self.key);
+    }
+}
+
+pub enum Claim {
+    /// Fill it; others wait for this guard to drop.
+    Fill(FillGuard),
+    /// Someone is filling it: wait until `changed()` fails (they finished).
+    Wait(tokio::sync::watch::Receiver<()>),
+}
+
+impl Fills {
+    pub fn claim(self: &Arc<Self>, key: u128) -> Claim {
+        let mut map = self.filling.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = map.get(&key) {
+            return Claim::Wait(tx.subscribe());
+        }
+        map.insert(key, tokio::sync::watch::channel(()).0);
+        Claim::Fill(FillGuard {
+            fills: Arc::clone(self),
+            key,
+        })
+    }
+
+    /// Claims `key` only if nobody fills it now.
+    pub fn try_claim(self: &Arc<Self>, key: u128) -> Option<FillGuard> {
+        match self.claim(key) {
+            Claim::Fill(guard) => Some(guard),
+            Claim::Wait(_) => None,
+        }
+    }
 }

@@ -3,7 +3,7 @@
 use bytes::BytesMut;
 use pgwire::error::ErrorInfo;
 use pgwire::messages::Message;
-use pgwire::messages::response::ErrorResponse;
+use pgwire::messages::response::{ErrorResponse, NoticeResponse};
 
 /// Appends an ErrorResponse with `severity` (`ERROR` or `FATAL`), SQLSTATE
 /// `code` and `message` to `out`.
@@ -13,6 +13,15 @@ pub fn error_response(out: &mut BytesMut, severity: &str, code: &str, message: &
     ErrorResponse::from(info)
         .encode(out)
         .expect("encoding an ErrorResponse into memory cannot fail");
+}
+
+/// Appends a NoticeResponse (`WARNING`, `NOTICE`...) to `out`.
+pub fn notice_response(out: &mut BytesMut, severity: &str, code: &str, message: &str) {
+    let mut info = ErrorInfo::new(severity.to_owned(), code.to_owned(), message.to_owned());
+    info.severity_nonlocalized = Some(severity.to_owned());
+    NoticeResponse::from(info)
+        .encode(out)
+        .expect("encoding a NoticeResponse into memory cannot fail");
 }
 
 /// A FATAL ErrorResponse as a standalone buffer.
@@ -56,5 +65,14 @@ mod tests {
         assert_eq!(error_field(body, b'S'), Some("FATAL"));
         assert_eq!(error_field(body, b'M'), Some("bad message"));
         assert_eq!(error_field(body, b'H'), None);
+    }
+
+    #[test]
+    fn notice_uses_its_own_tag() {
+        let mut buf = BytesMut::new();
+        notice_response(&mut buf, "WARNING", "01000", "hm");
+        assert_eq!(buf[0], b'N');
+        assert_eq!(parse_frame(&buf, 1 << 20), Ok(Some(buf.len())));
+        assert_eq!(error_code(&buf[HEADER_LEN..]), Some("01000"));
     }
 }

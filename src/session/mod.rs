@@ -141,7 +141,7 @@ pub async fn serve<C>(
         draining: false,
         backend_key: None,
         cancel: None,
-        cache: query::CacheSession::new(Arc::default()),
+        cache: query::CacheSession::new(Arc::default(), app.policy()),
         copy: CopyTracker::default(),
     };
     match session.run(&startup.raw).instrument(span).await {

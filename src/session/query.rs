@@ -18,8 +18,9 @@
 //! queries ("hidden queries") on the client's backend connection, only while
 //! the session is idle, so they can never interleave with the client's work.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -28,14 +29,25 @@ use tracing::debug;
 use super::{Flow, MAX_BACKEND_FRAME, Session, SessionError};
 use crate::cache::catalog::{Catalog, snapshot_sql};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
-use crate::cache::{Bumps, DbState, Family};
-use crate::classify::{Analysis, BypassReason, Effect, is_time_literal_text};
+use crate::cache::{Analyzed, Bumps, Claim, DbState, Family, FillGuard, Lifetime};
+use crate::classify::{BypassReason, Effect, is_time_literal_text};
+use crate::config::CacheMode;
+use crate::hints::Tier;
+use crate::policy::Policy;
 use crate::protocol::codec::{HEADER_LEN, parse_frame};
 use crate::protocol::{TxStatus, backend as be, extended, frontend as fe};
 use crate::shared::Pending;
+use crate::stats::QueryStats;
 
 /// What a request changes, applied when its ReadyForQuery arrives.
 pub(crate) type Effects = Bumps;
+
+/// What a lookup found.
+enum Lookup {
+    /// Answered; with a capture if the entry is to be refreshed.
+    Hit(Option<Capture>),
+    Miss(Capture),
+}
 
 /// A request the backend still owes a ReadyForQuery.
 pub(crate) struct Inflight {
@@ -50,6 +62,8 @@ pub(crate) struct Inflight {
     /// Prepared statements this request defined: forgotten if it fails.
     parsed: Vec<Bytes>,
     failed: bool,
+    /// A miss being timed for its statement's statistics.
+    timing: Option<(Arc<QueryStats>, Instant)>,
 }
 
 impl Inflight {
@@ -70,6 +84,7 @@ impl Default for Inflight {
             effects: Effects::default(),
             parsed: Vec::new(),
             failed: false,
+            timing: None,
         }
     }
 }
@@ -79,21 +94,54 @@ struct Capture {
     key: Keys,
     buf: BytesMut,
     ok: bool,
+    lifetime: Lifetime,
+    /// Concurrent misses of this key wait until it is dropped.
+    _fill: Option<FillGuard>,
+}
+
+impl Capture {
+    /// Copies one response frame, or gives up on storing the response.
+    fn add(&mut self, frame: &[u8], max: usize) {
+        let storable = !matches!(
+            frame[0],
+            be::ERROR_RESPONSE
+                | be::NOTICE_RESPONSE
+                | be::PARAMETER_STATUS
+                | b'G'
+                | b'H'
+                | b'W'
+                | b's'
+                | b'd'
+                | b'c'
+        );
+        if self.ok && storable && self.buf.len() + frame.len() <= max {
+            self.buf.extend_from_slice(frame);
+        } else if self.ok {
+            self.ok = false;
+            self.buf = BytesMut::new();
+        }
+    }
 }
 
 /// Where a result is stored: the local key, and the shared key with the
 /// versions it was made from if the shared tier was usable.
 #[derive(Debug, Clone)]
 struct Keys {
-    local: u128,
+    /// `None`: not kept locally (`tier=shared`).
+    local: Option<u128>,
     shared: Option<(u128, Vec<u64>)>,
 }
 
-/// What a statement text means for the cache, given the catalog snapshot.
-#[derive(Debug)]
+/// What a statement text means for the cache, given the catalog snapshot
+/// and the policy.
 struct Plan {
     /// Catalog generation the plan was made with.
     generation: u64,
+    policy_generation: u64,
+    /// How entries of a cacheable read are kept.
+    lifetime: Lifetime,
+    tier: Tier,
+    stats: Arc<QueryStats>,
     /// For a cacheable single SELECT: the version counters of its tables.
     read: Result<Vec<Arc<Family>>, BypassReason>,
     effects: Effects,
@@ -160,7 +208,13 @@ pub(crate) struct CacheSession {
     tx_wrote: bool,
     tx_effects: Effects,
     /// Results read inside the current transaction, stored if it commits.
-    deferred: Vec<(Keys, Bytes)>,
+    deferred: Vec<(Keys, Lifetime, Bytes)>,
+    /// The policy the plans were made under.
+    policy: Arc<Policy>,
+    /// `current_user`, read with the settings.
+    role: Option<String>,
+    /// Statement texts whose hint problems this client was told of.
+    warned: HashSet<u128>,
     /// Visible invalidations applied locally, to send to Redis before the
     /// client hears that its statement completed.
     to_publish: Vec<(Effects, Pending)>,
@@ -183,9 +237,12 @@ const MAX_DEFERRED_BYTES: usize = 4 * 1024 * 1024;
 const SYNC_FRAME: [u8; 5] = [fe::SYNC, 0, 0, 0, 4];
 
 impl CacheSession {
-    pub(crate) fn new(db: Arc<DbState>) -> Self {
+    pub(crate) fn new(db: Arc<DbState>, policy: Arc<Policy>) -> Self {
         Self {
             db,
+            policy,
+            role: None,
+            warned: HashSet::new(),
             prefix: None,
             default_strict: false,
             temp: false,
@@ -210,13 +267,20 @@ impl CacheSession {
 }
 
 fn make_plan(
-    analysis: &Analysis,
+    analyzed: &Analyzed,
     catalog: Option<&Catalog>,
     db: &DbState,
     generation: u64,
+    policy: &Policy,
 ) -> Plan {
+    let analysis = &analyzed.analysis;
+    let hints = &analyzed.scan.hints;
     let mut plan = Plan {
         generation,
+        policy_generation: policy.generation,
+        lifetime: Lifetime::default(),
+        tier: hints.tier,
+        stats: Arc::clone(&analyzed.stats),
         read: Err(BypassReason::NotSelect),
         effects: Effects::default(),
         settings: false,
@@ -262,19 +326,38 @@ fn make_plan(
         }
         plan.creates_temp |= st.creates_temp;
     }
+    // Never an unsafe statement, whatever the hints say.
+    let mut ttl = hints.ttl;
+    let mut refresh = hints.refresh.or(policy.refresh_after);
     plan.read = analysis.cacheable_select().and_then(|st| {
+        if hints.cache == Some(false) {
+            return Err(BypassReason::Hint);
+        }
         let catalog = catalog.ok_or(BypassReason::CatalogUnavailable)?;
         let mut families: Vec<&str> = Vec::with_capacity(st.relations.len());
         for rel in &st.relations {
             let facts = catalog
                 .relation(&rel.name)
                 .ok_or(BypassReason::UnknownRelation)?;
+            let rule = policy.table(&rel.name);
+            if rule.is_some_and(|r| !r.cache) {
+                return Err(BypassReason::TableRule);
+            }
+            if let Some(secs) = rule.and_then(|r| r.ttl_secs) {
+                let rule_ttl = Duration::from_secs(secs);
+                ttl = Some(ttl.map_or(rule_ttl, |t| t.min(rule_ttl)));
+            }
             if !facts.readable {
-                return Err(if rel.name.starts_with("pg_") {
-                    BypassReason::SystemCatalog
-                } else {
-                    BypassReason::NotATable
-                });
+                // Replication cannot watch it: cacheable only with a TTL
+                // the user asked for, and never a temporary or system one.
+                let ttl_asked = hints.ttl.is_some() || rule.is_some_and(|r| r.ttl_only);
+                if !(facts.ttl_ok && ttl_asked) {
+                    return Err(if rel.name.starts_with("pg_") {
+                        BypassReason::SystemCatalog
+                    } else {
+                        BypassReason::NotATable
+                    });
+                }
             }
             families.push(&facts.family);
         }
@@ -285,10 +368,20 @@ fn make_plan(
         {
             return Err(BypassReason::VolatileFunction);
         }
+        if policy.mode == CacheMode::OptIn && hints.cache != Some(true) {
+            return Err(BypassReason::OptIn);
+        }
         families.sort_unstable();
         families.dedup();
         Ok(families.into_iter().map(|f| db.family(f)).collect())
     });
+    let ttl = ttl.or(policy.default_ttl);
+    if let (Some(r), Some(t)) = (refresh, ttl)
+        && r >= t
+    {
+        refresh = None;
+    }
+    plan.lifetime = Lifetime { ttl, refresh };
     plan
 }
 
@@ -353,19 +446,29 @@ where
         self.release_batch();
         let body = &frame[HEADER_LEN..];
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
+        let started = Instant::now();
         let hash = key::sql_hash(sql);
         let plan = self.plan(hash, sql).await?;
+        plan.stats.call();
         self.before_begin(&plan).await?;
         let mut inflight = Inflight {
             effects: plan.effects.clone(),
             ..Inflight::default()
         };
         match self.may_serve(&plan, true).await? {
-            Ok((prefix, versions)) => {
+            Ok(prefix) => {
                 let request = KeyBuilder::new(prefix, key::SIMPLE, hash).finish();
-                match self.lookup(request, versions).await? {
-                    Some(capture) => inflight.capture = Some(capture),
-                    None => return Ok(Flow::Continue),
+                match self.lookup(request, &plan, started).await? {
+                    Lookup::Miss(capture) => {
+                        inflight.capture = Some(capture);
+                        inflight.timing = Some((Arc::clone(&plan.stats), started));
+                    }
+                    Lookup::Hit(refresh) => {
+                        if let Some(capture) = refresh {
+                            self.inject_refresh(&frame, capture);
+                        }
+                        return Ok(Flow::Continue);
+                    }
                 }
             }
             Err(reason) => self.bypassed(reason),
@@ -385,44 +488,133 @@ where
     }
 
     /// Answers from the local tier, else from the shared tier (filling the
-    /// local one), else returns the capture that will store the backend's
+    /// local one), else — after waiting for a concurrent identical miss, if
+    /// there is one — returns the capture that will store the backend's
     /// answer. The backend is idle (checked by `may_serve`), so an answer
     /// from the cache cannot overtake another.
     async fn lookup(
         &mut self,
         request: RequestKey,
-        versions: &[Arc<Family>],
-    ) -> Result<Option<Capture>, SessionError> {
+        plan: &Plan,
+        started: Instant,
+    ) -> Result<Lookup, SessionError> {
         let db = Arc::clone(&self.cache.db);
-        // Local counters first, then the shared tier's state, then its
-        // counters: see `SharedTier::usable`.
-        let local = request.local(&db.epoch, versions);
-        if let Some(entry) = self.app.cache.local.get(local) {
-            self.app.metrics.hits.inc();
-            self.write_hit(&entry.bytes).await?;
-            return Ok(None);
-        }
-        let mut shared = None;
-        if let Some(tier) = &self.app.shared {
-            if tier.usable(&db) {
-                let (key, stamp) = request.shared(&db.epoch, versions);
-                if let Some(payload) = tier.get(key, &stamp).await {
-                    self.app.cache.local.insert(local, &payload);
-                    self.app.metrics.hits.inc();
-                    self.write_hit(&payload).await?;
-                    return Ok(None);
-                }
-                shared = Some((key, stamp));
-            } else {
-                tier.skipped();
+        let versions = plan.read.as_deref().unwrap_or_default();
+        let mut waited = false;
+        loop {
+            // Local counters first, then the shared tier's state, then its
+            // counters: see `SharedTier::usable`.
+            let local = request.local(&db.epoch, versions);
+            if plan.tier.local()
+                && let Some(entry) = self.app.cache.local.get(local)
+            {
+                self.write_hit(&entry.bytes).await?;
+                self.app.metrics.hits.inc();
+                plan.stats.hit(started.elapsed(), entry.bytes.len());
+                let refresh = entry
+                    .wants_refresh()
+                    .then(|| self.refresh_capture(request, plan))
+                    .flatten();
+                return Ok(Lookup::Hit(refresh));
             }
+            let mut shared = None;
+            if let Some(tier) = self.app.shared.clone().filter(|_| plan.tier.shared()) {
+                if tier.usable(&db) {
+                    let (key, stamp) = request.shared(&db.epoch, versions);
+                    if let Some(entry) = tier.get(key, &stamp).await {
+                        let age = Duration::from_millis(
+                            crate::cache::unix_ms().saturating_sub(entry.created_ms),
+                        );
+                        if plan.tier.local() {
+                            self.app.cache.local.insert_aged(
+                                local,
+                                &entry.payload,
+                                plan.lifetime,
+                                age,
+                            );
+                        }
+                        self.write_hit(&entry.payload).await?;
+                        self.app.metrics.hits.inc();
+                        plan.stats.hit(started.elapsed(), entry.payload.len());
+                        let refresh = plan
+                            .lifetime
+                            .refresh
+                            .is_some_and(|r| age >= r)
+                            .then(|| self.refresh_capture(request, plan))
+                            .flatten();
+                        return Ok(Lookup::Hit(refresh));
+                    }
+                    shared = Some((key, stamp));
+                } else {
+                    tier.skipped();
+                }
+            }
+            // Reads inside a transaction are stored only at COMMIT: they
+            // neither wait for nor hold up others.
+            let fill = if waited || self.tx_status != TxStatus::Idle {
+                None
+            } else {
+                match self.app.cache.fills.claim(local) {
+                    Claim::Fill(guard) => Some(guard),
+                    Claim::Wait(mut filled) => {
+                        self.app.metrics.coalesced.inc();
+                        let wait = self.cache.policy.coalesce_wait;
+                        // Err: the filler finished (stored or failed).
+                        let _ = tokio::time::timeout(wait, filled.changed()).await;
+                        waited = true;
+                        continue;
+                    }
+                }
+            };
+            self.app.metrics.misses.inc();
+            return Ok(Lookup::Miss(Capture {
+                key: Keys {
+                    local: plan.tier.local().then_some(local),
+                    shared,
+                },
+                buf: BytesMut::new(),
+                ok: true,
+                lifetime: plan.lifetime,
+                _fill: fill,
+            }));
         }
-        self.app.metrics.misses.inc();
-        Ok(Some(Capture {
-            key: Keys { local, shared },
+    }
+
+    /// The capture of a background refresh of an entry just served, under
+    /// the versions read now; `None` if one is already under way.
+    fn refresh_capture(&self, request: RequestKey, plan: &Plan) -> Option<Capture> {
+        let db = &self.cache.db;
+        let versions = plan.read.as_deref().unwrap_or_default();
+        let local = request.local(&db.epoch, versions);
+        let fill = self.app.cache.fills.try_claim(local)?;
+        let shared = self
+            .app
+            .shared
+            .as_ref()
+            .filter(|tier| plan.tier.shared() && tier.usable(db))
+            .map(|_| request.shared(&db.epoch, versions));
+        self.app.metrics.refreshes.inc();
+        Some(Capture {
+            key: Keys {
+                local: plan.tier.local().then_some(local),
+                shared,
+            },
             buf: BytesMut::new(),
             ok: true,
-        }))
+            lifetime: plan.lifetime,
+            _fill: Some(fill),
+        })
+    }
+
+    /// Sends `request` (ending in Sync or a Query) to the backend on
+    /// pgcache's own account, to store its answer with `capture`.
+    fn inject_refresh(&mut self, request: &[u8], capture: Capture) {
+        self.forward(request);
+        self.inflight.push_back(Inflight {
+            to_client: false,
+            capture: Some(capture),
+            ..Inflight::default()
+        });
     }
 
     /// Writes a stored response and the ReadyForQuery that ends it, in one write.
@@ -469,15 +661,17 @@ where
 
     /// Whether a read may be served from (and stored in) the cache now, and
     /// under which session prefix and table versions.
-    async fn may_serve<'p>(
+    async fn may_serve(
         &mut self,
-        plan: &'p Plan,
+        plan: &Plan,
         in_transaction_ok: bool,
-    ) -> Result<Result<(u128, &'p [Arc<Family>]), BypassReason>, SessionError> {
-        let versions = match &plan.read {
-            Ok(v) => v.as_slice(),
-            Err(reason) => return Ok(Err(*reason)),
-        };
+    ) -> Result<Result<u128, BypassReason>, SessionError> {
+        if let Err(reason) = &plan.read {
+            return Ok(Err(*reason));
+        }
+        if !self.cache.policy.database_allowed(self.startup.database()) {
+            return Ok(Err(BypassReason::DatabaseRule));
+        }
         if self.cache.temp {
             return Ok(Err(BypassReason::TempObjects));
         }
@@ -502,7 +696,14 @@ where
                 }
             }
         }
-        Ok(self.session_prefix().await?.map(|p| (p, versions)))
+        let prefix = self.session_prefix().await?;
+        if prefix.is_ok()
+            && let Some(role) = &self.cache.role
+            && !self.cache.policy.role_allowed(role)
+        {
+            return Ok(Err(BypassReason::RoleRule));
+        }
+        Ok(prefix)
     }
 
     /// Whether pgcache may run its own query on the backend now.
@@ -518,13 +719,22 @@ where
     /// The memoised plan for a statement text.
     async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
         let generation = self.cache.db.catalog_gen();
+        let policy_generation = self.app.policy_generation();
         if let Some(plan) = self.cache.plans.get(&hash)
             && plan.generation == generation
+            && plan.policy_generation == policy_generation
         {
             return Ok(Arc::clone(plan));
         }
+        if self.cache.policy.generation != policy_generation {
+            self.cache.policy = self.app.policy();
+        }
         let analysis = self.app.cache.analysis(hash, sql);
+        if !analysis.scan.hints.problems.is_empty() {
+            self.warn_hints(hash, &analysis.scan.hints.problems).await?;
+        }
         let needs_catalog = analysis
+            .analysis
             .statements
             .iter()
             .any(|s| !s.relations.is_empty() || !s.functions.is_empty());
@@ -539,7 +749,11 @@ where
             catalog.as_ref().map(|(_, c)| &**c),
             &self.cache.db,
             generation,
+            &self.cache.policy,
         ));
+        if let Ok(families) = &plan.read {
+            plan.stats.set_reads(&self.cache.db, families);
+        }
         if matches!(plan.read, Err(BypassReason::UnknownRelation)) {
             self.cache.db.request_reload();
         }
@@ -550,6 +764,31 @@ where
             self.cache.plans.insert(hash, Arc::clone(&plan));
         }
         Ok(plan)
+    }
+
+    /// Tells the client, once per statement text, which of its hints were
+    /// malformed or unknown (the statement runs under the policy).
+    async fn warn_hints(&mut self, hash: u128, problems: &[String]) -> Result<(), SessionError> {
+        if self.cache.warned.len() >= MAX_PLANS {
+            self.cache.warned.clear();
+        }
+        if !self.cache.warned.insert(hash) {
+            return Ok(());
+        }
+        let mut out = BytesMut::new();
+        for problem in problems {
+            self.app.metrics.hint_problems.inc();
+            crate::protocol::messages::notice_response(
+                &mut out,
+                "WARNING",
+                "01000",
+                &format!("pgcache: hint ignored: {problem}"),
+            );
+        }
+        self.client
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ClientIo)
     }
 
     /// The database's catalog snapshot, loaded now if it is missing or
@@ -609,6 +848,7 @@ where
         let Some(row) = rows.into_iter().next() else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
+        self.cache.role = row.first().cloned().flatten();
         self.cache.default_strict = !matches!(
             row.get(2).and_then(|v| v.as_deref()),
             Some("read committed" | "read uncommitted")
@@ -754,6 +994,7 @@ where
                 match (parsed, stmt) {
                     (Some((portal, max_rows)), Some(stmt)) => {
                         let plan = self.plan(stmt.hash, &stmt.sql.clone()).await?;
+                        plan.stats.call();
                         self.before_begin(&plan).await?;
                         self.cache.batch.effects.merge(&plan.effects);
                         self.note_effects(&plan);
@@ -821,23 +1062,39 @@ where
     }
 
     async fn on_sync(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let started = Instant::now();
         let mut inflight = Inflight::default();
         if !self.cache.batch.raw.is_empty() && !self.cache.batch.forwarded {
             match self.extended_key().await? {
-                Ok((request, plan)) => {
-                    let versions = plan.read.as_deref().unwrap_or_default();
-                    match self.lookup(request, versions).await? {
-                        Some(capture) => inflight.capture = Some(capture),
-                        None => {
-                            if let Some((name, raw)) = self.cache.batch.parse.take() {
-                                self.cache.unsent_parses.retain(|(n, _)| *n != name);
-                                self.cache.unsent_parses.push((name, raw));
-                            }
-                            self.cache.batch.reset();
-                            return Ok(Flow::Continue);
-                        }
+                Ok((request, plan)) => match self.lookup(request, &plan, started).await? {
+                    Lookup::Miss(capture) => {
+                        inflight.capture = Some(capture);
+                        inflight.timing = Some((Arc::clone(&plan.stats), started));
                     }
-                }
+                    Lookup::Hit(refresh) => {
+                        let parse = self.cache.batch.parse.take();
+                        if let Some((name, _)) = &parse {
+                            self.cache.unsent_parses.retain(|(n, _)| n != name);
+                        }
+                        match refresh {
+                            // The refresh sends the whole batch, Parse included.
+                            Some(capture) => {
+                                let mut request = std::mem::take(&mut self.cache.batch.raw);
+                                request.extend_from_slice(&frame);
+                                self.inject_refresh(&request, capture);
+                                request.clear();
+                                self.cache.batch.raw = request;
+                            }
+                            None => {
+                                if let Some(parse) = parse {
+                                    self.cache.unsent_parses.push(parse);
+                                }
+                            }
+                        }
+                        self.cache.batch.reset();
+                        return Ok(Flow::Continue);
+                    }
+                },
                 Err(reason) => self.bypassed(reason),
             }
         }
@@ -890,7 +1147,7 @@ where
         }
         let plan = self.plan(stmt.hash, &stmt.sql).await?;
         let prefix = match self.may_serve(&plan, false).await? {
-            Ok((prefix, _)) => prefix,
+            Ok(prefix) => prefix,
             Err(reason) => return Ok(Err(reason)),
         };
         let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
@@ -916,6 +1173,11 @@ where
             return true;
         };
         if !front.to_client {
+            // pgcache's own request: a refresh keeps its answer, nobody
+            // else sees it.
+            if let Some(cap) = &mut front.capture {
+                cap.add(&self.backend_buf[pos..pos + len], max);
+            }
             return matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS);
         }
         match tag {
@@ -931,24 +1193,7 @@ where
             _ => {}
         }
         if let Some(cap) = &mut front.capture {
-            let storable = !matches!(
-                tag,
-                be::ERROR_RESPONSE
-                    | be::NOTICE_RESPONSE
-                    | be::PARAMETER_STATUS
-                    | b'G'
-                    | b'H'
-                    | b'W'
-                    | b's'
-                    | b'd'
-                    | b'c'
-            );
-            if cap.ok && storable && cap.buf.len() + len <= max {
-                cap.buf.extend_from_slice(&self.backend_buf[pos..pos + len]);
-            } else if cap.ok {
-                cap.ok = false;
-                cap.buf = BytesMut::new();
-            }
+            cap.add(&self.backend_buf[pos..pos + len], max);
         }
         true
     }
@@ -987,18 +1232,23 @@ where
                     self.cache.statements.remove(name);
                 }
             }
+            if let Some((stats, started)) = &done.timing {
+                stats.miss(started.elapsed());
+            }
             if let Some(cap) = done.capture
                 && cap.ok
                 && !done.failed
             {
                 match status {
-                    TxStatus::Idle => self.store(cap.key, &cap.buf),
+                    TxStatus::Idle => self.store(cap.key, &cap.buf, cap.lifetime),
                     TxStatus::InTransaction
                         if self.cache.deferred.len() < MAX_DEFERRED
                             && self.cache.deferred_bytes + cap.buf.len() <= MAX_DEFERRED_BYTES =>
                     {
                         self.cache.deferred_bytes += cap.buf.len();
-                        self.cache.deferred.push((cap.key, cap.buf.freeze()));
+                        self.cache
+                            .deferred
+                            .push((cap.key, cap.lifetime, cap.buf.freeze()));
                     }
                     _ => {}
                 }
@@ -1014,8 +1264,8 @@ where
                 let deferred = std::mem::take(&mut self.cache.deferred);
                 self.cache.deferred_bytes = 0;
                 if self.cache.last_was_commit {
-                    for (key, bytes) in deferred {
-                        self.store(key, &bytes);
+                    for (key, lifetime, bytes) in deferred {
+                        self.store(key, &bytes, lifetime);
                     }
                 }
             }
@@ -1024,12 +1274,14 @@ where
         }
     }
 
-    fn store(&self, keys: Keys, bytes: &[u8]) {
-        tracing::trace!(key = keys.local, len = bytes.len(), "store");
+    fn store(&self, keys: Keys, bytes: &[u8], lifetime: Lifetime) {
+        tracing::trace!(key = ?keys.local, len = bytes.len(), "store");
         self.app.metrics.stores.inc();
-        self.app.cache.local.insert(keys.local, bytes);
+        if let Some(key) = keys.local {
+            self.app.cache.local.insert(key, bytes, lifetime);
+        }
         if let (Some(tier), Some((key, versions))) = (&self.app.shared, keys.shared) {
-            tier.put(key, &versions, bytes);
+            tier.put(key, &versions, bytes, lifetime.ttl);
         }
     }
 

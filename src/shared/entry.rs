@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! "PGC" | format u8 | xxh3-64 of everything after it | key u128
-//!       | n u16 | n × version u64 (epoch first) | payload
+//!       | created u64 (Unix ms) | n u16 | n × version u64 (epoch first) | payload
 //! ```
 //!
 //! The payload is the backend's response frames, exactly as the local tier
@@ -33,13 +33,17 @@ pub enum Rejection {
     Versions,
 }
 
-pub fn encode(key: u128, versions: &[u64], payload: &[u8]) -> Vec<u8> {
-    let body_len = 16 + 2 + versions.len() * 8 + payload.len();
+/// Key and creation time.
+const FIXED: usize = 16 + 8;
+
+pub fn encode(key: u128, created_ms: u64, versions: &[u64], payload: &[u8]) -> Vec<u8> {
+    let body_len = FIXED + 2 + versions.len() * 8 + payload.len();
     let mut out = BytesMut::with_capacity(HEAD + body_len);
     out.put_slice(MAGIC);
     out.put_u8(FORMAT);
     out.put_u64_le(0); // checksum, filled in below
     out.put_u128_le(key);
+    out.put_u64_le(created_ms);
     out.put_u16_le(versions.len() as u16);
     for v in versions {
         out.put_u64_le(*v);
@@ -50,10 +54,17 @@ pub fn encode(key: u128, versions: &[u64], payload: &[u8]) -> Vec<u8> {
     out.into()
 }
 
-/// The payload of `value` if it is a sound entry for `key` made under
+/// A sound entry's payload and creation time (Unix ms).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub payload: Bytes,
+    pub created_ms: u64,
+}
+
+/// The entry in `value` if it is a sound one for `key` made under
 /// `versions`.
-pub fn decode(value: Bytes, key: u128, versions: &[u64]) -> Result<Bytes, Rejection> {
-    if value.len() < HEAD + 18 || &value[..3] != MAGIC || value[3] != FORMAT {
+pub fn decode(value: Bytes, key: u128, versions: &[u64]) -> Result<Entry, Rejection> {
+    if value.len() < HEAD + FIXED + 2 || &value[..3] != MAGIC || value[3] != FORMAT {
         return Err(Rejection::Format);
     }
     let sum = u64::from_le_bytes(value[4..HEAD].try_into().expect("8 bytes"));
@@ -64,8 +75,10 @@ pub fn decode(value: Bytes, key: u128, versions: &[u64]) -> Result<Bytes, Reject
     if stored_key != key {
         return Err(Rejection::Key);
     }
-    let n = u16::from_le_bytes([value[HEAD + 16], value[HEAD + 17]]) as usize;
-    let start = HEAD + 18;
+    let created_ms =
+        u64::from_le_bytes(value[HEAD + 16..HEAD + FIXED].try_into().expect("8 bytes"));
+    let n = u16::from_le_bytes([value[HEAD + FIXED], value[HEAD + FIXED + 1]]) as usize;
+    let start = HEAD + FIXED + 2;
     let end = start + n * 8;
     if value.len() < end {
         return Err(Rejection::Format);
@@ -78,7 +91,10 @@ pub fn decode(value: Bytes, key: u128, versions: &[u64]) -> Result<Bytes, Reject
     if !same {
         return Err(Rejection::Versions);
     }
-    Ok(value.slice(end..))
+    Ok(Entry {
+        payload: value.slice(end..),
+        created_ms,
+    })
 }
 
 #[cfg(test)]
@@ -87,13 +103,15 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let v = Bytes::from(encode(7, &[1, 2], b"frames"));
-        assert_eq!(decode(v, 7, &[1, 2]).unwrap().as_ref(), b"frames");
+        let v = Bytes::from(encode(7, 99, &[1, 2], b"frames"));
+        let e = decode(v, 7, &[1, 2]).unwrap();
+        assert_eq!(e.payload.as_ref(), b"frames");
+        assert_eq!(e.created_ms, 99);
     }
 
     #[test]
     fn every_check_can_fail() {
-        let good = encode(7, &[1, 2], b"frames");
+        let good = encode(7, 99, &[1, 2], b"frames");
         let check = |v: Vec<u8>, key, versions: &[u64]| decode(Bytes::from(v), key, versions);
         let mut flipped = good.clone();
         *flipped.last_mut().unwrap() ^= 1;
@@ -113,8 +131,8 @@ mod tests {
 
     #[test]
     fn version_count_beyond_the_value_is_a_format_error() {
-        let mut v = encode(7, &[], b"");
-        v[HEAD + 16] = 0xff;
+        let mut v = encode(7, 0, &[], b"");
+        v[HEAD + FIXED] = 0xff;
         let sum = xxh3_64(&v[HEAD..]);
         v[4..HEAD].copy_from_slice(&sum.to_le_bytes());
         assert_eq!(decode(Bytes::from(v), 7, &[]), Err(Rejection::Format));

@@ -318,9 +318,9 @@ impl SharedTier {
         format!("{}v:{database}", self.ns)
     }
 
-    /// The stored payload for `key`, if Redis has a sound one made under
+    /// The stored entry for `key`, if Redis has a sound one made under
     /// `versions`.
-    pub async fn get(&self, key: u128, versions: &[u64]) -> Option<Bytes> {
+    pub async fn get(&self, key: u128, versions: &[u64]) -> Option<entry::Entry> {
         let redis_key = self.entry_key(key);
         let value = match self
             .run(async |mut c| {
@@ -343,9 +343,9 @@ impl SharedTier {
             }
         };
         match entry::decode(Bytes::from(value), key, versions) {
-            Ok(payload) => {
+            Ok(entry) => {
                 self.metrics.hit.inc();
-                Some(payload)
+                Some(entry)
             }
             Err(why) => {
                 self.metrics.rejected.inc();
@@ -362,9 +362,16 @@ impl SharedTier {
         }
     }
 
-    /// Stores a result in the background; dropped (and counted) if too many
-    /// stores are in flight or it is too large.
-    pub fn put(self: &Arc<Self>, key: u128, versions: &[u64], payload: &[u8]) {
+    /// Stores a result in the background, to expire after `ttl` (at most
+    /// `cache.shared.ttl_secs`); dropped (and counted) if too many stores
+    /// are in flight or it is too large.
+    pub fn put(
+        self: &Arc<Self>,
+        key: u128,
+        versions: &[u64],
+        payload: &[u8],
+        ttl: Option<Duration>,
+    ) {
         if payload.len() > self.max_entry_bytes {
             self.metrics.store_too_large.inc();
             return;
@@ -373,7 +380,10 @@ impl SharedTier {
             self.metrics.store_dropped.inc();
             return;
         };
-        let value = entry::encode(key, versions, payload);
+        let value = entry::encode(key, crate::cache::unix_ms(), versions, payload);
+        let ttl_ms = ttl.map_or(self.ttl_ms, |t| {
+            (t.as_millis() as u64).clamp(1, self.ttl_ms)
+        });
         let tier = Arc::clone(self);
         tokio::spawn(async move {
             let redis_key = tier.entry_key(key);
@@ -383,7 +393,7 @@ impl SharedTier {
                         .arg(&redis_key)
                         .arg(value)
                         .arg("PX")
-                        .arg(tier.ttl_ms)
+                        .arg(ttl_ms)
                         .query_async::<()>(&mut c)
                         .await
                 })

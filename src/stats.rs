@@ -1,0 +1,168 @@
+//! Per-statement statistics, by normalised text (see [`crate::hints`]):
+//! what `SHOW QUERIES` lists. A statement's plan holds its `Arc<QueryStats>`,
+//! so recording costs a few atomic adds and never a map lookup.
+//!
+//! The registry is bounded: past its capacity the least used statements
+//! are forgotten.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::cache::{DbState, Family};
+
+#[derive(Default)]
+pub struct QueryStats {
+    /// xxh3-64 of the normalised text.
+    pub id: u64,
+    pub text: String,
+    calls: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    hit_ns: AtomicU64,
+    miss_ns: AtomicU64,
+    /// Bytes of results served from the cache.
+    hit_bytes: AtomicU64,
+    /// What it reads, for "last invalidation": set by the first plan.
+    reads: Mutex<Option<Reads>>,
+}
+
+/// A statement's database and the tables it reads.
+type Reads = (Arc<DbState>, Vec<Arc<Family>>);
+
+/// A snapshot of one statement's numbers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueryRow {
+    pub id: u64,
+    pub text: String,
+    pub calls: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub mean_hit_ms: f64,
+    pub mean_miss_ms: f64,
+    pub hit_bytes: u64,
+    /// Unix milliseconds of the last invalidation of what it reads; 0 = none.
+    pub last_invalidation_ms: u64,
+}
+
+impl QueryStats {
+    pub fn call(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn hit(&self, took: Duration, bytes: usize) {
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        self.hit_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        self.hit_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn miss(&self, took: Duration) {
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        self.miss_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    pub fn set_reads(&self, db: &Arc<DbState>, families: &[Arc<Family>]) {
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        if reads.is_none() {
+            *reads = Some((Arc::clone(db), families.to_vec()));
+        }
+    }
+
+    pub fn row(&self) -> QueryRow {
+        let hits = self.hits.load(Ordering::Relaxed);
+        let misses = self.misses.load(Ordering::Relaxed);
+        let mean = |ns: &AtomicU64, n: u64| {
+            if n == 0 {
+                0.0
+            } else {
+                ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e6
+            }
+        };
+        let last_invalidation_ms = {
+            let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+            reads.as_ref().map_or(0, |(db, families)| {
+                families
+                    .iter()
+                    .map(|f| f.version.last_change_ms())
+                    .chain([db.epoch.last_change_ms()])
+                    .max()
+                    .unwrap_or(0)
+            })
+        };
+        QueryRow {
+            id: self.id,
+            text: self.text.clone(),
+            calls: self.calls.load(Ordering::Relaxed),
+            hits,
+            misses,
+            mean_hit_ms: mean(&self.hit_ns, hits),
+            mean_miss_ms: mean(&self.miss_ns, misses),
+            hit_bytes: self.hit_bytes.load(Ordering::Relaxed),
+            last_invalidation_ms,
+        }
+    }
+}
+
+pub struct StatsRegistry {
+    by_id: moka::sync::Cache<u64, Arc<QueryStats>>,
+}
+
+impl StatsRegistry {
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            by_id: moka::sync::Cache::new(capacity),
+        }
+    }
+
+    /// The statistics of a normalised text, created on first use.
+    pub fn get(&self, normalized: &str) -> Arc<QueryStats> {
+        let id = query_id(normalized);
+        self.by_id.get_with(id, || {
+            Arc::new(QueryStats {
+                id,
+                text: normalized.to_owned(),
+                ..QueryStats::default()
+            })
+        })
+    }
+
+    /// The `n` statements with the most calls.
+    pub fn top(&self, n: usize) -> Vec<QueryRow> {
+        let mut rows: Vec<QueryRow> = self.by_id.iter().map(|(_, s)| s.row()).collect();
+        rows.sort_by(|a, b| b.calls.cmp(&a.calls).then(a.id.cmp(&b.id)));
+        rows.truncate(n);
+        rows
+    }
+}
+
+pub fn query_id(normalized: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(normalized.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_entry_per_normalised_text_and_top_by_calls() {
+        let r = StatsRegistry::new(100);
+        let a = r.get("SELECT ?");
+        assert!(Arc::ptr_eq(&a, &r.get("SELECT ?")));
+        let b = r.get("SELECT v FROM t");
+        a.call();
+        b.call();
+        b.call();
+        b.hit(Duration::from_millis(2), 10);
+        b.miss(Duration::from_millis(6));
+        let top = r.top(1);
+        assert_eq!(top.len(), 1);
+        assert_eq!(top[0].text, "SELECT v FROM t");
+        assert_eq!((top[0].calls, top[0].hits, top[0].misses), (2, 1, 1));
+        assert!((top[0].mean_hit_ms - 2.0).abs() < 1e-9);
+        assert!((top[0].mean_miss_ms - 6.0).abs() < 1e-9);
+        assert_eq!(top[0].hit_bytes, 10);
+        assert_eq!(top[0].id, query_id("SELECT v FROM t"));
+    }
+}
