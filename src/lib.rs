@@ -16,6 +16,7 @@
 //! - [`shared`]: the Redis tier and the versions kept coherent through it.
 //! - [`protocol`]: framing, startup packets, messages pgcache writes itself.
 
+pub mod admin;
 pub mod backend;
 pub mod cache;
 pub mod cancel;

@@ -44,6 +44,7 @@ fn main() -> anyhow::Result<()> {
         no_cache: cli.no_cache,
     };
     let config = Config::load(cli.config.as_deref(), &overrides)?;
+    let source = (cli.config.clone(), overrides);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -53,9 +54,29 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| {
                     format!("cannot listen on {} (server.listen)", config.server.listen)
                 })?;
-            pgcache::run(config, listener, shutdown_signal()).await?;
+            let app = pgcache::App::start(config).await?;
+            app.set_config_source(source.0, source.1);
+            tokio::spawn(reload_on_sighup(std::sync::Arc::clone(&app)));
+            pgcache::serve(app, listener, shutdown_signal()).await;
             Ok(())
         })
+}
+
+/// SIGHUP re-reads the configuration, as the admin console's RELOAD does.
+async fn reload_on_sighup(app: std::sync::Arc<pgcache::App>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        match app.reload() {
+            Ok(restart) if !restart.is_empty() => {
+                tracing::warn!(?restart, "SIGHUP: reloaded; these changes need a restart")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!("SIGHUP: configuration not reloaded, nothing changed: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -38,6 +38,9 @@ pub struct Version {
     /// Invalidations seen, and when the last one was (Unix milliseconds).
     changes: AtomicU64,
     last_change_ms: AtomicU64,
+    /// Entries stored under the current version (expiry and eviction are
+    /// not subtracted).
+    entries: AtomicU64,
 }
 
 impl Version {
@@ -53,6 +56,15 @@ impl Version {
         self.local.fetch_add(1, Ordering::AcqRel);
         self.changes.fetch_add(1, Ordering::Relaxed);
         self.last_change_ms.store(unix_ms(), Ordering::Relaxed);
+        self.entries.store(0, Ordering::Relaxed);
+    }
+
+    pub fn note_entry(&self) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn entries(&self) -> u64 {
+        self.entries.load(Ordering::Relaxed)
     }
 
     pub fn changes(&self) -> u64 {
@@ -169,6 +181,8 @@ pub struct DbState {
     lag_ms: AtomicU64,
     /// WAL announced by the server beyond what has been applied.
     lag_bytes: AtomicU64,
+    /// The last commit LSN applied.
+    applied_lsn: AtomicU64,
     /// How many times the stream (re)started.
     stream_starts: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity.
@@ -251,6 +265,14 @@ impl DbState {
 
     pub fn set_lag_bytes(&self, bytes: u64) {
         self.lag_bytes.store(bytes, Ordering::Release);
+    }
+
+    pub fn set_applied_lsn(&self, lsn: u64) {
+        self.applied_lsn.store(lsn, Ordering::Release);
+    }
+
+    pub fn applied_lsn(&self) -> u64 {
+        self.applied_lsn.load(Ordering::Acquire)
     }
 
     pub fn lag_bytes(&self) -> u64 {

@@ -312,6 +312,7 @@ async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(),
             ReplicationEvent::StoppedAt { .. } => return Ok(()),
         }
         db.set_lag_bytes(server_lsn.saturating_sub(applied_lsn));
+        db.set_applied_lsn(applied_lsn);
         if !in_transaction && let Some(xid) = ddl_xid.take() {
             // The stream can deliver a commit before the transaction is
             // visible to other sessions. Wait until it is, then make the

@@ -108,6 +108,12 @@ pub async fn serve<C>(
         return;
     };
 
+    let admin = app.live_config().admin.clone();
+    if !admin.password.is_empty() && startup.startup.database() == admin.database {
+        crate::admin::serve(Arc::clone(&app), client, buf, &startup.startup).await;
+        return;
+    }
+
     let (backend, addr) = match backend::connect(&app.upstream, app.config.connect_timeout()).await
     {
         Ok(b) => b,

@@ -95,6 +95,8 @@ struct Capture {
     buf: BytesMut,
     ok: bool,
     lifetime: Lifetime,
+    /// What the result read, for the per-table entry counts.
+    reads: Vec<Arc<Family>>,
     /// Concurrent misses of this key wait until it is dropped.
     _fill: Option<FillGuard>,
 }
@@ -208,7 +210,7 @@ pub(crate) struct CacheSession {
     tx_wrote: bool,
     tx_effects: Effects,
     /// Results read inside the current transaction, stored if it commits.
-    deferred: Vec<(Keys, Lifetime, Bytes)>,
+    deferred: Vec<Capture>,
     /// The policy the plans were made under.
     policy: Arc<Policy>,
     /// `current_user`, read with the settings.
@@ -575,6 +577,7 @@ where
                 buf: BytesMut::new(),
                 ok: true,
                 lifetime: plan.lifetime,
+                reads: versions.to_vec(),
                 _fill: fill,
             }));
         }
@@ -602,6 +605,7 @@ where
             buf: BytesMut::new(),
             ok: true,
             lifetime: plan.lifetime,
+            reads: versions.to_vec(),
             _fill: Some(fill),
         })
     }
@@ -1240,15 +1244,13 @@ where
                 && !done.failed
             {
                 match status {
-                    TxStatus::Idle => self.store(cap.key, &cap.buf, cap.lifetime),
+                    TxStatus::Idle => self.store(cap),
                     TxStatus::InTransaction
                         if self.cache.deferred.len() < MAX_DEFERRED
                             && self.cache.deferred_bytes + cap.buf.len() <= MAX_DEFERRED_BYTES =>
                     {
                         self.cache.deferred_bytes += cap.buf.len();
-                        self.cache
-                            .deferred
-                            .push((cap.key, cap.lifetime, cap.buf.freeze()));
+                        self.cache.deferred.push(cap);
                     }
                     _ => {}
                 }
@@ -1264,8 +1266,8 @@ where
                 let deferred = std::mem::take(&mut self.cache.deferred);
                 self.cache.deferred_bytes = 0;
                 if self.cache.last_was_commit {
-                    for (key, lifetime, bytes) in deferred {
-                        self.store(key, &bytes, lifetime);
+                    for cap in deferred {
+                        self.store(cap);
                     }
                 }
             }
@@ -1274,14 +1276,17 @@ where
         }
     }
 
-    fn store(&self, keys: Keys, bytes: &[u8], lifetime: Lifetime) {
-        tracing::trace!(key = ?keys.local, len = bytes.len(), "store");
+    fn store(&self, cap: Capture) {
+        tracing::trace!(key = ?cap.key.local, len = cap.buf.len(), "store");
         self.app.metrics.stores.inc();
-        if let Some(key) = keys.local {
-            self.app.cache.local.insert(key, bytes, lifetime);
+        if let Some(key) = cap.key.local {
+            self.app.cache.local.insert(key, &cap.buf, cap.lifetime);
         }
-        if let (Some(tier), Some((key, versions))) = (&self.app.shared, keys.shared) {
-            tier.put(key, &versions, bytes, lifetime.ttl);
+        if let (Some(tier), Some((key, versions))) = (&self.app.shared, &cap.key.shared) {
+            tier.put(*key, versions, &cap.buf, cap.lifetime.ttl);
+        }
+        for f in &cap.reads {
+            f.version.note_entry();
         }
     }
 

@@ -1,0 +1,571 @@
+//! The admin console: a client that connects to the virtual database
+//! `admin.database` (default `pgcache`) talks to pgcache itself, never to
+//! PostgreSQL. It logs in with SCRAM-SHA-256 as `admin.user` with
+//! `admin.password` and speaks the simple query protocol, so psql works:
+//!
+//! | command | answer |
+//! | --- | --- |
+//! | `SHOW STATS` | totals and hit ratios, overall and per tier |
+//! | `SHOW QUERIES [n]` | the top `n` (20) statements by calls, by normalised text |
+//! | `SHOW TABLES` | per table: versions, invalidations, entries, publication state |
+//! | `SHOW REPLICATION` | per database: stream state, lag, LSN |
+//! | `SHOW CONFIG` | the configuration in force, secrets hidden |
+//! | `SHOW VERSION` | pgcache's version |
+//! | `INVALIDATE TABLE name` | bumps the table's version (every database, every instance) |
+//! | `INVALIDATE ALL` | bumps every database's epoch and empties the local tier |
+//! | `RELOAD` | re-reads the configuration and applies what can change live |
+
+mod scram;
+
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use bytes::{BufMut, BytesMut};
+use pgwire::messages::Message;
+use pgwire::messages::data::{DataRow, FieldDescription, RowDescription};
+use pgwire::messages::response::{
+    CommandComplete, EmptyQueryResponse, ReadyForQuery, TransactionStatus,
+};
+use pgwire::messages::startup::{Authentication, ParameterStatus};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::{info, warn};
+
+use crate::App;
+use crate::cache::{Bumps, DbState};
+use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
+use crate::protocol::frontend as fe;
+use crate::protocol::messages::{error_response, notice_response};
+use crate::protocol::startup::Startup;
+
+const INVALID_PASSWORD: &str = "28P01";
+const SYNTAX_ERROR: &str = "42601";
+const FEATURE_NOT_SUPPORTED: &str = "0A000";
+const CONFIG_FILE_ERROR: &str = "F0000";
+/// Admin commands are short: a larger message is a protocol violation.
+const MAX_ADMIN_MESSAGE: usize = 64 * 1024;
+const DEFAULT_TOP: usize = 20;
+
+fn encode(out: &mut BytesMut, message: impl Message) {
+    message
+        .encode(out)
+        .expect("encoding a message into memory cannot fail");
+}
+
+/// Serves one admin console session to its end.
+pub async fn serve<C>(app: Arc<App>, mut client: C, mut buf: BytesMut, startup: &Startup)
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let config = app.live_config();
+    let user = startup.user().to_owned();
+    match authenticate(&mut client, &mut buf, &config.admin.password).await {
+        Ok(true) if user == config.admin.user => {}
+        Ok(_) => {
+            warn!(user, "admin console: authentication failed");
+            let mut out = BytesMut::new();
+            error_response(
+                &mut out,
+                "FATAL",
+                INVALID_PASSWORD,
+                &format!("password authentication failed for user \"{user}\""),
+            );
+            let _ = client.write_all(&out).await;
+            return;
+        }
+        Err(e) => {
+            warn!(user, error = %e, "admin console: login failed");
+            let mut out = BytesMut::new();
+            error_response(
+                &mut out,
+                "FATAL",
+                crate::protocol::sqlstate::PROTOCOL_VIOLATION,
+                &e,
+            );
+            let _ = client.write_all(&out).await;
+            return;
+        }
+    }
+    info!(user, "admin console session");
+    let mut out = BytesMut::new();
+    encode(&mut out, Authentication::Ok);
+    for (name, value) in [
+        ("server_version", "15.0 (pgcache admin console)"),
+        ("server_encoding", "UTF8"),
+        ("client_encoding", "UTF8"),
+        ("DateStyle", "ISO, MDY"),
+        ("integer_datetimes", "on"),
+        ("standard_conforming_strings", "on"),
+        ("TimeZone", "UTC"),
+    ] {
+        encode(&mut out, ParameterStatus::new(name.into(), value.into()));
+    }
+    encode(&mut out, ReadyForQuery::new(TransactionStatus::Idle));
+    if client.write_all(&out).await.is_err() {
+        return;
+    }
+    // After an extended-protocol message, everything up to Sync is skipped.
+    let mut skipping = false;
+    loop {
+        let frame = match read_frame(&mut client, &mut buf).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) | Err(_) => return,
+        };
+        out.clear();
+        match frame[0] {
+            fe::QUERY => {
+                let body = &frame[HEADER_LEN..];
+                let text = String::from_utf8_lossy(body.strip_suffix(&[0]).unwrap_or(body));
+                run(&app, text.trim(), &mut out).await;
+                encode(&mut out, ReadyForQuery::new(TransactionStatus::Idle));
+            }
+            fe::TERMINATE => return,
+            fe::SYNC => {
+                skipping = false;
+                encode(&mut out, ReadyForQuery::new(TransactionStatus::Idle));
+            }
+            _ if skipping => continue,
+            _ => {
+                skipping = true;
+                error_response(
+                    &mut out,
+                    "ERROR",
+                    FEATURE_NOT_SUPPORTED,
+                    "the pgcache admin console speaks the simple query protocol only",
+                );
+            }
+        }
+        if client.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn read_frame<C: AsyncRead + Unpin>(
+    client: &mut C,
+    buf: &mut BytesMut,
+) -> std::io::Result<Option<BytesMut>> {
+    loop {
+        match parse_frame(buf, MAX_ADMIN_MESSAGE) {
+            Ok(Some(len)) => return Ok(Some(buf.split_to(len))),
+            Ok(None) => {}
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    e.to_string(),
+                ));
+            }
+        }
+        if client.read_buf(buf).await? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// SCRAM-SHA-256. `Ok(false)`: the proof was wrong.
+async fn authenticate<C>(client: &mut C, buf: &mut BytesMut, password: &str) -> Result<bool, String>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut out = BytesMut::new();
+    encode(&mut out, Authentication::SASL(vec!["SCRAM-SHA-256".into()]));
+    client.write_all(&out).await.map_err(|e| e.to_string())?;
+    let io = |e: std::io::Error| e.to_string();
+    let first = read_frame(client, buf)
+        .await
+        .map_err(io)?
+        .ok_or("client went away")?;
+    if first[0] != fe::PASSWORD {
+        return Err("expected a SASLInitialResponse".into());
+    }
+    let body = &first[HEADER_LEN..];
+    let mut pos = 0;
+    let mechanism = read_cstr(body, &mut pos).ok_or("malformed SASLInitialResponse")?;
+    if mechanism != b"SCRAM-SHA-256" {
+        return Err("only SCRAM-SHA-256 is offered".into());
+    }
+    let len = read_i32(body, &mut pos).ok_or("malformed SASLInitialResponse")?;
+    let data = usize::try_from(len)
+        .ok()
+        .and_then(|len| body.get(pos..pos + len))
+        .ok_or("malformed SASLInitialResponse")?;
+    let (exchange, server_first) = scram::server_first(password, &String::from_utf8_lossy(data))?;
+    out.clear();
+    encode(
+        &mut out,
+        Authentication::SASLContinue(server_first.into_bytes().into()),
+    );
+    client.write_all(&out).await.map_err(io)?;
+    let last = read_frame(client, buf)
+        .await
+        .map_err(io)?
+        .ok_or("client went away")?;
+    if last[0] != fe::PASSWORD {
+        return Err("expected a SASLResponse".into());
+    }
+    match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
+        Ok(server_final) => {
+            out.clear();
+            encode(
+                &mut out,
+                Authentication::SASLFinal(server_final.into_bytes().into()),
+            );
+            client.write_all(&out).await.map_err(io)?;
+            Ok(true)
+        }
+        Err(_) => Ok(false),
+    }
+}
+
+/// A result set of text columns.
+fn table(out: &mut BytesMut, columns: &[&str], rows: &[Vec<String>]) {
+    let fields = columns
+        .iter()
+        .map(|c| FieldDescription::new((*c).to_owned(), 0, 0, 25, -1, -1, 0))
+        .collect();
+    encode(out, RowDescription::new(fields));
+    for row in rows {
+        let mut data = BytesMut::new();
+        for value in row {
+            data.put_i32(value.len() as i32);
+            data.put_slice(value.as_bytes());
+        }
+        encode(out, DataRow::new(data, row.len() as i16));
+    }
+    encode(out, CommandComplete::new(format!("SHOW {}", rows.len())));
+}
+
+fn complete(out: &mut BytesMut, tag: &str) {
+    encode(out, CommandComplete::new(tag.to_owned()));
+}
+
+/// Runs one command, appending its answer (without ReadyForQuery).
+async fn run(app: &App, text: &str, out: &mut BytesMut) {
+    let command = text.trim_end_matches(';').trim();
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let upper: Vec<String> = words.iter().map(|w| w.to_ascii_uppercase()).collect();
+    let upper: Vec<&str> = upper.iter().map(String::as_str).collect();
+    match upper.as_slice() {
+        [] => encode(out, EmptyQueryResponse::new()),
+        ["SHOW", "STATS"] => table(out, &["stat", "value"], &stats(app)),
+        ["SHOW", "QUERIES"] => queries(app, DEFAULT_TOP, out),
+        ["SHOW", "QUERIES", n] => match n.parse() {
+            Ok(n) => queries(app, n, out),
+            Err(_) => error_response(out, "ERROR", SYNTAX_ERROR, "SHOW QUERIES takes a number"),
+        },
+        ["SHOW", "TABLES"] => tables(app, out),
+        ["SHOW", "REPLICATION"] => replication(app, out),
+        ["SHOW", "CONFIG"] => table(out, &["key", "value"], &config_rows(app)),
+        ["SHOW", "VERSION"] => table(
+            out,
+            &["version"],
+            &[vec![format!("pgcache {}", env!("CARGO_PKG_VERSION"))]],
+        ),
+        ["INVALIDATE", "TABLE", _] => {
+            let name = words[2].trim_matches('"');
+            let name = name
+                .rsplit_once('.')
+                .map_or(name, |(_, n)| n)
+                .trim_matches('"');
+            for (_, db) in app.cache.databases() {
+                let mut bumps = Bumps::default();
+                db.relation_families(name, &mut bumps);
+                app.invalidate(&db, &bumps).await;
+            }
+            info!(table = name, "admin: table invalidated");
+            complete(out, "INVALIDATE");
+        }
+        ["INVALIDATE", "ALL"] => {
+            for (_, db) in app.cache.databases() {
+                app.invalidate(&db, &Bumps::opaque()).await;
+            }
+            app.cache.local.clear();
+            info!("admin: everything invalidated");
+            complete(out, "INVALIDATE");
+        }
+        ["RELOAD"] => match app.reload() {
+            Ok(restart) => {
+                if !restart.is_empty() {
+                    notice_response(
+                        out,
+                        "WARNING",
+                        "01000",
+                        &format!(
+                            "changed, but applied only at restart: {}",
+                            restart.join(", ")
+                        ),
+                    );
+                }
+                complete(out, "RELOAD");
+            }
+            Err(e) => error_response(
+                out,
+                "ERROR",
+                CONFIG_FILE_ERROR,
+                &format!("RELOAD failed, nothing changed: {e}"),
+            ),
+        },
+        _ => error_response(
+            out,
+            "ERROR",
+            SYNTAX_ERROR,
+            &format!(
+                "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
+                 SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE ALL or RELOAD"
+            ),
+        ),
+    }
+}
+
+fn ratio(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "0.000".to_owned()
+    } else {
+        format!("{:.3}", part as f64 / whole as f64)
+    }
+}
+
+fn stats(app: &App) -> Vec<Vec<String>> {
+    let m = &app.metrics;
+    let s = &m.shared;
+    let hits = m.hits.get();
+    let misses = m.misses.get();
+    let shared_hits = s.hit.get();
+    let local_hits = hits.saturating_sub(shared_hits);
+    let shared_lookups = shared_hits + s.miss.get() + s.rejected.get() + s.error.get();
+    let rows: Vec<(&str, String)> = vec![
+        ("lookups_hit", hits.to_string()),
+        ("lookups_miss", misses.to_string()),
+        ("lookups_bypass", m.bypasses.get().to_string()),
+        ("hit_ratio", ratio(hits, hits + misses)),
+        ("local_hits", local_hits.to_string()),
+        ("local_hit_ratio", ratio(local_hits, hits + misses)),
+        ("shared_hits", shared_hits.to_string()),
+        ("shared_lookups", shared_lookups.to_string()),
+        ("shared_hit_ratio", ratio(shared_hits, shared_lookups)),
+        (
+            "shared_up",
+            app.shared.as_ref().is_some_and(|t| t.is_up()).to_string(),
+        ),
+        ("stores", m.stores.get().to_string()),
+        ("coalesced", m.coalesced.get().to_string()),
+        ("refreshes", m.refreshes.get().to_string()),
+        ("hint_problems", m.hint_problems.get().to_string()),
+        ("local_entries", app.cache.local.entry_count().to_string()),
+        ("local_bytes", app.cache.local.weighted_bytes().to_string()),
+        ("client_connections", m.client_connections.get().to_string()),
+    ];
+    rows.into_iter()
+        .map(|(k, v)| vec![k.to_owned(), v])
+        .collect()
+}
+
+fn timestamp(unix_ms: u64) -> String {
+    if unix_ms == 0 {
+        return String::new();
+    }
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(unix_ms)).to_string()
+}
+
+fn queries(app: &App, n: usize, out: &mut BytesMut) {
+    let rows: Vec<Vec<String>> = app
+        .cache
+        .stats
+        .top(n)
+        .into_iter()
+        .map(|q| {
+            vec![
+                format!("{:016x}", q.id),
+                q.calls.to_string(),
+                q.hits.to_string(),
+                q.misses.to_string(),
+                ratio(q.hits, q.hits + q.misses),
+                format!("{:.3}", q.mean_hit_ms),
+                format!("{:.3}", q.mean_miss_ms),
+                q.hit_bytes.to_string(),
+                timestamp(q.last_invalidation_ms),
+                q.text,
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "query_id",
+            "calls",
+            "hits",
+            "misses",
+            "hit_ratio",
+            "mean_hit_ms",
+            "mean_miss_ms",
+            "hit_bytes",
+            "last_invalidation",
+            "query",
+        ],
+        &rows,
+    );
+}
+
+fn tables(app: &App, out: &mut BytesMut) {
+    let mut rows = Vec::new();
+    for (name, db) in app.cache.databases() {
+        let catalog = db.catalog();
+        let mut families = db.families();
+        families.sort_by(|a, b| a.name.cmp(&b.name));
+        for f in families {
+            let publication = match catalog.as_ref().and_then(|(_, c)| c.relation(&f.name)) {
+                Some(facts) if facts.readable => "published",
+                Some(_) => "not published",
+                None => "unknown",
+            };
+            rows.push(vec![
+                name.clone(),
+                f.name.to_string(),
+                f.version.local().to_string(),
+                f.version.shared().to_string(),
+                f.version.changes().to_string(),
+                timestamp(f.version.last_change_ms()),
+                f.version.entries().to_string(),
+                publication.to_owned(),
+            ]);
+        }
+    }
+    table(
+        out,
+        &[
+            "database",
+            "table",
+            "version",
+            "shared_version",
+            "invalidations",
+            "last_invalidation",
+            "entries",
+            "publication",
+        ],
+        &rows,
+    );
+}
+
+fn replication(app: &App, out: &mut BytesMut) {
+    let rows: Vec<Vec<String>> = app
+        .cache
+        .databases()
+        .into_iter()
+        .map(|(name, db)| {
+            vec![
+                name,
+                stream_state(app, &db).to_owned(),
+                db.lag_ms().to_string(),
+                db.lag_bytes().to_string(),
+                lsn(db.applied_lsn()),
+                db.stream_starts().to_string(),
+                db.unpublished().to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "database",
+            "state",
+            "lag_ms",
+            "lag_bytes",
+            "applied_lsn",
+            "stream_starts",
+            "unpublished_tables",
+        ],
+        &rows,
+    );
+}
+
+fn stream_state(app: &App, db: &DbState) -> &'static str {
+    if !app.replication_on() {
+        "off (TTL only)"
+    } else if db.is_current() {
+        "streaming"
+    } else if db.is_streaming() {
+        "lagging"
+    } else {
+        "down"
+    }
+}
+
+fn lsn(value: u64) -> String {
+    format!("{:X}/{:X}", value >> 32, value & 0xffff_ffff)
+}
+
+/// Every key of the configuration in force, flattened, secrets hidden.
+fn config_rows(app: &App) -> Vec<Vec<String>> {
+    let config = app.live_config();
+    let mut rows = Vec::new();
+    if let Ok(value) = toml::Value::try_from(&*config) {
+        flatten("", &value, &mut rows);
+    }
+    for row in &mut rows {
+        match row[0].as_str() {
+            "admin.password" if !row[1].is_empty() => row[1] = "***".to_owned(),
+            "upstream.url" | "redis.url" => row[1] = hide_passwords(&row[1]),
+            _ => {}
+        }
+    }
+    rows
+}
+
+fn flatten(prefix: &str, value: &toml::Value, rows: &mut Vec<Vec<String>>) {
+    match value {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, rows);
+            }
+        }
+        toml::Value::String(s) => rows.push(vec![prefix.to_owned(), s.clone()]),
+        other => rows.push(vec![prefix.to_owned(), other.to_string()]),
+    }
+}
+
+/// URLs lose their passwords, `key=value` strings their `password=`.
+fn hide_passwords(text: &str) -> String {
+    let text = text
+        .split(',')
+        .map(crate::config::redact)
+        .collect::<Vec<_>>()
+        .join(",");
+    text.split(' ')
+        .map(|part| match part.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            _ => part.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_hidden_in_urls_and_key_value_strings() {
+        assert_eq!(
+            hide_passwords("postgres://u:pw@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(
+            hide_passwords("host=h password=pw user=u"),
+            "host=h password=*** user=u"
+        );
+        assert_eq!(
+            hide_passwords("redis://:a@h:1,redis://:b@h:2"),
+            "redis://:***@h:1,redis://:***@h:2"
+        );
+    }
+
+    #[test]
+    fn lsns_print_as_postgresql_does() {
+        assert_eq!(lsn(0x1_0000_00A0), "1/A0");
+        assert_eq!(lsn(0), "0/0");
+    }
+}
