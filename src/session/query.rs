@@ -510,9 +510,10 @@ where
             if plan.tier.local()
                 && let Some(entry) = self.app.cache.local.get(local)
             {
-                self.write_hit(&entry.bytes).await?;
+                // Counted before the client can see the answer.
                 self.app.metrics.hits.inc();
                 plan.stats.hit(started.elapsed(), entry.bytes.len());
+                self.write_hit(&entry.bytes).await?;
                 let refresh = entry
                     .wants_refresh()
                     .then(|| self.refresh_capture(request, plan))
@@ -535,9 +536,9 @@ where
                                 age,
                             );
                         }
-                        self.write_hit(&entry.payload).await?;
                         self.app.metrics.hits.inc();
                         plan.stats.hit(started.elapsed(), entry.payload.len());
+                        self.write_hit(&entry.payload).await?;
                         let refresh = plan
                             .lifetime
                             .refresh
@@ -559,6 +560,7 @@ where
                 match self.app.cache.fills.claim(local) {
                     Claim::Fill(guard) => Some(guard),
                     Claim::Wait(mut filled) => {
+                        tracing::trace!(key = local, "waiting for a concurrent fill");
                         self.app.metrics.coalesced.inc();
                         let wait = self.cache.policy.coalesce_wait;
                         // Err: the filler finished (stored or failed).
