@@ -398,3 +398,23 @@ async fn an_entry_due_for_refresh_is_served_while_it_is_refreshed() {
     let row = client.query_one(&prepared, &[&8i32]).await.unwrap();
     assert_eq!(row.get::<_, i32>(0), 81);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refresh_after_secs_refreshes_entries_without_a_hint() {
+    let mut config = pg().proxy_config();
+    config.cache.refresh_after_secs = 1;
+    let (_db, proxy, client) = setup("refresh_config", config).await;
+    let sql = "SELECT v FROM t WHERE id = 9";
+    assert_eq!(scalar(&client, sql).await.as_deref(), Some("90"));
+    let stores = proxy.stores();
+    let m = &proxy.app.metrics;
+    eventually(Duration::from_secs(10), "a refresh", || async {
+        assert_eq!(scalar(&client, sql).await.as_deref(), Some("90"));
+        (m.refreshes.get() == 1).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(10), "the refreshed entry", || async {
+        (proxy.stores() == stores + 1).then_some(())
+    })
+    .await;
+}
