@@ -51,6 +51,35 @@ pub enum BypassReason {
 }
 
 impl BypassReason {
+    /// Every reason, in declaration order (`reason as usize` indexes it).
+    pub const ALL: [BypassReason; 25] = [
+        Self::NotSelect,
+        Self::MultiStatement,
+        Self::ParseError,
+        Self::LockingClause,
+        Self::SelectInto,
+        Self::ModifyingCte,
+        Self::VolatileFunction,
+        Self::TimeLiteral,
+        Self::SystemCatalog,
+        Self::NotATable,
+        Self::UnknownRelation,
+        Self::TempObjects,
+        Self::InTransactionAfterWrite,
+        Self::IsolationLevel,
+        Self::SettingsUnknown,
+        Self::CatalogUnavailable,
+        Self::TooLarge,
+        Self::Pipelined,
+        Self::UnsupportedShape,
+        Self::ReplicationDown,
+        Self::Hint,
+        Self::OptIn,
+        Self::TableRule,
+        Self::RoleRule,
+        Self::DatabaseRule,
+    ];
+
     pub fn label(self) -> &'static str {
         match self {
             Self::NotSelect => "not_select",
@@ -626,6 +655,16 @@ pub fn is_time_literal_text(value: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_reasons_are_listed_in_order() {
+        for (i, r) in BypassReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{r:?}");
+        }
+        let labels: std::collections::HashSet<_> =
+            BypassReason::ALL.iter().map(|r| r.label()).collect();
+        assert_eq!(labels.len(), BypassReason::ALL.len());
+    }
 
     fn one(sql: &str) -> StatementInfo {
         let a = analyze(sql);

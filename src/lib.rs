@@ -91,9 +91,12 @@ impl App {
         let upstream = config
             .upstream_addrs()
             .map_err(|e| config::ConfigError::Invalid(vec![format!("upstream.url: {e}")]))?;
-        let local =
-            cache::LocalCache::new(config.cache.local.max_bytes, config.cache.max_entry_bytes);
         let metrics = metrics::Metrics::new();
+        let local = cache::LocalCache::with_evictions(
+            config.cache.local.max_bytes,
+            config.cache.max_entry_bytes,
+            Some(metrics.evictions.clone()),
+        );
         let shared = match config.redis.nodes() {
             Some(nodes) if config.cache.enabled => Some(Arc::new(shared::SharedTier::new(
                 &config,
@@ -185,6 +188,18 @@ impl App {
     /// Applies invalidations: the local counters at once, then (with a
     /// shared tier) Redis and every other instance.
     pub async fn invalidate(&self, db: &Arc<cache::DbState>, bumps: &cache::Bumps) {
+        self.invalidate_from(db, bumps, &self.metrics.invalidations.replication)
+            .await
+    }
+
+    /// [`App::invalidate`], counted under `source`.
+    pub async fn invalidate_from(
+        &self,
+        db: &Arc<cache::DbState>,
+        bumps: &cache::Bumps,
+        source: &prometheus::IntCounter,
+    ) {
+        source.inc();
         match &self.shared {
             None => bumps.apply_local(db),
             Some(shared) => {

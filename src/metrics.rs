@@ -13,14 +13,20 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
+use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{
-    Encoder, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
 use crate::App;
+use crate::classify::BypassReason;
+
+/// Statements and tables exported with their own labels: the busiest ones.
+const TOP_STATEMENTS: usize = 50;
+const TOP_TABLES: usize = 50;
 
 pub struct Metrics {
     registry: Registry,
@@ -39,6 +45,21 @@ pub struct Metrics {
     /// Entries refreshed in the background while being served.
     pub refreshes: IntCounter,
     pub client_connections: IntGauge,
+    pub backend_connections: IntGauge,
+    /// Hits by tier.
+    pub hits_local: IntCounter,
+    pub hits_shared: IntCounter,
+    bypass_reasons: Vec<IntCounter>,
+    /// Time from a request's arrival to its answer: from the cache, or
+    /// (a cacheable miss) from PostgreSQL.
+    pub latency_hit: Histogram,
+    pub latency_miss: Histogram,
+    pub evictions: Evictions,
+    pub invalidations: Invalidations,
+    pub client_bytes_in: IntCounter,
+    pub client_bytes_out: IntCounter,
+    database_lookups: IntCounterVec,
+    shared_breaker_open: IntGauge,
     replication_up: IntGaugeVec,
     replication_lag_seconds: GaugeVec,
     replication_lag_bytes: IntGaugeVec,
@@ -47,6 +68,36 @@ pub struct Metrics {
     local_entries: IntGauge,
     local_bytes: IntGauge,
     pub shared: SharedMetrics,
+}
+
+/// Local-tier entries that left, by cause.
+#[derive(Clone)]
+pub struct Evictions {
+    pub size: IntCounter,
+    pub expired: IntCounter,
+    /// Expiry counted again as an invalidation with source `ttl`.
+    pub ttl: IntCounter,
+    pub replaced: IntCounter,
+    pub explicit: IntCounter,
+}
+
+/// Invalidations applied, by where they came from (one per statement,
+/// transaction, replicated commit, command or announcement).
+#[derive(Clone)]
+pub struct Invalidations {
+    pub write: IntCounter,
+    pub replication: IntCounter,
+    pub admin: IntCounter,
+    pub peer: IntCounter,
+    pub resync: IntCounter,
+}
+
+/// One database's lookups, resolved once per database.
+#[derive(Clone)]
+pub struct DbMetrics {
+    pub hit: IntCounter,
+    pub miss: IntCounter,
+    pub bypass: IntCounter,
 }
 
 /// The shared tier's counters; label handles resolved once.
@@ -207,7 +258,103 @@ impl Metrics {
                 .expect("valid metric"),
         );
         let db = |name: &str, help: &str| Opts::new(name, help);
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            register(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric"),
+            )
+        };
+        let hits_by_tier = counter_vec(
+            "pgcache_cache_hits_total",
+            "Requests answered from the cache, by tier",
+            "tier",
+        );
+        let bypasses = counter_vec(
+            "pgcache_cache_bypasses_total",
+            "Requests that could not use the cache, by reason",
+            "reason",
+        );
+        let evictions = counter_vec(
+            "pgcache_cache_evictions_total",
+            "Local-tier entries removed, by cause (size, expired, replaced, explicit)",
+            "cause",
+        );
+        let invalidations = counter_vec(
+            "pgcache_invalidations_total",
+            "Invalidations applied, by source (write, replication, admin, peer, resync, ttl)",
+            "source",
+        );
+        let client_bytes = counter_vec(
+            "pgcache_client_bytes_total",
+            "Bytes received from and sent to clients",
+            "direction",
+        );
+        let latency = register(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "pgcache_request_duration_seconds",
+                    "Time to answer a cacheable request: from the cache (hit) or PostgreSQL (miss)",
+                )
+                .buckets(
+                    prometheus::exponential_buckets(0.000_025, 2.5, 12).expect("valid buckets"),
+                ),
+                &["outcome"],
+            )
+            .expect("valid metric"),
+        );
         Self {
+            hits_local: hits_by_tier.with_label_values(&["local"]),
+            hits_shared: hits_by_tier.with_label_values(&["shared"]),
+            bypass_reasons: BypassReason::ALL
+                .iter()
+                .map(|r| bypasses.with_label_values(&[r.label()]))
+                .collect(),
+            latency_hit: latency.with_label_values(&["hit"]),
+            latency_miss: latency.with_label_values(&["miss"]),
+            evictions: Evictions {
+                size: evictions.with_label_values(&["size"]),
+                expired: evictions.with_label_values(&["expired"]),
+                ttl: invalidations.with_label_values(&["ttl"]),
+                replaced: evictions.with_label_values(&["replaced"]),
+                explicit: evictions.with_label_values(&["explicit"]),
+            },
+            invalidations: Invalidations {
+                write: invalidations.with_label_values(&["write"]),
+                replication: invalidations.with_label_values(&["replication"]),
+                admin: invalidations.with_label_values(&["admin"]),
+                peer: invalidations.with_label_values(&["peer"]),
+                resync: invalidations.with_label_values(&["resync"]),
+            },
+            client_bytes_in: client_bytes.with_label_values(&["in"]),
+            client_bytes_out: client_bytes.with_label_values(&["out"]),
+            database_lookups: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "pgcache_database_lookups_total",
+                        "Cache lookups per database, by result (hit, miss, bypass)",
+                    ),
+                    &["database", "result"],
+                )
+                .expect("valid metric"),
+            ),
+            backend_connections: register(
+                &registry,
+                IntGauge::new(
+                    "pgcache_backend_connections",
+                    "Connections to PostgreSQL serving client sessions",
+                )
+                .expect("valid metric"),
+            ),
+            shared_breaker_open: register(
+                &registry,
+                IntGauge::new(
+                    "pgcache_shared_breaker_open",
+                    "1 while the circuit breaker keeps pgcache from trying Redis",
+                )
+                .expect("valid metric"),
+            ),
             hits: lookups.with_label_values(&["hit"]),
             misses: lookups.with_label_values(&["miss"]),
             bypasses: lookups.with_label_values(&["bypass"]),
@@ -289,6 +436,21 @@ impl Metrics {
         }
     }
 
+    /// A request that could not use the cache.
+    pub fn bypassed(&self, reason: BypassReason) {
+        self.bypasses.inc();
+        self.bypass_reasons[reason as usize].inc();
+    }
+
+    /// The handles of one database's lookups (resolve once, keep them).
+    pub fn database(&self, name: &str) -> DbMetrics {
+        DbMetrics {
+            hit: self.database_lookups.with_label_values(&[name, "hit"]),
+            miss: self.database_lookups.with_label_values(&[name, "miss"]),
+            bypass: self.database_lookups.with_label_values(&[name, "bypass"]),
+        }
+    }
+
     /// The text exposition format, with gauges brought up to date.
     pub fn render(&self, app: &App) -> String {
         for (name, db) in app.cache.databases() {
@@ -312,15 +474,117 @@ impl Metrics {
         self.local_entries.set(app.cache.local.entry_count() as i64);
         if let Some(shared) = &app.shared {
             self.shared.up.set(i64::from(shared.is_up()));
+            self.shared_breaker_open
+                .set(i64::from(shared.breaker_open()));
         }
         self.local_bytes
             .set(app.cache.local.weighted_bytes() as i64);
+        let mut families = self.registry.gather();
+        families.extend(top_statements(app));
+        families.push(top_tables(app));
         let mut out = Vec::new();
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut out)
+            .encode(&families, &mut out)
             .expect("encoding metrics into memory cannot fail");
         String::from_utf8(out).unwrap_or_default()
     }
+}
+
+fn labelled(labels: &[(&str, &str)]) -> Metric {
+    Metric::from_label(
+        labels
+            .iter()
+            .map(|(k, v)| {
+                let mut pair = LabelPair::default();
+                pair.set_name((*k).to_owned());
+                pair.set_value((*v).to_owned());
+                pair
+            })
+            .collect(),
+    )
+}
+
+fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+    let mut f = MetricFamily::default();
+    f.set_name(name.to_owned());
+    f.set_help(help.to_owned());
+    f.set_field_type(kind);
+    f.set_metric(metrics);
+    f
+}
+
+fn counter(labels: &[(&str, &str)], value: u64) -> Metric {
+    let mut m = labelled(labels);
+    let mut c = prometheus::proto::Counter::default();
+    c.set_value(value as f64);
+    m.set_counter(c);
+    m
+}
+
+/// Per-statement counters for the busiest statements, labelled by
+/// `query_id`; `pgcache_statement_info` maps an id to its normalised text.
+fn top_statements(app: &App) -> Vec<MetricFamily> {
+    let top = app.cache.stats.top(TOP_STATEMENTS);
+    let (mut calls, mut hits, mut misses, mut info) = (vec![], vec![], vec![], vec![]);
+    for q in &top {
+        let id = format!("{:016x}", q.id);
+        let l = [("query_id", id.as_str())];
+        calls.push(counter(&l, q.calls));
+        hits.push(counter(&l, q.hits));
+        misses.push(counter(&l, q.misses));
+        let text: String = q.text.chars().take(200).collect();
+        let mut m = labelled(&[("query_id", id.as_str()), ("query", text.as_str())]);
+        let mut g = prometheus::proto::Gauge::default();
+        g.set_value(1.0);
+        m.set_gauge(g);
+        info.push(m);
+    }
+    vec![
+        family(
+            "pgcache_statement_calls_total",
+            "Calls of the busiest statements, by normalised text's query_id",
+            MetricType::COUNTER,
+            calls,
+        ),
+        family(
+            "pgcache_statement_hits_total",
+            "Cache hits of the busiest statements",
+            MetricType::COUNTER,
+            hits,
+        ),
+        family(
+            "pgcache_statement_misses_total",
+            "Cache misses of the busiest statements",
+            MetricType::COUNTER,
+            misses,
+        ),
+        family(
+            "pgcache_statement_info",
+            "Maps query_id to the statement's normalised text (first 200 characters)",
+            MetricType::GAUGE,
+            info,
+        ),
+    ]
+}
+
+/// Invalidations of the most often invalidated tables.
+fn top_tables(app: &App) -> MetricFamily {
+    let mut all: Vec<(String, std::sync::Arc<crate::cache::Family>)> = Vec::new();
+    for (name, db) in app.cache.databases() {
+        all.extend(db.families().into_iter().map(|f| (name.clone(), f)));
+    }
+    all.sort_by_key(|(_, f)| std::cmp::Reverse(f.version.changes()));
+    all.truncate(TOP_TABLES);
+    let metrics = all
+        .iter()
+        .map(|(db, f)| counter(&[("database", db), ("table", &f.name)], f.version.changes()))
+        .collect();
+    family(
+        "pgcache_table_invalidations_total",
+        "Invalidations of the most often invalidated tables",
+        MetricType::COUNTER,
+        metrics,
+    )
 }
 
 impl Default for Metrics {

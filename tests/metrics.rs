@@ -83,6 +83,83 @@ async fn metrics_report_the_exact_lookups_of_a_known_workload() {
         sample(&body, &format!("pgcache_replication_lag_bytes{labels}")).is_some(),
         "{body}"
     );
+    let exact = |series: &str, want: f64| {
+        assert_eq!(sample(&body, series), Some(want), "{series}\n{body}");
+    };
+    exact(r#"pgcache_cache_hits_total{tier="local"}"#, 2.0);
+    exact(r#"pgcache_cache_hits_total{tier="shared"}"#, 0.0);
+    exact(
+        r#"pgcache_cache_bypasses_total{reason="volatile_function"}"#,
+        1.0,
+    );
+    exact(r#"pgcache_cache_bypasses_total{reason="not_select"}"#, 0.0);
+    exact(
+        &format!(r#"pgcache_database_lookups_total{{database="{db}",result="hit"}}"#),
+        2.0,
+    );
+    exact(
+        &format!(r#"pgcache_database_lookups_total{{database="{db}",result="miss"}}"#),
+        1.0,
+    );
+    exact(
+        &format!(r#"pgcache_database_lookups_total{{database="{db}",result="bypass"}}"#),
+        1.0,
+    );
+    exact(
+        r#"pgcache_request_duration_seconds_count{outcome="hit"}"#,
+        2.0,
+    );
+    exact(
+        r#"pgcache_request_duration_seconds_count{outcome="miss"}"#,
+        1.0,
+    );
+    exact("pgcache_backend_connections", 1.0);
+    assert!(sample(&body, r#"pgcache_client_bytes_total{direction="in"}"#).unwrap() > 0.0);
+    assert!(sample(&body, r#"pgcache_client_bytes_total{direction="out"}"#).unwrap() > 0.0);
+    // The statement, by its query_id, and the id's text.
+    let info = body
+        .lines()
+        .find(|l| {
+            l.starts_with("pgcache_statement_info{") && l.contains(r#"query="SELECT id FROM t""#)
+        })
+        .unwrap_or_else(|| panic!("statement info: {body}"));
+    let id = info
+        .split("query_id=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap();
+    exact(
+        &format!(r#"pgcache_statement_calls_total{{query_id="{id}"}}"#),
+        3.0,
+    );
+    exact(
+        &format!(r#"pgcache_statement_hits_total{{query_id="{id}"}}"#),
+        2.0,
+    );
+    exact(
+        &format!(r#"pgcache_statement_misses_total{{query_id="{id}"}}"#),
+        1.0,
+    );
+
+    // A write through pgcache: one invalidation from a write.
+    client
+        .simple_query("INSERT INTO t VALUES (2)")
+        .await
+        .unwrap();
+    let (_, body) = get(&proxy, "/metrics").await;
+    assert_eq!(
+        sample(&body, r#"pgcache_invalidations_total{source="write"}"#),
+        Some(1.0),
+        "{body}"
+    );
+    assert!(
+        body.lines().any(|l| l.starts_with(&format!(
+            r#"pgcache_table_invalidations_total{{database="{db}",table="t"}}"#
+        ))),
+        "{body}"
+    );
 }
 
 #[tokio::test]

@@ -269,14 +269,16 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             for (_, db) in app.cache.databases() {
                 let mut bumps = Bumps::default();
                 db.relation_families(name, &mut bumps);
-                app.invalidate(&db, &bumps).await;
+                app.invalidate_from(&db, &bumps, &app.metrics.invalidations.admin)
+                    .await;
             }
             info!(table = name, "admin: table invalidated");
             complete(out, "INVALIDATE");
         }
         ["INVALIDATE", "ALL"] => {
             for (_, db) in app.cache.databases() {
-                app.invalidate(&db, &Bumps::opaque()).await;
+                app.invalidate_from(&db, &Bumps::opaque(), &app.metrics.invalidations.admin)
+                    .await;
             }
             app.cache.local.clear();
             info!("admin: everything invalidated");

@@ -45,10 +45,10 @@ impl moka::Expiry<u128, Arc<CachedResponse>> for PerEntryTtl {
 }
 
 /// Memory an entry costs besides its bytes, charged against `max_bytes`:
-/// moka's node, deque and hash-table slots, the `Arc` and the key, plus
-/// allocator rounding. Measured with `bench/cache.sh` (peak RSS after one
+/// moka's node, deque, timer-wheel and hash-table slots, the `Arc`, the key
+/// and the entry's lifetime fields, plus allocator rounding. Measured with `bench/cache.sh` (peak RSS after one
 /// million small entries), so that the budget holds for real.
-const ENTRY_OVERHEAD: usize = 320;
+const ENTRY_OVERHEAD: usize = 360;
 
 pub struct LocalCache {
     /// `None`: no local tier (`cache.local.max_bytes = 0`), Redis only.
@@ -60,18 +60,41 @@ impl LocalCache {
     /// `max_bytes` of zero means no local tier at all. Each entry has its
     /// own lifetime.
     pub fn new(max_bytes: u64, max_entry_bytes: usize) -> Self {
+        Self::with_evictions(max_bytes, max_entry_bytes, None)
+    }
+
+    /// Counts what leaves the tier, and why, in `evictions`.
+    pub fn with_evictions(
+        max_bytes: u64,
+        max_entry_bytes: usize,
+        evictions: Option<crate::metrics::Evictions>,
+    ) -> Self {
         if max_bytes == 0 {
             return Self {
                 inner: None,
                 max_entry_bytes,
             };
         }
-        let builder = moka::sync::Cache::builder()
+        let mut builder = moka::sync::Cache::builder()
             .max_capacity(max_bytes)
             .expire_after(PerEntryTtl)
             .weigher(|_k: &u128, v: &Arc<CachedResponse>| {
                 u32::try_from(v.bytes.len() + ENTRY_OVERHEAD).unwrap_or(u32::MAX)
             });
+        if let Some(e) = evictions {
+            builder = builder.eviction_listener(move |_k, _v, cause| {
+                use moka::notification::RemovalCause;
+                match cause {
+                    RemovalCause::Size => e.size.inc(),
+                    RemovalCause::Expired => {
+                        e.expired.inc();
+                        e.ttl.inc();
+                    }
+                    RemovalCause::Replaced => e.replaced.inc(),
+                    RemovalCause::Explicit => e.explicit.inc(),
+                }
+            });
+        }
         Self {
             inner: Some(builder.build()),
             max_entry_bytes,

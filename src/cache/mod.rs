@@ -169,6 +169,8 @@ pub struct DbState {
     pub shared_synced: AtomicU64,
     /// A bump of this instance never reached Redis.
     pub shared_dirty: std::sync::atomic::AtomicBool,
+    /// This database's lookup counters, resolved once.
+    pub metrics: std::sync::OnceLock<crate::metrics::DbMetrics>,
     /// When a reload for an unknown relation was last asked for.
     last_reload: Mutex<Option<std::time::Instant>>,
     /// A replication stream task exists for this database.

@@ -126,6 +126,7 @@ pub async fn serve<C>(
     };
 
     app.metrics.client_connections.inc();
+    app.metrics.backend_connections.inc();
     let _connected = ConnectionGauge(&app);
     let span = tracing::debug_span!("session", %peer, user = startup.startup.user(), db = startup.startup.database());
     let mut session = Session {
@@ -163,6 +164,7 @@ struct ConnectionGauge<'a>(&'a App);
 impl Drop for ConnectionGauge<'_> {
     fn drop(&mut self) {
         self.0.metrics.client_connections.dec();
+        self.0.metrics.backend_connections.dec();
     }
 }
 
@@ -341,7 +343,10 @@ where
                 },
                 r = self.client.read_buf(&mut self.client_buf) => match r {
                     Ok(0) => { self.client_gone().await; Ok(Flow::Close) }
-                    Ok(_) => self.on_client_data().await,
+                    Ok(n) => {
+                        self.app.metrics.client_bytes_in.inc_by(n as u64);
+                        self.on_client_data().await
+                    }
                     Err(e) => { self.client_gone().await; Err(SessionError::ClientIo(e)) }
                 },
                 _ = drain.cancelled(), if !self.draining => {
@@ -413,6 +418,10 @@ where
         }
         if pos > 0 {
             self.publish_invalidations().await;
+            self.app
+                .metrics
+                .client_bytes_out
+                .inc_by((pos - copied + self.out.len()) as u64);
             let result = if self.out.is_empty() && copied == 0 {
                 self.client.write_all(&self.backend_buf[..pos]).await
             } else {

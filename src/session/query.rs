@@ -486,7 +486,8 @@ where
         if reason != BypassReason::NotSelect {
             debug!(reason = reason.label(), "cache bypass");
         }
-        self.app.metrics.bypasses.inc();
+        self.app.metrics.bypassed(reason);
+        self.db_metrics().bypass.inc();
     }
 
     /// Answers from the local tier, else from the shared tier (filling the
@@ -511,8 +512,7 @@ where
                 && let Some(entry) = self.app.cache.local.get(local)
             {
                 // Counted before the client can see the answer.
-                self.app.metrics.hits.inc();
-                plan.stats.hit(started.elapsed(), entry.bytes.len());
+                self.count_hit(plan, started, entry.bytes.len(), false);
                 self.write_hit(&entry.bytes).await?;
                 let refresh = entry
                     .wants_refresh()
@@ -536,8 +536,7 @@ where
                                 age,
                             );
                         }
-                        self.app.metrics.hits.inc();
-                        plan.stats.hit(started.elapsed(), entry.payload.len());
+                        self.count_hit(plan, started, entry.payload.len(), true);
                         self.write_hit(&entry.payload).await?;
                         let refresh = plan
                             .lifetime
@@ -571,6 +570,7 @@ where
                 }
             };
             self.app.metrics.misses.inc();
+            self.db_metrics().miss.inc();
             return Ok(Lookup::Miss(Capture {
                 key: Keys {
                     local: plan.tier.local().then_some(local),
@@ -583,6 +583,27 @@ where
                 _fill: fill,
             }));
         }
+    }
+
+    fn count_hit(&self, plan: &Plan, started: Instant, bytes: usize, shared: bool) {
+        let took = started.elapsed();
+        let m = &self.app.metrics;
+        m.hits.inc();
+        if shared {
+            m.hits_shared.inc();
+        } else {
+            m.hits_local.inc();
+        }
+        m.latency_hit.observe(took.as_secs_f64());
+        m.client_bytes_out.inc_by(bytes as u64 + 6);
+        self.db_metrics().hit.inc();
+        plan.stats.hit(took, bytes);
+    }
+
+    fn db_metrics(&self) -> &crate::metrics::DbMetrics {
+        let db = &self.cache.db;
+        db.metrics
+            .get_or_init(|| self.app.metrics.database(&db.name))
     }
 
     /// The capture of a background refresh of an entry just served, under
@@ -1239,7 +1260,9 @@ where
                 }
             }
             if let Some((stats, started)) = &done.timing {
-                stats.miss(started.elapsed());
+                let took = started.elapsed();
+                stats.miss(took);
+                self.app.metrics.latency_miss.observe(took.as_secs_f64());
             }
             if let Some(cap) = done.capture
                 && cap.ok
@@ -1296,6 +1319,7 @@ where
     /// once; Redis (and every other instance) before the client is told
     /// the statement completed, in [`Self::publish_invalidations`].
     fn invalidate(&mut self, effects: Effects) {
+        self.app.metrics.invalidations.write.inc();
         match &self.app.shared {
             None => effects.apply_local(&self.cache.db),
             Some(tier) => {

@@ -255,6 +255,10 @@ impl SharedTier {
         tokio::spawn(async move { tier.subscribe(&app).await });
     }
 
+    pub fn breaker_open(&self) -> bool {
+        !self.breaker.allows()
+    }
+
     /// The shared tier is in use (for metrics and readiness).
     pub fn is_up(&self) -> bool {
         self.conn.get().is_some()
@@ -602,6 +606,9 @@ impl SharedTier {
             let missed = synced != 0 || db.shared_dirty.load(Ordering::Acquire);
             match self.resync_db(&db, missed).await {
                 Ok(()) => {
+                    if missed {
+                        app.metrics.invalidations.resync.inc();
+                    }
                     // A failure from now on moves the generation again.
                     db.shared_dirty.store(false, Ordering::Release);
                     db.shared_synced.store(generation, Ordering::Release);
@@ -659,6 +666,7 @@ impl SharedTier {
         self.metrics
             .invalidations_received
             .inc_by(updates.len() as u64);
+        app.metrics.invalidations.peer.inc();
         for (field, value) in updates {
             apply_field(&db, &field, value);
         }
