@@ -1,5 +1,7 @@
-//! Prometheus metrics and the HTTP endpoint that serves them (`/metrics`,
-//! `/healthz`, `/readyz`), on `metrics.listen`.
+//! Prometheus metrics and the HTTP endpoint that serves them on
+//! `metrics.listen`: `/metrics`, `/healthz`, `/readyz`, and for users
+//! without Grafana a live page at `/` that refreshes itself from
+//! `/stats.json` (self-contained: no CDN, no external file).
 //!
 //! Counters on the hot path are label handles resolved once at start-up, so
 //! recording one is a single atomic add. Per-database replication gauges are
@@ -624,8 +626,99 @@ pub async fn serve(app: Arc<App>, listener: TcpListener) {
     }
 }
 
+/// The live page, compiled in.
+const LIVE_PAGE: &str = include_str!("live.html");
+
 async fn route(app: &App, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    let (status, body) = match req.uri().path() {
+    let (status, body, kind) = match req.uri().path() {
+        "/" => (
+            StatusCode::OK,
+            LIVE_PAGE.to_owned(),
+            "text/html; charset=utf-8",
+        ),
+        "/stats.json" => (
+            StatusCode::OK,
+            stats_json(app).to_string(),
+            "application/json",
+        ),
+        path => {
+            let (status, body) = text_route(app, path).await;
+            (status, body, "text/plain; version=0.0.4; charset=utf-8")
+        }
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(kind),
+    );
+    response
+}
+
+/// What the live page shows, as JSON.
+pub fn stats_json(app: &App) -> serde_json::Value {
+    let m = &app.metrics;
+    let (hits, misses) = (m.hits.get(), m.misses.get());
+    let databases: Vec<serde_json::Value> = app
+        .cache
+        .databases()
+        .into_iter()
+        .map(|(name, db)| {
+            let state = if !app.replication_on() {
+                "off"
+            } else if db.is_current() {
+                "streaming"
+            } else if db.is_streaming() {
+                "lagging"
+            } else {
+                "down"
+            };
+            serde_json::json!({
+                "name": name,
+                "state": state,
+                "lag_ms": db.lag_ms(),
+                "lag_bytes": db.lag_bytes(),
+            })
+        })
+        .collect();
+    let statements: Vec<serde_json::Value> = app
+        .cache
+        .stats
+        .top(20)
+        .into_iter()
+        .map(|q| {
+            let lookups = q.hits + q.misses;
+            serde_json::json!({
+                "query_id": format!("{:016x}", q.id),
+                "query": q.text,
+                "calls": q.calls,
+                "hits": q.hits,
+                "misses": q.misses,
+                "hit_ratio": if lookups == 0 { 0.0 } else { q.hits as f64 / lookups as f64 },
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "time_ms": crate::cache::unix_ms(),
+        "lookups": { "hit": hits, "miss": misses, "bypass": m.bypasses.get() },
+        "hit_ratio": if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
+        "local": {
+            "hits": m.hits_local.get(),
+            "entries": app.cache.local.entry_count(),
+            "bytes": app.cache.local.weighted_bytes(),
+        },
+        "shared": {
+            "configured": app.shared.is_some(),
+            "up": app.shared.as_ref().is_some_and(|t| t.is_up()),
+            "hits": m.hits_shared.get(),
+        },
+        "databases": databases,
+        "statements": statements,
+    })
+}
+
+async fn text_route(app: &App, path: &str) -> (StatusCode, String) {
+    match path {
         "/metrics" => (StatusCode::OK, app.metrics.render(app)),
         "/healthz" => (StatusCode::OK, "ok\n".to_owned()),
         "/readyz" => match readiness(app).await {
@@ -636,10 +729,7 @@ async fn route(app: &App, req: Request<Incoming>) -> Response<Full<Bytes>> {
             ),
         },
         _ => (StatusCode::NOT_FOUND, "not found\n".to_owned()),
-    };
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response
+    }
 }
 
 /// Ready: PostgreSQL accepts connections and, with replication on, every
