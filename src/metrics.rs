@@ -120,6 +120,8 @@ pub struct SharedMetrics {
     pub store_failed: IntCounter,
     pub store_dropped: IntCounter,
     pub store_too_large: IntCounter,
+    /// Bytes of values stored in Redis.
+    pub stored_bytes: IntCounter,
     /// Commands (or pipelines, or scripts) sent to Redis.
     pub round_trips: IntCounter,
     pub invalidations_sent: IntCounter,
@@ -175,6 +177,10 @@ impl SharedMetrics {
             store_failed: stores.with_label_values(&["error"]),
             store_dropped: stores.with_label_values(&["dropped"]),
             store_too_large: stores.with_label_values(&["too_large"]),
+            stored_bytes: counter(
+                "pgcache_shared_stored_bytes_total",
+                "Bytes of values stored in the shared tier (Redis)",
+            ),
             round_trips: counter(
                 "pgcache_shared_round_trips_total",
                 "Round trips to Redis (a pipeline or script counts once)",

@@ -385,6 +385,7 @@ impl SharedTier {
             return;
         };
         let value = entry::encode(key, crate::cache::unix_ms(), versions, payload);
+        let value_len = value.len() as u64;
         let ttl_ms = ttl.map_or(self.ttl_ms, |t| {
             (t.as_millis() as u64).clamp(1, self.ttl_ms)
         });
@@ -403,7 +404,10 @@ impl SharedTier {
                 })
                 .await;
             match result {
-                Ok(()) => tier.metrics.stored.inc(),
+                Ok(()) => {
+                    tier.metrics.stored.inc();
+                    tier.metrics.stored_bytes.inc_by(value_len);
+                }
                 Err(e) => {
                     debug!(error = %e, "shared store failed");
                     tier.metrics.store_failed.inc();
