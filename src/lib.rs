@@ -278,6 +278,20 @@ impl App {
         self.replication.load(Ordering::Acquire)
     }
 
+    /// The state of `db`'s replication stream, as the admin console and
+    /// the live page show it.
+    pub fn stream_state(&self, db: &cache::DbState) -> &'static str {
+        if !self.replication_on() {
+            "off (TTL only)"
+        } else if db.is_current() {
+            "streaming"
+        } else if db.is_streaming() {
+            "lagging"
+        } else {
+            "down"
+        }
+    }
+
     /// Cached results of `db` may be served: replication is off (TTL-only
     /// by configuration), or its stream is up and current.
     pub fn cache_allowed(&self, db: &cache::DbState) -> bool {

@@ -670,18 +670,9 @@ pub fn stats_json(app: &App) -> serde_json::Value {
         .databases()
         .into_iter()
         .map(|(name, db)| {
-            let state = if !app.replication_on() {
-                "off"
-            } else if db.is_current() {
-                "streaming"
-            } else if db.is_streaming() {
-                "lagging"
-            } else {
-                "down"
-            };
             serde_json::json!({
                 "name": name,
-                "state": state,
+                "state": app.stream_state(&db),
                 "lag_ms": db.lag_ms(),
                 "lag_bytes": db.lag_bytes(),
             })

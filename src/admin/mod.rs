@@ -31,7 +31,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{info, warn};
 
 use crate::App;
-use crate::cache::{Bumps, DbState};
+use crate::cache::Bumps;
 use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
 use crate::protocol::frontend as fe;
 use crate::protocol::messages::{error_response, notice_response};
@@ -455,7 +455,7 @@ fn replication(app: &App, out: &mut BytesMut) {
         .map(|(name, db)| {
             vec![
                 name,
-                stream_state(app, &db).to_owned(),
+                app.stream_state(&db).to_owned(),
                 db.lag_ms().to_string(),
                 db.lag_bytes().to_string(),
                 lsn(db.applied_lsn()),
@@ -477,18 +477,6 @@ fn replication(app: &App, out: &mut BytesMut) {
         ],
         &rows,
     );
-}
-
-fn stream_state(app: &App, db: &DbState) -> &'static str {
-    if !app.replication_on() {
-        "off (TTL only)"
-    } else if db.is_current() {
-        "streaming"
-    } else if db.is_streaming() {
-        "lagging"
-    } else {
-        "down"
-    }
 }
 
 fn lsn(value: u64) -> String {

@@ -102,6 +102,26 @@ struct Capture {
 }
 
 impl Capture {
+    /// A capture for `plan`'s result under the keys of `plan`'s tiers.
+    fn new(
+        plan: &Plan,
+        local: u128,
+        shared: Option<(u128, Vec<u64>)>,
+        fill: Option<FillGuard>,
+    ) -> Self {
+        Capture {
+            key: Keys {
+                local: plan.tier.local().then_some(local),
+                shared,
+            },
+            buf: BytesMut::new(),
+            ok: true,
+            lifetime: plan.lifetime,
+            reads: plan.read.as_deref().unwrap_or_default().to_vec(),
+            _fill: fill,
+        }
+    }
+
     /// Copies one response frame, or gives up on storing the response.
     fn add(&mut self, frame: &[u8], max: usize) {
         let storable = !matches!(
@@ -571,17 +591,7 @@ where
             };
             self.app.metrics.misses.inc();
             self.db_metrics().miss.inc();
-            return Ok(Lookup::Miss(Capture {
-                key: Keys {
-                    local: plan.tier.local().then_some(local),
-                    shared,
-                },
-                buf: BytesMut::new(),
-                ok: true,
-                lifetime: plan.lifetime,
-                reads: versions.to_vec(),
-                _fill: fill,
-            }));
+            return Ok(Lookup::Miss(Capture::new(plan, local, shared, fill)));
         }
     }
 
@@ -620,17 +630,7 @@ where
             .filter(|tier| plan.tier.shared() && tier.usable(db))
             .map(|_| request.shared(&db.epoch, versions));
         self.app.metrics.refreshes.inc();
-        Some(Capture {
-            key: Keys {
-                local: plan.tier.local().then_some(local),
-                shared,
-            },
-            buf: BytesMut::new(),
-            ok: true,
-            lifetime: plan.lifetime,
-            reads: versions.to_vec(),
-            _fill: Some(fill),
-        })
+        Some(Capture::new(plan, local, shared, Some(fill)))
     }
 
     /// Sends `request` (ending in Sync or a Query) to the backend on
