@@ -79,6 +79,12 @@ pub struct ServerConfig {
     pub max_message_bytes: usize,
     /// Time a new client has to finish its startup packet.
     pub startup_timeout_ms: u64,
+    /// Connections from one address that may be in startup at once.
+    pub max_startups_per_ip: usize,
+    /// Close a session idle outside a transaction this long; 0 = never.
+    pub client_idle_timeout_secs: u64,
+    /// Close a session idle inside a transaction this long; 0 = never.
+    pub idle_in_transaction_timeout_secs: u64,
     /// On SIGTERM/SIGINT, how long busy sessions may run before they are closed.
     pub shutdown_timeout_secs: u64,
 }
@@ -275,6 +281,9 @@ impl Default for ServerConfig {
             max_client_connections: 1000,
             max_message_bytes: 64 * 1024 * 1024,
             startup_timeout_ms: 10_000,
+            max_startups_per_ip: 64,
+            client_idle_timeout_secs: 0,
+            idle_in_transaction_timeout_secs: 0,
             shutdown_timeout_secs: 30,
         }
     }
@@ -390,6 +399,9 @@ impl Config {
                 "server.max_message_bytes: {} is outside {MIN_MESSAGE}..={MAX_MESSAGE}",
                 self.server.max_message_bytes
             ));
+        }
+        if self.server.max_startups_per_ip == 0 {
+            problems.push("server.max_startups_per_ip: must be at least 1".to_owned());
         }
         if self.server.startup_timeout_ms == 0 {
             problems.push("server.startup_timeout_ms: must be above 0".to_owned());

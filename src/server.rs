@@ -1,7 +1,9 @@
 //! The listener: accepts clients, enforces the connection limit and drives
 //! graceful shutdown.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +33,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         tokio::spawn(crate::metrics::serve(Arc::clone(&app), listener));
     }
     let limit = Arc::new(Semaphore::new(app.config.server.max_client_connections));
+    let startups = StartupLimiter::new(app.config.server.max_startups_per_ip);
     let sessions = TaskTracker::new();
     tokio::pin!(shutdown);
     info!(addr = ?listener.local_addr().ok(), "pgcache listening");
@@ -42,8 +45,21 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                     if let Err(e) = socket.set_nodelay(true) {
                         warn!(%peer, error = %e, "could not set TCP_NODELAY");
                     }
-                    let permit = Arc::clone(&limit).try_acquire_owned().ok();
-                    sessions.spawn(session::serve(Arc::clone(&app), socket, peer, permit));
+                    match startups.enter(peer.ip()) {
+                        Some(starting) => {
+                            sessions.spawn(session::serve(
+                                Arc::clone(&app),
+                                socket,
+                                peer,
+                                Arc::clone(&limit),
+                                starting,
+                            ));
+                        }
+                        None => {
+                            warn!(%peer, "refused connection: server.max_startups_per_ip reached");
+                            sessions.spawn(session::refuse(socket));
+                        }
+                    }
                 }
                 Err(e) => {
                     // Out of file descriptors or similar: back off briefly
@@ -73,4 +89,77 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         sessions.wait().await;
     }
     info!("pgcache stopped");
+}
+
+/// Counts connections per address that have not finished their startup, so
+/// that clients holding sockets half-open cannot exhaust pgcache.
+#[derive(Clone)]
+pub struct StartupLimiter {
+    max: usize,
+    starting: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One connection in startup; dropped when its startup ends.
+pub struct Starting {
+    limiter: StartupLimiter,
+    ip: IpAddr,
+}
+
+impl StartupLimiter {
+    pub fn new(max: usize) -> Self {
+        Self {
+            max,
+            starting: Arc::default(),
+        }
+    }
+
+    pub fn enter(&self, ip: IpAddr) -> Option<Starting> {
+        let mut map = self.starting.lock().unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(ip).or_default();
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(Starting {
+            limiter: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        let mut map = self
+            .limiter
+            .starting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn startups_are_limited_per_address_and_released() {
+        let limiter = StartupLimiter::new(2);
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let first = limiter.enter(a).unwrap();
+        let _second = limiter.enter(a).unwrap();
+        assert!(limiter.enter(a).is_none());
+        assert!(
+            limiter.enter(b).is_some(),
+            "another address is not affected"
+        );
+        drop(first);
+        assert!(limiter.enter(a).is_some());
+    }
 }

@@ -20,7 +20,6 @@ use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, debug, info, warn};
 
 mod query;
@@ -66,13 +65,28 @@ impl SessionError {
     }
 }
 
-/// Serves one accepted connection to its end. `permit` is `None` when the
-/// connection limit was reached: the client then gets 53300 after startup.
+/// Refuses a connection at once: too many from its address are starting.
+pub async fn refuse<C>(mut client: C)
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let msg = messages::fatal(
+        sqlstate::TOO_MANY_CONNECTIONS,
+        "sorry, too many connections from this address are starting up",
+    );
+    let _ = tokio::time::timeout(LINGER, client.write_all(&msg)).await;
+}
+
+/// Serves one accepted connection to its end. A place under `limit` (the
+/// connection limit) is taken only once startup is done, so connections
+/// that never finish it cost nothing but their `starting` slot; without a
+/// place the client gets 53300.
 pub async fn serve<C>(
     app: Arc<App>,
     mut client: C,
     peer: SocketAddr,
-    permit: Option<OwnedSemaphorePermit>,
+    limit: Arc<tokio::sync::Semaphore>,
+    starting: crate::server::Starting,
 ) where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
@@ -98,7 +112,8 @@ pub async fn serve<C>(
             return;
         }
     };
-    let Some(_permit) = permit else {
+    drop(starting);
+    let Ok(_permit) = limit.try_acquire_owned() else {
         let msg = messages::fatal(
             sqlstate::TOO_MANY_CONNECTIONS,
             "sorry, too many clients already",
@@ -325,7 +340,27 @@ where
             .map_err(SessionError::BackendIo)?;
         let drain = self.app.drain.clone();
         let force = self.app.force.clone();
+        let server = &self.app.config.server;
+        let idle_limit = duration_or_none(server.client_idle_timeout_secs);
+        let idle_in_tx_limit = duration_or_none(server.idle_in_transaction_timeout_secs);
+        let mut last_activity = tokio::time::Instant::now();
         loop {
+            // Idle: logged in and nothing asked of the backend.
+            let idle = self.ready && self.inflight.is_empty() && self.to_backend.is_empty();
+            let (limit, code, message) = if self.tx_status == TxStatus::Idle {
+                (
+                    idle_limit,
+                    IDLE_SESSION_TIMEOUT,
+                    "terminating connection due to idle-session timeout",
+                )
+            } else {
+                (
+                    idle_in_tx_limit,
+                    IDLE_IN_TRANSACTION_TIMEOUT,
+                    "terminating connection due to idle-in-transaction timeout",
+                )
+            };
+            let deadline = limit.filter(|_| idle).map(|l| last_activity + l);
             reserve_for_next(&mut self.backend_buf, MAX_BACKEND_FRAME);
             reserve_for_next(
                 &mut self.client_buf,
@@ -353,7 +388,13 @@ where
                     self.draining = true;
                     Ok(self.close_if_drained().await)
                 }
+                _ = sleep_until_or_never(deadline) => {
+                    info!(code, "{message}");
+                    self.close_with(code, message).await;
+                    Ok(Flow::Close)
+                }
             };
+            last_activity = tokio::time::Instant::now();
             match result {
                 Ok(Flow::Continue) => {}
                 Ok(Flow::Close) => return Ok(()),
@@ -695,6 +736,21 @@ const TERMINATE_FRAME: [u8; 5] = [fe::TERMINATE, 0, 0, 0, 4];
 
 /// Makes room for the rest of the frame being read (capped at `limit`, so a
 /// lying length cannot allocate) or at least one read chunk.
+/// SQLSTATEs PostgreSQL uses for its own idle timeouts.
+const IDLE_SESSION_TIMEOUT: &str = "57P05";
+const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
+
+fn duration_or_none(secs: u64) -> Option<std::time::Duration> {
+    (secs > 0).then(|| std::time::Duration::from_secs(secs))
+}
+
+async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 fn reserve_for_next(buf: &mut BytesMut, limit: usize) {
     buf.reserve(codec::missing_bytes(buf).min(limit).max(READ_CHUNK));
 }
