@@ -281,7 +281,7 @@ impl Default for ServerConfig {
             max_client_connections: 1000,
             max_message_bytes: 64 * 1024 * 1024,
             startup_timeout_ms: 10_000,
-            max_startups_per_ip: 64,
+            max_startups_per_ip: 1000,
             client_idle_timeout_secs: 0,
             idle_in_transaction_timeout_secs: 0,
             shutdown_timeout_secs: 30,
