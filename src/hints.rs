@@ -67,15 +67,19 @@ pub fn scan(sql: &str) -> Scan {
     let b = sql.as_bytes();
     let mut i = 0;
     let mut space = false;
+    // Appends a token, keeping the text within MAX_NORMALIZED bytes.
     let push = |out: &mut Scan, s: &str, space: &mut bool| {
-        if out.normalized.len() >= MAX_NORMALIZED {
-            return;
-        }
-        if *space && !out.normalized.is_empty() {
-            out.normalized.push(' ');
+        let n = &mut out.normalized;
+        if *space && !n.is_empty() && n.len() < MAX_NORMALIZED {
+            n.push(' ');
         }
         *space = false;
-        out.normalized.push_str(s);
+        let room = MAX_NORMALIZED.saturating_sub(n.len());
+        let mut take = s.len().min(room);
+        while !s.is_char_boundary(take) {
+            take -= 1;
+        }
+        n.push_str(&s[..take]);
     };
     while i < b.len() {
         let c = b[i];
@@ -420,6 +424,14 @@ mod tests {
         assert_eq!(n("SELECT 'ünï', ç FROM t"), "SELECT ?, ç FROM t");
         assert_eq!(n("SELECT 'unterminated"), "SELECT ?");
         assert_eq!(n("/* unterminated"), "");
+    }
+
+    #[test]
+    fn normalised_text_is_bounded_even_for_one_huge_token() {
+        let huge = format!("SELECT {} FROM t", "x".repeat(100_000));
+        assert_eq!(scan(&huge).normalized.len(), MAX_NORMALIZED);
+        let wide = format!("SELECT '{}', {}", "a", "é".repeat(5000));
+        assert!(scan(&wide).normalized.len() <= MAX_NORMALIZED);
     }
 
     #[test]

@@ -70,8 +70,10 @@ pub fn packet_len(buf: &[u8]) -> Result<Option<usize>, StartupError> {
 
 /// Decodes one complete first packet (length prefix included).
 pub fn parse(packet: &[u8]) -> Result<StartupPacket, StartupError> {
-    let code = u32::from_be_bytes([packet[4], packet[5], packet[6], packet[7]]);
-    let rest = &packet[8..];
+    let Some((head, rest)) = packet.split_at_checked(8) else {
+        return Err(StartupError::BadLayout("shorter than 8 bytes"));
+    };
+    let code = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
     match code {
         SSL_REQUEST_CODE => Ok(StartupPacket::SslRequest),
         GSSENC_REQUEST_CODE => Ok(StartupPacket::GssEncRequest),
@@ -196,6 +198,11 @@ mod tests {
             Err(StartupError::BadLength(65536))
         );
         assert_eq!(packet_len(&[0, 0, 0]), Ok(None));
+        // Found by bench/fuzz.sh (fuzz/artifacts/startup, the empty input):
+        // packets shorter than their fixed header.
+        for short in [&[][..], &[0, 0, 0, 8], &[0, 0, 0, 8, 0, 3, 0]] {
+            assert!(matches!(parse(short), Err(StartupError::BadLayout(_))));
+        }
         // Parameter without a value.
         let mut raw = 0u32.to_be_bytes().to_vec();
         raw.extend_from_slice(&196_608u32.to_be_bytes());
