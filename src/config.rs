@@ -36,6 +36,30 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub replication: ReplicationConfig,
     pub admin: AdminConfig,
+    pub tls: TlsConfig,
+}
+
+/// TLS towards clients.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SslMode {
+    /// SSLRequest is answered 'N'.
+    #[default]
+    Disable,
+    /// TLS when the client asks; plain text too.
+    Allow,
+    /// Only TLS: a plain-text startup is refused (28000).
+    Require,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    pub ssl_mode: SslMode,
+    /// PEM certificate chain offered to clients.
+    pub cert_file: PathBuf,
+    /// PEM private key of that certificate.
+    pub key_file: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -466,6 +490,15 @@ impl Config {
         {
             problems.push(
                 "admin.database and admin.user: must not be empty when admin.password is set"
+                    .to_owned(),
+            );
+        }
+        if self.tls.ssl_mode != SslMode::Disable
+            && (self.tls.cert_file.as_os_str().is_empty()
+                || self.tls.key_file.as_os_str().is_empty())
+        {
+            problems.push(
+                "tls.cert_file and tls.key_file: needed when tls.ssl_mode is allow or require"
                     .to_owned(),
             );
         }

@@ -31,6 +31,7 @@ pub mod server;
 pub mod session;
 pub mod shared;
 pub mod stats;
+pub mod tls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,6 +68,8 @@ pub struct App {
     policy_generation: std::sync::atomic::AtomicU64,
     /// The configuration now in force (RELOAD replaces the live parts).
     live_config: std::sync::RwLock<Arc<Config>>,
+    /// TLS towards clients.
+    pub tls: tls::ClientTls,
     /// Where RELOAD reads the configuration from.
     config_source: std::sync::OnceLock<(Option<std::path::PathBuf>, config::Overrides)>,
 }
@@ -78,6 +81,8 @@ pub enum StartError {
     Config(#[from] config::ConfigError),
     #[error(transparent)]
     Replication(#[from] invalidation::replication::ReplicationError),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("cannot listen on {addr} (metrics.listen): {source}")]
     MetricsListen {
         addr: std::net::SocketAddr,
@@ -86,11 +91,14 @@ pub enum StartError {
 }
 
 impl App {
-    pub fn new(config: Config) -> Result<Self, config::ConfigError> {
+    pub fn new(config: Config) -> Result<Self, StartError> {
         config.validate()?;
-        let upstream = config
-            .upstream_addrs()
-            .map_err(|e| config::ConfigError::Invalid(vec![format!("upstream.url: {e}")]))?;
+        let tls = tls::ClientTls::new(&config.tls).map_err(StartError::Tls)?;
+        let upstream = config.upstream_addrs().map_err(|e| {
+            StartError::Config(config::ConfigError::Invalid(vec![format!(
+                "upstream.url: {e}"
+            )]))
+        })?;
         let metrics = metrics::Metrics::new();
         let local = cache::LocalCache::with_evictions(
             config.cache.local.max_bytes,
@@ -121,6 +129,7 @@ impl App {
             policy_generation: std::sync::atomic::AtomicU64::new(1),
             live_config: std::sync::RwLock::new(Arc::new(config.clone())),
             config_source: std::sync::OnceLock::new(),
+            tls,
             config,
         })
     }
@@ -244,6 +253,9 @@ impl App {
             .cloned()
             .unwrap_or((None, config::Overrides::default()));
         let new = Config::load(path.as_deref(), &overrides)?;
+        self.tls
+            .reload(&new.tls)
+            .map_err(|e| config::ConfigError::Invalid(vec![e]))?;
         let old = self.live_config();
         let mut restart = Vec::new();
         let sections = [
@@ -259,6 +271,7 @@ impl App {
             ),
             ("cache.local", old.cache.local != new.cache.local),
             ("cache.shared", old.cache.shared != new.cache.shared),
+            ("tls.ssl_mode", old.tls.ssl_mode != new.tls.ssl_mode),
         ];
         for (name, changed) in sections {
             if changed {

@@ -77,4 +77,5 @@ pub mod sqlstate {
     pub const ADMIN_SHUTDOWN: &str = "57P01";
     /// A client took too long to start up, or idled too long.
     pub const CONNECTION_EXCEPTION: &str = "08000";
+    pub const INVALID_AUTHORIZATION: &str = "28000";
 }

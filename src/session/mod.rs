@@ -27,11 +27,14 @@ mod query;
 use crate::App;
 use crate::backend::{self, BackendStream};
 use crate::cancel::{CancelGuard, CancelTarget};
+use crate::config::SslMode;
 use crate::config::UpstreamAddr;
 use crate::protocol::codec::{self, FrameError, HEADER_LEN, parse_frame, read_i32};
 use crate::protocol::messages::{self, error_field};
 use crate::protocol::startup::{self, Startup, StartupPacket};
 use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
+use crate::tls::ClientStream;
+use tokio_rustls::TlsAcceptor;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
 /// without bound. PostgreSQL's own rows are at most 1 GiB.
@@ -81,19 +84,18 @@ where
 /// connection limit) is taken only once startup is done, so connections
 /// that never finish it cost nothing but their `starting` slot; without a
 /// place the client gets 53300.
-pub async fn serve<C>(
+pub async fn serve(
     app: Arc<App>,
-    mut client: C,
+    socket: tokio::net::TcpStream,
     peer: SocketAddr,
     limit: Arc<tokio::sync::Semaphore>,
     starting: crate::server::Starting,
-) where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
+) {
     let mut buf = BytesMut::with_capacity(1024);
+    let mut client = ClientStream::Plain(socket);
     let startup = match tokio::time::timeout(
         app.config.startup_timeout(),
-        negotiate(&app, &mut client, &mut buf),
+        negotiate_with_tls(&app, &mut client, &mut buf),
     )
     .await
     {
@@ -113,6 +115,15 @@ pub async fn serve<C>(
         }
     };
     drop(starting);
+    if app.tls.mode == SslMode::Require && !client.is_tls() {
+        let msg = messages::fatal(
+            sqlstate::INVALID_AUTHORIZATION,
+            "pgcache requires TLS: connect with sslmode=require (or stronger)",
+        );
+        let _ = client.write_all(&msg).await;
+        info!(%peer, "refused a plain-text connection: tls.ssl_mode = require");
+        return;
+    }
     let Ok(_permit) = limit.try_acquire_owned() else {
         let msg = messages::fatal(
             sqlstate::TOO_MANY_CONNECTIONS,
@@ -188,6 +199,76 @@ struct Negotiated {
     startup: Startup,
 }
 
+/// What one round of startup negotiation ended with.
+enum Negotiation {
+    Startup(Negotiated),
+    /// The client asked for TLS and was told 'S': handshake next.
+    StartTls,
+    /// A cancel request was handled, or the client went away.
+    Done,
+}
+
+/// Negotiates the startup, switching to TLS when the client asks (after an
+/// SSLRequest) or starts with a TLS handshake (direct TLS).
+async fn negotiate_with_tls(
+    app: &App,
+    client: &mut ClientStream,
+    buf: &mut BytesMut,
+) -> Result<Option<Negotiated>, SessionError> {
+    let acceptor = app.tls.acceptor();
+    if let (Some(acceptor), ClientStream::Plain(socket)) = (&acceptor, &*client) {
+        // Direct TLS: the first byte is a TLS handshake record, not the
+        // length of a startup packet. Then ALPN must be "postgresql".
+        let mut first = [0u8; 1];
+        if socket
+            .peek(&mut first)
+            .await
+            .map_err(SessionError::ClientIo)?
+            == 1
+            && first[0] == TLS_HANDSHAKE
+        {
+            upgrade(client, acceptor).await?;
+            let alpn_ok = match &*client {
+                ClientStream::Tls(tls) => {
+                    tls.get_ref().1.alpn_protocol() == Some(crate::tls::ALPN_POSTGRESQL)
+                }
+                _ => false,
+            };
+            if !alpn_ok {
+                return Err(SessionError::Protocol(
+                    "direct TLS without ALPN \"postgresql\"".into(),
+                ));
+            }
+        }
+    }
+    loop {
+        let offer = acceptor.as_ref().filter(|_| !client.is_tls());
+        match negotiate(app, client, buf, offer.is_some()).await? {
+            Negotiation::Startup(s) => return Ok(Some(s)),
+            Negotiation::Done => return Ok(None),
+            Negotiation::StartTls => {
+                let acceptor = offer.expect("TLS is offered only with an acceptor");
+                upgrade(client, acceptor).await?;
+            }
+        }
+    }
+}
+
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+async fn upgrade(client: &mut ClientStream, acceptor: &TlsAcceptor) -> Result<(), SessionError> {
+    let ClientStream::Plain(socket) = std::mem::replace(client, ClientStream::Detached) else {
+        return Err(SessionError::Protocol("TLS requested twice".into()));
+    };
+    let tls = acceptor
+        .accept(socket)
+        .await
+        .map_err(SessionError::ClientIo)?;
+    *client = ClientStream::Tls(Box::new(tls));
+    Ok(())
+}
+
 /// Reads first packets until a StartupMessage, answering SSLRequest and
 /// GSSENCRequest with 'N' and routing a CancelRequest. Returns `None` when
 /// the connection has nothing more to do.
@@ -195,7 +276,8 @@ async fn negotiate<C>(
     app: &App,
     client: &mut C,
     buf: &mut BytesMut,
-) -> Result<Option<Negotiated>, SessionError>
+    offer_tls: bool,
+) -> Result<Negotiation, SessionError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
@@ -211,14 +293,14 @@ where
                 }
             }
             if client.read_buf(buf).await.map_err(SessionError::ClientIo)? == 0 {
-                return Ok(None);
+                return Ok(Negotiation::Done);
             }
         };
         let raw = buf.split_to(len);
         match startup::parse(&raw) {
-            Ok(StartupPacket::SslRequest | StartupPacket::GssEncRequest) => {
-                // TLS and GSS encryption are not offered; libpq then goes on in
-                // plain text when its sslmode allows it.
+            Ok(packet @ (StartupPacket::SslRequest | StartupPacket::GssEncRequest)) => {
+                // GSS encryption is never offered, TLS when configured;
+                // declined, libpq goes on in plain text if its sslmode allows.
                 if !buf.is_empty() {
                     // Bytes after an SSLRequest before our answer would be a
                     // TLS ClientHello sent blind: refuse rather than misread.
@@ -226,10 +308,14 @@ where
                         "data sent before the SSLRequest answer".into(),
                     ));
                 }
+                let tls = offer_tls && packet == StartupPacket::SslRequest;
                 client
-                    .write_all(b"N")
+                    .write_all(if tls { b"S" } else { b"N" })
                     .await
                     .map_err(SessionError::ClientIo)?;
+                if tls {
+                    return Ok(Negotiation::StartTls);
+                }
             }
             Ok(StartupPacket::Cancel { pid, secret }) => {
                 if let Some(target) = app.cancel.lookup(pid, &secret) {
@@ -251,9 +337,11 @@ where
                 } else {
                     debug!(pid, "cancel request with an unknown key ignored");
                 }
-                return Ok(None);
+                return Ok(Negotiation::Done);
             }
-            Ok(StartupPacket::Startup(startup)) => return Ok(Some(Negotiated { raw, startup })),
+            Ok(StartupPacket::Startup(startup)) => {
+                return Ok(Negotiation::Startup(Negotiated { raw, startup }));
+            }
             Err(e) => {
                 let msg = messages::fatal(sqlstate::PROTOCOL_VIOLATION, &e.to_string());
                 let _ = client.write_all(&msg).await;

@@ -1,0 +1,147 @@
+//! TLS towards clients (rustls, ring provider): the certificate and key
+//! from `[tls]`, offered after an SSLRequest or directly (PostgreSQL 17's
+//! direct TLS, ALPN `postgresql`), and reloaded by RELOAD and SIGHUP.
+
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+
+use rustls::ServerConfig;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+
+use crate::config::{SslMode, TlsConfig};
+
+/// The ALPN protocol of PostgreSQL's direct TLS.
+pub const ALPN_POSTGRESQL: &[u8] = b"postgresql";
+
+/// The acceptor in force, replaced by a reload.
+pub struct ClientTls {
+    pub mode: SslMode,
+    acceptor: RwLock<Option<TlsAcceptor>>,
+}
+
+impl ClientTls {
+    /// Loads the certificate and key when TLS is on.
+    pub fn new(config: &TlsConfig) -> Result<Self, String> {
+        let acceptor = match config.ssl_mode {
+            SslMode::Disable => None,
+            _ => Some(acceptor(&config.cert_file, &config.key_file)?),
+        };
+        Ok(Self {
+            mode: config.ssl_mode,
+            acceptor: RwLock::new(acceptor),
+        })
+    }
+
+    pub fn acceptor(&self) -> Option<TlsAcceptor> {
+        self.acceptor
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Re-reads the certificate and key (the mode itself needs a restart).
+    pub fn reload(&self, config: &TlsConfig) -> Result<(), String> {
+        if self.mode == SslMode::Disable {
+            return Ok(());
+        }
+        let fresh = acceptor(&config.cert_file, &config.key_file)?;
+        *self.acceptor.write().unwrap_or_else(|e| e.into_inner()) = Some(fresh);
+        Ok(())
+    }
+}
+
+fn acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_file)
+        .and_then(|certs| certs.collect())
+        .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "tls.cert_file {}: no certificate in it",
+            cert_file.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(key_file)
+        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("tls.cert_file and tls.key_file do not make a pair: {e}"))?;
+    config.alpn_protocols = vec![ALPN_POSTGRESQL.to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// A client connection, in plain text or TLS.
+pub enum ClientStream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+    /// Between plain text and TLS, during the handshake.
+    Detached,
+}
+
+fn detached() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotConnected,
+        "connection is being upgraded to TLS",
+    )
+}
+
+impl ClientStream {
+    pub fn is_tls(&self) -> bool {
+        matches!(self, ClientStream::Tls(_))
+    }
+}
+
+impl AsyncRead for ClientStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            ClientStream::Detached => Poll::Ready(Err(detached())),
+        }
+    }
+}
+
+impl AsyncWrite for ClientStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            ClientStream::Detached => Poll::Ready(Err(detached())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            ClientStream::Detached => Poll::Ready(Err(detached())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            ClientStream::Detached => Poll::Ready(Err(detached())),
+        }
+    }
+}

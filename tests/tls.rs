@@ -1,0 +1,239 @@
+//! TLS towards clients: offered after SSLRequest, required, verified by
+//! psql, PostgreSQL 17's direct TLS, and certificates reloaded live.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+use pgcache::config::SslMode;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A CA of its own and a server certificate it signed for localhost and
+/// 127.0.0.1, made with openssl: (CA certificate, certificate, key).
+fn certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let file = |ext: &str| dir.join(format!("{name}.{ext}"));
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let (ca, ca_key) = (format!("{name}-ca.crt"), format!("{name}-ca.key"));
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pgcache test CA",
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca,
+    ]);
+    let (crt, key, csr, ext) = (
+        format!("{name}.crt"),
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.ext"),
+    );
+    std::fs::write(
+        dir.join(&ext),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        &key,
+        "-out",
+        &csr,
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &ext,
+        "-out",
+        &crt,
+    ]);
+    (dir.join(ca), file("crt"), file("key"))
+}
+
+fn tls_config(mode: SslMode, cert: &Path, key: &Path) -> pgcache::Config {
+    let mut config = pg().proxy_config();
+    config.tls.ssl_mode = mode;
+    config.tls.cert_file = cert.to_owned();
+    config.tls.key_file = key.to_owned();
+    config
+}
+
+/// psql with a connection string; returns (success, stdout, stderr).
+async fn psql(conninfo: &str, command: &str) -> (bool, String, String) {
+    let out = run_tool(
+        &pg().bin("psql"),
+        &["-X", "-At", "-d", conninfo, "-c", command],
+    )
+    .await;
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_offers_tls_and_still_takes_plain_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificate(dir.path(), "server");
+    let proxy = Proxy::start(tls_config(SslMode::Allow, &cert, &key)).await;
+    let port = proxy.addr.port();
+    let base = format!("host=localhost port={port} user=postgres dbname=postgres");
+    let (ok, out, err) = psql(&format!("{base} sslmode=require"), "\\conninfo").await;
+    assert!(ok, "{err}");
+    assert!(out.contains("SSL connection (protocol: TLSv1.3"), "{out}");
+    // The certificate verifies against its CA and the host name.
+    let verified = format!("{base} sslmode=verify-full sslrootcert={}", ca.display());
+    let (ok, out, err) = psql(&verified, "SELECT 40 + 2").await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "42");
+    let (ok, out, err) = psql(&format!("{base} sslmode=disable"), "\\conninfo").await;
+    assert!(ok, "{err}");
+    assert!(!out.contains("SSL connection"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_refuses_plain_text_with_28000() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, cert, key) = certificate(dir.path(), "server");
+    let proxy = Proxy::start(tls_config(SslMode::Require, &cert, &key)).await;
+    let base = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        proxy.addr.port()
+    );
+    let (ok, _, err) = psql(&format!("{base} sslmode=disable"), "SELECT 1").await;
+    assert!(!ok);
+    assert!(err.contains("pgcache requires TLS"), "{err}");
+    let (ok, out, err) = psql(&format!("{base} sslmode=require"), "SELECT 1").await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "1");
+}
+
+/// A TLS client of our own that trusts `ca` and offers `alpn`.
+async fn tls_connect(
+    port: u16,
+    ca: &Path,
+    alpn: &[&[u8]],
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+}
+
+/// Sends a StartupMessage and returns the tag of the first reply, if any.
+async fn first_reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    s: &mut S,
+) -> Option<u8> {
+    let startup = pgcache::protocol::startup::encode_startup(&[("user", "postgres")]);
+    s.write_all(&startup).await.ok()?;
+    let mut tag = [0u8; 1];
+    match s.read(&mut tag).await {
+        Ok(1) => Some(tag[0]),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_tls_needs_the_postgresql_alpn() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificate(dir.path(), "server");
+    let proxy = Proxy::start(tls_config(SslMode::Require, &cert, &key)).await;
+    let port = proxy.addr.port();
+    let mut direct = tls_connect(port, &ca, &[b"postgresql"]).await.unwrap();
+    // Authentication (trust: AuthenticationOk) comes back through TLS.
+    assert_eq!(first_reply(&mut direct).await, Some(b'R'));
+    // Without the ALPN PostgreSQL requires for direct TLS: no session.
+    let refused = match tls_connect(port, &ca, &[]).await {
+        Ok(mut s) => first_reply(&mut s).await,
+        Err(_) => None,
+    };
+    assert_eq!(refused, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_switches_to_a_new_certificate_for_new_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certificate(dir.path(), "server");
+    let config = tls_config(SslMode::Require, &cert, &key);
+    let file = dir.path().join("pgcache.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[upstream]\nurl = \"{}\"\n[server]\nlisten = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n\
+             [tls]\nssl_mode = \"require\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            config.upstream.url,
+            cert.display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let proxy = Proxy::start(config).await;
+    proxy.app.set_config_source(Some(file), Default::default());
+    let port = proxy.addr.port();
+    assert!(tls_connect(port, &ca, &[b"postgresql"]).await.is_ok());
+    // A renewal from another CA replaces the files in place.
+    let (new_ca, new_cert, new_key) = certificate(dir.path(), "renewed");
+    std::fs::copy(&new_cert, &cert).unwrap();
+    std::fs::copy(&new_key, &key).unwrap();
+    // Until RELOAD, the old certificate is served.
+    assert!(tls_connect(port, &new_ca, &[b"postgresql"]).await.is_err());
+    proxy.app.reload().expect("reload");
+    let mut s = tls_connect(port, &new_ca, &[b"postgresql"]).await.unwrap();
+    assert_eq!(first_reply(&mut s).await, Some(b'R'));
+    assert!(tls_connect(port, &ca, &[b"postgresql"]).await.is_err());
+    // A broken key file fails the reload and keeps the certificate in force.
+    std::fs::write(&key, "not a key").unwrap();
+    assert!(proxy.app.reload().is_err());
+    assert!(tls_connect(port, &new_ca, &[b"postgresql"]).await.is_ok());
+}
