@@ -128,6 +128,18 @@ async fn allow_offers_tls_and_still_takes_plain_text() {
     let (ok, out, err) = psql(&format!("{base} sslmode=disable"), "\\conninfo").await;
     assert!(ok, "{err}");
     assert!(!out.contains("SSL connection"), "{out}");
+    // SCRAM relayed over a TLS client leg: the backend leg is plain text, so
+    // no channel binding is offered, and libpq (channel_binding=prefer)
+    // goes on without it.
+    let scram = format!(
+        "host=localhost port={port} user={SCRAM_USER} password={SCRAM_PASSWORD} dbname=postgres sslmode=require"
+    );
+    let (ok, out, err) = psql(&scram, "SELECT current_user").await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), SCRAM_USER);
+    let (ok, _, err) = psql(&format!("{scram} channel_binding=require"), "SELECT 1").await;
+    assert!(!ok, "channel binding cannot pass through pgcache's TLS");
+    assert!(err.contains("channel binding"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
