@@ -619,6 +619,11 @@ where
     /// The capture of a background refresh of an entry just served, under
     /// the versions read now; `None` if one is already under way.
     fn refresh_capture(&self, request: RequestKey, plan: &Plan) -> Option<Capture> {
+        // Never inside the client's transaction: its locks and snapshot are
+        // the client's business.
+        if self.tx_status != TxStatus::Idle {
+            return None;
+        }
         let db = &self.cache.db;
         let versions = plan.read.as_deref().unwrap_or_default();
         let local = request.local(&db.epoch, versions);
