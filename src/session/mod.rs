@@ -431,6 +431,7 @@ where
         let server = &self.app.config.server;
         let idle_limit = duration_or_none(server.client_idle_timeout_secs);
         let idle_in_tx_limit = duration_or_none(server.idle_in_transaction_timeout_secs);
+        let timeouts = idle_limit.is_some() || idle_in_tx_limit.is_some();
         let mut last_activity = tokio::time::Instant::now();
         loop {
             // Idle: logged in and nothing asked of the backend.
@@ -448,7 +449,9 @@ where
                     "terminating connection due to idle-in-transaction timeout",
                 )
             };
-            let deadline = limit.filter(|_| idle).map(|l| last_activity + l);
+            let deadline = limit
+                .filter(|_| timeouts && idle)
+                .map(|l| last_activity + l);
             reserve_for_next(&mut self.backend_buf, MAX_BACKEND_FRAME);
             reserve_for_next(
                 &mut self.client_buf,
@@ -482,7 +485,9 @@ where
                     Ok(Flow::Close)
                 }
             };
-            last_activity = tokio::time::Instant::now();
+            if timeouts {
+                last_activity = tokio::time::Instant::now();
+            }
             match result {
                 Ok(Flow::Continue) => {}
                 Ok(Flow::Close) => return Ok(()),
