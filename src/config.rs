@@ -255,6 +255,8 @@ pub struct RedisConfig {
     pub url: String,
     /// The URL names a Redis Cluster even though it lists one node.
     pub cluster: bool,
+    /// PEM CA certificate(s) trusted for `rediss://`; empty = the system's.
+    pub ca_file: PathBuf,
 }
 
 /// Where the shared tier lives, parsed from `redis.url`.
@@ -262,6 +264,7 @@ pub struct RedisConfig {
 pub struct RedisNodes {
     pub urls: Vec<String>,
     pub cluster: bool,
+    pub ca_file: Option<PathBuf>,
 }
 
 impl RedisConfig {
@@ -287,7 +290,12 @@ impl RedisConfig {
             })
             .collect();
         cluster |= urls.len() > 1;
-        (!urls.is_empty()).then_some(RedisNodes { urls, cluster })
+        let ca_file = (!self.ca_file.as_os_str().is_empty()).then(|| self.ca_file.clone());
+        (!urls.is_empty()).then_some(RedisNodes {
+            urls,
+            cluster,
+            ca_file,
+        })
     }
 }
 

@@ -93,6 +93,8 @@ pub enum StartError {
 impl App {
     pub fn new(config: Config) -> Result<Self, StartError> {
         config.validate()?;
+        // rustls in redis-rs (rediss://) takes the process's provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let tls = tls::ClientTls::new(&config.tls).map_err(StartError::Tls)?;
         let upstream = config.upstream_addrs().map_err(|e| {
             StartError::Config(config::ConfigError::Invalid(vec![format!(

@@ -510,3 +510,64 @@ async fn a_redis_cluster_serves_as_the_shared_tier() {
         .unwrap();
     converges(&cb, "SELECT v FROM items WHERE id = 2", "0").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_password_carries_the_shared_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = tls_certificate(dir.path(), "redis");
+    let tls_port = free_port();
+    let redis = Redis::start_with(
+        free_port(),
+        &[
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &cert.display().to_string(),
+            "--tls-key-file",
+            &key.display().to_string(),
+            "--tls-ca-cert-file",
+            &ca.display().to_string(),
+            "--tls-auth-clients",
+            "no",
+        ],
+    );
+    assert_eq!(
+        redis
+            .cli(&["CONFIG", "SET", "requirepass", "s3cret"])
+            .trim(),
+        "OK"
+    );
+    let db = pg().create_db("shared_tls");
+    pg().psql_db(&db, ITEMS);
+    let url = format!("rediss://:s3cret@localhost:{tls_port}");
+    let mut cfg = config(&url);
+    cfg.redis.ca_file = ca.clone();
+    let (a, ca_client, b, cb) = {
+        let a = Proxy::start(cfg.clone()).await;
+        let b = Proxy::start(cfg.clone()).await;
+        let (ca_client, cb) = (a.connect(&db).await, b.connect(&db).await);
+        shared_ready(&a, &db).await;
+        shared_ready(&b, &db).await;
+        (a, ca_client, b, cb)
+    };
+    let sql = "SELECT v FROM items WHERE id = 11";
+    assert_eq!(scalar(&ca_client, sql).await.as_deref(), Some("110"));
+    stored(&a, 1).await;
+    assert_eq!(scalar(&cb, sql).await.as_deref(), Some("110"));
+    assert_eq!(
+        b.app.metrics.shared.hit.get(),
+        1,
+        "served over TLS from Redis"
+    );
+
+    // A wrong password: the shared tier stays down, clients see no errors.
+    let mut wrong = cfg.clone();
+    wrong.redis.url = format!("rediss://:nope@localhost:{tls_port}");
+    let c = Proxy::start(wrong).await;
+    let cc = c.connect(&db).await;
+    for _ in 0..3 {
+        assert_eq!(scalar(&cc, sql).await.as_deref(), Some("110"));
+    }
+    assert!(!c.app.shared.as_ref().unwrap().is_up());
+    assert_eq!(c.hits(), 2, "the local tier works without Redis");
+}

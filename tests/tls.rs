@@ -3,8 +3,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 
 use common::*;
@@ -12,81 +11,6 @@ use pgcache::config::SslMode;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A CA of its own and a server certificate it signed for localhost and
-/// 127.0.0.1, made with openssl: (CA certificate, certificate, key).
-fn certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
-    let file = |ext: &str| dir.join(format!("{name}.{ext}"));
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    let (ca, ca_key) = (format!("{name}-ca.crt"), format!("{name}-ca.key"));
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=pgcache test CA",
-        "-keyout",
-        &ca_key,
-        "-out",
-        &ca,
-    ]);
-    let (crt, key, csr, ext) = (
-        format!("{name}.crt"),
-        format!("{name}.key"),
-        format!("{name}.csr"),
-        format!("{name}.ext"),
-    );
-    std::fs::write(
-        dir.join(&ext),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=localhost",
-        "-keyout",
-        &key,
-        "-out",
-        &csr,
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        &csr,
-        "-CA",
-        &ca,
-        "-CAkey",
-        &ca_key,
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        &ext,
-        "-out",
-        &crt,
-    ]);
-    (dir.join(ca), file("crt"), file("key"))
-}
 
 fn tls_config(mode: SslMode, cert: &Path, key: &Path) -> pgcache::Config {
     let mut config = pg().proxy_config();
@@ -113,7 +37,7 @@ async fn psql(conninfo: &str, command: &str) -> (bool, String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allow_offers_tls_and_still_takes_plain_text() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = certificate(dir.path(), "server");
+    let (ca, cert, key) = tls_certificate(dir.path(), "server");
     let proxy = Proxy::start(tls_config(SslMode::Allow, &cert, &key)).await;
     let port = proxy.addr.port();
     let base = format!("host=localhost port={port} user=postgres dbname=postgres");
@@ -145,7 +69,7 @@ async fn allow_offers_tls_and_still_takes_plain_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn require_refuses_plain_text_with_28000() {
     let dir = tempfile::tempdir().unwrap();
-    let (_, cert, key) = certificate(dir.path(), "server");
+    let (_, cert, key) = tls_certificate(dir.path(), "server");
     let proxy = Proxy::start(tls_config(SslMode::Require, &cert, &key)).await;
     let base = format!(
         "host=127.0.0.1 port={} user=postgres dbname=postgres",
@@ -199,7 +123,7 @@ async fn first_reply<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_tls_needs_the_postgresql_alpn() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = certificate(dir.path(), "server");
+    let (ca, cert, key) = tls_certificate(dir.path(), "server");
     let proxy = Proxy::start(tls_config(SslMode::Require, &cert, &key)).await;
     let port = proxy.addr.port();
     let mut direct = tls_connect(port, &ca, &[b"postgresql"]).await.unwrap();
@@ -216,7 +140,7 @@ async fn direct_tls_needs_the_postgresql_alpn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_switches_to_a_new_certificate_for_new_connections() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = certificate(dir.path(), "server");
+    let (ca, cert, key) = tls_certificate(dir.path(), "server");
     let config = tls_config(SslMode::Require, &cert, &key);
     let file = dir.path().join("pgcache.toml");
     std::fs::write(
@@ -235,7 +159,7 @@ async fn reload_switches_to_a_new_certificate_for_new_connections() {
     let port = proxy.addr.port();
     assert!(tls_connect(port, &ca, &[b"postgresql"]).await.is_ok());
     // A renewal from another CA replaces the files in place.
-    let (new_ca, new_cert, new_key) = certificate(dir.path(), "renewed");
+    let (new_ca, new_cert, new_key) = tls_certificate(dir.path(), "renewed");
     std::fs::copy(&new_cert, &cert).unwrap();
     std::fs::copy(&new_key, &key).unwrap();
     // Until RELOAD, the old certificate is served.

@@ -485,13 +485,18 @@ impl SharedTier {
         loop {
             let attempt = async {
                 if self.nodes.cluster {
-                    let client = redis::cluster::ClusterClient::builder(self.nodes.urls.clone())
+                    let mut builder =
+                        redis::cluster::ClusterClient::builder(self.nodes.urls.clone());
+                    if let Some(certs) = self.tls_certificates()? {
+                        builder = builder.certs(certs);
+                    }
+                    let client = builder
                         .connection_timeout(self.timeout.max(Duration::from_secs(1)))
                         .response_timeout(self.timeout)
                         .build()?;
                     Ok::<_, redis::RedisError>(Conn::Cluster(client.get_async_connection().await?))
                 } else {
-                    let client = redis::Client::open(self.nodes.urls[0].as_str())?;
+                    let client = self.client(&self.nodes.urls[0])?;
                     let config = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(self.timeout.max(Duration::from_secs(1))))
                         .set_response_timeout(Some(self.timeout))
@@ -523,6 +528,28 @@ impl SharedTier {
         }
     }
 
+    /// The CA certificates of `redis.ca_file`, if set.
+    fn tls_certificates(&self) -> redis::RedisResult<Option<redis::TlsCertificates>> {
+        let Some(path) = &self.nodes.ca_file else {
+            return Ok(None);
+        };
+        let root_cert = std::fs::read(path)?;
+        Ok(Some(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root_cert),
+        }))
+    }
+
+    /// A client for one node, trusting `redis.ca_file` for `rediss://`.
+    fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
+        match self.tls_certificates()? {
+            Some(certs) if url.starts_with("rediss://") => {
+                redis::Client::build_with_tls(url, certs)
+            }
+            _ => redis::Client::open(url),
+        }
+    }
+
     fn describe(&self) -> String {
         self.nodes
             .urls
@@ -541,7 +568,7 @@ impl SharedTier {
             let url = &self.nodes.urls[node % self.nodes.urls.len()];
             node += 1;
             let attempt = async {
-                let client = redis::Client::open(url.as_str())?;
+                let client = self.client(url)?;
                 let mut pubsub = tokio::time::timeout(
                     self.timeout.max(Duration::from_secs(1)),
                     client.get_async_pubsub(),

@@ -401,7 +401,8 @@ impl Redis {
         Self::start_with(free_port(), &[])
     }
 
-    fn start_with(port: u16, extra: &[&str]) -> Redis {
+    /// A server of the test's own on `port`, with extra redis-server flags.
+    pub fn start_with(port: u16, extra: &[&str]) -> Redis {
         let dir = scratch_dir("redis-");
         let mut args: Vec<String> = [
             "--port",
@@ -559,6 +560,81 @@ impl RedisCluster {
 
 fn port_is_free(port: u16) -> bool {
     StdListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// A CA of its own and a server certificate it signed for localhost and
+/// 127.0.0.1, made with openssl: (CA certificate, certificate, key).
+pub fn tls_certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let file = |ext: &str| dir.join(format!("{name}.{ext}"));
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let (ca, ca_key) = (format!("{name}-ca.crt"), format!("{name}-ca.key"));
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pgcache test CA",
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca,
+    ]);
+    let (crt, key, csr, ext) = (
+        format!("{name}.crt"),
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.ext"),
+    );
+    std::fs::write(
+        dir.join(&ext),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        &key,
+        "-out",
+        &csr,
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        &ext,
+        "-out",
+        &crt,
+    ]);
+    (dir.join(ca), file("crt"), file("key"))
 }
 
 /// Sends PING over a raw socket and checks for +PONG.
