@@ -719,7 +719,8 @@ mod tests {
             r.nodes().unwrap(),
             RedisNodes {
                 urls: vec!["redis://a:1".into()],
-                cluster: false
+                cluster: false,
+                ca_file: None,
             }
         );
         r.url = "redis://a:1, redis://b:2".to_owned();
@@ -734,9 +735,12 @@ mod tests {
             r.nodes().unwrap(),
             RedisNodes {
                 urls: vec!["redis://a:1".into()],
-                cluster: true
+                cluster: true,
+                ca_file: None,
             }
         );
+        r.ca_file = "/etc/redis-ca.pem".into();
+        assert_eq!(r.nodes().unwrap().ca_file, Some("/etc/redis-ca.pem".into()));
         let mut c = Config::default();
         c.redis.url = "redis://ok:1,http://bad".to_owned();
         c.cache.shared.ttl_secs = 0;
