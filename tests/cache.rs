@@ -11,20 +11,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use tokio_postgres::Client;
 
-/// Holds `table` under ACCESS EXCLUSIVE on a direct connection until the
-/// returned client is dropped or rolls back: a forwarded read of it would
-/// block, a cached one returns at once.
-async fn lock_table(db: &str, table: &str) -> Client {
-    let locker = pg().direct(db).await;
-    locker
-        .batch_execute(&format!(
-            "BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
-        ))
-        .await
-        .unwrap();
-    locker
-}
-
 async fn setup(name: &str, sql: &str) -> (String, Proxy, Client) {
     let db = pg().create_db(name);
     if !sql.is_empty() {

@@ -50,17 +50,6 @@ async fn pair(redis_url: &str, db: &str) -> (Proxy, Client, Proxy, Client) {
     (a, ca, b, cb)
 }
 
-async fn lock_table(db: &str, table: &str) -> Client {
-    let locker = pg().direct(db).await;
-    locker
-        .batch_execute(&format!(
-            "BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
-        ))
-        .await
-        .unwrap();
-    locker
-}
-
 const ITEMS: &str = "CREATE TABLE items(id int PRIMARY KEY, v int); \
                      INSERT INTO items SELECT g, g * 10 FROM generate_series(1, 50) g";
 

@@ -735,6 +735,20 @@ impl Drop for Proxy {
     }
 }
 
+/// Holds `table` under ACCESS EXCLUSIVE on a direct connection until the
+/// returned client is dropped or rolls back: a forwarded read of it would
+/// block, a cached one returns at once.
+pub async fn lock_table(db: &str, table: &str) -> tokio_postgres::Client {
+    let locker = pg().direct(db).await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        ))
+        .await
+        .unwrap();
+    locker
+}
+
 /// Connects with tokio-postgres and drives the connection in the background.
 pub async fn connect_dsn(dsn: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
     let (client, conn) = tokio_postgres::connect(dsn, tokio_postgres::NoTls).await?;
