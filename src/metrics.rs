@@ -488,8 +488,13 @@ impl Metrics {
         self.local_bytes
             .set(app.cache.local.weighted_bytes() as i64);
         let mut families = self.registry.gather();
-        families.extend(top_statements(app));
-        families.push(top_tables(app));
+        // The encoder refuses a family without samples (a fresh instance).
+        families.extend(
+            top_statements(app)
+                .into_iter()
+                .chain([top_tables(app)])
+                .filter(|f| !f.get_metric().is_empty()),
+        );
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&families, &mut out)

@@ -165,6 +165,10 @@ async fn metrics_report_the_exact_lookups_of_a_known_workload() {
 #[tokio::test]
 async fn health_and_readiness() {
     let proxy = Proxy::start(pg().proxy_config()).await;
+    // A fresh instance, before any client: no statements, no tables yet.
+    let (status, body) = get(&proxy, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("pgcache_cache_lookups_total"), "{body}");
     assert_eq!(get(&proxy, "/healthz").await.0, 200);
     assert_eq!(get(&proxy, "/readyz").await.0, 200);
     assert_eq!(get(&proxy, "/nope").await.0, 404);
