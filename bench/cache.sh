@@ -11,8 +11,7 @@ DURATION=${1:-10}
 
 build_pgcache
 start_postgres
-"$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres bench
-"$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -i -s 10 -q bench >/dev/null 2>&1
+init_bench_db
 PGCACHE_PORT=$(free_port)
 start_pgcache "$PGCACHE_PORT"
 PGCACHE_PID=${PIDS[-1]}

@@ -9,8 +9,7 @@ SAMPLES=${1:-300}
 build_pgcache
 (cd "$ROOT" && cargo build --release --locked -q --example staleness)
 start_postgres
-"$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres bench
-"$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -i -s 10 -q bench >/dev/null 2>&1
+init_bench_db
 PGCACHE_PORT=$(free_port)
 start_pgcache "$PGCACHE_PORT"
 

@@ -43,6 +43,12 @@ start_postgres() {
     export PGHOST=127.0.0.1 PGUSER=postgres
 }
 
+# init_bench_db: the database "bench" with pgbench's tables at scale 10.
+init_bench_db() {
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres bench
+    "$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -i -s 10 -q bench >/dev/null 2>&1
+}
+
 build_pgcache() {
     (cd "$ROOT" && cargo build --release --locked -q)
     PGCACHE_BIN="$ROOT/target/release/pgcache"

@@ -179,13 +179,16 @@ mod tests {
         assert_ne!(ab_c, a_bc);
     }
 
-    #[test]
-    fn a_version_bump_changes_the_key() {
-        let epoch = Version::default();
-        let f = Arc::new(Family {
+    fn family() -> Arc<Family> {
+        Arc::new(Family {
             name: "t".into(),
             version: Version::default(),
-        });
+        })
+    }
+
+    #[test]
+    fn a_version_bump_changes_the_key() {
+        let (epoch, f) = (Version::default(), family());
         let fs = std::slice::from_ref(&f);
         let req = KeyBuilder::new(1, SIMPLE, 2).finish();
         let before = req.local(&epoch, fs);
@@ -202,11 +205,7 @@ mod tests {
 
     #[test]
     fn shared_keys_follow_only_the_redis_counters() {
-        let epoch = Version::default();
-        let f = Arc::new(Family {
-            name: "t".into(),
-            version: Version::default(),
-        });
+        let (epoch, f) = (Version::default(), family());
         let fs = std::slice::from_ref(&f);
         let req = KeyBuilder::new(1, SIMPLE, 2).finish();
         let (before, stamp) = req.shared(&epoch, fs);
