@@ -1,15 +1,18 @@
-//! Connections to the PostgreSQL server: TCP or Unix socket.
+//! Connections to the PostgreSQL server: TCP (with TLS as `sslmode` says)
+//! or Unix socket.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::config::UpstreamAddr;
-use crate::protocol::startup::encode_cancel;
+use crate::protocol::startup::{encode_cancel, encode_ssl_request};
+use crate::upstream::UpstreamTls;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -17,12 +20,17 @@ pub enum BackendError {
     Connect { addr: String, source: io::Error },
     #[error("timed out after {0:?} connecting to upstream server {1}")]
     Timeout(Duration, String),
+    #[error("upstream server {addr} does not accept TLS, but upstream.url has sslmode={mode}")]
+    TlsRefused { addr: String, mode: &'static str },
+    #[error("TLS to upstream server {addr} failed: {source}")]
+    Tls { addr: String, source: io::Error },
 }
 
 /// A byte stream to the backend.
 #[derive(Debug)]
 pub enum BackendStream {
     Tcp(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
     Unix(UnixStream),
 }
 
@@ -35,19 +43,103 @@ impl std::fmt::Display for UpstreamAddr {
     }
 }
 
-/// Opens a connection to the first of `addrs` that answers in time.
+/// Opens a connection to the first of `addrs` that answers in time, with
+/// TLS negotiated as `tls` says.
 pub async fn connect(
     addrs: &[UpstreamAddr],
     timeout: Duration,
+    tls: &UpstreamTls,
 ) -> Result<(BackendStream, UpstreamAddr), BackendError> {
     let mut last = None;
     for addr in addrs {
-        match connect_one(addr, timeout).await {
+        match connect_secured(addr, timeout, tls).await {
             Ok(stream) => return Ok((stream, addr.clone())),
             Err(e) => last = Some(e),
         }
     }
     Err(last.expect("config validation guarantees at least one upstream address"))
+}
+
+/// Whether one of `addrs` accepts a connection (no TLS, no startup).
+pub async fn reachable(addrs: &[UpstreamAddr], timeout: Duration) -> Result<(), BackendError> {
+    let mut last = None;
+    for addr in addrs {
+        match connect_one(addr, timeout).await {
+            Ok(_) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("config validation guarantees at least one upstream address"))
+}
+
+async fn connect_secured(
+    addr: &UpstreamAddr,
+    timeout: Duration,
+    tls: &UpstreamTls,
+) -> Result<BackendStream, BackendError> {
+    // Unix sockets never use TLS, as in libpq.
+    let (UpstreamAddr::Tcp { host, port }, Some(connector)) = (addr, tls.connector()) else {
+        return connect_one(addr, timeout).await;
+    };
+    let name = addr.to_string();
+    let attempt = async {
+        let tcp = TcpStream::connect((host.as_str(), *port))
+            .await
+            .map_err(StartTls::Connect)?;
+        tcp.set_nodelay(true).map_err(StartTls::Connect)?;
+        start_tls(tcp, host, &connector, tls).await
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(Ok(stream)) => Ok(stream),
+        Ok(Err(StartTls::Connect(source))) => Err(BackendError::Connect { addr: name, source }),
+        Ok(Err(StartTls::Refused)) => Err(BackendError::TlsRefused {
+            addr: name,
+            mode: tls.mode.as_str(),
+        }),
+        Ok(Err(StartTls::Handshake(source))) => Err(BackendError::Tls { addr: name, source }),
+        Err(_) => Err(BackendError::Timeout(timeout, name)),
+    }
+}
+
+enum StartTls {
+    Connect(io::Error),
+    /// The server answered 'N' and `sslmode` requires TLS.
+    Refused,
+    Handshake(io::Error),
+}
+
+/// Sends an SSLRequest and, on 'S', does the handshake. On 'N' the plain
+/// connection goes on if `sslmode` allows it (prefer).
+async fn start_tls(
+    mut tcp: TcpStream,
+    host: &str,
+    connector: &tokio_rustls::TlsConnector,
+    tls: &UpstreamTls,
+) -> Result<BackendStream, StartTls> {
+    tcp.write_all(&encode_ssl_request())
+        .await
+        .map_err(StartTls::Handshake)?;
+    let mut answer = [0u8; 1];
+    tcp.read_exact(&mut answer)
+        .await
+        .map_err(StartTls::Handshake)?;
+    match answer[0] {
+        b'S' => {
+            let name = ServerName::try_from(host.to_owned())
+                .map_err(|e| StartTls::Handshake(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
+            let stream = connector
+                .connect(name, tcp)
+                .await
+                .map_err(StartTls::Handshake)?;
+            Ok(BackendStream::Tls(Box::new(stream)))
+        }
+        b'N' if !tls.mode.requires_tls() => Ok(BackendStream::Tcp(tcp)),
+        b'N' => Err(StartTls::Refused),
+        other => Err(StartTls::Handshake(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("unexpected answer {other:#04x} to SSLRequest"),
+        ))),
+    }
 }
 
 async fn connect_one(
@@ -79,10 +171,11 @@ async fn connect_one(
 pub async fn send_cancel(
     addr: &UpstreamAddr,
     timeout: Duration,
+    tls: &UpstreamTls,
     pid: u32,
     secret: &[u8],
 ) -> Result<(), BackendError> {
-    let mut stream = connect_one(addr, timeout).await?;
+    let mut stream = connect_secured(addr, timeout, tls).await?;
     let packet = encode_cancel(pid, secret);
     stream
         .write_all(&packet)
@@ -103,6 +196,7 @@ impl AsyncRead for BackendStream {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             BackendStream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            BackendStream::Tls(s) => Pin::new(s).poll_read(cx, buf),
             BackendStream::Unix(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
@@ -116,6 +210,7 @@ impl AsyncWrite for BackendStream {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             BackendStream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            BackendStream::Tls(s) => Pin::new(s).poll_write(cx, buf),
             BackendStream::Unix(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
@@ -123,6 +218,7 @@ impl AsyncWrite for BackendStream {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             BackendStream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            BackendStream::Tls(s) => Pin::new(s).poll_flush(cx),
             BackendStream::Unix(s) => Pin::new(s).poll_flush(cx),
         }
     }
@@ -130,6 +226,7 @@ impl AsyncWrite for BackendStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             BackendStream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            BackendStream::Tls(s) => Pin::new(s).poll_shutdown(cx),
             BackendStream::Unix(s) => Pin::new(s).poll_shutdown(cx),
         }
     }

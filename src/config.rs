@@ -6,7 +6,6 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
 use std::collections::BTreeMap;
@@ -37,6 +36,29 @@ pub struct Config {
     pub replication: ReplicationConfig,
     pub admin: AdminConfig,
     pub tls: TlsConfig,
+    pub auth: AuthConfig,
+}
+
+/// Who authenticates clients.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthMode {
+    /// PostgreSQL does, through pgcache (the exchange is relayed).
+    #[default]
+    Passthrough,
+    /// pgcache does (SCRAM-SHA-256), then logs in to PostgreSQL as the user.
+    Terminate,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    pub mode: AuthMode,
+    /// terminate: user = password, or user = SCRAM-SHA-256 verifier.
+    pub users: BTreeMap<String, String>,
+    /// terminate: looks up users not in `users` ($1 = user name; one text
+    /// column, a password or verifier), on a connection as upstream.url's user.
+    pub auth_query: String,
 }
 
 /// TLS towards clients.
@@ -450,6 +472,16 @@ impl Config {
         if self.replication.publication.is_empty() {
             problems.push("replication.publication: must not be empty".to_owned());
         }
+        problems.extend(crate::auth::validate(&self.auth));
+        if self.auth.mode == AuthMode::Terminate
+            && self.auth.users.is_empty()
+            && self.auth.auth_query.is_empty()
+        {
+            problems.push(
+                "auth.mode = \"terminate\" needs auth.users or auth.auth_query to check passwords against"
+                    .to_owned(),
+            );
+        }
         if self.upstream.connect_timeout_ms == 0 {
             problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());
         }
@@ -549,7 +581,7 @@ impl Config {
 
     /// The backend addresses to try, in order.
     pub fn upstream_addrs(&self) -> Result<Vec<UpstreamAddr>, String> {
-        let pg = tokio_postgres::Config::from_str(&self.upstream.url).map_err(|e| e.to_string())?;
+        let pg = crate::upstream::UpstreamUrl::parse(&self.upstream.url)?.pg;
         let ports = pg.get_ports();
         let port_for = |i: usize| match ports.len() {
             0 => 5432,

@@ -17,6 +17,7 @@
 //! - [`protocol`]: framing, startup packets, messages pgcache writes itself.
 
 pub mod admin;
+pub mod auth;
 pub mod backend;
 pub mod cache;
 pub mod cancel;
@@ -32,6 +33,7 @@ pub mod session;
 pub mod shared;
 pub mod stats;
 pub mod tls;
+pub mod upstream;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,6 +50,8 @@ pub struct App {
     pub config: Config,
     /// Backend addresses resolved from `upstream.url`.
     pub upstream: Vec<config::UpstreamAddr>,
+    /// TLS towards PostgreSQL (`sslmode`, `sslrootcert` in `upstream.url`).
+    pub upstream_tls: upstream::UpstreamTls,
     pub cancel: Arc<cancel::CancelRegistry>,
     /// Shutdown requested: sessions close once idle.
     pub drain: CancellationToken,
@@ -70,6 +74,8 @@ pub struct App {
     live_config: std::sync::RwLock<Arc<Config>>,
     /// TLS towards clients.
     pub tls: tls::ClientTls,
+    /// Terminate-mode authentication: users, auth_query.
+    pub auth: auth::Authenticator,
     /// Where RELOAD reads the configuration from.
     config_source: std::sync::OnceLock<(Option<std::path::PathBuf>, config::Overrides)>,
 }
@@ -101,6 +107,9 @@ impl App {
                 "upstream.url: {e}"
             )]))
         })?;
+        let upstream_tls = upstream::UpstreamUrl::parse(&config.upstream.url)
+            .and_then(|url| upstream::UpstreamTls::new(&url))
+            .map_err(|e| StartError::Tls(format!("upstream.url: {e}")))?;
         let metrics = metrics::Metrics::new();
         let local = cache::LocalCache::with_evictions(
             config.cache.local.max_bytes,
@@ -120,6 +129,8 @@ impl App {
             cache: cache::CacheState::new(local),
             shared,
             upstream,
+            upstream_tls,
+            auth: auth::Authenticator::new(&config.auth),
             cancel: Arc::default(),
             drain: CancellationToken::new(),
             force: CancellationToken::new(),
@@ -161,7 +172,7 @@ impl App {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(listener);
         if app.config.cache.enabled && app.config.replication.enabled {
-            match invalidation::preflight(&app.config).await {
+            match invalidation::preflight(&app.config, &app.upstream_tls).await {
                 Ok(()) => app.replication.store(true, Ordering::Release),
                 Err(e) if app.config.replication.required => return Err(e.into()),
                 Err(e) => warn!(
@@ -174,7 +185,7 @@ impl App {
         if let (Some(nodes), Some(_)) = (app.config.redis.nodes(), &app.shared) {
             // Entries of different PostgreSQL clusters must never meet in one
             // Redis: name the cluster by its system identifier when possible.
-            let namespace = match invalidation::cluster_id(&app.config).await {
+            let namespace = match invalidation::cluster_id(&app.config, &app.upstream_tls).await {
                 Some(id) => id,
                 None => {
                     let fallback = upstream_namespace(&app.upstream);
@@ -274,12 +285,14 @@ impl App {
             ("cache.local", old.cache.local != new.cache.local),
             ("cache.shared", old.cache.shared != new.cache.shared),
             ("tls.ssl_mode", old.tls.ssl_mode != new.tls.ssl_mode),
+            ("auth.mode", old.auth.mode != new.auth.mode),
         ];
         for (name, changed) in sections {
             if changed {
                 restart.push(name.to_owned());
             }
         }
+        self.auth.reload(&new.auth);
         let generation = self.policy_generation() + 1;
         *self.policy.write().unwrap_or_else(|e| e.into_inner()) =
             Arc::new(policy::Policy::new(&new.cache, generation));

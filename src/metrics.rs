@@ -737,7 +737,7 @@ async fn text_route(app: &App, path: &str) -> (StatusCode, String) {
 /// Ready: PostgreSQL accepts connections and, with replication on, every
 /// database's stream is up.
 async fn readiness(app: &App) -> Result<(), String> {
-    crate::backend::connect(&app.upstream, Duration::from_secs(1))
+    crate::backend::reachable(&app.upstream, Duration::from_secs(1))
         .await
         .map_err(|e| e.to_string())?;
     if app.replication_on() {

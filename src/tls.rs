@@ -24,7 +24,14 @@ pub const ALPN_POSTGRESQL: &[u8] = b"postgresql";
 /// The acceptor in force, replaced by a reload.
 pub struct ClientTls {
     pub mode: SslMode,
-    acceptor: RwLock<Option<TlsAcceptor>>,
+    acceptor: RwLock<Option<Served>>,
+}
+
+#[derive(Clone)]
+struct Served {
+    acceptor: TlsAcceptor,
+    /// `tls-server-end-point` channel-binding data of the certificate.
+    end_point: Option<Arc<[u8]>>,
 }
 
 impl ClientTls {
@@ -41,6 +48,18 @@ impl ClientTls {
     }
 
     pub fn acceptor(&self) -> Option<TlsAcceptor> {
+        self.served().map(|s| s.acceptor)
+    }
+
+    /// The `tls-server-end-point` data (RFC 5929) of the certificate in
+    /// force, for SCRAM-SHA-256-PLUS; `None` when its signature algorithm
+    /// names no hash (Ed25519). A reload between a client's handshake and
+    /// its SCRAM exchange fails that one login's binding check.
+    pub fn end_point(&self) -> Option<Arc<[u8]>> {
+        self.served().and_then(|s| s.end_point)
+    }
+
+    fn served(&self) -> Option<Served> {
         self.acceptor
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -58,7 +77,36 @@ impl ClientTls {
     }
 }
 
-fn acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
+/// The certificate's hash under its signature's hash algorithm, SHA-256
+/// for MD5 and SHA-1 (RFC 5929, section 4.1), as PostgreSQL computes it.
+fn end_point(cert: &CertificateDer<'_>) -> Option<Arc<[u8]>> {
+    use sha2::{Digest, Sha256, Sha384, Sha512};
+    use x509_cert::der::Decode;
+    use x509_cert::der::oid::db::rfc5912::{
+        ECDSA_WITH_SHA_256, ECDSA_WITH_SHA_384, ECDSA_WITH_SHA_512, ID_SHA_1, ID_SHA_256,
+        ID_SHA_384, ID_SHA_512, MD_5_WITH_RSA_ENCRYPTION, SHA_1_WITH_RSA_ENCRYPTION,
+        SHA_256_WITH_RSA_ENCRYPTION, SHA_384_WITH_RSA_ENCRYPTION, SHA_512_WITH_RSA_ENCRYPTION,
+    };
+    let parsed = x509_cert::Certificate::from_der(cert.as_ref()).ok()?;
+    let data: &[u8] = cert.as_ref();
+    Some(match parsed.signature_algorithm.oid {
+        ID_SHA_1
+        | ID_SHA_256
+        | MD_5_WITH_RSA_ENCRYPTION
+        | SHA_1_WITH_RSA_ENCRYPTION
+        | SHA_256_WITH_RSA_ENCRYPTION
+        | ECDSA_WITH_SHA_256 => Sha256::digest(data).to_vec().into(),
+        ID_SHA_384 | SHA_384_WITH_RSA_ENCRYPTION | ECDSA_WITH_SHA_384 => {
+            Sha384::digest(data).to_vec().into()
+        }
+        ID_SHA_512 | SHA_512_WITH_RSA_ENCRYPTION | ECDSA_WITH_SHA_512 => {
+            Sha512::digest(data).to_vec().into()
+        }
+        _ => return None,
+    })
+}
+
+fn acceptor(cert_file: &Path, key_file: &Path) -> Result<Served, String> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_file)
         .and_then(|certs| certs.collect())
         .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
@@ -70,6 +118,7 @@ fn acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
     }
     let key = PrivateKeyDer::from_pem_file(key_file)
         .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
+    let end_point = end_point(&certs[0]);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -78,7 +127,10 @@ fn acceptor(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, String> {
         .with_single_cert(certs, key)
         .map_err(|e| format!("tls.cert_file and tls.key_file do not make a pair: {e}"))?;
     config.alpn_protocols = vec![ALPN_POSTGRESQL.to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(Served {
+        acceptor: TlsAcceptor::from(Arc::new(config)),
+        end_point,
+    })
 }
 
 /// A client connection, in plain text or TLS.

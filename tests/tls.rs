@@ -5,6 +5,7 @@ mod common;
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::*;
 use pgcache::config::SslMode;
@@ -172,4 +173,170 @@ async fn reload_switches_to_a_new_certificate_for_new_connections() {
     std::fs::write(&key, "not a key").unwrap();
     assert!(proxy.app.reload().is_err());
     assert!(tls_connect(port, &new_ca, &[b"postgresql"]).await.is_ok());
+}
+
+/// pgcache pointed at `pg` with these `upstream.url` query parameters.
+fn upstream_config(pg: &Pg, host: &str, params: &str) -> pgcache::Config {
+    let mut config = pg.proxy_config();
+    config.upstream.url = format!("postgres://postgres@{host}:{}/postgres?{params}", pg.port);
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_cancels_and_replication_reach_a_tls_only_postgresql() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = tls_certificate(dir.path(), "pg");
+    let pg = Pg::dedicated_tls(&cert, &key);
+    pg.psql_admin(
+        "CREATE TABLE t_tls (id int PRIMARY KEY, v text); INSERT INTO t_tls VALUES (1, 'one')",
+    );
+    let params = format!("sslmode=verify-full&sslrootcert={}", ca.display());
+    let proxy = Proxy::start(upstream_config(&pg, "localhost", &params)).await;
+    // The replication stream is up: it logged in over TLS, since the server
+    // refuses plain-text TCP for replication too.
+    let client = proxy.connect("postgres").await;
+    assert_eq!(
+        pg.psql_admin(
+            "SELECT count(*) FROM pg_stat_replication r JOIN pg_stat_ssl s USING (pid) WHERE s.ssl"
+        )
+        .trim(),
+        "1"
+    );
+    let in_tls = scalar(
+        &client,
+        "SELECT ssl::text FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+    )
+    .await;
+    assert_eq!(in_tls.as_deref(), Some("true"));
+    // psql on a plain client leg, SCRAM relayed to the TLS backend leg:
+    // libpq sees no TLS of its own, so it does not ask for channel binding.
+    let scram = format!(
+        "host=127.0.0.1 port={} user={SCRAM_USER} password={SCRAM_PASSWORD} dbname=postgres sslmode=disable",
+        proxy.addr.port()
+    );
+    let (ok, out, err) = psql(
+        &scram,
+        "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+    )
+    .await;
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "t");
+
+    let read = "SELECT v FROM t_tls WHERE id = 1";
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("one"));
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("one"));
+    assert_eq!(proxy.hits(), hits + 1, "the second read is a hit");
+    // A write made on PostgreSQL directly arrives through the TLS stream.
+    pg.psql_admin("UPDATE t_tls SET v = 'uno' WHERE id = 1");
+    eventually(
+        Duration::from_secs(10),
+        "the direct write to be seen",
+        || async { (scalar(&client, read).await.as_deref() == Some("uno")).then_some(()) },
+    )
+    .await;
+
+    // A cancel request reaches the backend over TLS too.
+    let token = client.cancel_token();
+    let sleeper = tokio::spawn(async move { client.batch_execute("SELECT pg_sleep(60)").await });
+    eventually(Duration::from_secs(10), "the sleep to start", || async {
+        let n = pg.psql_admin(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(60)'",
+        );
+        (n.trim() == "1").then_some(())
+    })
+    .await;
+    token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(10), sleeper)
+        .await
+        .expect("the cancel ends the sleep")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(&tokio_postgres::error::SqlState::QUERY_CANCELED)
+    );
+}
+
+/// The error a client gets when pgcache cannot log in to `pg` this way.
+async fn login_error(config: pgcache::Config) -> String {
+    let mut config = config;
+    config.replication.enabled = false;
+    let proxy = Proxy::start(config).await;
+    match connect_dsn(&proxy.dsn("postgres", "postgres")).await {
+        Ok(_) => panic!("the login should fail"),
+        Err(e) => e
+            .as_db_error()
+            .map_or(e.to_string(), |db| db.message().to_owned()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_sslmodes_check_what_libpq_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    // A certificate for another name than the one pgcache connects to.
+    let (ca, cert, key) = tls_certificate_for(dir.path(), "pg", "DNS:db.example");
+    let (other_ca, _, _) = tls_certificate(dir.path(), "other");
+    let tls_pg = Pg::dedicated_tls(&cert, &key);
+    let query = |params: &str| upstream_config(&tls_pg, "127.0.0.1", params);
+
+    // verify-ca checks the chain only; require and prefer check nothing.
+    for params in [
+        format!("sslmode=verify-ca&sslrootcert={}", ca.display()),
+        "sslmode=require".to_owned(),
+        "sslmode=prefer".to_owned(),
+        String::new(),
+    ] {
+        let mut config = query(&params);
+        config.replication.enabled = false;
+        let proxy = Proxy::start(config).await;
+        let client = connect_dsn(&proxy.dsn("postgres", "postgres"))
+            .await
+            .unwrap_or_else(|e| panic!("{params}: {e}"));
+        assert_eq!(scalar(&client, "SELECT 1").await.as_deref(), Some("1"));
+    }
+    // verify-full also checks the name.
+    let err = login_error(query(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        ca.display()
+    )))
+    .await;
+    assert!(
+        err.contains("TLS to upstream server") && err.contains("not valid for name"),
+        "{err}"
+    );
+    // Another CA: refused by verify-ca, and by require once a CA file is given.
+    for mode in ["verify-ca", "require"] {
+        let err = login_error(query(&format!(
+            "sslmode={mode}&sslrootcert={}",
+            other_ca.display()
+        )))
+        .await;
+        // Both test CAs have one name: the signature is what fails.
+        assert!(err.contains("invalid peer certificate"), "{mode}: {err}");
+    }
+    // disable: PostgreSQL itself refuses plain text, and says so.
+    let err = login_error(query("sslmode=disable")).await;
+    assert!(err.contains("no encryption"), "{err}");
+    // A server without TLS and a mode that needs it.
+    let err = login_error(upstream_config(pg(), "127.0.0.1", "sslmode=require")).await;
+    assert!(
+        err.contains("does not accept TLS, but upstream.url has sslmode=require"),
+        "{err}"
+    );
+
+    // With replication required, a TLS failure stops pgcache at start-up.
+    let mut config = query(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        other_ca.display()
+    ));
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    let err = match pgcache::App::start(config).await {
+        Ok(_) => panic!("pgcache should refuse to start"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("TLS to PostgreSQL failed") && err.contains("sslrootcert"),
+        "{err}"
+    );
 }

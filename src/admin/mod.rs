@@ -15,8 +15,6 @@
 //! | `INVALIDATE ALL` | bumps every database's epoch and empties the local tier |
 //! | `RELOAD` | re-reads the configuration and applies what can change live |
 
-mod scram;
-
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -27,12 +25,12 @@ use pgwire::messages::response::{
     CommandComplete, EmptyQueryResponse, ReadyForQuery, TransactionStatus,
 };
 use pgwire::messages::startup::{Authentication, ParameterStatus};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tracing::{info, warn};
 
 use crate::App;
 use crate::cache::Bumps;
-use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
+use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::frontend as fe;
 use crate::protocol::messages::{error_response, notice_response};
 use crate::protocol::startup::Startup;
@@ -106,7 +104,7 @@ where
     // After an extended-protocol message, everything up to Sync is skipped.
     let mut skipping = false;
     loop {
-        let frame = match read_frame(&mut client, &mut buf).await {
+        let frame = match crate::auth::read_frame(&mut client, &mut buf, MAX_ADMIN_MESSAGE).await {
             Ok(Some(frame)) => frame,
             Ok(None) | Err(_) => return,
         };
@@ -140,80 +138,20 @@ where
     }
 }
 
-async fn read_frame<C: AsyncRead + Unpin>(
-    client: &mut C,
-    buf: &mut BytesMut,
-) -> std::io::Result<Option<BytesMut>> {
-    loop {
-        match parse_frame(buf, MAX_ADMIN_MESSAGE) {
-            Ok(Some(len)) => return Ok(Some(buf.split_to(len))),
-            Ok(None) => {}
-            Err(e) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    e.to_string(),
-                ));
-            }
-        }
-        if client.read_buf(buf).await? == 0 {
-            return Ok(None);
-        }
-    }
-}
-
-/// SCRAM-SHA-256. `Ok(false)`: the proof was wrong.
+/// SCRAM-SHA-256 against the configured password (a fresh salt each
+/// time). `Ok(false)`: the proof was wrong.
 async fn authenticate<C>(client: &mut C, buf: &mut BytesMut, password: &str) -> Result<bool, String>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut out = BytesMut::new();
-    encode(&mut out, Authentication::SASL(vec!["SCRAM-SHA-256".into()]));
-    client.write_all(&out).await.map_err(|e| e.to_string())?;
-    let io = |e: std::io::Error| e.to_string();
-    let first = read_frame(client, buf)
+    let no_binding = crate::auth::scram::ServerBinding {
+        offered: false,
+        data: None,
+    };
+    let verifier = crate::auth::scram::Verifier::random(password);
+    crate::auth::sasl_server(client, buf, verifier, no_binding)
         .await
-        .map_err(io)?
-        .ok_or("client went away")?;
-    if first[0] != fe::PASSWORD {
-        return Err("expected a SASLInitialResponse".into());
-    }
-    let body = &first[HEADER_LEN..];
-    let mut pos = 0;
-    let mechanism = read_cstr(body, &mut pos).ok_or("malformed SASLInitialResponse")?;
-    if mechanism != b"SCRAM-SHA-256" {
-        return Err("only SCRAM-SHA-256 is offered".into());
-    }
-    let len = read_i32(body, &mut pos).ok_or("malformed SASLInitialResponse")?;
-    let data = usize::try_from(len)
-        .ok()
-        .and_then(|len| body.get(pos..pos + len))
-        .ok_or("malformed SASLInitialResponse")?;
-    let (exchange, server_first) = scram::server_first(password, &String::from_utf8_lossy(data))?;
-    out.clear();
-    encode(
-        &mut out,
-        Authentication::SASLContinue(server_first.into_bytes().into()),
-    );
-    client.write_all(&out).await.map_err(io)?;
-    let last = read_frame(client, buf)
-        .await
-        .map_err(io)?
-        .ok_or("client went away")?;
-    if last[0] != fe::PASSWORD {
-        return Err("expected a SASLResponse".into());
-    }
-    match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
-        Ok(server_final) => {
-            out.clear();
-            encode(
-                &mut out,
-                Authentication::SASLFinal(server_final.into_bytes().into()),
-            );
-            client.write_all(&out).await.map_err(io)?;
-            Ok(true)
-        }
-        Err(_) => Ok(false),
-    }
+        .map(|key| key.is_some())
 }
 
 /// A result set of text columns.

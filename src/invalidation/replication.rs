@@ -1,7 +1,6 @@
 //! The replication stream of one database, and the checks made at start-up.
 
 use std::collections::{HashMap, HashSet};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use super::pgoutput::{self, Change};
 use crate::App;
 use crate::cache::{Bumps, DbState};
 use crate::config::{Config, UpstreamAddr};
+use crate::upstream::{UpstreamTls, UpstreamUrl};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicationError {
@@ -36,8 +36,9 @@ fn control_config(
     config: &Config,
     database: &str,
 ) -> Result<tokio_postgres::Config, ReplicationError> {
-    let mut pg = tokio_postgres::Config::from_str(&config.upstream.url)
-        .map_err(|e| ReplicationError::Config(format!("upstream.url: {e}")))?;
+    let mut pg = UpstreamUrl::parse(&config.upstream.url)
+        .map_err(|e| ReplicationError::Config(format!("upstream.url: {e}")))?
+        .pg;
     if pg.get_user().is_none() {
         pg.user("postgres");
     }
@@ -49,10 +50,11 @@ fn control_config(
 
 async fn control(
     config: &Config,
+    tls: &UpstreamTls,
     database: &str,
 ) -> Result<tokio_postgres::Client, ReplicationError> {
     let (client, conn) = control_config(config, database)?
-        .connect(tokio_postgres::NoTls)
+        .connect(tls.make_tls())
         .await?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
@@ -62,14 +64,30 @@ async fn control(
     Ok(client)
 }
 
+/// A control connection to upstream.url's own database.
+pub async fn control_client(
+    config: &Config,
+    tls: &UpstreamTls,
+) -> Result<tokio_postgres::Client, ReplicationError> {
+    control(config, tls, &default_database(config)).await
+}
+
 /// Checks, once at start-up, that PostgreSQL can stream changes to pgcache:
 /// `wal_level = logical` and a role allowed to replicate. The error says how
 /// to fix what is missing.
-pub async fn preflight(config: &Config) -> Result<(), ReplicationError> {
+pub async fn preflight(config: &Config, tls: &UpstreamTls) -> Result<(), ReplicationError> {
     let pg = control_config(config, &default_database(config))?;
     let user = pg.get_user().unwrap_or("postgres").to_owned();
-    let (client, conn) = match pg.connect(tokio_postgres::NoTls).await {
+    let (client, conn) = match pg.connect(tls.make_tls()).await {
         Ok(c) => c,
+        // A TLS failure is the configuration's (sslmode, sslrootcert), not
+        // a server that is still starting. tokio-postgres has no public
+        // error kind; its TLS errors all read like this.
+        Err(e) if e.to_string().starts_with("error performing TLS handshake") => {
+            return Err(ReplicationError::Preflight(format!(
+                "TLS to PostgreSQL failed ({e}); check sslmode and sslrootcert in upstream.url"
+            )));
+        }
         Err(e) if e.as_db_error().is_none() => {
             // PostgreSQL is not up (yet): not a configuration error. Streams
             // retry, and no database is served from the cache until its own
@@ -116,9 +134,9 @@ pub async fn preflight(config: &Config) -> Result<(), ReplicationError> {
 
 /// PostgreSQL's system identifier, which names the cluster in shared-tier
 /// keys; `None` if it cannot be read within a few seconds.
-pub async fn cluster_id(config: &Config) -> Option<String> {
+pub async fn cluster_id(config: &Config, tls: &UpstreamTls) -> Option<String> {
     let query = async {
-        let client = control(config, &default_database(config)).await.ok()?;
+        let client = control(config, tls, &default_database(config)).await.ok()?;
         let row = client
             .query_one(
                 "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
@@ -135,9 +153,9 @@ pub async fn cluster_id(config: &Config) -> Option<String> {
 }
 
 fn default_database(config: &Config) -> String {
-    tokio_postgres::Config::from_str(&config.upstream.url)
+    UpstreamUrl::parse(&config.upstream.url)
         .ok()
-        .and_then(|c| c.get_dbname().map(str::to_owned))
+        .and_then(|u| u.pg.get_dbname().map(str::to_owned))
         .unwrap_or_else(|| "postgres".to_owned())
 }
 
@@ -181,7 +199,7 @@ async fn run(app: Arc<App>, database: String, db: Arc<DbState>) {
 async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(), ReplicationError> {
     let config = &app.config;
     let publication = &config.replication.publication;
-    let ctl = control(config, database).await?;
+    let ctl = control(config, &app.upstream_tls, database).await?;
     if config.replication.manage_publication {
         db.set_unpublished(sync_publication(&ctl, publication).await?);
     }
@@ -190,8 +208,10 @@ async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(),
     }
 
     let pg = control_config(config, database)?;
-    let (host, port) = match app.upstream.first() {
-        Some(UpstreamAddr::Tcp { host, port }) => (host.clone(), *port),
+    let (host, port, tls) = match app.upstream.first() {
+        Some(UpstreamAddr::Tcp { host, port }) => {
+            (host.clone(), *port, app.upstream_tls.replication(host))
+        }
         Some(UpstreamAddr::Unix { path }) => {
             let dir = path
                 .parent()
@@ -202,7 +222,7 @@ async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(),
                 .and_then(|e| e.to_str())
                 .and_then(|e| e.parse().ok())
                 .unwrap_or(5432);
-            (dir, port)
+            (dir, port, pgwire_replication::TlsConfig::disabled())
         }
         None => return Err(ReplicationError::Config("no upstream address".into())),
     };
@@ -220,6 +240,7 @@ async fn stream_once(app: &App, database: &str, db: &Arc<DbState>) -> Result<(),
         publication.as_str(),
     )
     .with_port(port)
+    .with_tls(tls)
     .with_application_name("pgcache-invalidation")
     .with_status_interval(Duration::from_secs(1));
     let mut stream = ReplicationClient::connect_gated(cfg).await?;

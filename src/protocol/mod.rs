@@ -78,4 +78,6 @@ pub mod sqlstate {
     /// A client took too long to start up, or idled too long.
     pub const CONNECTION_EXCEPTION: &str = "08000";
     pub const INVALID_AUTHORIZATION: &str = "28000";
+    /// A wrong password (or an unknown user).
+    pub const INVALID_PASSWORD: &str = "28P01";
 }

@@ -133,6 +133,14 @@ pub fn encode_startup(params: &[(&str, &str)]) -> Vec<u8> {
 }
 
 /// Encodes a CancelRequest for `pid` and `secret`.
+/// An SSLRequest packet.
+pub fn encode_ssl_request() -> [u8; 8] {
+    let mut out = [0u8; 8];
+    out[..4].copy_from_slice(&8i32.to_be_bytes());
+    out[4..].copy_from_slice(&SSL_REQUEST_CODE.to_be_bytes());
+    out
+}
+
 pub fn encode_cancel(pid: u32, secret: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + secret.len());
     out.extend_from_slice(&((12 + secret.len()) as u32).to_be_bytes());

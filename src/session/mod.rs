@@ -22,13 +22,15 @@ use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{Instrument, debug, info, warn};
 
+mod login;
 mod query;
 
 use crate::App;
+use crate::auth::{self, scram::ClientSecret, scram::ServerBinding};
 use crate::backend::{self, BackendStream};
 use crate::cancel::{CancelGuard, CancelTarget};
-use crate::config::SslMode;
 use crate::config::UpstreamAddr;
+use crate::config::{AuthMode, SslMode};
 use crate::protocol::codec::{self, FrameError, HEADER_LEN, parse_frame, read_i32};
 use crate::protocol::messages::{self, error_field};
 use crate::protocol::startup::{self, Startup, StartupPacket};
@@ -140,7 +142,47 @@ pub async fn serve(
         return;
     }
 
-    let (backend, addr) = match backend::connect(&app.upstream, app.config.connect_timeout()).await
+    // Terminate mode: pgcache checks the password before PostgreSQL is
+    // asked for anything.
+    let secret = if app.config.auth.mode == AuthMode::Terminate {
+        let end_point = client.is_tls().then(|| app.tls.end_point()).flatten();
+        let binding = ServerBinding {
+            offered: end_point.is_some(),
+            data: end_point.as_deref(),
+        };
+        let user = startup.startup.user().to_owned();
+        let checked = tokio::time::timeout(
+            app.config.startup_timeout(),
+            auth::authenticate_client(&app, &mut client, &mut buf, &user, binding),
+        )
+        .await;
+        match checked {
+            Ok(Ok(secret)) => Some(secret),
+            Ok(Err(refusal)) => {
+                info!(%peer, user, reason = %refusal.message, "authentication failed");
+                let msg = messages::fatal(refusal.code, &refusal.message);
+                let _ = client.write_all(&msg).await;
+                return;
+            }
+            Err(_) => {
+                let msg = messages::fatal(
+                    sqlstate::CONNECTION_EXCEPTION,
+                    "timeout expired during authentication",
+                );
+                let _ = client.write_all(&msg).await;
+                return;
+            }
+        }
+    } else {
+        None
+    };
+
+    let (backend, addr) = match backend::connect(
+        &app.upstream,
+        app.config.connect_timeout(),
+        &app.upstream_tls,
+    )
+    .await
     {
         Ok(b) => b,
         Err(e) => {
@@ -177,7 +219,7 @@ pub async fn serve(
         cache: query::CacheSession::new(Arc::default(), app.policy()),
         copy: CopyTracker::default(),
     };
-    match session.run(&startup.raw).instrument(span).await {
+    match session.run(&startup.raw, secret).instrument(span).await {
         Ok(()) => debug!("session closed"),
         Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
         Err(e) => info!(error = %e, "session ended"),
@@ -327,6 +369,7 @@ where
                     if let Err(e) = backend::send_cancel(
                         &addr,
                         app.config.connect_timeout(),
+                        &app.upstream_tls,
                         backend_pid,
                         &backend_secret,
                     )
@@ -421,11 +464,22 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    async fn run(&mut self, startup_raw: &[u8]) -> Result<(), SessionError> {
-        self.backend
-            .write_all(startup_raw)
-            .await
-            .map_err(SessionError::BackendIo)?;
+    async fn run(
+        &mut self,
+        startup_raw: &[u8],
+        secret: Option<ClientSecret>,
+    ) -> Result<(), SessionError> {
+        if let Flow::Close = self.log_in(startup_raw, secret).await? {
+            return Ok(());
+        }
+        // What came with PostgreSQL's AuthenticationOk (and anything the
+        // client sent early) is handled before waiting for more.
+        if !self.backend_buf.is_empty() && matches!(self.on_backend_data().await?, Flow::Close) {
+            return Ok(());
+        }
+        if !self.client_buf.is_empty() && matches!(self.on_client_data().await?, Flow::Close) {
+            return Ok(());
+        }
         let drain = self.app.drain.clone();
         let force = self.app.force.clone();
         let server = &self.app.config.server;
@@ -807,10 +861,12 @@ where
             // socket until it writes; cancel it so it is freed now.
             if let Some(target) = self.backend_key.clone() {
                 let timeout = self.app.config.connect_timeout();
+                let app = Arc::clone(&self.app);
                 tokio::spawn(async move {
                     let _ = backend::send_cancel(
                         &target.addr,
                         timeout,
+                        &app.upstream_tls,
                         target.backend_pid,
                         &target.backend_secret,
                     )

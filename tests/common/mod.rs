@@ -12,6 +12,7 @@
 #![allow(dead_code)]
 
 use std::net::{SocketAddr, TcpListener as StdListener};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -181,16 +182,24 @@ impl Pg {
 
     /// A dedicated PostgreSQL with extra server options (`-c name=value ...`).
     pub fn dedicated_with(extra: &str) -> Pg {
-        let mut pg = Pg::start_with(extra);
+        let mut pg = Pg::start_with(extra, None);
+        pg.owned = true;
+        pg
+    }
+
+    /// A dedicated PostgreSQL that takes TCP connections (and replication)
+    /// over TLS only, with this certificate and key.
+    pub fn dedicated_tls(cert: &Path, key: &Path) -> Pg {
+        let mut pg = Pg::start_with("-c ssl=on", Some((cert, key)));
         pg.owned = true;
         pg
     }
 
     fn start() -> Pg {
-        Pg::start_with("")
+        Pg::start_with("", None)
     }
 
-    fn start_with(extra: &str) -> Pg {
+    fn start_with(extra: &str, tls: Option<(&Path, &Path)>) -> Pg {
         let bindir = pg_bindir();
         let dir = scratch_dir("pg-");
         let data = dir.join("data");
@@ -213,17 +222,30 @@ impl Pg {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            format!(
-                "local all all trust\n\
-                 host all {MD5_USER} 127.0.0.1/32 md5\n\
-                 host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
-                 host all all 127.0.0.1/32 trust\n\
-                 host replication all 127.0.0.1/32 trust\n"
-            ),
-        )
-        .unwrap();
+        // With TLS, "host" lines become "hostssl" and plain TCP is refused.
+        let host = if tls.is_some() { "hostssl" } else { "host" };
+        let mut hba = format!(
+            "local all all trust\n\
+             {host} all {MD5_USER} 127.0.0.1/32 md5\n\
+             {host} all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
+             {host} all all 127.0.0.1/32 trust\n\
+             {host} replication all 127.0.0.1/32 trust\n"
+        );
+        if let Some((cert, key)) = tls {
+            hba.push_str(
+                "hostnossl all all 127.0.0.1/32 reject\n\
+                 hostnossl replication all 127.0.0.1/32 reject\n",
+            );
+            for (from, to) in [(cert, "server.crt"), (key, "server.key")] {
+                std::fs::copy(from, data.join(to)).unwrap();
+                std::fs::set_permissions(data.join(to), std::fs::Permissions::from_mode(0o600))
+                    .unwrap();
+                if let Some((uid, gid)) = server_user() {
+                    std::os::unix::fs::chown(data.join(to), Some(uid), Some(gid)).unwrap();
+                }
+            }
+        }
+        std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
         let mut pg = Pg {
             port: 0,
             dir,
@@ -565,6 +587,11 @@ fn port_is_free(port: u16) -> bool {
 /// A CA of its own and a server certificate it signed for localhost and
 /// 127.0.0.1, made with openssl: (CA certificate, certificate, key).
 pub fn tls_certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    tls_certificate_for(dir, name, "DNS:localhost,IP:127.0.0.1")
+}
+
+/// As [`tls_certificate`], for the names in `san` (openssl's subjectAltName).
+pub fn tls_certificate_for(dir: &Path, name: &str, san: &str) -> (PathBuf, PathBuf, PathBuf) {
     let file = |ext: &str| dir.join(format!("{name}.{ext}"));
     let run = |args: &[&str]| {
         let out = Command::new("openssl")
@@ -602,7 +629,7 @@ pub fn tls_certificate(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
     );
     std::fs::write(
         dir.join(&ext),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+        format!("subjectAltName={san}\nbasicConstraints=CA:FALSE\n"),
     )
     .unwrap();
     run(&[

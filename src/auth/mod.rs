@@ -1,0 +1,543 @@
+//! Authentication. In `passthrough` mode (the default) PostgreSQL
+//! authenticates every client through pgcache: the exchange is relayed, with
+//! SCRAM's channel binding taken out, since pgcache ends each TLS leg. In
+//! `terminate` mode pgcache authenticates the client itself with
+//! SCRAM-SHA-256 (and `-PLUS` over TLS), against `auth.users` or
+//! `auth.auth_query`, then logs in to PostgreSQL as the same user: with the
+//! password when it has one, else with the `ClientKey` the client's proof
+//! gave away (PostgreSQL must then hold the same verifier, as it does when
+//! the verifier comes from `pg_authid`).
+
+pub mod scram;
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use bytes::{Buf, BufMut, BytesMut};
+use pgwire::messages::Message;
+use pgwire::messages::startup::Authentication;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::{debug, warn};
+
+use crate::config::{AuthConfig, Config};
+use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
+use crate::protocol::frontend as fe;
+use crate::upstream::UpstreamTls;
+use scram::{ClientExchange, ClientSecret, MECHANISM, MECHANISM_PLUS, ServerBinding, Verifier};
+
+/// Authentication request codes (the `R` message's first field).
+pub const AUTH_OK: i32 = 0;
+const AUTH_CLEARTEXT: i32 = 3;
+const AUTH_MD5: i32 = 5;
+pub const AUTH_SASL: i32 = 10;
+const AUTH_SASL_CONTINUE: i32 = 11;
+const AUTH_SASL_FINAL: i32 = 12;
+
+/// The largest authentication message accepted from a client.
+const MAX_AUTH_MESSAGE: usize = 16 * 1024;
+
+/// What pgcache knows of one user's password.
+#[derive(Clone)]
+struct Credentials {
+    verifier: Verifier,
+    /// Known when the configuration gives the password itself.
+    password: Option<String>,
+}
+
+fn credentials(value: &str) -> Result<Credentials, String> {
+    if value.starts_with("SCRAM-SHA-256$") {
+        let verifier = Verifier::parse(value).ok_or("malformed SCRAM-SHA-256 verifier")?;
+        return Ok(Credentials {
+            verifier,
+            password: None,
+        });
+    }
+    if value.len() == 35 && value.starts_with("md5") {
+        return Err(
+            "an MD5 hash cannot check a SCRAM login: give the password or its SCRAM-SHA-256 verifier"
+                .into(),
+        );
+    }
+    Ok(Credentials {
+        verifier: Verifier::random(value),
+        password: Some(value.to_owned()),
+    })
+}
+
+/// Checks `auth.users` the way [`Authenticator`] will read it.
+pub fn validate(config: &AuthConfig) -> Vec<String> {
+    config
+        .users
+        .iter()
+        .filter_map(|(user, value)| {
+            credentials(value)
+                .err()
+                .map(|e| format!("auth.users.{user}: {e}"))
+        })
+        .collect()
+}
+
+/// The terminate-mode state of one instance.
+pub struct Authenticator {
+    users: RwLock<Arc<HashMap<String, Credentials>>>,
+    /// The control connection `auth_query` runs on, opened on first use.
+    query_client: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    /// Keys the fake salts of unknown users.
+    secret: [u8; 32],
+}
+
+impl Authenticator {
+    pub fn new(config: &AuthConfig) -> Self {
+        let mut secret = [0u8; 32];
+        rand::fill(&mut secret);
+        let this = Self {
+            users: RwLock::default(),
+            query_client: tokio::sync::Mutex::new(None),
+            secret,
+        };
+        this.reload(config);
+        this
+    }
+
+    /// Takes `auth.users` anew (validated already).
+    pub fn reload(&self, config: &AuthConfig) {
+        let users = config
+            .users
+            .iter()
+            .filter_map(|(user, value)| Some((user.clone(), credentials(value).ok()?)))
+            .collect();
+        *self.users.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(users);
+    }
+
+    /// The user's credentials: `auth.users` first, then `auth.auth_query`.
+    /// `Ok(None)`: no such user (or no password).
+    async fn lookup(
+        &self,
+        config: &Config,
+        tls: &UpstreamTls,
+        user: &str,
+    ) -> Result<Option<Credentials>, String> {
+        if let Some(found) = self
+            .users
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(user)
+        {
+            return Ok(Some(found.clone()));
+        }
+        let query = &config.auth.auth_query;
+        if query.is_empty() {
+            return Ok(None);
+        }
+        let mut slot = self.query_client.lock().await;
+        if slot.as_ref().is_none_or(|c| c.is_closed()) {
+            let client = crate::invalidation::replication::control_client(config, tls)
+                .await
+                .map_err(|e| format!("auth_query connection: {e}"))?;
+            *slot = Some(client);
+        }
+        let client = slot.as_ref().expect("just connected");
+        let rows = client
+            .query(query.as_str(), &[&user])
+            .await
+            .map_err(|e| format!("auth_query failed: {e}"))?;
+        let value: Option<String> = match rows.first() {
+            Some(row) => row
+                .try_get(0)
+                .map_err(|e| format!("auth_query must return one text column: {e}"))?,
+            None => None,
+        };
+        match value {
+            Some(value) => credentials(&value)
+                .map(Some)
+                .map_err(|e| format!("auth_query's password for {user:?}: {e}")),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Why a login ended without a session.
+#[derive(Debug)]
+pub struct Refusal {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+fn encode(out: &mut BytesMut, auth: Authentication) {
+    auth.encode(out)
+        .expect("encoding an authentication message into memory cannot fail");
+}
+
+/// Reads one whole frame of at most `max` bytes; `None` at end of stream.
+pub async fn read_frame<C: AsyncRead + Unpin>(
+    stream: &mut C,
+    buf: &mut BytesMut,
+    max: usize,
+) -> std::io::Result<Option<BytesMut>> {
+    loop {
+        match parse_frame(buf, max) {
+            Ok(Some(len)) => return Ok(Some(buf.split_to(len))),
+            Ok(None) => {}
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    e.to_string(),
+                ));
+            }
+        }
+        if stream.read_buf(buf).await? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// A SASLInitialResponse body: (mechanism, data).
+pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
+    let mut pos = 0;
+    let mechanism = read_cstr(body, &mut pos)?;
+    let len = read_i32(body, &mut pos)?;
+    let data = match usize::try_from(len) {
+        Ok(len) => body.get(pos..pos + len)?,
+        Err(_) => &[], // -1: no data
+    };
+    Some((mechanism, data))
+}
+
+/// Runs SCRAM-SHA-256 as the server. `Ok(Some(client_key))` when the proof
+/// was right, `Ok(None)` when it was not; `Err` for a broken exchange.
+pub async fn sasl_server<C>(
+    client: &mut C,
+    buf: &mut BytesMut,
+    verifier: Verifier,
+    binding: ServerBinding<'_>,
+) -> Result<Option<[u8; 32]>, String>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let mut mechanisms = vec![MECHANISM.to_owned()];
+    if binding.offered {
+        mechanisms.insert(0, MECHANISM_PLUS.to_owned());
+    }
+    let mut out = BytesMut::new();
+    encode(&mut out, Authentication::SASL(mechanisms));
+    let io = |e: std::io::Error| e.to_string();
+    client.write_all(&out).await.map_err(io)?;
+    let first = read_frame(client, buf, MAX_AUTH_MESSAGE)
+        .await
+        .map_err(io)?
+        .ok_or("client went away")?;
+    if first[0] != fe::PASSWORD {
+        return Err("expected a SASLInitialResponse".into());
+    }
+    let (mechanism, data) =
+        initial_response(&first[HEADER_LEN..]).ok_or("malformed SASLInitialResponse")?;
+    let (exchange, server_first) = scram::server_first(
+        verifier,
+        &String::from_utf8_lossy(mechanism),
+        &String::from_utf8_lossy(data),
+        binding,
+    )?;
+    out.clear();
+    encode(
+        &mut out,
+        Authentication::SASLContinue(server_first.into_bytes().into()),
+    );
+    client.write_all(&out).await.map_err(io)?;
+    let last = read_frame(client, buf, MAX_AUTH_MESSAGE)
+        .await
+        .map_err(io)?
+        .ok_or("client went away")?;
+    if last[0] != fe::PASSWORD {
+        return Err("expected a SASLResponse".into());
+    }
+    match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
+        Ok(proven) => {
+            out.clear();
+            encode(
+                &mut out,
+                Authentication::SASLFinal(proven.server_final.into_bytes().into()),
+            );
+            client.write_all(&out).await.map_err(io)?;
+            Ok(Some(proven.client_key))
+        }
+        Err(e) => {
+            debug!(error = %e, "SCRAM proof refused");
+            Ok(None)
+        }
+    }
+}
+
+/// Terminate mode: authenticates the client as `user`; returns what logs
+/// in to PostgreSQL on its behalf.
+pub async fn authenticate_client<C>(
+    app: &crate::App,
+    client: &mut C,
+    buf: &mut BytesMut,
+    user: &str,
+    binding: ServerBinding<'_>,
+) -> Result<ClientSecret, Refusal>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let found = app
+        .auth
+        .lookup(&app.live_config(), &app.upstream_tls, user)
+        .await
+        .map_err(|e| {
+            warn!(user, error = %e, "cannot look up a user's password");
+            Refusal::new(
+                crate::protocol::sqlstate::INVALID_AUTHORIZATION,
+                format!("pgcache cannot check the password of user \"{user}\" now"),
+            )
+        })?;
+    let verifier = match &found {
+        Some(c) => c.verifier.clone(),
+        None => Verifier::impossible(user, &app.auth.secret),
+    };
+    let failed = || {
+        Refusal::new(
+            crate::protocol::sqlstate::INVALID_PASSWORD,
+            format!("password authentication failed for user \"{user}\""),
+        )
+    };
+    match sasl_server(client, buf, verifier, binding).await {
+        Ok(Some(client_key)) => {
+            let found = found.ok_or_else(failed)?;
+            Ok(match found.password {
+                Some(password) => ClientSecret::Password(password),
+                None => ClientSecret::Key {
+                    client_key,
+                    verifier: found.verifier,
+                },
+            })
+        }
+        Ok(None) => Err(failed()),
+        Err(e) => Err(Refusal::new(
+            crate::protocol::sqlstate::PROTOCOL_VIOLATION,
+            format!("authentication: {e}"),
+        )),
+    }
+}
+
+/// Logs in to PostgreSQL for a client pgcache authenticated: sends its
+/// StartupMessage and answers the server's authentication request. Leaves
+/// the AuthenticationOk and everything after it in `buf`, for the session
+/// to relay. `Err(Some(frame))`: PostgreSQL's own ErrorResponse.
+pub async fn login_backend<B>(
+    backend: &mut B,
+    buf: &mut BytesMut,
+    startup_raw: &[u8],
+    user: &str,
+    secret: &ClientSecret,
+) -> Result<(), LoginError>
+where
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    backend.write_all(startup_raw).await?;
+    let mut scram: Option<ClientExchange> = None;
+    loop {
+        let len = loop {
+            match parse_frame(buf, MAX_AUTH_MESSAGE) {
+                Ok(Some(len)) => break len,
+                Ok(None) => {}
+                Err(e) => return Err(LoginError::Failed(format!("from PostgreSQL: {e}"))),
+            }
+            if backend.read_buf(buf).await? == 0 {
+                return Err(LoginError::Failed(
+                    "PostgreSQL closed the connection during authentication".into(),
+                ));
+            }
+        };
+        match buf[0] {
+            b'R' => {}
+            b'E' => return Err(LoginError::Server(buf.split_to(len))),
+            b'v' => {
+                // NegotiateProtocolVersion: informational here.
+                buf.advance(len);
+                continue;
+            }
+            other => {
+                return Err(LoginError::Failed(format!(
+                    "unexpected message {:?} during authentication",
+                    other as char
+                )));
+            }
+        }
+        let body = &buf[HEADER_LEN..len];
+        let code = i32::from_be_bytes(
+            body.get(..4)
+                .and_then(|b| b.try_into().ok())
+                .unwrap_or([0xff; 4]),
+        );
+        if code == AUTH_OK {
+            return Ok(());
+        }
+        let data = body[4..].to_vec();
+        buf.advance(len);
+        let mut reply = BytesMut::new();
+        match (code, secret) {
+            (AUTH_CLEARTEXT, ClientSecret::Password(password)) => {
+                password_message(&mut reply, password.as_bytes());
+            }
+            (AUTH_MD5, ClientSecret::Password(password)) => {
+                let salt = data
+                    .get(..4)
+                    .ok_or(LoginError::Failed("short MD5 salt".into()))?;
+                password_message(&mut reply, md5_response(user, password, salt).as_bytes());
+            }
+            (AUTH_CLEARTEXT | AUTH_MD5, ClientSecret::Key { .. }) => {
+                return Err(LoginError::Failed(format!(
+                    "PostgreSQL asks for user \"{user}\"'s password in {}, but pgcache holds only \
+                     its SCRAM verifier: give the password in auth.users, or use scram-sha-256 \
+                     in pg_hba.conf",
+                    if code == AUTH_MD5 {
+                        "MD5"
+                    } else {
+                        "clear text"
+                    }
+                )));
+            }
+            (AUTH_SASL, _) => {
+                let offered = data.split(|b| *b == 0).any(|m| m == MECHANISM.as_bytes());
+                if !offered {
+                    return Err(LoginError::Failed(
+                        "PostgreSQL offers no SASL mechanism pgcache knows".into(),
+                    ));
+                }
+                let (exchange, first) = ClientExchange::start(secret.clone());
+                scram = Some(exchange);
+                let mut body = BytesMut::new();
+                body.put_slice(MECHANISM.as_bytes());
+                body.put_u8(0);
+                body.put_i32(first.len() as i32);
+                body.put_slice(first.as_bytes());
+                frame(&mut reply, fe::PASSWORD, &body);
+            }
+            (AUTH_SASL_CONTINUE, _) => {
+                let exchange = scram
+                    .as_mut()
+                    .ok_or(LoginError::Failed("SASLContinue out of order".into()))?;
+                let last = exchange
+                    .respond(&String::from_utf8_lossy(&data))
+                    .map_err(LoginError::Failed)?;
+                frame(&mut reply, fe::PASSWORD, last.as_bytes());
+            }
+            (AUTH_SASL_FINAL, _) => {
+                scram
+                    .as_ref()
+                    .ok_or(LoginError::Failed("SASLFinal out of order".into()))?
+                    .verify(&String::from_utf8_lossy(&data))
+                    .map_err(LoginError::Failed)?;
+                continue;
+            }
+            (other, _) => {
+                return Err(LoginError::Failed(format!(
+                    "PostgreSQL asks for authentication method {other}, which pgcache cannot \
+                     answer for a client"
+                )));
+            }
+        }
+        backend.write_all(&reply).await?;
+    }
+}
+
+/// How logging in to PostgreSQL failed.
+#[derive(Debug)]
+pub enum LoginError {
+    /// PostgreSQL's ErrorResponse, to relay.
+    Server(BytesMut),
+    Failed(String),
+}
+
+impl From<std::io::Error> for LoginError {
+    fn from(e: std::io::Error) -> Self {
+        LoginError::Failed(format!("connection to PostgreSQL: {e}"))
+    }
+}
+
+fn frame(out: &mut BytesMut, tag: u8, body: &[u8]) {
+    out.put_u8(tag);
+    out.put_i32(body.len() as i32 + 4);
+    out.put_slice(body);
+}
+
+fn password_message(out: &mut BytesMut, password: &[u8]) {
+    let mut body = password.to_vec();
+    body.push(0);
+    frame(out, fe::PASSWORD, &body);
+}
+
+/// libpq's MD5 answer: "md5" + md5(md5(password + user) + salt), in hex.
+fn md5_response(user: &str, password: &str, salt: &[u8]) -> String {
+    use md5::{Digest, Md5};
+    let inner = hex(&Md5::digest(format!("{password}{user}")));
+    let mut outer = Md5::new();
+    outer.update(inner.as_bytes());
+    outer.update(salt);
+    format!("md5{}", hex(&outer.finalize()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Passthrough: the mechanism list of an AuthenticationSASL body (after the
+/// code) without `SCRAM-SHA-256-PLUS`, which cannot cross pgcache's TLS
+/// ends. `None` when there is nothing to take out.
+pub fn without_plus(mechanisms: &[u8]) -> Option<BytesMut> {
+    let names: Vec<&[u8]> = mechanisms
+        .split(|b| *b == 0)
+        .filter(|m| !m.is_empty())
+        .collect();
+    if !names.contains(&MECHANISM_PLUS.as_bytes()) {
+        return None;
+    }
+    let mut body = BytesMut::new();
+    body.put_i32(AUTH_SASL);
+    for name in names.iter().filter(|m| **m != MECHANISM_PLUS.as_bytes()) {
+        body.put_slice(name);
+        body.put_u8(0);
+    }
+    body.put_u8(0);
+    let mut out = BytesMut::new();
+    frame(&mut out, b'R', &body);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn md5_answer_is_libpqs() {
+        // PostgreSQL 15: SELECT 'md5' || md5(md5('pu') || 'abcd')
+        assert_eq!(
+            md5_response("u", "p", b"abcd"),
+            "md5fa55bd30a96b8d5bd8215eee7c50a918"
+        );
+    }
+
+    #[test]
+    fn plus_is_taken_out_of_the_mechanism_list() {
+        let frame = without_plus(b"SCRAM-SHA-256-PLUS\0SCRAM-SHA-256\0\0").unwrap();
+        assert_eq!(&frame[..], b"R\0\0\0\x17\0\0\0\x0aSCRAM-SHA-256\0\0");
+        assert!(without_plus(b"SCRAM-SHA-256\0\0").is_none());
+    }
+
+    #[test]
+    fn configured_secrets_are_checked() {
+        assert!(credentials("SCRAM-SHA-256$4096:broken").is_err());
+        assert!(credentials("md5d41d8cd98f00b204e9800998ecf8427e").is_err());
+        let plain = credentials("hunter2").unwrap();
+        assert_eq!(plain.password.as_deref(), Some("hunter2"));
+    }
+}

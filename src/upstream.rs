@@ -1,0 +1,471 @@
+//! `upstream.url` and TLS towards PostgreSQL: libpq's `sslmode` and
+//! `sslrootcert`, honoured alike by client sessions, cancel requests, the
+//! control connections (tokio-postgres) and the replication streams.
+//!
+//! tokio-postgres knows only `disable`, `prefer` and `require`, and no
+//! `sslrootcert`; those two parameters are taken out of the URL here, and
+//! certificate checks are done by the rustls configuration built from them.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::WebPkiSupportedAlgorithms;
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+/// libpq's `sslmode` for the connections pgcache opens to PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamSslMode {
+    Disable,
+    Allow,
+    /// libpq's default: TLS if the server offers it, without checking the
+    /// certificate (unless `sslrootcert` is given).
+    #[default]
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+impl UpstreamSslMode {
+    fn parse(value: &str) -> Result<Self, String> {
+        Ok(match value {
+            "disable" => Self::Disable,
+            "allow" => Self::Allow,
+            "prefer" => Self::Prefer,
+            "require" => Self::Require,
+            "verify-ca" => Self::VerifyCa,
+            "verify-full" => Self::VerifyFull,
+            other => {
+                return Err(format!(
+                    "sslmode {other:?}: expected disable, allow, prefer, require, verify-ca or verify-full"
+                ));
+            }
+        })
+    }
+
+    /// TLS is attempted at all.
+    pub fn tries_tls(self) -> bool {
+        !matches!(self, Self::Disable | Self::Allow)
+    }
+
+    /// A server that declines TLS is refused.
+    pub fn requires_tls(self) -> bool {
+        matches!(self, Self::Require | Self::VerifyCa | Self::VerifyFull)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disable => "disable",
+            Self::Allow => "allow",
+            Self::Prefer => "prefer",
+            Self::Require => "require",
+            Self::VerifyCa => "verify-ca",
+            Self::VerifyFull => "verify-full",
+        }
+    }
+}
+
+/// `upstream.url` split into what tokio-postgres parses and the TLS
+/// parameters pgcache handles itself.
+#[derive(Debug, Clone)]
+pub struct UpstreamUrl {
+    /// The rest of the URL, with `ssl_mode` set to the nearest
+    /// tokio-postgres knows (certificate checks come from [`UpstreamTls`]).
+    pub pg: tokio_postgres::Config,
+    pub ssl_mode: UpstreamSslMode,
+    pub root_cert: Option<PathBuf>,
+}
+
+/// Parameters taken out of the URL before tokio-postgres sees it.
+const TLS_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
+
+impl UpstreamUrl {
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let (rest, params) = split_params(url, &TLS_PARAMS)?;
+        let mut pg = tokio_postgres::Config::from_str(&rest).map_err(|e| e.to_string())?;
+        let mut ssl_mode = UpstreamSslMode::default();
+        let mut root_cert = None;
+        for (key, value) in params {
+            match key.as_str() {
+                "sslmode" => ssl_mode = UpstreamSslMode::parse(&value)?,
+                "sslrootcert" => root_cert = Some(PathBuf::from(value)),
+                _ => {
+                    return Err(format!(
+                        "{key}: client certificates towards PostgreSQL are not supported"
+                    ));
+                }
+            }
+        }
+        if matches!(
+            ssl_mode,
+            UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull
+        ) && root_cert.is_none()
+        {
+            return Err(format!(
+                "sslmode={} needs sslrootcert=<CA file> to check the server's certificate against",
+                ssl_mode.as_str()
+            ));
+        }
+        pg.ssl_mode(match ssl_mode {
+            UpstreamSslMode::Disable | UpstreamSslMode::Allow => {
+                tokio_postgres::config::SslMode::Disable
+            }
+            UpstreamSslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+            _ => tokio_postgres::config::SslMode::Require,
+        });
+        Ok(Self {
+            pg,
+            ssl_mode,
+            root_cert,
+        })
+    }
+}
+
+/// Takes the parameters named in `keys` out of a libpq URL
+/// (`postgres://...?k=v&...`) or key=value string, returning the rest and
+/// the (key, decoded value) pairs taken.
+fn split_params(url: &str, keys: &[&str]) -> Result<(String, Vec<(String, String)>), String> {
+    let mut taken = Vec::new();
+    let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if is_url {
+        let Some((base, query)) = url.split_once('?') else {
+            return Ok((url.to_owned(), taken));
+        };
+        let mut kept = Vec::new();
+        for pair in query.split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if keys.contains(&key) {
+                let value = percent_encoding::percent_decode_str(value)
+                    .decode_utf8()
+                    .map_err(|e| format!("{key}: {e}"))?;
+                taken.push((key.to_owned(), value.into_owned()));
+            } else {
+                kept.push(pair);
+            }
+        }
+        let rest = if kept.is_empty() {
+            base.to_owned()
+        } else {
+            format!("{base}?{}", kept.join("&"))
+        };
+        return Ok((rest, taken));
+    }
+    // key = value pairs; a value may be 'quoted' with \' and \\ escapes.
+    let mut rest = String::new();
+    let mut chars = url.char_indices().peekable();
+    loop {
+        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
+        let Some(&(start, _)) = chars.peek() else {
+            break;
+        };
+        let mut key = String::new();
+        while let Some((_, c)) = chars.next_if(|(_, c)| *c != '=' && !c.is_whitespace()) {
+            key.push(c);
+        }
+        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
+        if chars.next_if(|(_, c)| *c == '=').is_none() {
+            return Err(format!("missing \"=\" after {key:?} in connection string"));
+        }
+        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if chars.next_if(|(_, c)| *c == '\'').is_some() {
+            loop {
+                match chars.next() {
+                    Some((_, '\\')) => match chars.next() {
+                        Some((_, c)) => value.push(c),
+                        None => return Err("unterminated quoted value".into()),
+                    },
+                    Some((_, '\'')) => break,
+                    Some((_, c)) => value.push(c),
+                    None => return Err("unterminated quoted value".into()),
+                }
+            }
+        } else {
+            while let Some((_, c)) = chars.next_if(|(_, c)| !c.is_whitespace()) {
+                value.push(c);
+            }
+        }
+        let end = chars.peek().map_or(url.len(), |&(i, _)| i);
+        if keys.contains(&key.as_str()) {
+            taken.push((key, value));
+        } else {
+            rest.push_str(url[start..end].trim_end());
+            rest.push(' ');
+        }
+    }
+    Ok((rest.trim_end().to_owned(), taken))
+}
+
+/// The TLS settings of every connection to PostgreSQL.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    pub mode: UpstreamSslMode,
+    pub root_cert: Option<PathBuf>,
+    /// Built when TLS may be used.
+    config: Option<Arc<ClientConfig>>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("mode", &self.mode)
+            .field("root_cert", &self.root_cert)
+            .finish()
+    }
+}
+
+impl UpstreamTls {
+    /// Reads the CA file, if any, and builds the rustls configuration.
+    pub fn new(url: &UpstreamUrl) -> Result<Self, String> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = if url.ssl_mode.tries_tls() {
+            let verifier: Arc<dyn ServerCertVerifier> = match &url.root_cert {
+                Some(path) => {
+                    let mut roots = RootCertStore::empty();
+                    let certs = CertificateDer::pem_file_iter(path)
+                        .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                    for cert in certs {
+                        let cert =
+                            cert.map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                        roots
+                            .add(cert)
+                            .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                    }
+                    if roots.is_empty() {
+                        return Err(format!(
+                            "sslrootcert {}: no certificate in the file",
+                            path.display()
+                        ));
+                    }
+                    let webpki = WebPkiServerVerifier::builder_with_provider(
+                        Arc::new(roots),
+                        provider.clone(),
+                    )
+                    .build()
+                    .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                    // As in libpq, a CA file makes require check the chain.
+                    if url.ssl_mode == UpstreamSslMode::VerifyFull {
+                        webpki
+                    } else {
+                        Arc::new(AnyName(webpki))
+                    }
+                }
+                None => Arc::new(Unchecked(provider.signature_verification_algorithms)),
+            };
+            let config = ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| e.to_string())?
+                .dangerous()
+                .with_custom_certificate_verifier(verifier)
+                .with_no_client_auth();
+            Some(Arc::new(config))
+        } else {
+            None
+        };
+        Ok(Self {
+            mode: url.ssl_mode,
+            root_cert: url.root_cert.clone(),
+            config,
+        })
+    }
+
+    pub fn connector(&self) -> Option<tokio_rustls::TlsConnector> {
+        self.config.clone().map(tokio_rustls::TlsConnector::from)
+    }
+
+    /// For tokio-postgres (control connections).
+    pub fn make_tls(&self) -> tokio_postgres_rustls::MakeRustlsConnect {
+        let config = self.config.as_deref().cloned().unwrap_or_else(|| {
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("ring supports the default protocol versions")
+                .with_root_certificates(RootCertStore::empty())
+                .with_no_client_auth()
+        });
+        tokio_postgres_rustls::MakeRustlsConnect::new(config)
+    }
+
+    /// For the replication client, which has TLS of its own.
+    pub fn replication(&self, host: &str) -> pgwire_replication::TlsConfig {
+        use pgwire_replication::{SslMode, TlsConfig};
+        let mode = match (self.mode, &self.root_cert) {
+            (UpstreamSslMode::Disable | UpstreamSslMode::Allow, _) => SslMode::Disable,
+            (UpstreamSslMode::Prefer, _) => SslMode::Prefer,
+            (UpstreamSslMode::Require, None) => SslMode::Require,
+            (UpstreamSslMode::Require | UpstreamSslMode::VerifyCa, Some(_)) => SslMode::VerifyCa,
+            (UpstreamSslMode::VerifyCa, None) => SslMode::VerifyCa,
+            (UpstreamSslMode::VerifyFull, _) => SslMode::VerifyFull,
+        };
+        TlsConfig {
+            mode,
+            ca_pem_path: self.root_cert.clone(),
+            sni_hostname: Some(host.to_owned()),
+            client_cert_pem_path: None,
+            client_key_pem_path: None,
+        }
+    }
+}
+
+/// `prefer` and `require` without a CA file: encryption without a check of
+/// who is at the other end, as in libpq. The handshake's signatures are still
+/// checked.
+#[derive(Debug)]
+struct Unchecked(WebPkiSupportedAlgorithms);
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the chain must lead to the CA file; the name is not checked.
+#[derive(Debug)]
+struct AnyName(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        // webpki checks the chain first and the name last, so a name error
+        // means the chain was good.
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(url: &str) -> (String, Vec<(String, String)>) {
+        split_params(url, &TLS_PARAMS).unwrap()
+    }
+
+    #[test]
+    fn tls_parameters_leave_urls() {
+        let (rest, taken) = split(
+            "postgres://u:p@db:5433/app?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.pem",
+        );
+        assert_eq!(rest, "postgres://u:p@db:5433/app?application_name=x");
+        assert_eq!(
+            taken,
+            vec![
+                ("sslmode".to_owned(), "verify-full".to_owned()),
+                ("sslrootcert".to_owned(), "/etc/ca.pem".to_owned())
+            ]
+        );
+        let (rest, _) = split("postgresql://db/app?sslmode=require");
+        assert_eq!(rest, "postgresql://db/app");
+    }
+
+    #[test]
+    fn tls_parameters_leave_key_value_strings() {
+        let (rest, taken) = split(
+            "host=db  sslmode = require password='it\\'s \\\\ y' sslrootcert='/a b/ca.pem' port=5",
+        );
+        assert_eq!(rest, "host=db password='it\\'s \\\\ y' port=5");
+        assert_eq!(
+            taken,
+            vec![
+                ("sslmode".to_owned(), "require".to_owned()),
+                ("sslrootcert".to_owned(), "/a b/ca.pem".to_owned())
+            ]
+        );
+        assert!(split_params("host=db sslmode", &TLS_PARAMS).is_err());
+        assert!(split_params("sslrootcert='open", &TLS_PARAMS).is_err());
+    }
+
+    #[test]
+    fn modes_map_to_what_each_client_knows() {
+        let url = UpstreamUrl::parse("postgres://db/app").unwrap();
+        assert_eq!(url.ssl_mode, UpstreamSslMode::Prefer, "libpq's default");
+        let url = UpstreamUrl::parse("host=db sslmode=disable").unwrap();
+        assert_eq!(
+            url.pg.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Disable
+        );
+        let url =
+            UpstreamUrl::parse("postgres://db/app?sslmode=verify-ca&sslrootcert=/ca").unwrap();
+        assert_eq!(
+            url.pg.get_ssl_mode(),
+            tokio_postgres::config::SslMode::Require
+        );
+        assert_eq!(url.root_cert.as_deref(), Some(std::path::Path::new("/ca")));
+        let err = UpstreamUrl::parse("postgres://db/app?sslmode=verify-full").unwrap_err();
+        assert!(err.contains("sslrootcert"), "{err}");
+        let err = UpstreamUrl::parse("postgres://db/app?sslmode=sometimes").unwrap_err();
+        assert!(err.contains("verify-full"), "{err}");
+        let err = UpstreamUrl::parse("postgres://db/app?sslcert=/c").unwrap_err();
+        assert!(err.contains("client certificates"), "{err}");
+    }
+}
