@@ -44,6 +44,8 @@ pub struct Metrics {
     pub hint_problems: IntCounter,
     /// Misses that waited for a concurrent identical miss.
     pub coalesced: IntCounter,
+    /// Logins pgcache refused or could not complete, by stage.
+    pub auth_failures: AuthFailures,
     /// Entries refreshed in the background while being served.
     pub refreshes: IntCounter,
     pub client_connections: IntGauge,
@@ -207,6 +209,14 @@ impl SharedMetrics {
     }
 }
 
+/// `pgcache_auth_failures_total`, one handle per stage.
+#[derive(Clone)]
+pub struct AuthFailures {
+    pub client: IntCounter,
+    pub backend: IntCounter,
+    pub relay: IntCounter,
+}
+
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
     registry
         .register(Box::new(metric.clone()))
@@ -233,6 +243,19 @@ impl Metrics {
             IntCounter::new(
                 "pgcache_cache_stores_total",
                 "Results stored in the local tier",
+            )
+            .expect("valid metric"),
+        );
+        let auth_failures = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "pgcache_auth_failures_total",
+                    "Logins that failed in pgcache: a wrong password or unknown user (client), \
+                     a login to PostgreSQL for an authenticated client (backend), SCRAM that \
+                     cannot be relayed across two TLS legs (relay)",
+                ),
+                &["stage"],
             )
             .expect("valid metric"),
         );
@@ -369,6 +392,11 @@ impl Metrics {
             stores,
             hint_problems,
             coalesced,
+            auth_failures: AuthFailures {
+                client: auth_failures.with_label_values(&["client"]),
+                backend: auth_failures.with_label_values(&["backend"]),
+                relay: auth_failures.with_label_values(&["relay"]),
+            },
             refreshes,
             client_connections,
             replication_up: register(

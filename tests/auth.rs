@@ -93,6 +93,7 @@ async fn passthrough_relays_scram_and_explains_when_binding_cannot_cross() {
         "{err}"
     );
     assert!(err.contains("auth.mode = \"terminate\""), "{err}");
+    assert_eq!(proxy.app.metrics.auth_failures.relay.get(), 1);
     // Without binding, SCRAM is relayed over both TLS legs.
     let (ok, out, err) = psql(
         &proxy,
@@ -184,6 +185,8 @@ async fn terminate_mode_binds_to_pgcaches_certificate_and_logs_in_with_configure
         err.code(),
         Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD)
     );
+    let failures = &proxy.app.metrics.auth_failures;
+    assert_eq!((failures.client.get(), failures.backend.get()), (3, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -276,4 +279,6 @@ async fn terminate_mode_with_auth_query_logs_in_with_no_password_stored_anywhere
         &tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION
     );
     assert!(db.message().contains("verifier"), "{}", db.message());
+    let failures = &proxy.app.metrics.auth_failures;
+    assert_eq!((failures.client.get(), failures.backend.get()), (2, 1));
 }

@@ -428,14 +428,20 @@ fn config_rows(app: &App) -> Vec<Vec<String>> {
     if let Ok(value) = toml::Value::try_from(&*config) {
         flatten("", &value, &mut rows);
     }
-    for row in &mut rows {
+    hide_secrets(&mut rows);
+    rows
+}
+
+fn hide_secrets(rows: &mut [Vec<String>]) {
+    for row in rows {
         match row[0].as_str() {
             "admin.password" if !row[1].is_empty() => row[1] = "***".to_owned(),
+            // Passwords and SCRAM verifiers alike.
+            key if key.starts_with("auth.users.") => row[1] = "***".to_owned(),
             "upstream.url" | "redis.url" => row[1] = hide_passwords(&row[1]),
             _ => {}
         }
     }
-    rows
 }
 
 fn flatten(prefix: &str, value: &toml::Value, rows: &mut Vec<Vec<String>>) {
@@ -488,6 +494,25 @@ mod tests {
         assert_eq!(
             hide_passwords("redis://:a@h:1,redis://:b@h:2"),
             "redis://:***@h:1,redis://:***@h:2"
+        );
+    }
+
+    #[test]
+    fn show_config_hides_every_secret() {
+        let mut config = crate::Config::default();
+        config.admin.password = "adminpw".into();
+        config.auth.users.insert("alice".into(), "alicepw".into());
+        config.upstream.url = "postgres://u:dbpw@h/db".into();
+        let mut rows = Vec::new();
+        flatten("", &toml::Value::try_from(&config).unwrap(), &mut rows);
+        hide_secrets(&mut rows);
+        let all = format!("{rows:?}");
+        for secret in ["adminpw", "alicepw", "dbpw"] {
+            assert!(!all.contains(secret), "{secret} shown: {all}");
+        }
+        assert!(
+            rows.iter()
+                .any(|r| r[0] == "auth.users.alice" && r[1] == "***")
         );
     }
 

@@ -49,6 +49,7 @@ where
         let message = match result {
             Ok(Ok(())) => return Ok(Flow::Continue),
             Ok(Err(LoginError::Server(frame))) => {
+                self.app.metrics.auth_failures.backend.inc();
                 // PostgreSQL's own FATAL (no such database, too many
                 // connections, ...): the client gets it as is.
                 let _ = self.client.write_all(&frame).await;
@@ -57,6 +58,7 @@ where
             Ok(Err(LoginError::Failed(reason))) => reason,
             Err(_) => "PostgreSQL did not finish authentication in time".to_owned(),
         };
+        self.app.metrics.auth_failures.backend.inc();
         info!(user, reason = %message, "could not log in to PostgreSQL for a client");
         let msg = messages::fatal(
             sqlstate::INVALID_AUTHORIZATION,
@@ -130,6 +132,7 @@ where
                         },
                     );
                     if downgrade {
+                        self.app.metrics.auth_failures.relay.inc();
                         info!("refused SCRAM relay with channel binding on both TLS legs");
                         let msg =
                             messages::fatal(sqlstate::INVALID_AUTHORIZATION, BINDING_CANNOT_PASS);

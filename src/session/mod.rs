@@ -159,6 +159,7 @@ pub async fn serve(
         match checked {
             Ok(Ok(secret)) => Some(secret),
             Ok(Err(refusal)) => {
+                app.metrics.auth_failures.client.inc();
                 info!(%peer, user, reason = %refusal.message, "authentication failed");
                 let msg = messages::fatal(refusal.code, &refusal.message);
                 let _ = client.write_all(&msg).await;
