@@ -4,7 +4,8 @@
 # Targets (fuzz/fuzz_targets/): frames (frame decoder, Parse/Bind/Describe/
 # Execute/DataRow views, pgoutput decoder), startup (startup packets),
 # classify (sqlparser analysis), hints (hint lexer), shared_entry (values read
-# from Redis). Needs the nightly toolchain; installs cargo-fuzz when missing.
+# from Redis), auth (SCRAM on both sides, SASL messages, upstream.url).
+# Needs the nightly toolchain; installs cargo-fuzz when missing.
 # A crash is saved under fuzz/artifacts/<target>/ and makes this script fail:
 # keep the input as a regression test in the crate's unit tests.
 set -euo pipefail
@@ -12,7 +13,7 @@ SECONDS_PER_TARGET=${1:-60}
 cd "$(dirname "$0")/../fuzz"
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 status=0
-for target in frames startup classify hints shared_entry; do
+for target in frames startup classify hints shared_entry auth; do
     corpus="corpus/$target"
     mkdir -p "$corpus"
     cp -n seeds/"$target"/* "$corpus"/ 2>/dev/null || true
