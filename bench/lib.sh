@@ -55,10 +55,11 @@ build_pgcache() {
 }
 
 # start_pgcache PORT [flags...]; its metrics port is left in $METRICS_PORT.
+# $UPSTREAM_URL replaces the default upstream URL.
 start_pgcache() {
     local port=$1; shift
     METRICS_PORT=$(free_port)
-    RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
+    RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "${UPSTREAM_URL:-postgres://postgres@127.0.0.1:$PGPORT}" \
         --metrics "127.0.0.1:$METRICS_PORT" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
     PIDS+=($!)
     wait_port "$port"
@@ -102,10 +103,11 @@ wait_port() {
 }
 
 # tps PORT MODE SCRIPT-ARGS... : prints TPS; fails if any transaction failed.
+# As $BENCH_USER (default postgres).
 tps() {
     local port=$1 mode=$2; shift 2
     local out
-    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$port" -U postgres -n -M "$mode" "$@" bench 2>&1) || { echo "$out" >&2; return 1; }
+    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$port" -U "${BENCH_USER:-postgres}" -n -M "$mode" "$@" bench 2>&1) || { echo "$out" >&2; return 1; }
     if ! grep -q "number of failed transactions: 0 " <<<"$out"; then
         echo "$out" >&2
         echo "failed transactions on port $port" >&2
