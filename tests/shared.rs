@@ -560,3 +560,43 @@ async fn rediss_with_a_password_carries_the_shared_tier() {
     assert!(!c.app.shared.as_ref().unwrap().is_up());
     assert_eq!(c.hits(), 2, "the local tier works without Redis");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_over_tls_carries_the_shared_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca_file, cert, key) = tls_certificate(dir.path(), "redis");
+    let cluster = RedisCluster::start_tls(&ca_file, &cert, &key);
+    let db = pg().create_db("shared_cluster_tls");
+    pg().psql_db(&db, ITEMS);
+    let mut cfg = config(&cluster.tls_url());
+    cfg.redis.ca_file = ca_file.clone();
+    let a = Proxy::start(cfg.clone()).await;
+    let b = Proxy::start(cfg).await;
+    let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
+    shared_ready(&a, &db).await;
+    shared_ready(&b, &db).await;
+    for id in 1..=12 {
+        let sql = format!("SELECT v FROM items WHERE id = {id}");
+        assert_eq!(scalar(&ca, &sql).await, Some((id * 10).to_string()));
+    }
+    stored(&a, 12).await;
+    let per_node: Vec<usize> = cluster
+        .nodes
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
+        .collect();
+    assert!(
+        per_node.iter().filter(|n| **n > 0).count() >= 2,
+        "keys spread over the nodes: {per_node:?}"
+    );
+    for id in 1..=12 {
+        let sql = format!("SELECT v FROM items WHERE id = {id}");
+        assert_eq!(scalar(&cb, &sql).await, Some((id * 10).to_string()));
+    }
+    assert_eq!(b.app.metrics.shared.hit.get(), 12, "served over TLS");
+    // Invalidations travel over TLS too.
+    ca.batch_execute("UPDATE items SET v = 0 WHERE id = 3")
+        .await
+        .unwrap();
+    converges(&cb, "SELECT v FROM items WHERE id = 3", "0").await;
+}

@@ -527,21 +527,51 @@ impl Drop for Redis {
 /// A Redis Cluster of three masters, each a redis-server of its own.
 pub struct RedisCluster {
     pub nodes: Vec<Redis>,
+    /// Each node's TLS port, when started with TLS.
+    tls_ports: Vec<u16>,
 }
 
 impl RedisCluster {
     pub fn start() -> RedisCluster {
+        RedisCluster::start_with(None)
+    }
+
+    /// A cluster whose nodes also take TLS (with this CA, certificate and
+    /// key) and talk TLS among themselves; they tell TLS clients their TLS
+    /// ports.
+    pub fn start_tls(ca: &Path, cert: &Path, key: &Path) -> RedisCluster {
+        RedisCluster::start_with(Some((ca, cert, key)))
+    }
+
+    fn start_with(tls: Option<(&Path, &Path, &Path)>) -> RedisCluster {
         let mut nodes = Vec::new();
+        let mut tls_ports = Vec::new();
         while nodes.len() < 3 {
             // The cluster bus listens on port + 10000.
             let port = free_port();
             if port > 55_000 || !port_is_free(port + 10_000) {
                 continue;
             }
-            nodes.push(Redis::start_with(
-                port,
-                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
-            ));
+            let mut args: Vec<String> =
+                ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]
+                    .map(str::to_owned)
+                    .to_vec();
+            if let Some((ca, cert, key)) = tls {
+                let tls_port = free_port();
+                tls_ports.push(tls_port);
+                for (flag, value) in [
+                    ("--tls-port", tls_port.to_string()),
+                    ("--tls-cert-file", cert.display().to_string()),
+                    ("--tls-key-file", key.display().to_string()),
+                    ("--tls-ca-cert-file", ca.display().to_string()),
+                    ("--tls-auth-clients", "no".to_owned()),
+                    ("--tls-cluster", "yes".to_owned()),
+                ] {
+                    args.extend([flag.to_owned(), value]);
+                }
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            nodes.push(Redis::start_with(port, &args));
         }
         let addrs: Vec<String> = nodes
             .iter()
@@ -567,7 +597,16 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        RedisCluster { nodes }
+        RedisCluster { nodes, tls_ports }
+    }
+
+    /// The seed list over TLS: `rediss://localhost:<tls port>,...`.
+    pub fn tls_url(&self) -> String {
+        self.tls_ports
+            .iter()
+            .map(|p| format!("rediss://localhost:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// The seed list pgcache takes: every node, comma-separated.
