@@ -412,35 +412,33 @@ mod tests {
     }
 
     #[test]
-    fn tls_parameters_leave_urls() {
-        let (rest, taken) = split(
-            "postgres://u:p@db:5433/app?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.pem",
-        );
-        assert_eq!(rest, "postgres://u:p@db:5433/app?application_name=x");
-        assert_eq!(
-            taken,
-            vec![
-                ("sslmode".to_owned(), "verify-full".to_owned()),
-                ("sslrootcert".to_owned(), "/etc/ca.pem".to_owned())
-            ]
-        );
-        let (rest, _) = split("postgresql://db/app?sslmode=require");
-        assert_eq!(rest, "postgresql://db/app");
-    }
-
-    #[test]
-    fn tls_parameters_leave_key_value_strings() {
-        let (rest, taken) = split(
-            "host=db  sslmode = require password='it\\'s \\\\ y' sslrootcert='/a b/ca.pem' port=5",
-        );
-        assert_eq!(rest, "host=db password='it\\'s \\\\ y' port=5");
-        assert_eq!(
-            taken,
-            vec![
-                ("sslmode".to_owned(), "require".to_owned()),
-                ("sslrootcert".to_owned(), "/a b/ca.pem".to_owned())
-            ]
-        );
+    fn tls_parameters_leave_urls_and_key_value_strings() {
+        let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        for (input, rest, taken) in [
+            (
+                "postgres://u:p@db:5433/app?sslmode=verify-full&application_name=x&sslrootcert=%2Fetc%2Fca.pem",
+                "postgres://u:p@db:5433/app?application_name=x",
+                vec![
+                    pair("sslmode", "verify-full"),
+                    pair("sslrootcert", "/etc/ca.pem"),
+                ],
+            ),
+            (
+                "postgresql://db/app?sslmode=require",
+                "postgresql://db/app",
+                vec![pair("sslmode", "require")],
+            ),
+            (
+                "host=db  sslmode = require password='it\\'s \\\\ y' sslrootcert='/a b/ca.pem' port=5",
+                "host=db password='it\\'s \\\\ y' port=5",
+                vec![
+                    pair("sslmode", "require"),
+                    pair("sslrootcert", "/a b/ca.pem"),
+                ],
+            ),
+        ] {
+            assert_eq!(split(input), (rest.to_owned(), taken), "{input}");
+        }
         assert!(split_params("host=db sslmode", &TLS_PARAMS).is_err());
         assert!(split_params("sslrootcert='open", &TLS_PARAMS).is_err());
     }

@@ -75,6 +75,16 @@ async fn psql(
     )
 }
 
+/// A tokio-postgres login through pgcache that must fail; its error.
+async fn refused(proxy: &Proxy, user: &str, password: &str) -> tokio_postgres::Error {
+    connect_dsn(&format!(
+        "{} password={password}",
+        proxy.dsn(user, "postgres")
+    ))
+    .await
+    .expect_err("the login is refused")
+}
+
 fn ca_option(ca: &Path) -> String {
     format!("sslmode=verify-full sslrootcert={}", ca.display())
 }
@@ -175,12 +185,7 @@ async fn terminate_mode_binds_to_pgcaches_certificate_and_logs_in_with_configure
         );
     }
     // tokio-postgres gets 28P01.
-    let err = connect_dsn(&format!(
-        "{} password=wrong",
-        proxy.dsn(SCRAM_USER, "postgres")
-    ))
-    .await
-    .expect_err("a wrong password is refused");
+    let err = refused(&proxy, SCRAM_USER, "wrong").await;
     assert_eq!(
         err.code(),
         Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD)
@@ -243,36 +248,21 @@ async fn terminate_mode_with_auth_query_logs_in_with_no_password_stored_anywhere
     assert_eq!(scalar(&client, read).await.as_deref(), Some("x"));
     assert_eq!(proxy.hits(), hits + 1, "cached as usual");
 
-    let err = connect_dsn(&format!(
-        "{} password=wrong",
-        proxy.dsn(SCRAM_USER, "postgres")
-    ))
-    .await
-    .expect_err("a wrong password is refused");
+    let err = refused(&proxy, SCRAM_USER, "wrong").await;
     assert_eq!(
         err.code(),
         Some(&tokio_postgres::error::SqlState::INVALID_PASSWORD)
     );
     // pg_authid holds an MD5 hash for md5user: pgcache cannot check a SCRAM
     // login against it, and says so (28000), without telling why.
-    let err = connect_dsn(&format!(
-        "{} password={MD5_PASSWORD}",
-        proxy.dsn(MD5_USER, "postgres")
-    ))
-    .await
-    .expect_err("an MD5 hash cannot check SCRAM");
+    let err = refused(&proxy, MD5_USER, MD5_PASSWORD).await;
     assert_eq!(
         err.code(),
         Some(&tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION)
     );
     // The client's password is right for pgcache's verifier, but the key
     // does not fit PostgreSQL's: a clear refusal, not a wrong-password one.
-    let err = connect_dsn(&format!(
-        "{} password=pepper",
-        proxy.dsn("salty", "postgres")
-    ))
-    .await
-    .expect_err("a key from another verifier is refused by PostgreSQL");
+    let err = refused(&proxy, "salty", "pepper").await;
     let db = err.as_db_error().expect("a server error");
     assert_eq!(
         db.code(),

@@ -472,12 +472,22 @@ async fn a_redis_cluster_serves_as_the_shared_tier() {
     let db = pg().create_db("shared_cluster");
     pg().psql_db(&db, ITEMS);
     let (a, ca, b, cb) = pair(&cluster.url(), &db).await;
-    // Thirty keys land in slots all over the cluster.
-    for id in 1..=30 {
+    shared_across(&cluster, (&a, &ca), (&b, &cb), 30).await;
+}
+
+/// A fills `keys` entries, which land on several nodes of `cluster`; B hits
+/// every one; a write through A reaches B.
+async fn shared_across(
+    cluster: &RedisCluster,
+    (a, ca): (&Proxy, &Client),
+    (b, cb): (&Proxy, &Client),
+    keys: u64,
+) {
+    for id in 1..=keys {
         let sql = format!("SELECT v FROM items WHERE id = {id}");
-        assert_eq!(scalar(&ca, &sql).await, Some((id * 10).to_string()));
+        assert_eq!(scalar(ca, &sql).await, Some((id * 10).to_string()));
     }
-    stored(&a, 30).await;
+    stored(a, keys).await;
     let per_node: Vec<usize> = cluster
         .nodes
         .iter()
@@ -487,17 +497,15 @@ async fn a_redis_cluster_serves_as_the_shared_tier() {
         per_node.iter().filter(|n| **n > 0).count() >= 2,
         "keys spread over the nodes: {per_node:?}"
     );
-    for id in 1..=30 {
+    for id in 1..=keys {
         let sql = format!("SELECT v FROM items WHERE id = {id}");
-        assert_eq!(scalar(&cb, &sql).await, Some((id * 10).to_string()));
+        assert_eq!(scalar(cb, &sql).await, Some((id * 10).to_string()));
     }
-    assert_eq!(b.app.metrics.shared.hit.get(), 30);
-
-    // Invalidation crosses the cluster: a write through A reaches B.
+    assert_eq!(b.app.metrics.shared.hit.get(), keys);
     ca.batch_execute("UPDATE items SET v = 0 WHERE id = 2")
         .await
         .unwrap();
-    converges(&cb, "SELECT v FROM items WHERE id = 2", "0").await;
+    converges(cb, "SELECT v FROM items WHERE id = 2", "0").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -575,28 +583,6 @@ async fn a_redis_cluster_over_tls_carries_the_shared_tier() {
     let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
     shared_ready(&a, &db).await;
     shared_ready(&b, &db).await;
-    for id in 1..=12 {
-        let sql = format!("SELECT v FROM items WHERE id = {id}");
-        assert_eq!(scalar(&ca, &sql).await, Some((id * 10).to_string()));
-    }
-    stored(&a, 12).await;
-    let per_node: Vec<usize> = cluster
-        .nodes
-        .iter()
-        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
-        .collect();
-    assert!(
-        per_node.iter().filter(|n| **n > 0).count() >= 2,
-        "keys spread over the nodes: {per_node:?}"
-    );
-    for id in 1..=12 {
-        let sql = format!("SELECT v FROM items WHERE id = {id}");
-        assert_eq!(scalar(&cb, &sql).await, Some((id * 10).to_string()));
-    }
-    assert_eq!(b.app.metrics.shared.hit.get(), 12, "served over TLS");
-    // Invalidations travel over TLS too.
-    ca.batch_execute("UPDATE items SET v = 0 WHERE id = 3")
-        .await
-        .unwrap();
-    converges(&cb, "SELECT v FROM items WHERE id = 3", "0").await;
+    // Served over TLS, invalidated over TLS.
+    shared_across(&cluster, (&a, &ca), (&b, &cb), 12).await;
 }

@@ -212,6 +212,22 @@ pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((mechanism, data))
 }
 
+/// The client's next message, which must be a `p` (here: `what`).
+async fn read_password_frame<C: AsyncRead + Unpin>(
+    client: &mut C,
+    buf: &mut BytesMut,
+    what: &str,
+) -> Result<BytesMut, String> {
+    let frame = read_frame(client, buf, MAX_AUTH_MESSAGE)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("client went away")?;
+    if frame[0] != fe::PASSWORD {
+        return Err(format!("expected a {what}"));
+    }
+    Ok(frame)
+}
+
 /// Runs SCRAM-SHA-256 as the server. `Ok(Some(client_key))` when the proof
 /// was right, `Ok(None)` when it was not; `Err` for a broken exchange.
 pub async fn sasl_server<C>(
@@ -231,13 +247,7 @@ where
     encode(&mut out, Authentication::SASL(mechanisms));
     let io = |e: std::io::Error| e.to_string();
     client.write_all(&out).await.map_err(io)?;
-    let first = read_frame(client, buf, MAX_AUTH_MESSAGE)
-        .await
-        .map_err(io)?
-        .ok_or("client went away")?;
-    if first[0] != fe::PASSWORD {
-        return Err("expected a SASLInitialResponse".into());
-    }
+    let first = read_password_frame(client, buf, "SASLInitialResponse").await?;
     let (mechanism, data) =
         initial_response(&first[HEADER_LEN..]).ok_or("malformed SASLInitialResponse")?;
     let (exchange, server_first) = scram::server_first(
@@ -252,13 +262,7 @@ where
         Authentication::SASLContinue(server_first.into_bytes().into()),
     );
     client.write_all(&out).await.map_err(io)?;
-    let last = read_frame(client, buf, MAX_AUTH_MESSAGE)
-        .await
-        .map_err(io)?
-        .ok_or("client went away")?;
-    if last[0] != fe::PASSWORD {
-        return Err("expected a SASLResponse".into());
-    }
+    let last = read_password_frame(client, buf, "SASLResponse").await?;
     match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
         Ok(proven) => {
             out.clear();
