@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::{BufMut, BytesMut};
-use pgwire::messages::Message;
 use pgwire::messages::data::{DataRow, FieldDescription, RowDescription};
 use pgwire::messages::response::{
     CommandComplete, EmptyQueryResponse, ReadyForQuery, TransactionStatus,
@@ -32,7 +31,7 @@ use crate::App;
 use crate::cache::Bumps;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::frontend as fe;
-use crate::protocol::messages::{error_response, notice_response};
+use crate::protocol::messages::{encode, error_response, notice_response};
 use crate::protocol::startup::Startup;
 
 const INVALID_PASSWORD: &str = "28P01";
@@ -42,12 +41,6 @@ const CONFIG_FILE_ERROR: &str = "F0000";
 /// Admin commands are short: a larger message is a protocol violation.
 const MAX_ADMIN_MESSAGE: usize = 64 * 1024;
 const DEFAULT_TOP: usize = 20;
-
-fn encode(out: &mut BytesMut, message: impl Message) {
-    message
-        .encode(out)
-        .expect("encoding a message into memory cannot fail");
-}
 
 /// Serves one admin console session to its end.
 pub async fn serve<C>(app: Arc<App>, mut client: C, mut buf: BytesMut, startup: &Startup)

@@ -13,15 +13,15 @@ pub mod scram;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use bytes::{Buf, BufMut, BytesMut};
-use pgwire::messages::Message;
-use pgwire::messages::startup::Authentication;
+use bytes::{Buf, BytesMut};
+use pgwire::messages::startup::{Authentication, Password, SASLInitialResponse, SASLResponse};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::{debug, warn};
 
 use crate::config::{AuthConfig, Config};
 use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
 use crate::protocol::frontend as fe;
+use crate::protocol::messages::encode;
 use crate::upstream::UpstreamTls;
 use scram::{ClientExchange, ClientSecret, MECHANISM, MECHANISM_PLUS, ServerBinding, Verifier};
 
@@ -170,11 +170,6 @@ impl Refusal {
             message: message.into(),
         }
     }
-}
-
-fn encode(out: &mut BytesMut, auth: Authentication) {
-    auth.encode(out)
-        .expect("encoding an authentication message into memory cannot fail");
 }
 
 /// Reads one whole frame of at most `max` bytes; `None` at end of stream.
@@ -390,13 +385,16 @@ where
         let mut reply = BytesMut::new();
         match (code, secret) {
             (AUTH_CLEARTEXT, ClientSecret::Password(password)) => {
-                password_message(&mut reply, password.as_bytes());
+                encode(&mut reply, Password::new(password.clone()));
             }
             (AUTH_MD5, ClientSecret::Password(password)) => {
                 let salt = data
                     .get(..4)
                     .ok_or(LoginError::Failed("short MD5 salt".into()))?;
-                password_message(&mut reply, md5_response(user, password, salt).as_bytes());
+                encode(
+                    &mut reply,
+                    Password::new(md5_response(user, password, salt)),
+                );
             }
             (AUTH_CLEARTEXT | AUTH_MD5, ClientSecret::Key { .. }) => {
                 return Err(LoginError::Failed(format!(
@@ -419,12 +417,10 @@ where
                 }
                 let (exchange, first) = ClientExchange::start(secret.clone());
                 scram = Some(exchange);
-                let mut body = BytesMut::new();
-                body.put_slice(MECHANISM.as_bytes());
-                body.put_u8(0);
-                body.put_i32(first.len() as i32);
-                body.put_slice(first.as_bytes());
-                frame(&mut reply, fe::PASSWORD, &body);
+                encode(
+                    &mut reply,
+                    SASLInitialResponse::new(MECHANISM.to_owned(), Some(first.into())),
+                );
             }
             (AUTH_SASL_CONTINUE, _) => {
                 let exchange = scram
@@ -433,7 +429,7 @@ where
                 let last = exchange
                     .respond(&String::from_utf8_lossy(&data))
                     .map_err(LoginError::Failed)?;
-                frame(&mut reply, fe::PASSWORD, last.as_bytes());
+                encode(&mut reply, SASLResponse::new(last.into()));
             }
             (AUTH_SASL_FINAL, _) => {
                 scram
@@ -468,18 +464,6 @@ impl From<std::io::Error> for LoginError {
     }
 }
 
-fn frame(out: &mut BytesMut, tag: u8, body: &[u8]) {
-    out.put_u8(tag);
-    out.put_i32(body.len() as i32 + 4);
-    out.put_slice(body);
-}
-
-fn password_message(out: &mut BytesMut, password: &[u8]) {
-    let mut body = password.to_vec();
-    body.push(0);
-    frame(out, fe::PASSWORD, &body);
-}
-
 /// libpq's MD5 answer: "md5" + md5(md5(password + user) + salt), in hex.
 fn md5_response(user: &str, password: &str, salt: &[u8]) -> String {
     use md5::{Digest, Md5};
@@ -505,15 +489,13 @@ pub fn without_plus(mechanisms: &[u8]) -> Option<BytesMut> {
     if !names.contains(&MECHANISM_PLUS.as_bytes()) {
         return None;
     }
-    let mut body = BytesMut::new();
-    body.put_i32(AUTH_SASL);
-    for name in names.iter().filter(|m| **m != MECHANISM_PLUS.as_bytes()) {
-        body.put_slice(name);
-        body.put_u8(0);
-    }
-    body.put_u8(0);
+    let kept = names
+        .iter()
+        .filter(|m| **m != MECHANISM_PLUS.as_bytes())
+        .map(|m| String::from_utf8_lossy(m).into_owned())
+        .collect();
     let mut out = BytesMut::new();
-    frame(&mut out, b'R', &body);
+    encode(&mut out, Authentication::SASL(kept));
     Some(out)
 }
 

@@ -5,6 +5,13 @@ use pgwire::error::ErrorInfo;
 use pgwire::messages::Message;
 use pgwire::messages::response::{ErrorResponse, NoticeResponse};
 
+/// Appends any pgwire message to `out`.
+pub fn encode(out: &mut BytesMut, message: impl Message) {
+    message
+        .encode(out)
+        .expect("encoding a message into memory cannot fail");
+}
+
 /// Appends an ErrorResponse with `severity` (`ERROR` or `FATAL`), SQLSTATE
 /// `code` and `message` to `out`.
 pub fn error_response(out: &mut BytesMut, severity: &str, code: &str, message: &str) {

@@ -164,13 +164,4 @@ where
             }
         }
     }
-
-    async fn flush_out(&mut self) -> Result<(), SessionError> {
-        if self.out.is_empty() {
-            return Ok(());
-        }
-        let r = self.client.write_all(&self.out).await;
-        self.out.clear();
-        r.map_err(SessionError::ClientIo)
-    }
 }

@@ -781,6 +781,16 @@ where
     }
 
     /// Writes the queued client frames to the backend.
+    /// Writes what pgcache staged in `out` to the client.
+    async fn flush_out(&mut self) -> Result<(), SessionError> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let r = self.client.write_all(&self.out).await;
+        self.out.clear();
+        r.map_err(SessionError::ClientIo)
+    }
+
     async fn flush_backend(&mut self) -> Result<(), SessionError> {
         if !self.to_backend.is_empty() {
             let r = self.backend.write_all(&self.to_backend).await;

@@ -660,9 +660,7 @@ where
         self.out.extend_from_slice(frames);
         self.out
             .extend_from_slice(&[be::READY_FOR_QUERY, 0, 0, 0, 5, status]);
-        let r = self.client.write_all(&self.out).await;
-        self.out.clear();
-        r.map_err(SessionError::ClientIo)
+        self.flush_out().await
     }
 
     /// Reads inside a transaction can only use the cache if the session's
