@@ -10,9 +10,8 @@ use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 
-use crate::config::UpstreamAddr;
 use crate::protocol::startup::{encode_cancel, encode_ssl_request};
-use crate::upstream::UpstreamTls;
+use crate::upstream::{Upstream, UpstreamAddr, UpstreamTls};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -34,25 +33,12 @@ pub enum BackendStream {
     Unix(UnixStream),
 }
 
-impl std::fmt::Display for UpstreamAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            UpstreamAddr::Tcp { host, port } => write!(f, "{host}:{port}"),
-            UpstreamAddr::Unix { path } => write!(f, "{}", path.display()),
-        }
-    }
-}
-
-/// Opens a connection to the first of `addrs` that answers in time, with
-/// TLS negotiated as `tls` says.
-pub async fn connect(
-    addrs: &[UpstreamAddr],
-    timeout: Duration,
-    tls: &UpstreamTls,
-) -> Result<(BackendStream, UpstreamAddr), BackendError> {
+/// Opens a connection to the first upstream address that answers in time,
+/// with TLS negotiated as `sslmode` says.
+pub async fn connect(upstream: &Upstream) -> Result<(BackendStream, UpstreamAddr), BackendError> {
     let mut last = None;
-    for addr in addrs {
-        match connect_secured(addr, timeout, tls).await {
+    for addr in &upstream.addrs {
+        match connect_secured(addr, upstream.connect_timeout, &upstream.tls).await {
             Ok(stream) => return Ok((stream, addr.clone())),
             Err(e) => last = Some(e),
         }
@@ -60,10 +46,10 @@ pub async fn connect(
     Err(last.expect("config validation guarantees at least one upstream address"))
 }
 
-/// Whether one of `addrs` accepts a connection (no TLS, no startup).
-pub async fn reachable(addrs: &[UpstreamAddr], timeout: Duration) -> Result<(), BackendError> {
+/// Whether one upstream address accepts a connection (no TLS, no startup).
+pub async fn reachable(upstream: &Upstream, timeout: Duration) -> Result<(), BackendError> {
     let mut last = None;
-    for addr in addrs {
+    for addr in &upstream.addrs {
         match connect_one(addr, timeout).await {
             Ok(_) => return Ok(()),
             Err(e) => last = Some(e),
@@ -169,13 +155,12 @@ async fn connect_one(
 /// Sends a CancelRequest for a backend process, as PostgreSQL expects: on a
 /// fresh connection, which the server closes without a reply.
 pub async fn send_cancel(
+    upstream: &Upstream,
     addr: &UpstreamAddr,
-    timeout: Duration,
-    tls: &UpstreamTls,
     pid: u32,
     secret: &[u8],
 ) -> Result<(), BackendError> {
-    let mut stream = connect_secured(addr, timeout, tls).await?;
+    let mut stream = connect_secured(addr, upstream.connect_timeout, &upstream.tls).await?;
     let packet = encode_cancel(pid, secret);
     stream
         .write_all(&packet)

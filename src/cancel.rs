@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use rand::Rng;
 
-use crate::config::UpstreamAddr;
+use crate::upstream::UpstreamAddr;
 
 #[derive(Debug, Clone)]
 pub struct CancelTarget {

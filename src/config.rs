@@ -389,13 +389,6 @@ pub struct Overrides {
     pub no_cache: bool,
 }
 
-/// Where the backend is, resolved from `upstream.url`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum UpstreamAddr {
-    Tcp { host: String, port: u16 },
-    Unix { path: PathBuf },
-}
-
 impl Config {
     /// Parses TOML text; `origin` names the file in error messages.
     pub fn from_toml(text: &str, origin: &Path) -> Result<Self, ConfigError> {
@@ -472,7 +465,7 @@ impl Config {
         if self.replication.publication.is_empty() {
             problems.push("replication.publication: must not be empty".to_owned());
         }
-        problems.extend(crate::auth::validate(&self.auth));
+        problems.extend(crate::scram::validate_users(&self.auth.users));
         if self.auth.mode == AuthMode::Terminate
             && self.auth.users.is_empty()
             && self.auth.auth_query.is_empty()
@@ -485,7 +478,7 @@ impl Config {
         if self.upstream.connect_timeout_ms == 0 {
             problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());
         }
-        if let Err(e) = self.upstream_addrs() {
+        if let Err(e) = crate::upstream::UpstreamUrl::parse(&self.upstream.url) {
             problems.push(format!("upstream.url: {e}"));
         }
         if let Some(nodes) = self.redis.nodes() {
@@ -579,37 +572,6 @@ impl Config {
         }
     }
 
-    /// The backend addresses to try, in order.
-    pub fn upstream_addrs(&self) -> Result<Vec<UpstreamAddr>, String> {
-        let pg = crate::upstream::UpstreamUrl::parse(&self.upstream.url)?.pg;
-        let ports = pg.get_ports();
-        let port_for = |i: usize| match ports.len() {
-            0 => 5432,
-            1 => ports[0],
-            _ => ports.get(i).copied().unwrap_or(5432),
-        };
-        let mut out = Vec::new();
-        for (i, host) in pg.get_hosts().iter().enumerate() {
-            match host {
-                tokio_postgres::config::Host::Tcp(h) => out.push(UpstreamAddr::Tcp {
-                    host: h.clone(),
-                    port: port_for(i),
-                }),
-                #[cfg(unix)]
-                tokio_postgres::config::Host::Unix(dir) => out.push(UpstreamAddr::Unix {
-                    path: dir.join(format!(".s.PGSQL.{}", port_for(i))),
-                }),
-            }
-        }
-        if out.is_empty() {
-            out.push(UpstreamAddr::Tcp {
-                host: "127.0.0.1".to_owned(),
-                port: port_for(0),
-            });
-        }
-        Ok(out)
-    }
-
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.upstream.connect_timeout_ms)
     }
@@ -628,6 +590,43 @@ impl Config {
 
     pub fn shared_timeout(&self) -> Duration {
         Duration::from_millis(self.cache.shared.timeout_ms)
+    }
+
+    /// After a reload: keeps this configuration's sections that apply only
+    /// at restart as they are in `old` (in force), and names those that
+    /// changed.
+    pub fn keep_restart_only(&mut self, old: &Config) -> Vec<String> {
+        fn keep<T: PartialEq + Clone>(new: &mut T, old: &T, name: &str, out: &mut Vec<String>) {
+            if new != old {
+                out.push(name.to_owned());
+                *new = old.clone();
+            }
+        }
+        let mut changed = Vec::new();
+        let c = &mut changed;
+        keep(&mut self.server, &old.server, "server", c);
+        keep(&mut self.upstream, &old.upstream, "upstream", c);
+        keep(&mut self.redis, &old.redis, "redis", c);
+        keep(&mut self.metrics, &old.metrics, "metrics", c);
+        keep(&mut self.replication, &old.replication, "replication", c);
+        keep(
+            &mut self.cache.enabled,
+            &old.cache.enabled,
+            "cache.enabled",
+            c,
+        );
+        let max_entry = &old.cache.max_entry_bytes;
+        keep(
+            &mut self.cache.max_entry_bytes,
+            max_entry,
+            "cache.max_entry_bytes",
+            c,
+        );
+        keep(&mut self.cache.local, &old.cache.local, "cache.local", c);
+        keep(&mut self.cache.shared, &old.cache.shared, "cache.shared", c);
+        keep(&mut self.tls.ssl_mode, &old.tls.ssl_mode, "tls.ssl_mode", c);
+        keep(&mut self.auth.mode, &old.auth.mode, "auth.mode", c);
+        changed
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -712,34 +711,6 @@ mod tests {
         });
         assert_eq!(c.server.listen.port(), 7001);
         assert!(!c.cache.enabled);
-    }
-
-    #[test]
-    fn upstream_accepts_urls_and_key_value_strings() {
-        let mut c = Config::default();
-        c.upstream.url = "postgres://db.example:6543/app".to_owned();
-        assert_eq!(
-            c.upstream_addrs().unwrap(),
-            vec![UpstreamAddr::Tcp {
-                host: "db.example".into(),
-                port: 6543
-            }]
-        );
-        c.upstream.url = "host=/run/postgresql port=5433".to_owned();
-        assert_eq!(
-            c.upstream_addrs().unwrap(),
-            vec![UpstreamAddr::Unix {
-                path: "/run/postgresql/.s.PGSQL.5433".into()
-            }]
-        );
-        c.upstream.url = "postgres://".to_owned();
-        assert_eq!(
-            c.upstream_addrs().unwrap(),
-            vec![UpstreamAddr::Tcp {
-                host: "127.0.0.1".into(),
-                port: 5432
-            }]
-        );
     }
 
     #[test]

@@ -1,34 +1,17 @@
-//! Prometheus metrics and the HTTP endpoint that serves them on
-//! `metrics.listen`: `/metrics`, `/healthz`, `/readyz`, and for users
-//! without Grafana a live page at `/` that refreshes itself from
-//! `/stats.json` (self-contained: no CDN, no external file).
+//! Prometheus metrics: one owned registry per instance (two instances in
+//! one test binary keep separate counters). [`crate::http`] serves them.
 //!
 //! Counters on the hot path are label handles resolved once at start-up, so
 //! recording one is a single atomic add. Per-database replication gauges are
 //! filled in when Prometheus scrapes.
 
-use std::convert::Infallible;
-use std::sync::Arc;
-use std::time::Duration;
-
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Request, Response, StatusCode};
 use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType};
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
-use tokio::net::TcpListener;
-use tracing::{debug, warn};
 
-use crate::App;
 use crate::classify::BypassReason;
-
-/// Statements and tables exported with their own labels: the busiest ones.
-const TOP_STATEMENTS: usize = 50;
-const TOP_TABLES: usize = 50;
 
 pub struct Metrics {
     registry: Registry,
@@ -63,14 +46,14 @@ pub struct Metrics {
     pub client_bytes_in: IntCounter,
     pub client_bytes_out: IntCounter,
     database_lookups: IntCounterVec,
-    shared_breaker_open: IntGauge,
-    replication_up: IntGaugeVec,
-    replication_lag_seconds: GaugeVec,
-    replication_lag_bytes: IntGaugeVec,
-    replication_restarts: IntGaugeVec,
-    unpublished_tables: IntGaugeVec,
-    local_entries: IntGauge,
-    local_bytes: IntGauge,
+    pub shared_breaker_open: IntGauge,
+    pub replication_up: IntGaugeVec,
+    pub replication_lag_seconds: GaugeVec,
+    pub replication_lag_bytes: IntGaugeVec,
+    pub replication_restarts: IntGaugeVec,
+    pub unpublished_tables: IntGaugeVec,
+    pub local_entries: IntGauge,
+    pub local_bytes: IntGauge,
     pub shared: SharedMetrics,
 }
 
@@ -487,42 +470,12 @@ impl Metrics {
         }
     }
 
-    /// The text exposition format, with gauges brought up to date.
-    pub fn render(&self, app: &App) -> String {
-        for (name, db) in app.cache.databases() {
-            let labels = [name.as_str()];
-            self.replication_up
-                .with_label_values(&labels)
-                .set(i64::from(db.is_current()));
-            self.replication_lag_seconds
-                .with_label_values(&labels)
-                .set(db.lag_ms() as f64 / 1000.0);
-            self.replication_lag_bytes
-                .with_label_values(&labels)
-                .set(db.lag_bytes() as i64);
-            self.replication_restarts
-                .with_label_values(&labels)
-                .set(db.stream_starts() as i64);
-            self.unpublished_tables
-                .with_label_values(&labels)
-                .set(db.unpublished() as i64);
-        }
-        self.local_entries.set(app.cache.local.entry_count() as i64);
-        if let Some(shared) = &app.shared {
-            self.shared.up.set(i64::from(shared.is_up()));
-            self.shared_breaker_open
-                .set(i64::from(shared.breaker_open()));
-        }
-        self.local_bytes
-            .set(app.cache.local.weighted_bytes() as i64);
+    /// The text exposition format of the registry and of `extra`
+    /// families (computed at scrape time); families without samples are
+    /// left out, since the encoder refuses them.
+    pub fn encode(&self, extra: Vec<MetricFamily>) -> String {
         let mut families = self.registry.gather();
-        // The encoder refuses a family without samples (a fresh instance).
-        families.extend(
-            top_statements(app)
-                .into_iter()
-                .chain([top_tables(app)])
-                .filter(|f| !f.get_metric().is_empty()),
-        );
+        families.extend(extra.into_iter().filter(|f| !f.get_metric().is_empty()));
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&families, &mut out)
@@ -531,7 +484,7 @@ impl Metrics {
     }
 }
 
-fn labelled(labels: &[(&str, &str)]) -> Metric {
+pub fn labelled(labels: &[(&str, &str)]) -> Metric {
     Metric::from_label(
         labels
             .iter()
@@ -545,7 +498,7 @@ fn labelled(labels: &[(&str, &str)]) -> Metric {
     )
 }
 
-fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+pub fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
     let mut f = MetricFamily::default();
     f.set_name(name.to_owned());
     f.set_help(help.to_owned());
@@ -554,7 +507,7 @@ fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> Met
     f
 }
 
-fn counter(labels: &[(&str, &str)], value: u64) -> Metric {
+pub fn counter(labels: &[(&str, &str)], value: u64) -> Metric {
     let mut m = labelled(labels);
     let mut c = prometheus::proto::Counter::default();
     c.set_value(value as f64);
@@ -562,218 +515,8 @@ fn counter(labels: &[(&str, &str)], value: u64) -> Metric {
     m
 }
 
-/// Per-statement counters for the busiest statements, labelled by
-/// `query_id`; `pgcache_statement_info` maps an id to its normalised text.
-fn top_statements(app: &App) -> Vec<MetricFamily> {
-    let top = app.cache.stats.top(TOP_STATEMENTS);
-    let (mut calls, mut hits, mut misses, mut info) = (vec![], vec![], vec![], vec![]);
-    for q in &top {
-        let id = format!("{:016x}", q.id);
-        let l = [("query_id", id.as_str())];
-        calls.push(counter(&l, q.calls));
-        hits.push(counter(&l, q.hits));
-        misses.push(counter(&l, q.misses));
-        let text: String = q.text.chars().take(200).collect();
-        let mut m = labelled(&[("query_id", id.as_str()), ("query", text.as_str())]);
-        let mut g = prometheus::proto::Gauge::default();
-        g.set_value(1.0);
-        m.set_gauge(g);
-        info.push(m);
-    }
-    vec![
-        family(
-            "pgcache_statement_calls_total",
-            "Calls of the busiest statements, by normalised text's query_id",
-            MetricType::COUNTER,
-            calls,
-        ),
-        family(
-            "pgcache_statement_hits_total",
-            "Cache hits of the busiest statements",
-            MetricType::COUNTER,
-            hits,
-        ),
-        family(
-            "pgcache_statement_misses_total",
-            "Cache misses of the busiest statements",
-            MetricType::COUNTER,
-            misses,
-        ),
-        family(
-            "pgcache_statement_info",
-            "Maps query_id to the statement's normalised text (first 200 characters)",
-            MetricType::GAUGE,
-            info,
-        ),
-    ]
-}
-
-/// Invalidations of the most often invalidated tables.
-fn top_tables(app: &App) -> MetricFamily {
-    let mut all: Vec<(String, std::sync::Arc<crate::cache::Family>)> = Vec::new();
-    for (name, db) in app.cache.databases() {
-        all.extend(db.families().into_iter().map(|f| (name.clone(), f)));
-    }
-    all.sort_by_key(|(_, f)| std::cmp::Reverse(f.version.changes()));
-    all.truncate(TOP_TABLES);
-    let metrics = all
-        .iter()
-        .map(|(db, f)| counter(&[("database", db), ("table", &f.name)], f.version.changes()))
-        .collect();
-    family(
-        "pgcache_table_invalidations_total",
-        "Invalidations of the most often invalidated tables",
-        MetricType::COUNTER,
-        metrics,
-    )
-}
-
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// Serves the endpoint until shutdown.
-pub async fn serve(app: Arc<App>, listener: TcpListener) {
-    loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "metrics accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = app.drain.cancelled() => return,
-        };
-        let app = Arc::clone(&app);
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let app = Arc::clone(&app);
-                async move { Ok::<_, Infallible>(route(&app, req).await) }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(io, service)
-                .await
-            {
-                debug!(error = %e, "metrics connection ended");
-            }
-        });
-    }
-}
-
-/// The live page, compiled in.
-const LIVE_PAGE: &str = include_str!("live.html");
-
-async fn route(app: &App, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    let (status, body, kind) = match req.uri().path() {
-        "/" => (
-            StatusCode::OK,
-            LIVE_PAGE.to_owned(),
-            "text/html; charset=utf-8",
-        ),
-        "/stats.json" => (
-            StatusCode::OK,
-            stats_json(app).to_string(),
-            "application/json",
-        ),
-        path => {
-            let (status, body) = text_route(app, path).await;
-            (status, body, "text/plain; version=0.0.4; charset=utf-8")
-        }
-    };
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(kind),
-    );
-    response
-}
-
-/// What the live page shows, as JSON.
-pub fn stats_json(app: &App) -> serde_json::Value {
-    let m = &app.metrics;
-    let (hits, misses) = (m.hits.get(), m.misses.get());
-    let databases: Vec<serde_json::Value> = app
-        .cache
-        .databases()
-        .into_iter()
-        .map(|(name, db)| {
-            serde_json::json!({
-                "name": name,
-                "state": app.stream_state(&db),
-                "lag_ms": db.lag_ms(),
-                "lag_bytes": db.lag_bytes(),
-            })
-        })
-        .collect();
-    let statements: Vec<serde_json::Value> = app
-        .cache
-        .stats
-        .top(20)
-        .into_iter()
-        .map(|q| {
-            let lookups = q.hits + q.misses;
-            serde_json::json!({
-                "query_id": format!("{:016x}", q.id),
-                "query": q.text,
-                "calls": q.calls,
-                "hits": q.hits,
-                "misses": q.misses,
-                "hit_ratio": if lookups == 0 { 0.0 } else { q.hits as f64 / lookups as f64 },
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "time_ms": crate::cache::unix_ms(),
-        "lookups": { "hit": hits, "miss": misses, "bypass": m.bypasses.get() },
-        "hit_ratio": if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
-        "local": {
-            "hits": m.hits_local.get(),
-            "entries": app.cache.local.entry_count(),
-            "bytes": app.cache.local.weighted_bytes(),
-        },
-        "shared": {
-            "configured": app.shared.is_some(),
-            "up": app.shared.as_ref().is_some_and(|t| t.is_up()),
-            "hits": m.hits_shared.get(),
-        },
-        "databases": databases,
-        "statements": statements,
-    })
-}
-
-async fn text_route(app: &App, path: &str) -> (StatusCode, String) {
-    match path {
-        "/metrics" => (StatusCode::OK, app.metrics.render(app)),
-        "/healthz" => (StatusCode::OK, "ok\n".to_owned()),
-        "/readyz" => match readiness(app).await {
-            Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
-            Err(why) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: {why}\n"),
-            ),
-        },
-        _ => (StatusCode::NOT_FOUND, "not found\n".to_owned()),
-    }
-}
-
-/// Ready: PostgreSQL accepts connections and, with replication on, every
-/// database's stream is up.
-async fn readiness(app: &App) -> Result<(), String> {
-    crate::backend::reachable(&app.upstream, Duration::from_secs(1))
-        .await
-        .map_err(|e| e.to_string())?;
-    if app.replication_on() {
-        for (name, db) in app.cache.databases() {
-            if !db.is_current() {
-                return Err(format!("replication stream of {name:?} is not up"));
-            }
-        }
-    }
-    Ok(())
 }

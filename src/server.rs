@@ -30,10 +30,11 @@ pub async fn run(
 /// counters).
 pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<Output = ()>) {
     if let Some(listener) = app.take_metrics_listener() {
-        tokio::spawn(crate::metrics::serve(Arc::clone(&app), listener));
+        tokio::spawn(crate::http::serve(Arc::clone(&app), listener));
     }
-    let limit = Arc::new(Semaphore::new(app.config.server.max_client_connections));
-    let startups = StartupLimiter::new(app.config.server.max_startups_per_ip);
+    let config = app.config();
+    let limit = Arc::new(Semaphore::new(config.server.max_client_connections));
+    let startups = StartupLimiter::new(config.server.max_startups_per_ip);
     let sessions = TaskTracker::new();
     tokio::pin!(shutdown);
     info!(addr = ?listener.local_addr().ok(), "pgcache listening");
@@ -77,7 +78,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     );
     app.drain.cancel();
     sessions.close();
-    if tokio::time::timeout(app.config.shutdown_timeout(), sessions.wait())
+    if tokio::time::timeout(config.shutdown_timeout(), sessions.wait())
         .await
         .is_err()
     {

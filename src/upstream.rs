@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -18,6 +19,117 @@ use rustls::{
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+/// Where the backend is, resolved from `upstream.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpstreamAddr {
+    Tcp { host: String, port: u16 },
+    Unix { path: PathBuf },
+}
+
+impl std::fmt::Display for UpstreamAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpstreamAddr::Tcp { host, port } => write!(f, "{host}:{port}"),
+            UpstreamAddr::Unix { path } => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// `upstream.url`, parsed once at start-up: the addresses to try, TLS, and
+/// the settings pgcache's own connections (control, `auth_query`) start
+/// from. Every connection to PostgreSQL is made from this.
+#[derive(Debug)]
+pub struct Upstream {
+    pub addrs: Vec<UpstreamAddr>,
+    pub tls: UpstreamTls,
+    pub connect_timeout: Duration,
+    pg: tokio_postgres::Config,
+}
+
+impl Upstream {
+    pub fn new(url: &str, connect_timeout: Duration) -> Result<Self, String> {
+        let url = UpstreamUrl::parse(url)?;
+        Ok(Self {
+            addrs: addrs(&url.pg),
+            tls: UpstreamTls::new(&url)?,
+            connect_timeout,
+            pg: url.pg,
+        })
+    }
+
+    /// Settings for a connection of pgcache's own to `database`, as the
+    /// user in `upstream.url` (default `postgres`).
+    pub fn control_config(&self, database: &str) -> tokio_postgres::Config {
+        let mut pg = self.pg.clone();
+        if pg.get_user().is_none() {
+            pg.user("postgres");
+        }
+        pg.dbname(database);
+        pg.application_name("pgcache");
+        pg.connect_timeout(self.connect_timeout);
+        pg
+    }
+
+    /// The database named in `upstream.url` (default `postgres`).
+    pub fn default_database(&self) -> &str {
+        self.pg.get_dbname().unwrap_or("postgres")
+    }
+
+    /// Opens a connection of pgcache's own to `database`.
+    pub async fn control(
+        &self,
+        database: &str,
+    ) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+        let (client, conn) = self
+            .control_config(database)
+            .connect(self.tls.make_tls())
+            .await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "control connection closed");
+            }
+        });
+        Ok(client)
+    }
+
+    /// A name for the PostgreSQL cluster when its system identifier is
+    /// unknown.
+    pub fn namespace(&self) -> String {
+        let text = format!("{:?}", self.addrs);
+        format!("{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()))
+    }
+}
+
+/// The backend addresses to try, in order.
+fn addrs(pg: &tokio_postgres::Config) -> Vec<UpstreamAddr> {
+    let ports = pg.get_ports();
+    let port_for = |i: usize| match ports.len() {
+        0 => 5432,
+        1 => ports[0],
+        _ => ports.get(i).copied().unwrap_or(5432),
+    };
+    let mut out = Vec::new();
+    for (i, host) in pg.get_hosts().iter().enumerate() {
+        match host {
+            tokio_postgres::config::Host::Tcp(h) => out.push(UpstreamAddr::Tcp {
+                host: h.clone(),
+                port: port_for(i),
+            }),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(dir) => out.push(UpstreamAddr::Unix {
+                path: dir.join(format!(".s.PGSQL.{}", port_for(i))),
+            }),
+        }
+    }
+    if out.is_empty() {
+        out.push(UpstreamAddr::Tcp {
+            host: "127.0.0.1".to_owned(),
+            port: port_for(0),
+        });
+    }
+    out
+}
 
 /// libpq's `sslmode` for the connections pgcache opens to PostgreSQL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -406,6 +518,33 @@ impl ServerCertVerifier for AnyName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upstream_accepts_urls_and_key_value_strings() {
+        let url = "postgres://db.example:6543/app".to_owned();
+        assert_eq!(
+            addrs(&UpstreamUrl::parse(&url).unwrap().pg),
+            vec![UpstreamAddr::Tcp {
+                host: "db.example".into(),
+                port: 6543
+            }]
+        );
+        let url = "host=/run/postgresql port=5433".to_owned();
+        assert_eq!(
+            addrs(&UpstreamUrl::parse(&url).unwrap().pg),
+            vec![UpstreamAddr::Unix {
+                path: "/run/postgresql/.s.PGSQL.5433".into()
+            }]
+        );
+        let url = "postgres://".to_owned();
+        assert_eq!(
+            addrs(&UpstreamUrl::parse(&url).unwrap().pg),
+            vec![UpstreamAddr::Tcp {
+                host: "127.0.0.1".into(),
+                port: 5432
+            }]
+        );
+    }
 
     fn split(url: &str) -> (String, Vec<(String, String)>) {
         split_params(url, &TLS_PARAMS).unwrap()

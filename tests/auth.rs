@@ -226,7 +226,7 @@ async fn terminate_mode_with_auth_query_logs_in_with_no_password_stored_anywhere
         (!out.status.success()).then_some(())
     })
     .await;
-    let other = pgcache::auth::scram::Verifier::random("pepper");
+    let other = pgcache::scram::Verifier::random("pepper");
     config.auth.users.insert("salty".into(), other.to_text());
     let proxy = Proxy::start(config).await;
 

@@ -58,7 +58,7 @@ async fn proxy_after_a_workload(name: &str) -> (Proxy, String) {
     config.cache.shared.timeout_ms = 1000;
     let proxy = Proxy::start(config).await;
     let client = proxy.connect(&db).await;
-    let tier = proxy.app.shared.clone().unwrap();
+    let tier = proxy.app.cache.shared().cloned().unwrap();
     let state = proxy.app.cache.db(&db);
     eventually(Duration::from_secs(20), "the shared tier", || {
         let ready = tier.usable(&state);

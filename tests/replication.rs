@@ -226,7 +226,7 @@ async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
     let read = "SELECT v FROM t WHERE id = 1";
     assert_eq!(cached(&proxy, &client, read).await.as_deref(), Some("1"));
     let state = proxy.app.cache.db(&db);
-    let starts = state.stream_starts();
+    let starts = state.stream.starts();
     let killed: i64 = direct
         .query_one(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE backend_type = 'walsender' AND datname = current_database()",
@@ -237,7 +237,7 @@ async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
         .get(0);
     assert_eq!(killed, 1);
     eventually(Duration::from_secs(20), "the stream to come back", || {
-        let again = state.stream_starts() > starts && state.is_streaming();
+        let again = state.stream.starts() > starts && state.stream.is_streaming();
         async move { again.then_some(()) }
     })
     .await;
@@ -299,7 +299,7 @@ async fn without_logical_wal_pgcache_refuses_to_start_and_says_how_to_fix_it() {
     let mut config = pg.proxy_config();
     config.replication.required = false;
     let proxy = Proxy::start(config).await;
-    assert!(!proxy.app.replication_on());
+    assert!(!proxy.app.cache.replication_on());
     pg.psql_admin("CREATE TABLE t(id int PRIMARY KEY); INSERT INTO t VALUES (1)");
     let client = proxy.connect("postgres").await;
     assert_eq!(
@@ -342,7 +342,7 @@ async fn while_the_stream_is_down_the_database_is_served_from_postgres() {
         .unwrap();
     let state = proxy.app.cache.db(&db);
     eventually(Duration::from_secs(10), "the stream to go down", || {
-        let down = !state.is_streaming();
+        let down = !state.stream.is_streaming();
         async move { down.then_some(()) }
     })
     .await;

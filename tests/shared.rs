@@ -21,7 +21,7 @@ fn config(redis_url: &str) -> pgcache::Config {
 
 /// Waits until `proxy` may use the shared tier for `db`.
 async fn shared_ready(proxy: &Proxy, db: &str) {
-    let tier = proxy.app.shared.clone().expect("a shared tier");
+    let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
     let state = proxy.app.cache.db(db);
     eventually(Duration::from_secs(20), "the shared tier", || {
         let ready = tier.usable(&state);
@@ -355,7 +355,7 @@ async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
         async move { (opens >= 1).then_some(()) }
     })
     .await;
-    let tier = a.app.shared.clone().unwrap();
+    let tier = a.app.cache.shared().cloned().unwrap();
     assert!(!tier.is_up());
     let hits = a.hits();
     eventually(Duration::from_secs(20), "local hits without Redis", || {
@@ -422,7 +422,7 @@ async fn redis_down_at_start_leaves_the_local_tier_working() {
         );
     }
     assert_eq!(proxy.hits(), 2);
-    assert!(!proxy.app.shared.as_ref().unwrap().is_up());
+    assert!(!proxy.app.cache.shared().unwrap().is_up());
     assert!(proxy.app.metrics.shared.skipped.get() >= 1);
 }
 
@@ -435,7 +435,7 @@ async fn a_lost_subscription_resynchronises_and_treats_the_gap_as_changed() {
     let sql = "SELECT v FROM items WHERE id = 4";
     assert_eq!(scalar(&ca, sql).await.as_deref(), Some("40"));
     stored(&a, 1).await;
-    let epoch_before = b.app.cache.db(&db).epoch.shared();
+    let epoch_before = b.app.cache.db(&db).versions.epoch.shared();
     let resyncs = b.app.metrics.shared.resyncs.get();
 
     // Redis drops every subscriber, as it does one that falls behind.
@@ -448,7 +448,7 @@ async fn a_lost_subscription_resynchronises_and_treats_the_gap_as_changed() {
     .await;
     shared_ready(&b, &db).await;
     assert!(
-        b.app.cache.db(&db).epoch.shared() > epoch_before,
+        b.app.cache.db(&db).versions.epoch.shared() > epoch_before,
         "the gap counts as a change"
     );
     // What A stored before the gap is not served to B afterwards...
@@ -565,7 +565,7 @@ async fn rediss_with_a_password_carries_the_shared_tier() {
     for _ in 0..3 {
         assert_eq!(scalar(&cc, sql).await.as_deref(), Some("110"));
     }
-    assert!(!c.app.shared.as_ref().unwrap().is_up());
+    assert!(!c.app.cache.shared().unwrap().is_up());
     assert_eq!(c.hits(), 2, "the local tier works without Redis");
 }
 

@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use pgcache::auth::scram::{self, ClientExchange, ClientSecret, ServerBinding, Verifier};
+use pgcache::scram::{self, ClientExchange, ClientSecret, ServerBinding, Verifier};
 
 fn verifier() -> &'static Verifier {
     static V: OnceLock<Verifier> = OnceLock::new();

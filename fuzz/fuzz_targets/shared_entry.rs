@@ -6,5 +6,5 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let value = bytes::Bytes::copy_from_slice(data);
-    let _ = pgcache::shared::entry::decode(value, 7, &[1, 2]);
+    let _ = pgcache::cache::shared::entry::decode(value, 7, &[1, 2]);
 });

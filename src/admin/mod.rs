@@ -24,80 +24,35 @@ use pgwire::messages::response::{
     CommandComplete, EmptyQueryResponse, ReadyForQuery, TransactionStatus,
 };
 use pgwire::messages::startup::{Authentication, ParameterStatus};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{info, warn};
 
 use crate::App;
 use crate::cache::Bumps;
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::frontend as fe;
-use crate::protocol::messages::{encode, error_response, notice_response};
+use crate::protocol::messages::{self, encode, error_response, notice_response};
 use crate::protocol::startup::Startup;
-
-const INVALID_PASSWORD: &str = "28P01";
-const SYNTAX_ERROR: &str = "42601";
-const FEATURE_NOT_SUPPORTED: &str = "0A000";
-const CONFIG_FILE_ERROR: &str = "F0000";
+use crate::protocol::stream::FramedStream;
+use crate::protocol::{frontend as fe, sqlstate};
+use crate::scram::{ServerBinding, Verifier};
 /// Admin commands are short: a larger message is a protocol violation.
 const MAX_ADMIN_MESSAGE: usize = 64 * 1024;
 const DEFAULT_TOP: usize = 20;
 
 /// Serves one admin console session to its end.
-pub async fn serve<C>(app: Arc<App>, mut client: C, mut buf: BytesMut, startup: &Startup)
+pub async fn serve<C>(app: Arc<App>, mut client: FramedStream<C>, startup: &Startup)
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let config = app.live_config();
-    let user = startup.user().to_owned();
-    match authenticate(&mut client, &mut buf, &config.admin.password).await {
-        Ok(true) if user == config.admin.user => {}
-        Ok(_) => {
-            warn!(user, "admin console: authentication failed");
-            let mut out = BytesMut::new();
-            error_response(
-                &mut out,
-                "FATAL",
-                INVALID_PASSWORD,
-                &format!("password authentication failed for user \"{user}\""),
-            );
-            let _ = client.write_all(&out).await;
-            return;
-        }
-        Err(e) => {
-            warn!(user, error = %e, "admin console: login failed");
-            let mut out = BytesMut::new();
-            error_response(
-                &mut out,
-                "FATAL",
-                crate::protocol::sqlstate::PROTOCOL_VIOLATION,
-                &e,
-            );
-            let _ = client.write_all(&out).await;
-            return;
-        }
-    }
-    info!(user, "admin console session");
-    let mut out = BytesMut::new();
-    encode(&mut out, Authentication::Ok);
-    for (name, value) in [
-        ("server_version", "15.0 (pgcache admin console)"),
-        ("server_encoding", "UTF8"),
-        ("client_encoding", "UTF8"),
-        ("DateStyle", "ISO, MDY"),
-        ("integer_datetimes", "on"),
-        ("standard_conforming_strings", "on"),
-        ("TimeZone", "UTC"),
-    ] {
-        encode(&mut out, ParameterStatus::new(name.into(), value.into()));
-    }
-    encode(&mut out, ReadyForQuery::new(TransactionStatus::Idle));
-    if client.write_all(&out).await.is_err() {
+    client.set_max_frame(MAX_ADMIN_MESSAGE);
+    if !log_in(&app, &mut client, startup.user()).await {
         return;
     }
     // After an extended-protocol message, everything up to Sync is skipped.
     let mut skipping = false;
+    let mut out = BytesMut::new();
     loop {
-        let frame = match crate::auth::read_frame(&mut client, &mut buf, MAX_ADMIN_MESSAGE).await {
+        let frame = match client.read_frame().await {
             Ok(Some(frame)) => frame,
             Ok(None) | Err(_) => return,
         };
@@ -120,7 +75,7 @@ where
                 error_response(
                     &mut out,
                     "ERROR",
-                    FEATURE_NOT_SUPPORTED,
+                    sqlstate::FEATURE_NOT_SUPPORTED,
                     "the pgcache admin console speaks the simple query protocol only",
                 );
             }
@@ -131,18 +86,60 @@ where
     }
 }
 
-/// SCRAM-SHA-256 against the configured password (a fresh salt each
-/// time). `Ok(false)`: the proof was wrong.
-async fn authenticate<C>(client: &mut C, buf: &mut BytesMut, password: &str) -> Result<bool, String>
+/// Checks the admin password and greets the console as PostgreSQL would;
+/// false if the session ends here.
+async fn log_in<C>(app: &App, client: &mut FramedStream<C>, user: &str) -> bool
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let no_binding = crate::auth::scram::ServerBinding {
+    let config = app.config();
+    let (code, message) = match authenticate(client, &config.admin.password).await {
+        Ok(true) if user == config.admin.user => {
+            info!(user, "admin console session");
+            let mut out = BytesMut::new();
+            encode(&mut out, Authentication::Ok);
+            for (name, value) in [
+                ("server_version", "15.0 (pgcache admin console)"),
+                ("server_encoding", "UTF8"),
+                ("client_encoding", "UTF8"),
+                ("DateStyle", "ISO, MDY"),
+                ("integer_datetimes", "on"),
+                ("standard_conforming_strings", "on"),
+                ("TimeZone", "UTC"),
+            ] {
+                encode(&mut out, ParameterStatus::new(name.into(), value.into()));
+            }
+            encode(&mut out, ReadyForQuery::new(TransactionStatus::Idle));
+            return client.write_all(&out).await.is_ok();
+        }
+        Ok(_) => {
+            warn!(user, "admin console: authentication failed");
+            (
+                sqlstate::INVALID_PASSWORD,
+                format!("password authentication failed for user \"{user}\""),
+            )
+        }
+        Err(e) => {
+            warn!(user, error = %e, "admin console: login failed");
+            (sqlstate::PROTOCOL_VIOLATION, e)
+        }
+    };
+    let _ = client.write_all(&messages::fatal(code, &message)).await;
+    false
+}
+
+/// SCRAM-SHA-256 against the configured password (a fresh salt each
+/// time). `Ok(false)`: the proof was wrong.
+async fn authenticate<C>(client: &mut FramedStream<C>, password: &str) -> Result<bool, String>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let no_binding = ServerBinding {
         offered: false,
         data: None,
     };
-    let verifier = crate::auth::scram::Verifier::random(password);
-    crate::auth::sasl_server(client, buf, verifier, no_binding)
+    let verifier = Verifier::random(password);
+    crate::auth::sasl_server(client, verifier, no_binding)
         .await
         .map(|key| key.is_some())
 }
@@ -181,7 +178,12 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
         ["SHOW", "QUERIES"] => queries(app, DEFAULT_TOP, out),
         ["SHOW", "QUERIES", n] => match n.parse() {
             Ok(n) => queries(app, n, out),
-            Err(_) => error_response(out, "ERROR", SYNTAX_ERROR, "SHOW QUERIES takes a number"),
+            Err(_) => error_response(
+                out,
+                "ERROR",
+                sqlstate::SYNTAX_ERROR,
+                "SHOW QUERIES takes a number",
+            ),
         },
         ["SHOW", "TABLES"] => tables(app, out),
         ["SHOW", "REPLICATION"] => replication(app, out),
@@ -197,18 +199,22 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
                 .rsplit_once('.')
                 .map_or(name, |(_, n)| n)
                 .trim_matches('"');
-            for (_, db) in app.cache.databases() {
+            for (_, db) in app.cache.databases.all() {
                 let mut bumps = Bumps::default();
                 db.relation_families(name, &mut bumps);
-                app.invalidate_from(&db, &bumps, &app.metrics.invalidations.admin)
+                app.cache
+                    .invalidate(&db, bumps, &app.metrics.invalidations.admin)
+                    .send()
                     .await;
             }
             info!(table = name, "admin: table invalidated");
             complete(out, "INVALIDATE");
         }
         ["INVALIDATE", "ALL"] => {
-            for (_, db) in app.cache.databases() {
-                app.invalidate_from(&db, &Bumps::opaque(), &app.metrics.invalidations.admin)
+            for (_, db) in app.cache.databases.all() {
+                app.cache
+                    .invalidate(&db, Bumps::opaque(), &app.metrics.invalidations.admin)
+                    .send()
                     .await;
             }
             app.cache.local.clear();
@@ -221,7 +227,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
                     notice_response(
                         out,
                         "WARNING",
-                        "01000",
+                        sqlstate::WARNING,
                         &format!(
                             "changed, but applied only at restart: {}",
                             restart.join(", ")
@@ -233,14 +239,14 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             Err(e) => error_response(
                 out,
                 "ERROR",
-                CONFIG_FILE_ERROR,
+                sqlstate::CONFIG_FILE_ERROR,
                 &format!("RELOAD failed, nothing changed: {e}"),
             ),
         },
         _ => error_response(
             out,
             "ERROR",
-            SYNTAX_ERROR,
+            sqlstate::SYNTAX_ERROR,
             &format!(
                 "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
                  SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE ALL or RELOAD"
@@ -277,7 +283,7 @@ fn stats(app: &App) -> Vec<Vec<String>> {
         ("shared_hit_ratio", ratio(shared_hits, shared_lookups)),
         (
             "shared_up",
-            app.shared.as_ref().is_some_and(|t| t.is_up()).to_string(),
+            app.cache.shared().is_some_and(|t| t.is_up()).to_string(),
         ),
         ("stores", m.stores.get().to_string()),
         ("coalesced", m.coalesced.get().to_string()),
@@ -340,9 +346,9 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
 
 fn tables(app: &App, out: &mut BytesMut) {
     let mut rows = Vec::new();
-    for (name, db) in app.cache.databases() {
-        let catalog = db.catalog();
-        let mut families = db.families();
+    for (name, db) in app.cache.databases.all() {
+        let catalog = db.catalog.current();
+        let mut families = db.versions.families();
         families.sort_by(|a, b| a.name.cmp(&b.name));
         for f in families {
             let publication = match catalog.as_ref().and_then(|(_, c)| c.relation(&f.name)) {
@@ -381,17 +387,18 @@ fn tables(app: &App, out: &mut BytesMut) {
 fn replication(app: &App, out: &mut BytesMut) {
     let rows: Vec<Vec<String>> = app
         .cache
-        .databases()
+        .databases
+        .all()
         .into_iter()
         .map(|(name, db)| {
             vec![
                 name,
-                app.stream_state(&db).to_owned(),
-                db.lag_ms().to_string(),
-                db.lag_bytes().to_string(),
-                lsn(db.applied_lsn()),
-                db.stream_starts().to_string(),
-                db.unpublished().to_string(),
+                app.cache.stream_state(&db).to_owned(),
+                db.stream.lag_ms().to_string(),
+                db.stream.lag_bytes().to_string(),
+                lsn(db.stream.applied_lsn()),
+                db.stream.starts().to_string(),
+                db.stream.unpublished().to_string(),
             ]
         })
         .collect();
@@ -416,7 +423,7 @@ fn lsn(value: u64) -> String {
 
 /// Every key of the configuration in force, flattened, secrets hidden.
 fn config_rows(app: &App) -> Vec<Vec<String>> {
-    let config = app.live_config();
+    let config = app.config();
     let mut rows = Vec::new();
     if let Ok(value) = toml::Value::try_from(&*config) {
         flatten("", &value, &mut rows);

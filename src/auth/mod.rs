@@ -8,22 +8,24 @@
 //! gave away (PostgreSQL must then hold the same verifier, as it does when
 //! the verifier comes from `pg_authid`).
 
-pub mod scram;
-
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use bytes::{Buf, BytesMut};
+use bytes::BytesMut;
 use pgwire::messages::startup::{Authentication, Password, SASLInitialResponse, SASLResponse};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, warn};
 
-use crate::config::{AuthConfig, Config};
-use crate::protocol::codec::{HEADER_LEN, parse_frame, read_cstr, read_i32};
-use crate::protocol::frontend as fe;
+use crate::config::AuthConfig;
+use crate::protocol::codec::{HEADER_LEN, read_cstr, read_i32};
 use crate::protocol::messages::encode;
-use crate::upstream::UpstreamTls;
-use scram::{ClientExchange, ClientSecret, MECHANISM, MECHANISM_PLUS, ServerBinding, Verifier};
+use crate::protocol::stream::{FramedStream, ReadError};
+use crate::protocol::{backend as be, frontend as fe, sqlstate};
+use crate::scram::{
+    self, ClientExchange, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ServerBinding,
+    Verifier, credentials,
+};
+use crate::upstream::Upstream;
 
 /// Authentication request codes (the `R` message's first field).
 pub const AUTH_OK: i32 = 0;
@@ -36,49 +38,9 @@ const AUTH_SASL_FINAL: i32 = 12;
 /// The largest authentication message accepted from a client.
 const MAX_AUTH_MESSAGE: usize = 16 * 1024;
 
-/// What pgcache knows of one user's password.
-#[derive(Clone)]
-struct Credentials {
-    verifier: Verifier,
-    /// Known when the configuration gives the password itself.
-    password: Option<String>,
-}
-
-fn credentials(value: &str) -> Result<Credentials, String> {
-    if value.starts_with("SCRAM-SHA-256$") {
-        let verifier = Verifier::parse(value).ok_or("malformed SCRAM-SHA-256 verifier")?;
-        return Ok(Credentials {
-            verifier,
-            password: None,
-        });
-    }
-    if value.len() == 35 && value.starts_with("md5") {
-        return Err(
-            "an MD5 hash cannot check a SCRAM login: give the password or its SCRAM-SHA-256 verifier"
-                .into(),
-        );
-    }
-    Ok(Credentials {
-        verifier: Verifier::random(value),
-        password: Some(value.to_owned()),
-    })
-}
-
-/// Checks `auth.users` the way [`Authenticator`] will read it.
-pub fn validate(config: &AuthConfig) -> Vec<String> {
-    config
-        .users
-        .iter()
-        .filter_map(|(user, value)| {
-            credentials(value)
-                .err()
-                .map(|e| format!("auth.users.{user}: {e}"))
-        })
-        .collect()
-}
-
 /// The terminate-mode state of one instance.
 pub struct Authenticator {
+    upstream: Arc<Upstream>,
     users: RwLock<Arc<HashMap<String, Credentials>>>,
     /// The control connection `auth_query` runs on, opened on first use.
     query_client: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
@@ -87,10 +49,11 @@ pub struct Authenticator {
 }
 
 impl Authenticator {
-    pub fn new(config: &AuthConfig) -> Self {
+    pub fn new(config: &AuthConfig, upstream: Arc<Upstream>) -> Self {
         let mut secret = [0u8; 32];
         rand::fill(&mut secret);
         let this = Self {
+            upstream,
             users: RwLock::default(),
             query_client: tokio::sync::Mutex::new(None),
             secret,
@@ -111,12 +74,7 @@ impl Authenticator {
 
     /// The user's credentials: `auth.users` first, then `auth.auth_query`.
     /// `Ok(None)`: no such user (or no password).
-    async fn lookup(
-        &self,
-        config: &Config,
-        tls: &UpstreamTls,
-        user: &str,
-    ) -> Result<Option<Credentials>, String> {
+    async fn lookup(&self, query: &str, user: &str) -> Result<Option<Credentials>, String> {
         if let Some(found) = self
             .users
             .read()
@@ -125,20 +83,21 @@ impl Authenticator {
         {
             return Ok(Some(found.clone()));
         }
-        let query = &config.auth.auth_query;
         if query.is_empty() {
             return Ok(None);
         }
         let mut slot = self.query_client.lock().await;
         if slot.as_ref().is_none_or(|c| c.is_closed()) {
-            let client = crate::invalidation::replication::control_client(config, tls)
+            let client = self
+                .upstream
+                .control(self.upstream.default_database())
                 .await
                 .map_err(|e| format!("auth_query connection: {e}"))?;
             *slot = Some(client);
         }
         let client = slot.as_ref().expect("just connected");
         let rows = client
-            .query(query.as_str(), &[&user])
+            .query(query, &[&user])
             .await
             .map_err(|e| format!("auth_query failed: {e}"))?;
         let value: Option<String> = match rows.first() {
@@ -172,29 +131,6 @@ impl Refusal {
     }
 }
 
-/// Reads one whole frame of at most `max` bytes; `None` at end of stream.
-pub async fn read_frame<C: AsyncRead + Unpin>(
-    stream: &mut C,
-    buf: &mut BytesMut,
-    max: usize,
-) -> std::io::Result<Option<BytesMut>> {
-    loop {
-        match parse_frame(buf, max) {
-            Ok(Some(len)) => return Ok(Some(buf.split_to(len))),
-            Ok(None) => {}
-            Err(e) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    e.to_string(),
-                ));
-            }
-        }
-        if stream.read_buf(buf).await? == 0 {
-            return Ok(None);
-        }
-    }
-}
-
 /// A SASLInitialResponse body: (mechanism, data).
 pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
     let mut pos = 0;
@@ -209,12 +145,14 @@ pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
 
 /// The client's next message, which must be a `p` (here: `what`).
 async fn read_password_frame<C: AsyncRead + Unpin>(
-    client: &mut C,
-    buf: &mut BytesMut,
+    client: &mut FramedStream<C>,
     what: &str,
 ) -> Result<BytesMut, String> {
-    let frame = read_frame(client, buf, MAX_AUTH_MESSAGE)
-        .await
+    let max = client.max_frame();
+    client.set_max_frame(MAX_AUTH_MESSAGE);
+    let frame = client.read_frame().await;
+    client.set_max_frame(max);
+    let frame = frame
         .map_err(|e| e.to_string())?
         .ok_or("client went away")?;
     if frame[0] != fe::PASSWORD {
@@ -226,8 +164,7 @@ async fn read_password_frame<C: AsyncRead + Unpin>(
 /// Runs SCRAM-SHA-256 as the server. `Ok(Some(client_key))` when the proof
 /// was right, `Ok(None)` when it was not; `Err` for a broken exchange.
 pub async fn sasl_server<C>(
-    client: &mut C,
-    buf: &mut BytesMut,
+    client: &mut FramedStream<C>,
     verifier: Verifier,
     binding: ServerBinding<'_>,
 ) -> Result<Option<[u8; 32]>, String>
@@ -242,7 +179,7 @@ where
     encode(&mut out, Authentication::SASL(mechanisms));
     let io = |e: std::io::Error| e.to_string();
     client.write_all(&out).await.map_err(io)?;
-    let first = read_password_frame(client, buf, "SASLInitialResponse").await?;
+    let first = read_password_frame(client, "SASLInitialResponse").await?;
     let (mechanism, data) =
         initial_response(&first[HEADER_LEN..]).ok_or("malformed SASLInitialResponse")?;
     let (exchange, server_first) = scram::server_first(
@@ -257,7 +194,7 @@ where
         Authentication::SASLContinue(server_first.into_bytes().into()),
     );
     client.write_all(&out).await.map_err(io)?;
-    let last = read_password_frame(client, buf, "SASLResponse").await?;
+    let last = read_password_frame(client, "SASLResponse").await?;
     match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
         Ok(proven) => {
             out.clear();
@@ -278,37 +215,33 @@ where
 /// Terminate mode: authenticates the client as `user`; returns what logs
 /// in to PostgreSQL on its behalf.
 pub async fn authenticate_client<C>(
-    app: &crate::App,
-    client: &mut C,
-    buf: &mut BytesMut,
+    auth: &Authenticator,
+    auth_query: &str,
+    client: &mut FramedStream<C>,
     user: &str,
     binding: ServerBinding<'_>,
 ) -> Result<ClientSecret, Refusal>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let found = app
-        .auth
-        .lookup(&app.live_config(), &app.upstream_tls, user)
-        .await
-        .map_err(|e| {
-            warn!(user, error = %e, "cannot look up a user's password");
-            Refusal::new(
-                crate::protocol::sqlstate::INVALID_AUTHORIZATION,
-                format!("pgcache cannot check the password of user \"{user}\" now"),
-            )
-        })?;
+    let found = auth.lookup(auth_query, user).await.map_err(|e| {
+        warn!(user, error = %e, "cannot look up a user's password");
+        Refusal::new(
+            sqlstate::INVALID_AUTHORIZATION,
+            format!("pgcache cannot check the password of user \"{user}\" now"),
+        )
+    })?;
     let verifier = match &found {
         Some(c) => c.verifier.clone(),
-        None => Verifier::impossible(user, &app.auth.secret),
+        None => Verifier::impossible(user, &auth.secret),
     };
     let failed = || {
         Refusal::new(
-            crate::protocol::sqlstate::INVALID_PASSWORD,
+            sqlstate::INVALID_PASSWORD,
             format!("password authentication failed for user \"{user}\""),
         )
     };
-    match sasl_server(client, buf, verifier, binding).await {
+    match sasl_server(client, verifier, binding).await {
         Ok(Some(client_key)) => {
             let found = found.ok_or_else(failed)?;
             Ok(match found.password {
@@ -321,7 +254,7 @@ where
         }
         Ok(None) => Err(failed()),
         Err(e) => Err(Refusal::new(
-            crate::protocol::sqlstate::PROTOCOL_VIOLATION,
+            sqlstate::PROTOCOL_VIOLATION,
             format!("authentication: {e}"),
         )),
     }
@@ -332,8 +265,7 @@ where
 /// the AuthenticationOk and everything after it in `buf`, for the session
 /// to relay. `Err(Some(frame))`: PostgreSQL's own ErrorResponse.
 pub async fn login_backend<B>(
-    backend: &mut B,
-    buf: &mut BytesMut,
+    backend: &mut FramedStream<B>,
     startup_raw: &[u8],
     user: &str,
     secret: &ClientSecret,
@@ -344,24 +276,15 @@ where
     backend.write_all(startup_raw).await?;
     let mut scram: Option<ClientExchange> = None;
     loop {
-        let len = loop {
-            match parse_frame(buf, MAX_AUTH_MESSAGE) {
-                Ok(Some(len)) => break len,
-                Ok(None) => {}
-                Err(e) => return Err(LoginError::Failed(format!("from PostgreSQL: {e}"))),
-            }
-            if backend.read_buf(buf).await? == 0 {
-                return Err(LoginError::Failed(
-                    "PostgreSQL closed the connection during authentication".into(),
-                ));
-            }
-        };
-        match buf[0] {
-            b'R' => {}
-            b'E' => return Err(LoginError::Server(buf.split_to(len))),
-            b'v' => {
-                // NegotiateProtocolVersion: informational here.
-                buf.advance(len);
+        let len = backend.wait_frame().await?.ok_or(LoginError::Failed(
+            "PostgreSQL closed the connection during authentication".into(),
+        ))?;
+        match backend.buffered()[0] {
+            be::AUTHENTICATION => {}
+            be::ERROR_RESPONSE => return Err(LoginError::Server(backend.split_to(len))),
+            be::NEGOTIATE_PROTOCOL_VERSION => {
+                // Informational here.
+                backend.consume(len);
                 continue;
             }
             other => {
@@ -371,7 +294,7 @@ where
                 )));
             }
         }
-        let body = &buf[HEADER_LEN..len];
+        let body = &backend.buffered()[HEADER_LEN..len];
         let code = i32::from_be_bytes(
             body.get(..4)
                 .and_then(|b| b.try_into().ok())
@@ -381,73 +304,89 @@ where
             return Ok(());
         }
         let data = body[4..].to_vec();
-        buf.advance(len);
-        let mut reply = BytesMut::new();
-        match (code, secret) {
-            (AUTH_CLEARTEXT, ClientSecret::Password(password)) => {
-                encode(&mut reply, Password::new(password.clone()));
-            }
-            (AUTH_MD5, ClientSecret::Password(password)) => {
-                let salt = data
-                    .get(..4)
-                    .ok_or(LoginError::Failed("short MD5 salt".into()))?;
-                encode(
-                    &mut reply,
-                    Password::new(md5_response(user, password, salt)),
-                );
-            }
-            (AUTH_CLEARTEXT | AUTH_MD5, ClientSecret::Key { .. }) => {
-                return Err(LoginError::Failed(format!(
-                    "PostgreSQL asks for user \"{user}\"'s password in {}, but pgcache holds only \
-                     its SCRAM verifier: give the password in auth.users, or use scram-sha-256 \
-                     in pg_hba.conf",
-                    if code == AUTH_MD5 {
-                        "MD5"
-                    } else {
-                        "clear text"
-                    }
-                )));
-            }
-            (AUTH_SASL, _) => {
-                let offered = data.split(|b| *b == 0).any(|m| m == MECHANISM.as_bytes());
-                if !offered {
-                    return Err(LoginError::Failed(
-                        "PostgreSQL offers no SASL mechanism pgcache knows".into(),
-                    ));
-                }
-                let (exchange, first) = ClientExchange::start(secret.clone());
-                scram = Some(exchange);
-                encode(
-                    &mut reply,
-                    SASLInitialResponse::new(MECHANISM.to_owned(), Some(first.into())),
-                );
-            }
-            (AUTH_SASL_CONTINUE, _) => {
-                let exchange = scram
-                    .as_mut()
-                    .ok_or(LoginError::Failed("SASLContinue out of order".into()))?;
-                let last = exchange
-                    .respond(&String::from_utf8_lossy(&data))
-                    .map_err(LoginError::Failed)?;
-                encode(&mut reply, SASLResponse::new(last.into()));
-            }
-            (AUTH_SASL_FINAL, _) => {
-                scram
-                    .as_ref()
-                    .ok_or(LoginError::Failed("SASLFinal out of order".into()))?
-                    .verify(&String::from_utf8_lossy(&data))
-                    .map_err(LoginError::Failed)?;
-                continue;
-            }
-            (other, _) => {
-                return Err(LoginError::Failed(format!(
-                    "PostgreSQL asks for authentication method {other}, which pgcache cannot \
-                     answer for a client"
-                )));
-            }
-        }
+        backend.consume(len);
+        let reply = match answer(code, &data, user, secret, &mut scram)? {
+            Some(reply) => reply,
+            None => continue,
+        };
         backend.write_all(&reply).await?;
     }
+}
+
+/// The answer to PostgreSQL's authentication request `code`; `None` when
+/// none is due (SASLFinal, checked here).
+fn answer(
+    code: i32,
+    data: &[u8],
+    user: &str,
+    secret: &ClientSecret,
+    scram: &mut Option<ClientExchange>,
+) -> Result<Option<BytesMut>, LoginError> {
+    let mut reply = BytesMut::new();
+    match (code, secret) {
+        (AUTH_CLEARTEXT, ClientSecret::Password(password)) => {
+            encode(&mut reply, Password::new(password.clone()));
+        }
+        (AUTH_MD5, ClientSecret::Password(password)) => {
+            let salt = data
+                .get(..4)
+                .ok_or(LoginError::Failed("short MD5 salt".into()))?;
+            encode(
+                &mut reply,
+                Password::new(md5_response(user, password, salt)),
+            );
+        }
+        (AUTH_CLEARTEXT | AUTH_MD5, ClientSecret::Key { .. }) => {
+            return Err(LoginError::Failed(format!(
+                "PostgreSQL asks for user \"{user}\"'s password in {}, but pgcache holds only \
+                 its SCRAM verifier: give the password in auth.users, or use scram-sha-256 \
+                 in pg_hba.conf",
+                if code == AUTH_MD5 {
+                    "MD5"
+                } else {
+                    "clear text"
+                }
+            )));
+        }
+        (AUTH_SASL, _) => {
+            let offered = data.split(|b| *b == 0).any(|m| m == MECHANISM.as_bytes());
+            if !offered {
+                return Err(LoginError::Failed(
+                    "PostgreSQL offers no SASL mechanism pgcache knows".into(),
+                ));
+            }
+            let (exchange, first) = ClientExchange::start(secret.clone());
+            *scram = Some(exchange);
+            encode(
+                &mut reply,
+                SASLInitialResponse::new(MECHANISM.to_owned(), Some(first.into())),
+            );
+        }
+        (AUTH_SASL_CONTINUE, _) => {
+            let exchange = scram
+                .as_mut()
+                .ok_or(LoginError::Failed("SASLContinue out of order".into()))?;
+            let last = exchange
+                .respond(&String::from_utf8_lossy(data))
+                .map_err(LoginError::Failed)?;
+            encode(&mut reply, SASLResponse::new(last.into()));
+        }
+        (AUTH_SASL_FINAL, _) => {
+            scram
+                .as_ref()
+                .ok_or(LoginError::Failed("SASLFinal out of order".into()))?
+                .verify(&String::from_utf8_lossy(data))
+                .map_err(LoginError::Failed)?;
+            return Ok(None);
+        }
+        (other, _) => {
+            return Err(LoginError::Failed(format!(
+                "PostgreSQL asks for authentication method {other}, which pgcache cannot \
+                 answer for a client"
+            )));
+        }
+    }
+    Ok(Some(reply))
 }
 
 /// How logging in to PostgreSQL failed.
@@ -461,6 +400,12 @@ pub enum LoginError {
 impl From<std::io::Error> for LoginError {
     fn from(e: std::io::Error) -> Self {
         LoginError::Failed(format!("connection to PostgreSQL: {e}"))
+    }
+}
+
+impl From<ReadError> for LoginError {
+    fn from(e: ReadError) -> Self {
+        LoginError::Failed(format!("from PostgreSQL: {e}"))
     }
 }
 

@@ -21,7 +21,24 @@
 //! reconnect
 //! ```
 
+pub mod control;
 pub mod pgoutput;
 pub mod replication;
 
-pub use replication::{cluster_id, ensure_stream, preflight};
+pub use control::{cluster_id, preflight};
+pub use replication::Streams;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicationError {
+    #[error("replication check failed: {0}")]
+    Preflight(String),
+    #[error("control connection: {0}")]
+    Control(#[from] tokio_postgres::Error),
+    #[error("replication connection: {0}")]
+    Stream(#[from] pgwire_replication::PgWireError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Logical message prefix the DDL event trigger emits.
+pub const DDL_MESSAGE_PREFIX: &str = "pgcache_ddl";

@@ -1,9 +1,49 @@
-//! Messages pgcache writes itself, encoded with pgwire's message types.
+//! Every message pgcache writes itself: encoded with pgwire's message types,
+//! or, for the handful on the relay's hot path, as fixed byte arrays.
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 use pgwire::error::ErrorInfo;
 use pgwire::messages::Message;
 use pgwire::messages::response::{ErrorResponse, NoticeResponse};
+
+use super::codec::HEADER_LEN;
+use super::{TxStatus, backend as be, frontend as fe};
+
+/// Sync, as the session sends it after replaying a Parse.
+pub const SYNC: [u8; 5] = [fe::SYNC, 0, 0, 0, 4];
+/// Terminate, as the session sends it when closing a backend.
+pub const TERMINATE: [u8; 5] = [fe::TERMINATE, 0, 0, 0, 4];
+
+/// ReadyForQuery with `status`.
+pub fn ready_for_query(status: TxStatus) -> [u8; 6] {
+    [be::READY_FOR_QUERY, 0, 0, 0, 5, status.as_byte()]
+}
+
+/// A simple-protocol Query for `sql`.
+pub fn query(sql: &str) -> BytesMut {
+    let mut msg = BytesMut::with_capacity(sql.len() + HEADER_LEN + 1);
+    msg.put_u8(fe::QUERY);
+    msg.put_u32((sql.len() + 5) as u32);
+    msg.put_slice(sql.as_bytes());
+    msg.put_u8(0);
+    msg
+}
+
+/// BackendKeyData with `pid` and a secret of any length (protocol 3.2
+/// allows up to 256 bytes).
+pub fn backend_key_data(pid: u32, secret: &[u8]) -> BytesMut {
+    let mut msg = BytesMut::with_capacity(HEADER_LEN + 4 + secret.len());
+    msg.put_u8(be::BACKEND_KEY_DATA);
+    msg.put_u32((8 + secret.len()) as u32);
+    msg.put_u32(pid);
+    msg.put_slice(secret);
+    msg
+}
+
+/// Whether an ErrorResponse body ends the connection (FATAL or PANIC).
+pub fn is_fatal(error_body: &[u8]) -> bool {
+    matches!(error_field(error_body, b'S'), Some("FATAL" | "PANIC"))
+}
 
 /// Appends any pgwire message to `out`.
 pub fn encode(out: &mut BytesMut, message: impl Message) {
@@ -60,7 +100,7 @@ pub fn error_field(body: &[u8], field: u8) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::codec::{HEADER_LEN, parse_frame};
+    use crate::protocol::codec::parse_frame;
 
     #[test]
     fn fatal_error_is_one_well_formed_frame_with_its_sqlstate() {
@@ -72,6 +112,20 @@ mod tests {
         assert_eq!(error_field(body, b'S'), Some("FATAL"));
         assert_eq!(error_field(body, b'M'), Some("bad message"));
         assert_eq!(error_field(body, b'H'), None);
+    }
+
+    #[test]
+    fn built_frames_are_well_formed() {
+        let q = query("SELECT 1");
+        assert_eq!(parse_frame(&q, 1 << 20), Ok(Some(q.len())));
+        assert_eq!(&q[HEADER_LEN..], b"SELECT 1\0");
+        let k = backend_key_data(7, &[1, 2, 3, 4]);
+        assert_eq!(&k[..], &[b'K', 0, 0, 0, 12, 0, 0, 0, 7, 1, 2, 3, 4]);
+        assert_eq!(ready_for_query(TxStatus::Failed), *b"Z\0\0\0\x05E");
+        assert!(is_fatal(&fatal("08006", "x")[HEADER_LEN..]));
+        let mut err = BytesMut::new();
+        error_response(&mut err, "ERROR", "42P01", "x");
+        assert!(!is_fatal(&err[HEADER_LEN..]));
     }
 
     #[test]

@@ -9,11 +9,13 @@
 pub mod codec;
 pub mod extended;
 pub mod messages;
+pub mod sqlstate;
 pub mod startup;
+pub mod stream;
 
 pub use codec::{FrameError, parse_frame};
 
-/// Frontend (client → server) message tags that pgcache looks at.
+/// Frontend (client → server) message tags.
 pub mod frontend {
     pub const QUERY: u8 = b'Q';
     pub const PARSE: u8 = b'P';
@@ -28,10 +30,15 @@ pub mod frontend {
     pub const COPY_DONE: u8 = b'c';
     pub const COPY_FAIL: u8 = b'f';
     pub const TERMINATE: u8 = b'X';
+    /// PasswordMessage, SASLInitialResponse and SASLResponse.
     pub const PASSWORD: u8 = b'p';
+    /// Describe and Close name a prepared statement...
+    pub const TARGET_STATEMENT: u8 = b'S';
+    /// ...or a portal.
+    pub const TARGET_PORTAL: u8 = b'P';
 }
 
-/// Backend (server → client) message tags that pgcache looks at.
+/// Backend (server → client) message tags.
 pub mod backend {
     pub const AUTHENTICATION: u8 = b'R';
     pub const BACKEND_KEY_DATA: u8 = b'K';
@@ -40,7 +47,16 @@ pub mod backend {
     pub const ERROR_RESPONSE: u8 = b'E';
     pub const NOTICE_RESPONSE: u8 = b'N';
     pub const NOTIFICATION: u8 = b'A';
+    pub const NEGOTIATE_PROTOCOL_VERSION: u8 = b'v';
+    pub const ROW_DESCRIPTION: u8 = b'T';
+    pub const DATA_ROW: u8 = b'D';
+    pub const COMMAND_COMPLETE: u8 = b'C';
     pub const COPY_IN_RESPONSE: u8 = b'G';
+    pub const COPY_OUT_RESPONSE: u8 = b'H';
+    pub const COPY_BOTH_RESPONSE: u8 = b'W';
+    pub const COPY_DATA: u8 = b'd';
+    pub const COPY_DONE: u8 = b'c';
+    pub const PORTAL_SUSPENDED: u8 = b's';
 }
 
 /// Transaction status carried by ReadyForQuery.
@@ -55,6 +71,14 @@ pub enum TxStatus {
 }
 
 impl TxStatus {
+    pub fn as_byte(self) -> u8 {
+        match self {
+            Self::Idle => b'I',
+            Self::InTransaction => b'T',
+            Self::Failed => b'E',
+        }
+    }
+
     pub fn from_byte(b: u8) -> Option<Self> {
         match b {
             b'I' => Some(Self::Idle),
@@ -63,21 +87,4 @@ impl TxStatus {
             _ => None,
         }
     }
-}
-
-/// SQLSTATE codes pgcache itself reports.
-pub mod sqlstate {
-    /// The backend could not be reached or went away.
-    pub const CONNECTION_FAILURE: &str = "08006";
-    /// The client broke the protocol.
-    pub const PROTOCOL_VIOLATION: &str = "08P01";
-    /// Too many client connections.
-    pub const TOO_MANY_CONNECTIONS: &str = "53300";
-    /// pgcache is shutting down.
-    pub const ADMIN_SHUTDOWN: &str = "57P01";
-    /// A client took too long to start up, or idled too long.
-    pub const CONNECTION_EXCEPTION: &str = "08000";
-    pub const INVALID_AUTHORIZATION: &str = "28000";
-    /// A wrong password (or an unknown user).
-    pub const INVALID_PASSWORD: &str = "28P01";
 }

@@ -355,6 +355,46 @@ fn attribute(message: &str, name: char) -> Option<&str> {
         .find_map(|a| a.strip_prefix(name)?.strip_prefix('='))
 }
 
+/// What pgcache knows of one user's password.
+#[derive(Clone)]
+pub struct Credentials {
+    pub verifier: Verifier,
+    /// Known when the configuration gives the password itself.
+    pub password: Option<String>,
+}
+
+pub fn credentials(value: &str) -> Result<Credentials, String> {
+    if value.starts_with("SCRAM-SHA-256$") {
+        let verifier = Verifier::parse(value).ok_or("malformed SCRAM-SHA-256 verifier")?;
+        return Ok(Credentials {
+            verifier,
+            password: None,
+        });
+    }
+    if value.len() == 35 && value.starts_with("md5") {
+        return Err(
+            "an MD5 hash cannot check a SCRAM login: give the password or its SCRAM-SHA-256 verifier"
+                .into(),
+        );
+    }
+    Ok(Credentials {
+        verifier: Verifier::random(value),
+        password: Some(value.to_owned()),
+    })
+}
+
+/// Checks `auth.users` the way `auth::Authenticator` will read it.
+pub fn validate_users(users: &std::collections::BTreeMap<String, String>) -> Vec<String> {
+    users
+        .iter()
+        .filter_map(|(user, value)| {
+            credentials(value)
+                .err()
+                .map(|e| format!("auth.users.{user}: {e}"))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::cache::{DbState, Family};
+use super::{DbState, Family};
 
 #[derive(Default)]
 pub struct QueryStats {
@@ -86,7 +86,7 @@ impl QueryStats {
                 families
                     .iter()
                     .map(|f| f.version.last_change_ms())
-                    .chain([db.epoch.last_change_ms()])
+                    .chain([db.versions.epoch.last_change_ms()])
                     .max()
                     .unwrap_or(0)
             })

@@ -1,0 +1,232 @@
+//! State shared by every session of one pgcache instance. Nothing in pgcache
+//! is process-global, so several instances can run in one test binary.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::cache::shared::{Background, SharedTier};
+use crate::cache::{Cache, LocalCache};
+use crate::config::{self, Config, ConfigError};
+use crate::invalidation::{self, ReplicationError, Streams};
+use crate::metrics::Metrics;
+use crate::upstream::Upstream;
+use crate::{auth, cancel, policy, tls};
+
+pub struct App {
+    /// The configuration in force: what RELOAD applied, with the sections
+    /// that need a restart kept as they were at start-up.
+    config: RwLock<Arc<Config>>,
+    /// `upstream.url`, parsed once.
+    pub upstream: Arc<Upstream>,
+    pub cancel: Arc<cancel::CancelRegistry>,
+    /// Shutdown requested: sessions close once idle.
+    pub drain: CancellationToken,
+    /// Shutdown timeout expired: sessions close now.
+    pub force: CancellationToken,
+    pub cache: Arc<Cache>,
+    pub streams: Arc<Streams>,
+    pub metrics: Arc<Metrics>,
+    /// Bound by [`App::start`], served by [`crate::serve`].
+    metrics_listener: Mutex<Option<TcpListener>>,
+    /// Where `/metrics` is served (known after [`App::start`]).
+    pub metrics_addr: OnceLock<SocketAddr>,
+    /// The caching policy, replaced by RELOAD.
+    policy: RwLock<Arc<policy::Policy>>,
+    policy_generation: AtomicU64,
+    /// TLS towards clients.
+    pub tls: tls::ClientTls,
+    /// Terminate-mode authentication: users, auth_query.
+    pub auth: auth::Authenticator,
+    /// Where RELOAD reads the configuration from.
+    config_source: OnceLock<(Option<PathBuf>, config::Overrides)>,
+}
+
+/// Why pgcache cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("cannot listen on {addr} (metrics.listen): {source}")]
+    MetricsListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+impl App {
+    pub fn new(config: Config) -> Result<Self, StartError> {
+        config.validate()?;
+        // rustls in redis-rs (rediss://) takes the process's provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let tls = tls::ClientTls::new(&config.tls).map_err(StartError::Tls)?;
+        let upstream = Upstream::new(&config.upstream.url, config.connect_timeout())
+            .map_err(|e| StartError::Tls(format!("upstream.url: {e}")))?;
+        let upstream = Arc::new(upstream);
+        let metrics = Arc::new(Metrics::new());
+        let local = LocalCache::with_evictions(
+            config.cache.local.max_bytes,
+            config.cache.max_entry_bytes,
+            Some(metrics.evictions.clone()),
+        );
+        let cache = Arc::new(Cache::new(local, Arc::clone(&metrics)));
+        let drain = CancellationToken::new();
+        let streams = Arc::new(Streams::new(
+            Arc::clone(&cache),
+            Arc::clone(&upstream),
+            config.replication.clone(),
+            drain.clone(),
+            metrics.invalidations.replication.clone(),
+        ));
+        Ok(Self {
+            auth: auth::Authenticator::new(&config.auth, Arc::clone(&upstream)),
+            cache,
+            streams,
+            upstream,
+            cancel: Arc::default(),
+            drain,
+            force: CancellationToken::new(),
+            metrics,
+            metrics_listener: Mutex::new(None),
+            metrics_addr: OnceLock::new(),
+            policy: RwLock::new(Arc::new(policy::Policy::new(&config.cache, 1))),
+            policy_generation: AtomicU64::new(1),
+            config_source: OnceLock::new(),
+            tls,
+            config: RwLock::new(Arc::new(config)),
+        })
+    }
+
+    /// Builds the shared state and runs the start-up checks: with caching
+    /// and `replication.enabled`, PostgreSQL must be able to stream changes,
+    /// or pgcache refuses to start (`replication.required`) or runs with
+    /// TTL-only invalidation and says so.
+    pub async fn start(config: Config) -> Result<Arc<Self>, StartError> {
+        let app = Self::new(config)?;
+        let config = app.config();
+        let addr = config.metrics.listen;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::MetricsListen { addr, source })?;
+        if let Ok(bound) = listener.local_addr() {
+            let _ = app.metrics_addr.set(bound);
+        }
+        *app.metrics_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(listener);
+        if config.cache.enabled && config.replication.enabled {
+            match invalidation::preflight(&app.upstream).await {
+                Ok(()) => app.cache.set_replication(true),
+                Err(e) if config.replication.required => return Err(e.into()),
+                Err(e) => warn!(
+                    "REPLICATION IS OFF ({e}). Writes made outside pgcache are NOT seen: cached results expire only \
+                     after cache.default_ttl_secs ({}s)",
+                    config.cache.default_ttl_secs
+                ),
+            }
+        }
+        if config.cache.enabled && config.redis.nodes().is_some() {
+            // Entries of different PostgreSQL clusters must never meet in one
+            // Redis: name the cluster by its system identifier when possible.
+            let namespace = match invalidation::cluster_id(&app.upstream).await {
+                Some(id) => id,
+                None => {
+                    let fallback = app.upstream.namespace();
+                    warn!(
+                        "cannot read PostgreSQL's system identifier: shared-tier keys are named after upstream.url \
+                         ({fallback}), so every instance must use the same upstream.url"
+                    );
+                    fallback
+                }
+            };
+            if let Some(tier) = shared_tier(&config, &namespace, &app.metrics) {
+                app.cache.set_shared(tier);
+            }
+        }
+        if let Some(tier) = app.cache.shared() {
+            tier.spawn(Background {
+                databases: Arc::clone(&app.cache.databases),
+                drain: app.drain.clone(),
+                resyncs: app.metrics.invalidations.resync.clone(),
+                peers: app.metrics.invalidations.peer.clone(),
+            });
+        }
+        Ok(Arc::new(app))
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        Arc::clone(&self.config.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The metrics listener bound at start-up, taken once by [`crate::serve`].
+    pub(crate) fn take_metrics_listener(&self) -> Option<TcpListener> {
+        self.metrics_listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
+
+    /// The policy's generation: one atomic load, for sessions to notice a RELOAD.
+    pub fn policy_generation(&self) -> u64 {
+        self.policy_generation.load(Ordering::Acquire)
+    }
+
+    pub fn policy(&self) -> Arc<policy::Policy> {
+        Arc::clone(&self.policy.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Remembers where the configuration came from, for RELOAD.
+    pub fn set_config_source(&self, path: Option<PathBuf>, overrides: config::Overrides) {
+        let _ = self.config_source.set((path, overrides));
+    }
+
+    /// Re-reads the configuration and applies what can change live: the
+    /// caching policy (`cache.mode`, `default_ttl_secs`,
+    /// `refresh_after_secs`, `coalesce_wait_ms`, `tables`, `roles`,
+    /// `databases`), the admin credentials, `auth.users`/`auth_query` and
+    /// the TLS certificate. Returns what changed but needs a restart (kept
+    /// as it was); on error nothing changes.
+    pub fn reload(&self) -> Result<Vec<String>, ConfigError> {
+        let (path, overrides) = self
+            .config_source
+            .get()
+            .cloned()
+            .unwrap_or((None, config::Overrides::default()));
+        let mut new = Config::load(path.as_deref(), &overrides)?;
+        self.tls
+            .reload(&new.tls)
+            .map_err(|e| ConfigError::Invalid(vec![e]))?;
+        let old = self.config();
+        let restart = new.keep_restart_only(&old);
+        self.auth.reload(&new.auth);
+        let generation = self.policy_generation() + 1;
+        *self.policy.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(policy::Policy::new(&new.cache, generation));
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
+        self.policy_generation.store(generation, Ordering::Release);
+        tracing::info!(?restart, "configuration reloaded");
+        Ok(restart)
+    }
+}
+
+/// The shared tier, when `redis.url` is set and caching is on;
+/// `namespace` keeps the entries of different PostgreSQL clusters apart.
+fn shared_tier(config: &Config, namespace: &str, metrics: &Metrics) -> Option<Arc<SharedTier>> {
+    let nodes = config.redis.nodes().filter(|_| config.cache.enabled)?;
+    Some(Arc::new(SharedTier::new(
+        config,
+        nodes,
+        namespace,
+        metrics.shared.clone(),
+    )))
+}

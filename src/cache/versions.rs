@@ -1,0 +1,181 @@
+//! Version counters: invalidation is a bump, and a key is made of the
+//! versions current when it was read (see [`crate::cache`]).
+//!
+//! **Two counters per version**: `local` is bumped by every invalidation
+//! this instance learns of and keys the local tier; `shared` mirrors the
+//! counter in Redis and keys the shared tier. Only Redis hands out shared
+//! values, so two instances can never use one value for different states
+//! of a table (see [`crate::cache::shared`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, Default)]
+pub struct Version {
+    local: AtomicU64,
+    shared: AtomicU64,
+    /// Invalidations seen, and when the last one was (Unix milliseconds).
+    changes: AtomicU64,
+    last_change_ms: AtomicU64,
+    /// Entries stored under the current version (expiry and eviction are
+    /// not subtracted).
+    entries: AtomicU64,
+}
+
+impl Version {
+    pub fn local(&self) -> u64 {
+        self.local.load(Ordering::Acquire)
+    }
+
+    pub fn shared(&self) -> u64 {
+        self.shared.load(Ordering::Acquire)
+    }
+
+    pub fn bump_local(&self) {
+        self.local.fetch_add(1, Ordering::AcqRel);
+        self.changes.fetch_add(1, Ordering::Relaxed);
+        self.last_change_ms.store(unix_ms(), Ordering::Relaxed);
+        self.entries.store(0, Ordering::Relaxed);
+    }
+
+    pub fn note_entry(&self) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn entries(&self) -> u64 {
+        self.entries.load(Ordering::Relaxed)
+    }
+
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Relaxed)
+    }
+
+    /// Unix milliseconds of the last invalidation; 0 = never.
+    pub fn last_change_ms(&self) -> u64 {
+        self.last_change_ms.load(Ordering::Relaxed)
+    }
+
+    /// Redis says the counter is `value`. If that is news, the local
+    /// counter moves too: *after* the shared one, so a reader that sees the
+    /// new local value also sees the new shared value.
+    pub fn raise_shared(&self, value: u64) -> bool {
+        let raised = self.shared.fetch_max(value, Ordering::AcqRel) < value;
+        if raised {
+            self.bump_local();
+        }
+        raised
+    }
+}
+
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The version of one table, or of a partition tree (its root's name).
+#[derive(Debug)]
+pub struct Family {
+    pub name: Box<str>,
+    pub version: Version,
+}
+
+/// The versions of one database.
+#[derive(Debug, Default)]
+pub struct Versions {
+    /// Bumped by statements whose effects pgcache cannot see: part of every key.
+    pub epoch: Version,
+    /// Bumped (in Redis) by DDL, so other instances forget their catalog.
+    pub ddl: Version,
+    families: Mutex<HashMap<String, Arc<Family>>>,
+}
+
+impl Versions {
+    /// The version counter of a partition tree (or plain table).
+    pub fn family(&self, name: &str) -> Arc<Family> {
+        let mut map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = map.get(name) {
+            return Arc::clone(f);
+        }
+        let f = Arc::new(Family {
+            name: name.into(),
+            version: Version::default(),
+        });
+        map.insert(name.to_owned(), Arc::clone(&f));
+        f
+    }
+
+    /// Every family known, for a resynchronisation with Redis.
+    pub fn families(&self) -> Vec<Arc<Family>> {
+        let map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        map.values().cloned().collect()
+    }
+}
+
+/// Invalidations to apply: table versions, the epoch, the catalog.
+#[derive(Debug, Default, Clone)]
+pub struct Bumps {
+    pub families: Vec<Arc<Family>>,
+    /// Unknown effects: everything in the database may have changed.
+    pub epoch: bool,
+    /// DDL: the catalog snapshot is stale too (implies `epoch`).
+    pub schema: bool,
+}
+
+impl Bumps {
+    pub fn opaque() -> Self {
+        Self {
+            families: Vec::new(),
+            epoch: true,
+            schema: true,
+        }
+    }
+
+    pub fn add_family(&mut self, family: Arc<Family>) {
+        if !self.families.iter().any(|f| Arc::ptr_eq(f, &family)) {
+            self.families.push(family);
+        }
+    }
+
+    pub fn merge(&mut self, other: &Bumps) {
+        for f in &other.families {
+            self.add_family(Arc::clone(f));
+        }
+        self.epoch |= other.epoch;
+        self.schema |= other.schema;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.families.is_empty() && !self.epoch && !self.schema
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_raised_shared_value_moves_the_local_counter_once() {
+        let v = Version::default();
+        assert!(v.raise_shared(3));
+        assert_eq!((v.shared(), v.local()), (3, 1));
+        assert!(!v.raise_shared(2), "an older value is no news");
+        assert_eq!((v.shared(), v.local()), (3, 1));
+    }
+
+    #[test]
+    fn merged_bumps_name_each_family_once() {
+        let versions = Versions::default();
+        let mut a = Bumps::default();
+        a.add_family(versions.family("t"));
+        let mut b = Bumps::default();
+        b.add_family(versions.family("t"));
+        b.add_family(versions.family("u"));
+        a.merge(&b);
+        assert_eq!(a.families.len(), 2);
+        assert!(!a.epoch && !a.is_empty());
+        a.merge(&Bumps::opaque());
+        assert!(a.epoch && a.schema);
+    }
+}

@@ -1,0 +1,227 @@
+//! What pgcache asks PostgreSQL on its own connections, outside any
+//! stream: the start-up checks, the cluster's identity, the publication
+//! and the DDL event trigger.
+
+use std::time::Duration;
+
+use tracing::{debug, info, warn};
+
+use super::{DDL_MESSAGE_PREFIX, ReplicationError};
+use crate::upstream::Upstream;
+
+/// Checks, once at start-up, that PostgreSQL can stream changes to pgcache:
+/// `wal_level = logical` and a role allowed to replicate. The error says how
+/// to fix what is missing.
+pub async fn preflight(upstream: &Upstream) -> Result<(), ReplicationError> {
+    let pg = upstream.control_config(upstream.default_database());
+    let user = pg.get_user().unwrap_or("postgres").to_owned();
+    let (client, conn) = match pg.connect(upstream.tls.make_tls()).await {
+        Ok(c) => c,
+        // A TLS failure is the configuration's (sslmode, sslrootcert), not
+        // a server that is still starting. tokio-postgres has no public
+        // error kind; its TLS errors all read like this.
+        Err(e) if e.to_string().starts_with("error performing TLS handshake") => {
+            return Err(ReplicationError::Preflight(format!(
+                "TLS to PostgreSQL failed ({e}); check sslmode and sslrootcert in upstream.url"
+            )));
+        }
+        Err(e) if e.as_db_error().is_none() => {
+            // PostgreSQL is not up (yet): not a configuration error. Streams
+            // retry, and no database is served from the cache until its own
+            // stream is up.
+            warn!(error = %e, "cannot reach PostgreSQL to check replication now; streams will retry");
+            return Ok(());
+        }
+        Err(e) => {
+            return Err(ReplicationError::Preflight(format!(
+                "cannot log in to PostgreSQL as {user:?} to check replication ({e}); pgcache uses the user \
+                 and password in upstream.url for its own connections"
+            )));
+        }
+    };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let row = client
+        .query_one(
+            "SELECT current_setting('wal_level'), rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await?;
+    let wal_level: String = row.get(0);
+    let can_replicate: bool = row.get(1);
+    let mut problems = Vec::new();
+    if wal_level != "logical" {
+        problems.push(format!(
+            "wal_level is {wal_level:?}: set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        ));
+    }
+    if !can_replicate {
+        problems.push(format!("role {user:?} may not replicate: ALTER ROLE {user} REPLICATION (or use a superuser in upstream.url)"));
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ReplicationError::Preflight(format!(
+            "{}; or set replication.required = false to run with TTL-only invalidation",
+            problems.join("; ")
+        )))
+    }
+}
+
+/// PostgreSQL's system identifier, which names the cluster in shared-tier
+/// keys; `None` if it cannot be read within a few seconds.
+pub async fn cluster_id(upstream: &Upstream) -> Option<String> {
+    let query = async {
+        let client = upstream.control(upstream.default_database()).await.ok()?;
+        let row = client
+            .query_one(
+                "SELECT system_identifier::text FROM pg_catalog.pg_control_system()",
+                &[],
+            )
+            .await
+            .ok()?;
+        row.try_get::<_, String>(0).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(5), query)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Tables that may join the publication: permanent user tables (partitioned
+/// roots rather than partitions) with a replica identity, so that publishing
+/// their UPDATE/DELETE cannot make those writes fail.
+const PUBLISHABLE: &str = "\
+SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.oid IN
+    (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr
+     JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1),
+  c.relreplident = 'f'
+    OR (c.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+    OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident))
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
+  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'";
+
+/// Creates the publication if needed and makes it list exactly the tables
+/// that have a replica identity. Returns how many tables are left out.
+pub async fn sync_publication(
+    ctl: &tokio_postgres::Client,
+    publication: &str,
+) -> Result<u64, ReplicationError> {
+    let quoted = quote_ident(publication);
+    let exists = ctl
+        .query_opt(
+            "SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?;
+    match exists {
+        Some(row) if row.get::<_, bool>(0) => {
+            // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
+            return Ok(0);
+        }
+        Some(_) => {}
+        None => {
+            ctl.batch_execute(&format!(
+                "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
+            ))
+            .await?;
+            info!(publication, "created publication");
+        }
+    }
+    let rows = ctl.query(PUBLISHABLE, &[&publication]).await?;
+    let mut add = Vec::new();
+    let mut drop = Vec::new();
+    let mut unpublishable = Vec::new();
+    for row in rows {
+        let name: String = row.get(0);
+        let published: bool = row.get(1);
+        let has_identity: bool = row.get(2);
+        match (published, has_identity) {
+            (false, true) => add.push(name),
+            (true, false) => drop.push(name),
+            (false, false) => unpublishable.push(name),
+            (true, true) => {}
+        }
+    }
+    if !add.is_empty() {
+        ctl.batch_execute(&format!(
+            "ALTER PUBLICATION {quoted} ADD TABLE {}",
+            add.join(", ")
+        ))
+        .await?;
+        debug!(
+            publication,
+            tables = add.len(),
+            "added tables to the publication"
+        );
+    }
+    if !drop.is_empty() {
+        ctl.batch_execute(&format!(
+            "ALTER PUBLICATION {quoted} DROP TABLE {}",
+            drop.join(", ")
+        ))
+        .await?;
+    }
+    if !unpublishable.is_empty() || !drop.is_empty() {
+        unpublishable.extend(drop);
+        warn!(
+            publication,
+            tables = %unpublishable.join(", "),
+            "tables without a replica identity (no primary key, identity index or FULL) are not cached"
+        );
+    }
+    Ok(unpublishable.len() as u64)
+}
+
+/// Installs an event trigger that announces DDL in the stream, so DDL made
+/// outside pgcache invalidates too. Needs superuser; without it pgcache logs
+/// a warning and notices outside DDL only through the TTL and the snapshot
+/// reload for unknown relations. The function can never fail the user's DDL.
+pub async fn install_ddl_trigger(ctl: &tokio_postgres::Client, database: &str) {
+    let sql = format!(
+        "CREATE SCHEMA IF NOT EXISTS pgcache;
+         CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
+           LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+           BEGIN
+             PERFORM pg_catalog.pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
+           EXCEPTION WHEN OTHERS THEN NULL;
+           END $$;
+         DO $$ BEGIN
+           IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl') THEN
+             CREATE EVENT TRIGGER pgcache_ddl ON ddl_command_end EXECUTE FUNCTION pgcache.announce_ddl();
+           END IF;
+           IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl_drop') THEN
+             CREATE EVENT TRIGGER pgcache_ddl_drop ON sql_drop EXECUTE FUNCTION pgcache.announce_ddl();
+           END IF;
+         END $$;"
+    );
+    if let Err(e) = ctl.batch_execute(&sql).await {
+        warn!(database, error = %e, "cannot install the DDL event trigger (needs superuser): DDL made outside pgcache is not seen");
+    }
+}
+
+/// Waits until transaction `xid` (32-bit, from the stream) is visible in a
+/// new snapshot of the control connection. Gives up after two seconds.
+pub async fn wait_visible(ctl: &tokio_postgres::Client, xid: u32) -> Result<(), ReplicationError> {
+    // Widen the xid with the epoch of the current snapshot's xmax.
+    const VISIBLE: &str = "SELECT pg_catalog.pg_visible_in_snapshot(
+        ((((x >> 32) - CASE WHEN $1 > (x & 4294967295) THEN 1 ELSE 0 END) << 32) | $1)::text::xid8, s)
+        FROM pg_catalog.pg_current_snapshot() s,
+             LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let visible: bool = ctl.query_one(VISIBLE, &[&i64::from(xid)]).await?.get(0);
+        if visible || tokio::time::Instant::now() >= deadline {
+            return Ok(());
+        }
+        // The window is the few microseconds between a commit's WAL flush
+        // and its proc-array update: a short pause, not a synchronisation.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}

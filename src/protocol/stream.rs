@@ -1,0 +1,192 @@
+//! One leg of a connection as frames: a byte stream, its read buffer and the
+//! largest frame it accepts.
+//!
+//! Both legs of a session (client and PostgreSQL), the admin console and the
+//! authentication exchanges read through this type, so "one whole frame",
+//! "a clean end of stream" and "a stream cut inside a frame" mean the same
+//! everywhere. The relay loop reads with [`FramedStream::fill`], which is
+//! cancel-safe (it only appends to the buffer), and walks the complete
+//! frames in place with [`FramedStream::frame_len_at`] so that runs of
+//! frames can be relayed without copying.
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::codec::{self, FrameError, parse_frame};
+
+/// Read granularity; a large frame reserves its whole length at once.
+pub const READ_CHUNK: usize = 16 * 1024;
+/// A buffer that grew for a large frame is given back past this size.
+const SHRINK_ABOVE: usize = 1 << 20;
+
+/// Why a frame could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The peer broke the framing (a bad or oversized length).
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The stream ended inside a frame.
+    #[error("connection closed in the middle of a message")]
+    Truncated,
+}
+
+pub struct FramedStream<S> {
+    io: S,
+    buf: BytesMut,
+    max_frame: usize,
+}
+
+impl<S> FramedStream<S> {
+    /// `buf` may already hold bytes read from `io`.
+    pub fn new(io: S, buf: BytesMut, max_frame: usize) -> Self {
+        Self { io, buf, max_frame }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.io
+    }
+
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.io
+    }
+
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
+    }
+
+    pub fn set_max_frame(&mut self, max: usize) {
+        self.max_frame = max;
+    }
+
+    /// The bytes read and not yet consumed.
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf
+    }
+
+    pub fn buffer_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
+    /// The length of the complete frame starting at `pos` of the buffer,
+    /// `Ok(None)` if it is not all there yet.
+    pub fn frame_len_at(&self, pos: usize) -> Result<Option<usize>, FrameError> {
+        parse_frame(&self.buf[pos..], self.max_frame)
+    }
+
+    /// Takes the first `len` buffered bytes out.
+    pub fn split_to(&mut self, len: usize) -> BytesMut {
+        self.buf.split_to(len)
+    }
+
+    /// Drops the first `len` buffered bytes.
+    pub fn consume(&mut self, len: usize) {
+        self.buf.advance(len);
+    }
+
+    /// Takes the first buffered frame out, if it is complete.
+    pub fn next_frame(&mut self) -> Result<Option<BytesMut>, FrameError> {
+        Ok(self.frame_len_at(0)?.map(|len| self.buf.split_to(len)))
+    }
+
+    /// Gives memory back after a large frame, once the buffer is empty.
+    pub fn shrink_if_empty(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > SHRINK_ABOVE {
+            self.buf = BytesMut::with_capacity(READ_CHUNK);
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> FramedStream<S> {
+    /// Reads more bytes into the buffer: at least room for the rest of the
+    /// frame being read (capped at the limit, so a lying length cannot
+    /// allocate), else one chunk. Returns 0 at the end of the stream.
+    /// Cancel-safe.
+    pub async fn fill(&mut self) -> std::io::Result<usize> {
+        let missing = codec::missing_bytes(&self.buf).min(self.max_frame);
+        self.buf.reserve(missing.max(READ_CHUNK));
+        self.io.read_buf(&mut self.buf).await
+    }
+
+    /// Reads one whole frame. `Ok(None)`: the stream ended cleanly, between
+    /// frames.
+    pub async fn read_frame(&mut self) -> Result<Option<BytesMut>, ReadError> {
+        Ok(self.wait_frame().await?.map(|len| self.buf.split_to(len)))
+    }
+
+    /// Reads until one whole frame is buffered and returns its length,
+    /// leaving it in the buffer. `Ok(None)`: a clean end of stream.
+    pub async fn wait_frame(&mut self) -> Result<Option<usize>, ReadError> {
+        loop {
+            if let Some(len) = self.frame_len_at(0)? {
+                return Ok(Some(len));
+            }
+            if self.fill().await? == 0 {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(ReadError::Truncated)
+                };
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> FramedStream<S> {
+    /// Writes frames (one or several, already encoded) in one go.
+    pub async fn write_all(&mut self, frames: &[u8]) -> std::io::Result<()> {
+        self.io.write_all(frames).await
+    }
+
+    pub async fn shutdown(&mut self) -> std::io::Result<()> {
+        self.io.shutdown().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::messages;
+
+    fn framed(input: &[u8], max: usize) -> FramedStream<tokio::io::DuplexStream> {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let input = input.to_vec();
+        tokio::spawn(async move {
+            // Byte by byte: every frame arrives split.
+            for byte in input {
+                if a.write_all(&[byte]).await.is_err() {
+                    return;
+                }
+            }
+        });
+        FramedStream::new(b, BytesMut::new(), max)
+    }
+
+    #[tokio::test]
+    async fn frames_split_across_reads_come_out_whole_then_a_clean_end() {
+        let mut input = messages::query("SELECT 1").to_vec();
+        input.extend_from_slice(&messages::SYNC);
+        let mut s = framed(&input, 1024);
+        assert_eq!(&s.read_frame().await.unwrap().unwrap()[..], &input[..14]);
+        assert_eq!(&s.read_frame().await.unwrap().unwrap()[..], &messages::SYNC);
+        assert!(s.read_frame().await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_end_inside_a_frame_is_truncation_not_a_clean_end() {
+        let input = messages::query("SELECT 1");
+        let mut s = framed(&input[..7], 1024);
+        assert!(matches!(s.read_frame().await, Err(ReadError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn an_oversized_frame_is_refused_from_its_header() {
+        let input = messages::query(&"x".repeat(100));
+        let mut s = framed(&input[..5], 50);
+        assert!(matches!(
+            s.read_frame().await,
+            Err(ReadError::Frame(FrameError::TooLarge { .. }))
+        ));
+    }
+}

@@ -1,0 +1,259 @@
+//! Extended-protocol messages held until Sync, so that a batch of the shape
+//! drivers send for one query can be answered from the cache, Sync and all.
+//! The decision is made once, at Sync ([`Batch::single_query`]); a batch
+//! that cannot be held any longer is forwarded and the rest of it goes
+//! straight through.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+
+use super::plan::Plan;
+use crate::classify::BypassReason;
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::extended::{self, Bind};
+use crate::protocol::frontend as fe;
+
+const MAX_HELD_MESSAGES: usize = 8;
+const MAX_HELD_BYTES: usize = 256 * 1024;
+
+/// Reused from batch to batch, so its buffers keep their memory.
+#[derive(Default)]
+pub(super) struct Batch {
+    raw: BytesMut,
+    /// Tags (and Describe kinds) of the held messages, for the key.
+    shape: Vec<u8>,
+    /// The held Parse: (statement name, frame).
+    pub parse: Option<(Bytes, Bytes)>,
+    bind: Option<Bytes>,
+    describe: Option<(u8, Bytes)>,
+    /// The held Execute: its portal, row limit and the plan of the
+    /// statement it runs.
+    execute: Option<(Bytes, i32, Arc<Plan>)>,
+    /// Part of the batch already went to the backend: nothing more is held.
+    pub forwarded: bool,
+    /// What the batch's statements change, applied at its ReadyForQuery.
+    pub effects: crate::cache::Bumps,
+    /// Statements the batch defines: forgotten if it fails.
+    pub parsed: Vec<Bytes>,
+}
+
+/// The one query of a held batch: its Bind (checked) and plan.
+pub(super) struct SingleQuery {
+    bind_frame: Bytes,
+    pub plan: Arc<Plan>,
+}
+
+impl SingleQuery {
+    pub fn bind(&self) -> Bind<'_> {
+        extended::bind(&self.bind_frame[HEADER_LEN..]).expect("checked by Batch::single_query")
+    }
+}
+
+impl Batch {
+    pub fn holds(&self) -> bool {
+        !self.shape.is_empty()
+    }
+
+    /// Whether another frame of `len` bytes may be held.
+    pub fn has_room(&self, len: usize) -> bool {
+        !self.forwarded
+            && self.shape.len() < MAX_HELD_MESSAGES
+            && self.raw.len() + len <= MAX_HELD_BYTES
+    }
+
+    pub fn holds_tag(&self, tag: u8) -> bool {
+        match tag {
+            fe::PARSE => self.parse.is_some(),
+            fe::BIND => self.bind.is_some(),
+            fe::DESCRIBE => self.describe.is_some(),
+            fe::EXECUTE => self.execute.is_some(),
+            _ => true,
+        }
+    }
+
+    pub fn hold_parse(&mut self, name: Bytes, frame: &Bytes) {
+        self.parse = Some((name, frame.clone()));
+        self.hold(frame);
+    }
+
+    pub fn hold_bind(&mut self, frame: &Bytes) {
+        self.bind = Some(frame.clone());
+        self.hold(frame);
+    }
+
+    pub fn hold_describe(&mut self, kind: u8, name: Bytes, frame: &Bytes) {
+        self.describe = Some((kind, name));
+        self.hold(frame);
+        self.shape.push(kind);
+    }
+
+    pub fn hold_execute(&mut self, portal: Bytes, max_rows: i32, plan: Arc<Plan>, frame: &Bytes) {
+        self.execute = Some((portal, max_rows, plan));
+        self.hold(frame);
+    }
+
+    fn hold(&mut self, frame: &Bytes) {
+        self.raw.extend_from_slice(frame);
+        self.shape.push(frame[0]);
+    }
+
+    /// The tags (and Describe kinds) of what is held.
+    pub fn shape(&self) -> &[u8] {
+        &self.shape
+    }
+
+    /// Takes the held frames out, to forward them: from now on the batch
+    /// holds nothing more. The buffer comes back with [`Batch::give_back`].
+    pub fn release(&mut self) -> Option<BytesMut> {
+        let raw = (!self.raw.is_empty()).then(|| std::mem::take(&mut self.raw));
+        if self.holds() {
+            self.forwarded = true;
+        }
+        raw
+    }
+
+    /// Returns the buffer [`Batch::release`] took, emptied, for reuse.
+    pub fn give_back(&mut self, mut raw: BytesMut) {
+        raw.clear();
+        self.raw = raw;
+    }
+
+    /// Ends the batch; returns its effects and the statements it parsed.
+    pub fn reset(&mut self) -> (crate::cache::Bumps, Vec<Bytes>) {
+        self.raw.clear();
+        self.shape.clear();
+        self.parse = None;
+        self.bind = None;
+        self.describe = None;
+        self.execute = None;
+        self.forwarded = false;
+        (
+            std::mem::take(&mut self.effects),
+            std::mem::take(&mut self.parsed),
+        )
+    }
+
+    /// The batch's query, if the batch has the shape drivers send for one:
+    /// `[Parse] Bind [Describe] Execute` on the unnamed portal, unlimited,
+    /// with the Describe naming what the Bind names.
+    pub fn single_query(&self) -> Result<SingleQuery, BypassReason> {
+        let (Some(bind_frame), Some((portal, 0, plan))) = (&self.bind, &self.execute) else {
+            return Err(BypassReason::UnsupportedShape);
+        };
+        let bind =
+            extended::bind(&bind_frame[HEADER_LEN..]).ok_or(BypassReason::UnsupportedShape)?;
+        let describe_ok = match &self.describe {
+            None => true,
+            Some((fe::TARGET_PORTAL, name)) => name.as_ref() == bind.portal,
+            Some((_, name)) => name.as_ref() == bind.statement,
+        };
+        if !bind.portal.is_empty() || portal.as_ref() != bind.portal || !describe_ok {
+            return Err(BypassReason::UnsupportedShape);
+        }
+        Ok(SingleQuery {
+            bind_frame: bind_frame.clone(),
+            plan: Arc::clone(plan),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::analysis::Analyses;
+    use crate::cache::stats::StatsRegistry;
+    use crate::cache::versions::Versions;
+    use crate::config::CacheConfig;
+    use crate::policy::Policy;
+    use bytes::BufMut;
+
+    fn frame(tag: u8, body: &[u8]) -> Bytes {
+        let mut f = BytesMut::new();
+        f.put_u8(tag);
+        f.put_u32(body.len() as u32 + 4);
+        f.put_slice(body);
+        f.freeze()
+    }
+
+    fn bind(portal: &str, statement: &str) -> Bytes {
+        let mut body = Vec::new();
+        body.extend_from_slice(portal.as_bytes());
+        body.push(0);
+        body.extend_from_slice(statement.as_bytes());
+        body.push(0);
+        // No parameter formats, no parameters, no result formats.
+        body.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        frame(fe::BIND, &body)
+    }
+
+    fn plan() -> Arc<Plan> {
+        let analyzed = Analyses::new(1).get(1, b"SELECT 1", &StatsRegistry::new(1));
+        let policy = Policy::new(&CacheConfig::default(), 1);
+        Arc::new(Plan::new(&analyzed, None, &Versions::default(), 0, &policy))
+    }
+
+    fn held(portal: &str, describe: Option<(u8, &str)>, max_rows: i32) -> Batch {
+        let mut b = Batch::default();
+        b.hold_bind(&bind(portal, "s1"));
+        if let Some((kind, name)) = describe {
+            let f = frame(fe::DESCRIBE, &[&[kind], name.as_bytes(), &[0]].concat());
+            b.hold_describe(kind, Bytes::copy_from_slice(name.as_bytes()), &f);
+        }
+        let exec = frame(
+            fe::EXECUTE,
+            &[portal.as_bytes(), &[0], &max_rows.to_be_bytes()].concat(),
+        );
+        b.hold_execute(
+            Bytes::copy_from_slice(portal.as_bytes()),
+            max_rows,
+            plan(),
+            &exec,
+        );
+        b
+    }
+
+    #[test]
+    fn the_drivers_shape_is_one_query() {
+        let b = held("", Some((fe::TARGET_PORTAL, "")), 0);
+        assert_eq!(
+            b.shape(),
+            [fe::BIND, fe::DESCRIBE, fe::TARGET_PORTAL, fe::EXECUTE]
+        );
+        let q = b.single_query().unwrap();
+        assert_eq!(q.bind().statement, b"s1");
+        assert!(
+            held("", Some((fe::TARGET_STATEMENT, "s1")), 0)
+                .single_query()
+                .is_ok()
+        );
+        assert!(held("", None, 0).single_query().is_ok());
+    }
+
+    #[test]
+    fn other_shapes_are_forwarded() {
+        let named_portal = held("p1", None, 0);
+        let row_limit = held("", None, 1);
+        let wrong_describe = held("", Some((fe::TARGET_STATEMENT, "other")), 0);
+        for b in [named_portal, row_limit, wrong_describe] {
+            assert_eq!(b.single_query().err(), Some(BypassReason::UnsupportedShape));
+        }
+        assert_eq!(
+            Batch::default().single_query().err(),
+            Some(BypassReason::UnsupportedShape)
+        );
+    }
+
+    #[test]
+    fn a_released_batch_holds_nothing_more_until_reset() {
+        let mut b = held("", None, 0);
+        assert!(b.holds() && b.has_room(10));
+        let raw = b.release().expect("frames to forward");
+        assert!(raw.starts_with(&[fe::BIND]));
+        assert!(b.forwarded && !b.has_room(10));
+        b.give_back(raw);
+        assert!(b.release().is_none(), "nothing is held twice");
+        b.reset();
+        assert!(!b.holds() && b.has_room(10));
+    }
+}

@@ -1,0 +1,236 @@
+//! The extended protocol with caching on: Parse, Bind, Describe, Execute
+//! and Close are held while the batch could still be answered from the
+//! cache ([`Batch`](super::batch::Batch)) and forwarded otherwise; at Sync
+//! the held batch is looked up once, and answered or forwarded whole.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::SessionError;
+use super::known::Statement;
+use super::pipeline::{Flow, Inflight};
+use super::plan::Plan;
+use super::query::Answer;
+use super::relay::Session;
+use crate::cache::Bumps;
+use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::classify::{BypassReason, is_time_literal_text};
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{TxStatus, extended, frontend as fe};
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// Parse, Bind, Describe, Execute, Close: held while the batch could
+    /// still be answered from the cache, forwarded otherwise.
+    pub(super) async fn on_extended(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let tag = frame[0];
+        let body = frame.slice(HEADER_LEN..);
+        let holdable = self.pipeline.is_quiet()
+            && self.tx.status == TxStatus::Idle
+            && self.batch.has_room(frame.len())
+            && !self.batch.holds_tag(tag);
+        let held = match tag {
+            fe::PARSE => self.on_parse(&frame, &body, holdable),
+            fe::BIND => self.on_bind(&frame, &body, holdable),
+            fe::DESCRIBE => match extended::target(&body) {
+                Some((kind, name)) if holdable => {
+                    self.batch.hold_describe(kind, body.slice_ref(name), &frame);
+                    true
+                }
+                _ => false,
+            },
+            fe::EXECUTE => {
+                self.pipeline.executed();
+                self.on_execute(&frame, &body, holdable).await?
+            }
+            _ => {
+                // Close
+                if let Some((kind, name)) = extended::target(&body) {
+                    if kind == fe::TARGET_STATEMENT {
+                        self.known.close_statement(name);
+                    } else {
+                        self.known.portals.remove(name);
+                    }
+                }
+                false
+            }
+        };
+        if !held {
+            self.release_batch();
+            self.forward(&frame);
+            self.pipeline.unsynced = true;
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn on_parse(&mut self, frame: &Bytes, body: &Bytes, holdable: bool) -> bool {
+        let Some(p) = extended::parse(body) else {
+            return false;
+        };
+        let name = body.slice_ref(p.name);
+        let statement = Statement {
+            hash: key::sql_hash(p.query),
+            sql: body.slice_ref(p.query),
+            param_types: body.slice_ref(p.param_types),
+        };
+        self.known.define(name.clone(), statement);
+        self.batch.parsed.push(name.clone());
+        if holdable {
+            self.batch.hold_parse(name, frame);
+        }
+        holdable
+    }
+
+    /// Parameters are decoded once, at Sync, if the batch may be cached.
+    fn on_bind(&mut self, frame: &Bytes, body: &Bytes, holdable: bool) -> bool {
+        let Some((portal, statement)) = extended::bind_names(body) else {
+            return false;
+        };
+        let portal = body.slice_ref(portal);
+        let Some(stmt) = self.known.statements.get(statement).cloned() else {
+            self.known.portals.remove(&portal);
+            return false;
+        };
+        self.known.portals.insert(portal, stmt);
+        if holdable {
+            self.batch.hold_bind(frame);
+        }
+        holdable
+    }
+
+    /// Plans the portal's statement (its effects count whether or not the
+    /// batch is held) and holds an unlimited Execute.
+    async fn on_execute(
+        &mut self,
+        frame: &Bytes,
+        body: &Bytes,
+        holdable: bool,
+    ) -> Result<bool, SessionError> {
+        let parsed = extended::execute(body).map(|(p, rows)| (body.slice_ref(p), rows));
+        let stmt = parsed
+            .as_ref()
+            .and_then(|(p, _)| self.known.portals.get(p).cloned());
+        let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
+            self.batch.effects.merge(&Bumps::opaque());
+            self.known.prefix = None;
+            self.tx.wrote();
+            return Ok(false);
+        };
+        let plan = self.plan(stmt.hash, &stmt.sql.clone()).await?;
+        plan.stats.call();
+        self.before_begin(&plan).await?;
+        self.batch.effects.merge(&plan.effects);
+        self.note_effects(&plan);
+        let hold = holdable && plan.read.is_ok() && max_rows == 0;
+        if hold {
+            self.batch.hold_execute(portal, max_rows, plan, frame);
+        }
+        Ok(hold)
+    }
+
+    /// Forwards the held part of the batch; the rest of it goes straight
+    /// through until Sync.
+    pub(super) fn release_batch(&mut self) {
+        if let Some(raw) = self.batch.release() {
+            self.forward(&raw);
+            self.batch.give_back(raw);
+            self.pipeline.unsynced = true;
+        }
+    }
+
+    pub(super) async fn on_sync(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let started = Instant::now();
+        let mut inflight = Inflight::default();
+        if self.batch.holds() && !self.batch.forwarded {
+            match self.batch_key().await? {
+                Ok((key, plan)) => {
+                    // The held frames and this Sync: what a refresh sends.
+                    let mut request = self.batch.release().unwrap_or_default();
+                    request.extend_from_slice(&frame);
+                    match self.ask_cache(Ok(key), &plan, started, &request).await? {
+                        Answer::Served { refreshed } => {
+                            // The backend never saw the held Parse: replay it
+                            // before anything else it is sent, unless the
+                            // refresh just sent it.
+                            if let Some(parse) = self.batch.parse.take() {
+                                self.known.unsent_parses.retain(|(n, _)| *n != parse.0);
+                                if !refreshed {
+                                    self.known.unsent_parses.push(parse);
+                                }
+                            }
+                            self.batch.give_back(request);
+                            self.batch.reset();
+                            return Ok(Flow::Continue);
+                        }
+                        Answer::Forward(capture) => {
+                            if capture.is_some() {
+                                inflight.timing = Some((Arc::clone(&plan.stats), started));
+                            }
+                            inflight.capture = capture;
+                            request.truncate(request.len() - frame.len());
+                            self.forward(&request);
+                            self.batch.give_back(request);
+                        }
+                    }
+                }
+                Err(reason) => self.app.cache.bypassed(&self.db, reason),
+            }
+        }
+        if let Some(raw) = self.batch.release() {
+            self.forward(&raw);
+            self.batch.give_back(raw);
+        }
+        self.forward(&frame);
+        (inflight.effects, inflight.parsed) = self.batch.reset();
+        self.pipeline.push_sync(inflight);
+        Ok(Flow::Continue)
+    }
+
+    /// The key of a held batch of the shape drivers send for one query:
+    /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
+    async fn batch_key(
+        &mut self,
+    ) -> Result<Result<(RequestKey, Arc<Plan>), BypassReason>, SessionError> {
+        let query = match self.batch.single_query() {
+            Ok(q) => q,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let bind = query.bind();
+        let Some(stmt) = self.known.statements.get(bind.statement).cloned() else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        let time_literal =
+            bind.params.iter().zip(&bind.param_formats).any(|(v, f)| {
+                *f == 0 && v.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v))
+            });
+        if time_literal {
+            return Ok(Err(BypassReason::TimeLiteral));
+        }
+        let mut plan = Arc::clone(&query.plan);
+        if plan.generation != self.db.catalog.generation()
+            || plan.policy_generation != self.app.policy_generation()
+        {
+            // The catalog or the policy changed since the Execute.
+            plan = self.plan(stmt.hash, &stmt.sql).await?;
+        }
+        let prefix = match self.may_serve(&plan, false).await? {
+            Ok(prefix) => prefix,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let bind = query.bind();
+        let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
+        k.bytes(self.batch.shape()).bytes(&stmt.param_types);
+        for (value, format) in bind.params.iter().zip(&bind.param_formats) {
+            k.u64(*format as u64).value(*value);
+        }
+        for f in &bind.result_formats {
+            k.u64(*f as u64);
+        }
+        Ok(Ok((k.finish(), plan)))
+    }
+}

@@ -1,0 +1,92 @@
+//! What a session knows of itself, for the cache: its settings (as a key
+//! prefix), its role, its prepared statements and portals, and the plans of
+//! the statement texts it ran.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::plan::Plan;
+use crate::policy::Policy;
+
+const MAX_PLANS: usize = 4096;
+
+/// A prepared statement as the client defined it.
+pub(super) struct Statement {
+    pub hash: u128,
+    pub sql: Bytes,
+    pub param_types: Bytes,
+}
+
+pub(super) struct Known {
+    /// Hash of the session's identity and settings, with the catalog
+    /// generation it was computed under. `None`: settings may have changed.
+    pub prefix: Option<(u128, u64)>,
+    /// The session created temporary objects: its names may shadow tables.
+    pub temp: bool,
+    /// The policy the plans were made under.
+    pub policy: Arc<Policy>,
+    /// `current_user`, read with the settings.
+    pub role: Option<String>,
+    /// Statement texts whose hint problems this client was told of.
+    warned: HashSet<u128>,
+    plans: HashMap<u128, Arc<Plan>>,
+    pub statements: HashMap<Bytes, Arc<Statement>>,
+    pub portals: HashMap<Bytes, Arc<Statement>>,
+    /// Parse messages answered from the cache that the backend has not seen.
+    pub unsent_parses: Vec<(Bytes, Bytes)>,
+}
+
+impl Known {
+    pub fn new(policy: Arc<Policy>) -> Self {
+        Self {
+            prefix: None,
+            temp: false,
+            policy,
+            role: None,
+            warned: HashSet::new(),
+            plans: HashMap::new(),
+            statements: HashMap::new(),
+            portals: HashMap::new(),
+            unsent_parses: Vec::new(),
+        }
+    }
+
+    /// The memoised plan of a text, if made under these generations.
+    pub fn plan(&self, hash: u128, generation: u64, policy_generation: u64) -> Option<Arc<Plan>> {
+        self.plans
+            .get(&hash)
+            .filter(|p| p.generation == generation && p.policy_generation == policy_generation)
+            .cloned()
+    }
+
+    pub fn remember_plan(&mut self, hash: u128, plan: &Arc<Plan>) {
+        if self.plans.len() >= MAX_PLANS {
+            self.plans.clear();
+        }
+        self.plans.insert(hash, Arc::clone(plan));
+    }
+
+    /// True the first time a text's hint problems come up.
+    pub fn first_warning(&mut self, hash: u128) -> bool {
+        if self.warned.len() >= MAX_PLANS {
+            self.warned.clear();
+        }
+        self.warned.insert(hash)
+    }
+
+    /// A Parse defined statement `name`.
+    pub fn define(&mut self, name: Bytes, statement: Statement) {
+        if name.is_empty() {
+            self.unsent_parses.retain(|(n, _)| !n.is_empty());
+        }
+        self.statements.insert(name, Arc::new(statement));
+    }
+
+    /// A Close of statement `name` went out.
+    pub fn close_statement(&mut self, name: &[u8]) {
+        self.statements.remove(name);
+        self.unsent_parses.retain(|(n, _)| n.as_ref() != name);
+    }
+}

@@ -1,0 +1,323 @@
+//! What a statement text means for the cache, given the catalog snapshot
+//! and the policy: worked out once per text and session (memoised until
+//! the catalog or the policy changes), by pure functions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::cache::catalog::Catalog;
+use crate::cache::stats::QueryStats;
+use crate::cache::versions::Versions;
+use crate::cache::{Analyzed, Bumps, Family, Lifetime};
+use crate::classify::{Analysis, BypassReason, Effect, StatementInfo};
+use crate::config::CacheMode;
+use crate::hints::{Hints, Tier};
+use crate::policy::Policy;
+
+pub(super) struct Plan {
+    /// Catalog generation the plan was made with.
+    pub generation: u64,
+    pub policy_generation: u64,
+    /// How entries of a cacheable read are kept.
+    pub lifetime: Lifetime,
+    pub tier: Tier,
+    pub stats: Arc<QueryStats>,
+    /// For a cacheable single SELECT: the version counters of its tables.
+    pub read: Result<Vec<Arc<Family>>, BypassReason>,
+    /// Invalidations it causes when it completes.
+    pub effects: Bumps,
+    /// It may change the session's settings.
+    pub settings: bool,
+    /// It may write (starts "after a write" in a transaction).
+    pub writes: bool,
+    pub creates_temp: bool,
+    /// It starts a transaction block (`Some(strict)`).
+    pub begin_strict: Option<bool>,
+}
+
+impl Plan {
+    /// Reads of tables, or of functions, need the catalog to be planned.
+    pub fn needs_catalog(analyzed: &Analyzed) -> bool {
+        analyzed
+            .analysis
+            .statements
+            .iter()
+            .any(|s| !s.relations.is_empty() || !s.functions.is_empty())
+    }
+
+    pub fn new(
+        analyzed: &Analyzed,
+        catalog: Option<&Catalog>,
+        versions: &Versions,
+        generation: u64,
+        policy: &Policy,
+    ) -> Plan {
+        let hints = &analyzed.scan.hints;
+        let mut plan = Plan {
+            generation,
+            policy_generation: policy.generation,
+            lifetime: Lifetime::default(),
+            tier: hints.tier,
+            stats: Arc::clone(&analyzed.stats),
+            read: Err(BypassReason::NotSelect),
+            effects: Bumps::default(),
+            settings: false,
+            writes: false,
+            creates_temp: false,
+            begin_strict: None,
+        };
+        for st in &analyzed.analysis.statements {
+            plan.add_effects(st, catalog, versions);
+        }
+        let mut ttl = hints.ttl;
+        plan.read = read_of(&analyzed.analysis, hints, catalog, policy, &mut ttl)
+            .map(|families| families.iter().map(|f| versions.family(f)).collect());
+        let ttl = ttl.or(policy.default_ttl);
+        let refresh = hints
+            .refresh
+            .or(policy.refresh_after)
+            .filter(|r| ttl.is_none_or(|t| *r < t));
+        plan.lifetime = Lifetime { ttl, refresh };
+        plan
+    }
+
+    /// What one statement changes: versions of what it writes (the epoch
+    /// when that is unknown), the session's settings, the transaction.
+    fn add_effects(&mut self, st: &StatementInfo, catalog: Option<&Catalog>, versions: &Versions) {
+        match &st.effect {
+            Effect::None => {}
+            Effect::Write(rels) => {
+                self.writes = true;
+                for rel in rels {
+                    match catalog.and_then(|c| c.relation(&rel.name)) {
+                        Some(facts) if !facts.write_hazard => {
+                            self.effects.add_family(versions.family(&facts.family));
+                        }
+                        _ => self.effects.epoch = true,
+                    }
+                }
+            }
+            Effect::Settings => self.settings = true,
+            Effect::Begin { strict } => self.begin_strict = Some(*strict),
+            Effect::Opaque => {
+                self.effects.merge(&Bumps::opaque());
+                self.settings = true;
+                self.writes = true;
+            }
+        }
+        for f in &st.functions {
+            match catalog.and_then(|c| c.function(f)) {
+                Some(facts) if !facts.may_write => {}
+                _ => {
+                    // A function that may write, or one not known yet.
+                    self.effects.epoch = true;
+                    self.writes = true;
+                    self.settings = true;
+                }
+            }
+            if f == "set_config" {
+                self.settings = true;
+            }
+        }
+        self.creates_temp |= st.creates_temp;
+    }
+}
+
+/// Whether the statement is a read the cache may serve, and the families
+/// (partition trees) it reads; narrows `ttl` to the tables' rules. Never an
+/// unsafe statement, whatever the hints say.
+fn read_of<'c>(
+    analysis: &Analysis,
+    hints: &Hints,
+    catalog: Option<&'c Catalog>,
+    policy: &Policy,
+    ttl: &mut Option<Duration>,
+) -> Result<Vec<&'c str>, BypassReason> {
+    let st = analysis.cacheable_select()?;
+    if hints.cache == Some(false) {
+        return Err(BypassReason::Hint);
+    }
+    let catalog = catalog.ok_or(BypassReason::CatalogUnavailable)?;
+    let mut families: Vec<&str> = Vec::with_capacity(st.relations.len());
+    for rel in &st.relations {
+        let facts = catalog
+            .relation(&rel.name)
+            .ok_or(BypassReason::UnknownRelation)?;
+        let rule = policy.table(&rel.name);
+        if rule.is_some_and(|r| !r.cache) {
+            return Err(BypassReason::TableRule);
+        }
+        if let Some(secs) = rule.and_then(|r| r.ttl_secs) {
+            let rule_ttl = Duration::from_secs(secs);
+            *ttl = Some(ttl.map_or(rule_ttl, |t| t.min(rule_ttl)));
+        }
+        if !facts.readable {
+            // Replication cannot watch it: cacheable only with a TTL the
+            // user asked for, and never a temporary or system one.
+            let ttl_asked = hints.ttl.is_some() || rule.is_some_and(|r| r.ttl_only);
+            if !(facts.ttl_ok && ttl_asked) {
+                return Err(if rel.name.starts_with("pg_") {
+                    BypassReason::SystemCatalog
+                } else {
+                    BypassReason::NotATable
+                });
+            }
+        }
+        families.push(&facts.family);
+    }
+    if !st
+        .functions
+        .iter()
+        .all(|f| catalog.function(f).is_some_and(|f| f.immutable))
+    {
+        return Err(BypassReason::VolatileFunction);
+    }
+    if policy.mode == CacheMode::OptIn && hints.cache != Some(true) {
+        return Err(BypassReason::OptIn);
+    }
+    families.sort_unstable();
+    families.dedup();
+    Ok(families)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::analysis::Analyses;
+    use crate::cache::stats::StatsRegistry;
+    use crate::config::CacheConfig;
+
+    fn rel(name: &str, readable: bool, hazard: bool, family: &str) -> Vec<Option<String>> {
+        [
+            "r",
+            name,
+            if readable { "true" } else { "false" },
+            if hazard { "true" } else { "false" },
+        ]
+        .into_iter()
+        .map(|s| Some(s.to_owned()))
+        .chain([
+            (family != name).then(|| family.to_owned()),
+            Some("true".to_owned()),
+        ])
+        .collect()
+    }
+
+    fn func(name: &str, immutable: bool, may_write: bool) -> Vec<Option<String>> {
+        vec![
+            Some("f".into()),
+            Some(name.into()),
+            Some(immutable.to_string()),
+            Some(may_write.to_string()),
+            None,
+            None,
+        ]
+    }
+
+    fn plan_with(sql: &str, policy: &Policy) -> (Plan, Versions) {
+        let catalog = Catalog::from_rows(&[
+            rel("t", true, false, "t"),
+            rel("part_1", true, false, "part"),
+            rel("v", false, true, "v"),
+            rel("audited", true, true, "audited"),
+            func("lower", true, false),
+            func("now", false, false),
+            func("bump", false, true),
+        ]);
+        let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
+        let versions = Versions::default();
+        let plan = Plan::new(&analyzed, Some(&catalog), &versions, 3, policy);
+        (plan, versions)
+    }
+
+    fn plan(sql: &str) -> Plan {
+        plan_with(sql, &Policy::new(&CacheConfig::default(), 1)).0
+    }
+
+    fn read_names(p: &Plan) -> Vec<String> {
+        p.read
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|f| f.name.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_select_of_watched_tables_reads_their_families() {
+        let p = plan("SELECT * FROM part_1 JOIN t USING (id) WHERE lower(x) = 'a'");
+        assert_eq!(read_names(&p), ["part", "t"], "partitions read their tree");
+        assert!(p.effects.is_empty() && !p.writes && !p.settings);
+        assert_eq!(p.generation, 3);
+    }
+
+    #[test]
+    fn reads_the_cache_cannot_serve_say_why() {
+        assert_eq!(
+            plan("SELECT now() FROM t").read.err(),
+            Some(BypassReason::VolatileFunction)
+        );
+        assert_eq!(
+            plan("SELECT * FROM v").read.err(),
+            Some(BypassReason::NotATable)
+        );
+        assert_eq!(
+            plan("SELECT * FROM nope").read.err(),
+            Some(BypassReason::UnknownRelation)
+        );
+        assert_eq!(
+            plan("/*+ nocache */ SELECT * FROM t").read.err(),
+            Some(BypassReason::Hint)
+        );
+        assert_eq!(
+            plan("UPDATE t SET a = 1").read.err(),
+            Some(BypassReason::NotSelect)
+        );
+    }
+
+    #[test]
+    fn writes_bump_their_table_or_the_epoch_when_they_reach_further() {
+        let (p, versions) = plan_with(
+            "UPDATE t SET a = 1",
+            &Policy::new(&CacheConfig::default(), 1),
+        );
+        assert!(p.writes && !p.effects.epoch);
+        assert!(Arc::ptr_eq(&p.effects.families[0], &versions.family("t")));
+        assert!(
+            plan("DELETE FROM audited").effects.epoch,
+            "triggers may write elsewhere"
+        );
+        let f = plan("SELECT bump()");
+        assert!(
+            f.effects.epoch && f.writes && f.settings,
+            "a volatile user function"
+        );
+        let ddl = plan("CREATE TABLE x (a int)");
+        assert!(ddl.effects.schema && ddl.settings);
+    }
+
+    #[test]
+    fn transaction_and_settings_statements_are_noted() {
+        assert_eq!(plan("BEGIN").begin_strict, Some(false));
+        assert_eq!(
+            plan("BEGIN ISOLATION LEVEL SERIALIZABLE").begin_strict,
+            Some(true)
+        );
+        assert!(plan("SET search_path = x").settings);
+        assert!(plan("CREATE TEMP TABLE x (a int)").creates_temp);
+    }
+
+    #[test]
+    fn the_policy_and_hints_shape_the_lifetime() {
+        let config = CacheConfig {
+            mode: CacheMode::OptIn,
+            ..CacheConfig::default()
+        };
+        let policy = Policy::new(&config, 1);
+        let (p, _) = plan_with("SELECT * FROM t", &policy);
+        assert_eq!(p.read.err(), Some(BypassReason::OptIn));
+        let (p, _) = plan_with("/*+ cache ttl=5s */ SELECT * FROM t", &policy);
+        assert!(p.read.is_ok());
+        assert_eq!(p.lifetime.ttl, Some(Duration::from_secs(5)));
+    }
+}

@@ -1,0 +1,522 @@
+//! The relay loop of a logged-in session: frames from each leg to the
+//! other, as raw bytes in batches (all complete frames of one read go out
+//! in one write); a frame is decoded only when the session needs something
+//! from it. Reads use [`FramedStream::fill`], which is cancel-safe, so the
+//! `select!` never loses bytes.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::info;
+
+use super::SessionError;
+use super::batch::Batch;
+use super::known::Known;
+use super::pipeline::{Flow, Pipeline};
+use super::transaction::Transaction;
+use crate::App;
+use crate::backend::BackendStream;
+use crate::cache::{DbState, Fill, Publication};
+use crate::cancel::{CancelGuard, CancelTarget};
+use crate::protocol::codec::{HEADER_LEN, read_i32};
+use crate::protocol::messages;
+use crate::protocol::startup::Startup;
+use crate::protocol::stream::{FramedStream, READ_CHUNK};
+use crate::protocol::{TxStatus, backend as be, sqlstate};
+use crate::scram::ClientSecret;
+use crate::upstream::UpstreamAddr;
+
+/// The backend is trusted; this only stops a corrupt length from allocating
+/// without bound. PostgreSQL's own rows are at most 1 GiB.
+pub(super) const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
+
+pub(super) struct Session<C> {
+    pub app: Arc<App>,
+    /// Cache lookups and fills are on (`cache.enabled`).
+    pub caching: bool,
+    pub client: FramedStream<C>,
+    pub backend: FramedStream<BackendStream>,
+    backend_addr: UpstreamAddr,
+    /// Staging for client writes that pgcache assembles or rewrites.
+    pub out: BytesMut,
+    pub startup: Startup,
+    /// The first ReadyForQuery has been seen (authentication is over).
+    pub ready: bool,
+    pub pipeline: Pipeline,
+    pub tx: Transaction<(Fill, BytesMut)>,
+    pub batch: Batch,
+    /// What the session knows of itself: settings, plans, statements.
+    pub known: Known,
+    /// This database's cache state (a placeholder until logged in).
+    pub db: Arc<DbState>,
+    /// Invalidations applied locally, to send to Redis before the client
+    /// hears that its statement completed.
+    pub to_publish: Vec<Publication>,
+    /// The backend reported a FATAL error: its close is expected.
+    pub backend_fatal: bool,
+    draining: bool,
+    /// The backend's own cancel key, and the registration of ours.
+    backend_key: Option<CancelTarget>,
+    cancel: Option<CancelGuard>,
+    _gauge: ConnectionGauge,
+}
+
+/// Counts the session's client and backend connections while it lives.
+struct ConnectionGauge(Arc<App>);
+
+impl ConnectionGauge {
+    fn new(app: &Arc<App>) -> Self {
+        app.metrics.client_connections.inc();
+        app.metrics.backend_connections.inc();
+        Self(Arc::clone(app))
+    }
+}
+
+impl Drop for ConnectionGauge {
+    fn drop(&mut self) {
+        self.0.metrics.client_connections.dec();
+        self.0.metrics.backend_connections.dec();
+    }
+}
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    pub fn new(
+        app: Arc<App>,
+        client: FramedStream<C>,
+        backend: BackendStream,
+        backend_addr: UpstreamAddr,
+        startup: Startup,
+    ) -> Self {
+        Self {
+            caching: app.config().cache.enabled,
+            known: Known::new(app.policy()),
+            _gauge: ConnectionGauge::new(&app),
+            app,
+            client,
+            backend: FramedStream::new(
+                backend,
+                BytesMut::with_capacity(READ_CHUNK),
+                MAX_BACKEND_FRAME,
+            ),
+            backend_addr,
+            out: BytesMut::new(),
+            startup,
+            ready: false,
+            pipeline: Pipeline::default(),
+            tx: Transaction::default(),
+            batch: Batch::default(),
+            db: Arc::default(),
+            to_publish: Vec::new(),
+            backend_fatal: false,
+            draining: false,
+            backend_key: None,
+            cancel: None,
+        }
+    }
+
+    /// Logged in, outside a transaction block, and nothing asked of the
+    /// backend: pgcache may use the connection for itself.
+    pub fn backend_idle(&self) -> bool {
+        self.ready && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
+    }
+
+    pub async fn run(
+        &mut self,
+        startup_raw: &[u8],
+        secret: Option<ClientSecret>,
+    ) -> Result<(), SessionError> {
+        let result = match self.log_in(startup_raw, secret).await {
+            Ok(Flow::Continue) => self.relay().await,
+            other => other.map(|_| ()),
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(SessionError::BackendIo(e)) => {
+                self.backend_lost(Some(e)).await;
+                Ok(())
+            }
+            Err(e @ SessionError::ClientIo(_)) => Err(e),
+            Err(e) => {
+                if let SessionError::ClientFrame(_) = e {
+                    tracing::warn!(error = %e, "closing client connection");
+                }
+                self.close_with(&e).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn relay(&mut self) -> Result<(), SessionError> {
+        // What came with PostgreSQL's AuthenticationOk (and anything the
+        // client sent early) is handled before waiting for more.
+        if !self.backend.buffered().is_empty() && self.on_backend_data().await? == Flow::Close {
+            return Ok(());
+        }
+        if !self.client.buffered().is_empty() && self.on_client_data().await? == Flow::Close {
+            return Ok(());
+        }
+        let drain = self.app.drain.clone();
+        let force = self.app.force.clone();
+        let timeouts = IdleTimeouts::new(&self.app.config().server);
+        let mut last_activity = tokio::time::Instant::now();
+        loop {
+            // Waiting on the client: logged in and nothing asked of the backend.
+            let waiting = self.ready && !self.pipeline.awaits_backend();
+            let deadline = timeouts.deadline(waiting, self.tx.status, last_activity);
+            let flow = tokio::select! {
+                biased;
+                _ = force.cancelled() => {
+                    let e = SessionError::refused(
+                        sqlstate::ADMIN_SHUTDOWN,
+                        "terminating connection: pgcache shutdown timeout reached",
+                    );
+                    self.close_with(&e).await;
+                    Flow::Close
+                }
+                r = self.backend.fill() => match r {
+                    Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Flow::Close }
+                    Ok(_) => self.on_backend_data().await?,
+                },
+                r = self.client.fill() => match r {
+                    Ok(0) => { self.client_gone().await; Flow::Close }
+                    Ok(n) => {
+                        self.app.metrics.client_bytes_in.inc_by(n as u64);
+                        self.on_client_data().await?
+                    }
+                    Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)) }
+                },
+                _ = drain.cancelled(), if !self.draining => {
+                    self.draining = true;
+                    self.close_if_drained().await
+                }
+                _ = sleep_until_or_never(deadline) => {
+                    let e = timeouts.error(self.tx.status);
+                    info!(code = e.sqlstate(), "{e}");
+                    self.close_with(&e).await;
+                    Flow::Close
+                }
+            };
+            if timeouts.any {
+                last_activity = tokio::time::Instant::now();
+            }
+            if flow == Flow::Close {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Relays every complete backend frame now buffered to the client,
+    /// teeing result frames into cache captures and swallowing the answers
+    /// to pgcache's own injected messages.
+    pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
+        let mut pos = 0;
+        let mut copied = 0; // buffered bytes before this are in `out` or dropped
+        while let Some(len) = self
+            .backend
+            .frame_len_at(pos)
+            .map_err(|e| SessionError::BackendFrame(e.into()))?
+        {
+            let keep = match self.backend.buffered()[pos] {
+                be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
+                    let body = self.backend.buffered()[pos + HEADER_LEN..pos + len].to_vec();
+                    let replacement = self.register_cancel_key(&body);
+                    self.out
+                        .extend_from_slice(&self.backend.buffered()[copied..pos]);
+                    self.out.extend_from_slice(&replacement);
+                    copied = pos + len;
+                    true
+                }
+                be::ERROR_RESPONSE => {
+                    let body = &self.backend.buffered()[pos + HEADER_LEN..pos + len];
+                    self.backend_fatal |= messages::is_fatal(body);
+                    self.on_response_frame(pos, len)
+                }
+                be::COPY_IN_RESPONSE => {
+                    self.pipeline.copy_in_started();
+                    self.on_response_frame(pos, len)
+                }
+                be::READY_FOR_QUERY => {
+                    let status = self
+                        .backend
+                        .buffered()
+                        .get(pos + HEADER_LEN)
+                        .and_then(|b| TxStatus::from_byte(*b));
+                    let keep = self.pipeline.front().is_none_or(|f| f.to_client);
+                    self.on_ready_for_query(status.unwrap_or(TxStatus::Idle));
+                    keep
+                }
+                _ => self.on_response_frame(pos, len),
+            };
+            if !keep {
+                self.out
+                    .extend_from_slice(&self.backend.buffered()[copied..pos]);
+                copied = pos + len;
+            }
+            pos += len;
+        }
+        if pos > 0 {
+            self.publish_invalidations().await;
+            self.relay_to_client(pos, copied).await?;
+        }
+        self.backend.shrink_if_empty();
+        if self.draining {
+            return Ok(self.close_if_drained().await);
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Writes the first `pos` buffered backend bytes to the client: as they
+    /// are when nothing was rewritten, else after what was staged in `out`.
+    async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
+        let sent = pos - copied + self.out.len();
+        self.app.metrics.client_bytes_out.inc_by(sent as u64);
+        let result = if self.out.is_empty() && copied == 0 {
+            self.client.write_all(&self.backend.buffered()[..pos]).await
+        } else {
+            self.out
+                .extend_from_slice(&self.backend.buffered()[copied..pos]);
+            let r = if self.out.is_empty() {
+                Ok(())
+            } else {
+                self.client.write_all(&self.out).await
+            };
+            self.out.clear();
+            r
+        };
+        self.backend.consume(pos);
+        if let Err(e) = result {
+            self.client_gone().await;
+            return Err(SessionError::ClientIo(e));
+        }
+        Ok(())
+    }
+
+    /// Hands the client pgcache's own cancel key for the backend's.
+    fn register_cancel_key(&mut self, body: &[u8]) -> BytesMut {
+        let mut p = 0;
+        let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
+        let target = CancelTarget {
+            addr: self.backend_addr.clone(),
+            backend_pid,
+            backend_secret: body[4..].to_vec(),
+        };
+        self.backend_key = Some(target.clone());
+        let (pid, secret, guard) = self.app.cancel.register(target);
+        self.cancel = Some(guard);
+        messages::backend_key_data(pid, &secret)
+    }
+
+    /// Relays every complete client frame now buffered to the backend.
+    pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
+        let mut flow = Flow::Continue;
+        if !self.caching {
+            // Pure pass-through: forward whole runs of frames without copying.
+            let mut pos = 0;
+            let mut violation = None;
+            while flow == Flow::Continue {
+                match self.client.frame_len_at(pos) {
+                    Ok(Some(len)) => {
+                        flow = self.pipeline.note_client_frame(self.client.buffered()[pos]);
+                        pos += len;
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        violation = Some(e);
+                        break;
+                    }
+                }
+            }
+            if pos > 0 {
+                let r = self.backend.write_all(&self.client.buffered()[..pos]).await;
+                self.client.consume(pos);
+                r.map_err(SessionError::BackendIo)?;
+            }
+            if let Some(e) = violation {
+                return Err(e.into());
+            }
+        } else {
+            while flow == Flow::Continue {
+                match self.client.next_frame() {
+                    Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
+                    Ok(None) => break,
+                    Err(e) => {
+                        // What came before the bad frame still goes out.
+                        self.flush_backend().await?;
+                        return Err(e.into());
+                    }
+                }
+            }
+            self.flush_backend().await?;
+        }
+        self.client.shrink_if_empty();
+        Ok(flow)
+    }
+
+    /// Writes what pgcache staged in `out` to the client.
+    pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let r = self.client.write_all(&self.out).await;
+        self.out.clear();
+        r.map_err(SessionError::ClientIo)
+    }
+
+    /// Writes the queued client frames to the backend.
+    async fn flush_backend(&mut self) -> Result<(), SessionError> {
+        let queued = &mut self.pipeline.to_backend;
+        if !queued.is_empty() {
+            let r = self.backend.write_all(queued).await;
+            queued.clear();
+            if queued.capacity() > 1 << 20 {
+                *queued = BytesMut::new();
+            }
+            r.map_err(SessionError::BackendIo)?;
+        }
+        Ok(())
+    }
+
+    async fn close_if_drained(&mut self) -> Flow {
+        if !self.backend_idle() || self.batch.holds() {
+            return Flow::Continue;
+        }
+        let e = SessionError::refused(
+            sqlstate::ADMIN_SHUTDOWN,
+            "terminating connection due to pgcache shutdown",
+        );
+        self.close_with(&e).await;
+        Flow::Close
+    }
+
+    /// Ends the session on pgcache's side: a FATAL error for the client, a
+    /// Terminate for the backend, and a lingering close so that the client
+    /// reads the error instead of a connection reset.
+    async fn close_with(&mut self, error: &SessionError) {
+        let _ = self.backend.write_all(&messages::TERMINATE).await;
+        let Some(msg) = error.to_fatal() else {
+            return;
+        };
+        if self.client.write_all(&msg).await.is_err() || self.client.shutdown().await.is_err() {
+            return;
+        }
+        // Unread input at close() makes the kernel send RST, which can
+        // destroy the error before the client reads it: drain briefly.
+        let _ = tokio::time::timeout(super::LINGER, async {
+            loop {
+                self.client.buffer_mut().clear();
+                if !matches!(self.client.fill().await, Ok(n) if n > 0) {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+
+    /// The backend closed or failed: tell the client, unless the backend's
+    /// own FATAL error already did.
+    pub(super) async fn backend_lost(&mut self, error: Option<std::io::Error>) {
+        if self.backend_fatal {
+            return;
+        }
+        let error = error.unwrap_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "server closed the connection unexpectedly",
+            )
+        });
+        info!(detail = %error, "backend connection lost");
+        let e = SessionError::BackendIo(error);
+        if let Some(msg) = e.to_fatal() {
+            let _ = self.client.write_all(&msg).await;
+        }
+    }
+
+    /// The client went away: stop whatever the backend is still doing for
+    /// it, then close the backend connection.
+    async fn client_gone(&mut self) {
+        if self.pipeline.len() > 0 {
+            // A backend busy with a long query would not notice the closed
+            // socket until it writes; cancel it so it is freed now.
+            if let Some(target) = self.backend_key.clone() {
+                let app = Arc::clone(&self.app);
+                tokio::spawn(async move {
+                    let _ = crate::backend::send_cancel(
+                        &app.upstream,
+                        &target.addr,
+                        target.backend_pid,
+                        &target.backend_secret,
+                    )
+                    .await;
+                });
+            }
+        }
+        let _ = self.backend.write_all(&messages::TERMINATE).await;
+    }
+
+    /// Stores a completed read's result.
+    pub(super) fn store(&self, result: (Fill, BytesMut)) {
+        let (fill, bytes) = result;
+        self.app.cache.store(fill, &bytes);
+    }
+}
+
+/// `server.client_idle_timeout_secs` and
+/// `server.idle_in_transaction_timeout_secs`, as PostgreSQL's own.
+struct IdleTimeouts {
+    idle: Option<std::time::Duration>,
+    in_transaction: Option<std::time::Duration>,
+    /// Either is set: the loop keeps the time of the last activity.
+    any: bool,
+}
+
+impl IdleTimeouts {
+    fn new(server: &crate::config::ServerConfig) -> Self {
+        let secs = |s: u64| (s > 0).then(|| std::time::Duration::from_secs(s));
+        let idle = secs(server.client_idle_timeout_secs);
+        let in_transaction = secs(server.idle_in_transaction_timeout_secs);
+        Self {
+            idle,
+            in_transaction,
+            any: idle.is_some() || in_transaction.is_some(),
+        }
+    }
+
+    fn deadline(
+        &self,
+        waiting: bool,
+        status: TxStatus,
+        since: tokio::time::Instant,
+    ) -> Option<tokio::time::Instant> {
+        let limit = if status == TxStatus::Idle {
+            self.idle
+        } else {
+            self.in_transaction
+        };
+        limit.filter(|_| waiting).map(|l| since + l)
+    }
+
+    fn error(&self, status: TxStatus) -> SessionError {
+        if status == TxStatus::Idle {
+            SessionError::refused(
+                sqlstate::IDLE_SESSION_TIMEOUT,
+                "terminating connection due to idle-session timeout",
+            )
+        } else {
+            SessionError::refused(
+                sqlstate::IDLE_IN_TRANSACTION_TIMEOUT,
+                "terminating connection due to idle-in-transaction timeout",
+            )
+        }
+    }
+}
+
+async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,115 @@
+//! The backend's answers, as the cache sees them: result frames teed into
+//! captures, and each ReadyForQuery completing the oldest request in flight
+//! (its invalidations applied, its result stored).
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::relay::Session;
+use crate::cache::Bumps;
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{TxStatus, backend as be};
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// A response frame (not ReadyForQuery) for the oldest request in
+    /// flight, at `pos..pos + len` of the backend's buffer. Returns whether
+    /// it goes on to the client.
+    pub(super) fn on_response_frame(&mut self, pos: usize, len: usize) -> bool {
+        let frame = &self.backend.buffered()[pos..pos + len];
+        let tag = frame[0];
+        if tag == be::PARAMETER_STATUS {
+            self.known.prefix = None;
+        }
+        let max = self.app.cache.local.max_entry_bytes();
+        let Some(front) = self.pipeline.front_mut() else {
+            return true;
+        };
+        if !front.to_client {
+            // pgcache's own request: a refresh keeps its answer, nobody
+            // else sees it.
+            if let Some(cap) = &mut front.capture {
+                cap.add(frame, max);
+            }
+            return matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS);
+        }
+        match tag {
+            be::NOTIFICATION => return true,
+            be::ERROR_RESPONSE => {
+                front.failed = true;
+                self.tx.error();
+            }
+            be::COMMAND_COMPLETE => self.tx.command_complete(&frame[HEADER_LEN..]),
+            _ => {}
+        }
+        if let Some(cap) = &mut front.capture {
+            cap.add(frame, max);
+        }
+        true
+    }
+
+    /// ReadyForQuery: the oldest request is complete. Applies its effects,
+    /// stores its capture, and closes the transaction's books when it ends.
+    pub(super) fn on_ready_for_query(&mut self, status: TxStatus) {
+        if !self.ready {
+            // Logged in: only now does the database get shared state, so
+            // clients naming made-up databases cannot grow the registry.
+            self.db = self.app.cache.db(self.startup.database());
+            if self.caching {
+                self.app.streams.ensure(&self.db);
+            }
+            self.ready = true;
+        }
+        tracing::trace!(?status, inflight = self.pipeline.len(), "ready for query");
+        let (effects, result) = match self.pipeline.pop() {
+            Some(done) => {
+                if done.failed {
+                    for name in &done.parsed {
+                        self.known.statements.remove(name);
+                    }
+                }
+                if let Some((stats, started)) = &done.timing {
+                    let took = started.elapsed();
+                    stats.miss(took);
+                    self.app.metrics.latency_miss.observe(took.as_secs_f64());
+                }
+                let result = done
+                    .capture
+                    .filter(|_| !done.failed)
+                    .and_then(|cap| cap.finish())
+                    .map(|(fill, bytes)| {
+                        let size = bytes.len();
+                        ((fill, bytes), size)
+                    });
+                (done.effects, result)
+            }
+            None => (Bumps::default(), None),
+        };
+        let completion = self.tx.complete(status, effects, result);
+        if let Some(private) = &completion.private {
+            self.db.apply_local(private);
+        }
+        for bumps in completion.visible {
+            self.invalidate(bumps);
+        }
+        for result in completion.store {
+            self.store(result);
+        }
+    }
+
+    /// Applies invalidations others can now see: the local counters at
+    /// once; Redis (and every other instance) before the client is told
+    /// the statement completed, in [`Self::publish_invalidations`].
+    fn invalidate(&mut self, bumps: Bumps) {
+        let source = &self.app.metrics.invalidations.write;
+        let publication = self.app.cache.invalidate(&self.db, bumps, source);
+        self.to_publish.push(publication);
+    }
+
+    pub(super) async fn publish_invalidations(&mut self) {
+        for publication in std::mem::take(&mut self.to_publish) {
+            publication.send().await;
+        }
+    }
+}
