@@ -63,121 +63,152 @@ const MAX_NORMALIZED: usize = 2048;
 const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
 
 pub fn scan(sql: &str) -> Scan {
-    let mut out = Scan::default();
-    let b = sql.as_bytes();
-    let mut i = 0;
-    let mut space = false;
-    // Appends a token, keeping the text within MAX_NORMALIZED bytes.
-    let push = |out: &mut Scan, s: &str, space: &mut bool| {
-        let n = &mut out.normalized;
-        if *space && !n.is_empty() && n.len() < MAX_NORMALIZED {
+    let mut lexer = Lexer {
+        sql,
+        b: sql.as_bytes(),
+        i: 0,
+        space: false,
+        out: Scan::default(),
+    };
+    while lexer.i < lexer.b.len() {
+        lexer.token();
+    }
+    lexer.out
+}
+
+/// Walks a statement's text token by token, collecting hints from its
+/// comments and writing its normalised text.
+struct Lexer<'a> {
+    sql: &'a str,
+    b: &'a [u8],
+    i: usize,
+    /// White space or a comment came before the next token.
+    space: bool,
+    out: Scan,
+}
+
+impl<'a> Lexer<'a> {
+    /// Appends a token, keeping the text within MAX_NORMALIZED bytes.
+    fn push(&mut self, s: &str) {
+        let n = &mut self.out.normalized;
+        if self.space && !n.is_empty() && n.len() < MAX_NORMALIZED {
             n.push(' ');
         }
-        *space = false;
+        self.space = false;
         let room = MAX_NORMALIZED.saturating_sub(n.len());
         let mut take = s.len().min(room);
         while !s.is_char_boundary(take) {
             take -= 1;
         }
         n.push_str(&s[..take]);
-    };
-    while i < b.len() {
+    }
+
+    /// Reads one token (or white space, or a comment) at `self.i`.
+    fn token(&mut self) {
+        let (b, i, sql) = (self.b, self.i, self.sql);
         let c = b[i];
         match c {
             b' ' | b'\t' | b'\n' | b'\r' | b'\x0c' => {
-                space = true;
-                i += 1;
+                self.space = true;
+                self.i += 1;
             }
             b'-' if b.get(i + 1) == Some(&b'-') => {
-                while i < b.len() && b[i] != b'\n' {
-                    i += 1;
-                }
-                space = true;
+                self.i = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p);
+                self.space = true;
             }
-            b'/' if b.get(i + 1) == Some(&b'*') => {
-                let start = i + 2;
-                let mut depth = 1;
-                i += 2;
-                while i < b.len() && depth > 0 {
-                    if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                        depth += 1;
-                        i += 2;
-                    } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                        depth -= 1;
-                        i += 2;
-                    } else {
-                        i += 1;
-                    }
-                }
-                let end = if depth == 0 { i - 2 } else { b.len() };
-                comment(&sql[start..end], &mut out.hints);
-                space = true;
-            }
+            b'/' if b.get(i + 1) == Some(&b'*') => self.block_comment(),
             b'\'' => {
-                i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
-                push(&mut out, "?", &mut space);
+                self.i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
+                self.push("?");
             }
             b'"' => {
-                let start = i;
-                i = skip_quoted(b, i + 1, b'"', false);
-                push(&mut out, &sql[start..i], &mut space);
+                self.i = skip_quoted(b, i + 1, b'"', false);
+                self.push(&sql[i..self.i]);
             }
-            b'$' => {
-                // $1 (a parameter) or $tag$ ... $tag$ (a string).
-                let mut j = i + 1;
-                while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
-                    j += 1;
-                }
-                if b.get(j) == Some(&b'$') && !b[i + 1..j].first().is_some_and(u8::is_ascii_digit) {
-                    let tag = &sql[i..=j];
-                    i = match sql[j + 1..].find(tag) {
-                        Some(k) => j + 1 + k + tag.len(),
-                        None => b.len(),
-                    };
-                    push(&mut out, "?", &mut space);
-                } else {
-                    push(&mut out, &sql[i..j], &mut space);
-                    i = j;
-                }
-            }
+            b'$' => self.dollar(),
             b'0'..=b'9' => {
-                let mut j = i;
-                while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'.' || b[j] == b'_')
-                {
-                    j += 1;
-                }
-                push(&mut out, "?", &mut space);
-                i = j;
+                let len = b[i..]
+                    .iter()
+                    .position(|&c| !(c.is_ascii_alphanumeric() || c == b'.' || c == b'_'))
+                    .unwrap_or(b.len() - i);
+                self.push("?");
+                self.i = i + len;
             }
-            _ if c.is_ascii_alphabetic() || c == b'_' || c >= 0x80 => {
-                let mut j = i;
-                while j < b.len()
-                    && (b[j].is_ascii_alphanumeric()
-                        || b[j] == b'_'
-                        || b[j] == b'$'
-                        || b[j] >= 0x80)
-                {
-                    j += 1;
-                }
-                // E'...' and friends: the prefix is part of the literal.
-                if j == i + 1
-                    && b.get(j) == Some(&b'\'')
-                    && matches!(c, b'e' | b'E' | b'b' | b'B' | b'x' | b'X' | b'n' | b'N')
-                {
-                    i = j;
-                    continue;
-                }
-                push(&mut out, &sql[i..j], &mut space);
-                i = j;
-            }
+            _ if c.is_ascii_alphabetic() || c == b'_' || c >= 0x80 => self.word(),
             _ => {
                 let len = sql[i..].chars().next().map_or(1, char::len_utf8);
-                push(&mut out, &sql[i..i + len], &mut space);
-                i += len;
+                self.push(&sql[i..i + len]);
+                self.i = i + len;
             }
         }
     }
-    out
+
+    /// A `/* ... */` comment (they nest): its hints are read.
+    fn block_comment(&mut self) {
+        let b = self.b;
+        let start = self.i + 2;
+        let mut depth = 1;
+        let mut i = start;
+        while i < b.len() && depth > 0 {
+            if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                depth += 1;
+                i += 2;
+            } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                depth -= 1;
+                i += 2;
+            } else {
+                i += 1;
+            }
+        }
+        let end = if depth == 0 { i - 2 } else { b.len() };
+        comment(&self.sql[start..end], &mut self.out.hints);
+        self.i = i;
+        self.space = true;
+    }
+
+    /// `$1` (a parameter) or `$tag$ ... $tag$` (a string).
+    fn dollar(&mut self) {
+        let (b, i, sql) = (self.b, self.i, self.sql);
+        let mut j = i + 1;
+        while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_') {
+            j += 1;
+        }
+        if b.get(j) == Some(&b'$') && !b[i + 1..j].first().is_some_and(u8::is_ascii_digit) {
+            let tag = &sql[i..=j];
+            self.i = match sql[j + 1..].find(tag) {
+                Some(k) => j + 1 + k + tag.len(),
+                None => b.len(),
+            };
+            self.push("?");
+        } else {
+            self.push(&sql[i..j]);
+            self.i = j;
+        }
+    }
+
+    /// A keyword or identifier, or the prefix of `E'...'` and friends.
+    fn word(&mut self) {
+        let (b, i, sql) = (self.b, self.i, self.sql);
+        let mut j = i;
+        while j < b.len()
+            && (b[j].is_ascii_alphanumeric() || b[j] == b'_' || b[j] == b'$' || b[j] >= 0x80)
+        {
+            j += 1;
+        }
+        // E'...' and friends: the prefix is part of the literal.
+        if j == i + 1
+            && b.get(j) == Some(&b'\'')
+            && matches!(b[i], b'e' | b'E' | b'b' | b'B' | b'x' | b'X' | b'n' | b'N')
+        {
+            self.i = j;
+            return;
+        }
+        self.push(&sql[i..j]);
+        self.i = j;
+    }
 }
 
 /// Skips to just past the closing quote; a doubled quote is an escaped

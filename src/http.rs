@@ -28,19 +28,24 @@ fn render(app: &App) -> String {
     let m = &app.metrics;
     for (name, db) in app.cache.databases.all() {
         let labels = [name.as_str()];
-        m.replication_up
+        m.replication
+            .up
             .with_label_values(&labels)
             .set(i64::from(db.stream.is_current()));
-        m.replication_lag_seconds
+        m.replication
+            .lag_seconds
             .with_label_values(&labels)
             .set(db.stream.lag_ms() as f64 / 1000.0);
-        m.replication_lag_bytes
+        m.replication
+            .lag_bytes
             .with_label_values(&labels)
             .set(db.stream.lag_bytes() as i64);
-        m.replication_restarts
+        m.replication
+            .restarts
             .with_label_values(&labels)
             .set(db.stream.starts() as i64);
-        m.unpublished_tables
+        m.replication
+            .unpublished_tables
             .with_label_values(&labels)
             .set(db.stream.unpublished() as i64);
     }

@@ -47,11 +47,7 @@ pub struct Metrics {
     pub client_bytes_out: IntCounter,
     database_lookups: IntCounterVec,
     pub shared_breaker_open: IntGauge,
-    pub replication_up: IntGaugeVec,
-    pub replication_lag_seconds: GaugeVec,
-    pub replication_lag_bytes: IntGaugeVec,
-    pub replication_restarts: IntGaugeVec,
-    pub unpublished_tables: IntGaugeVec,
+    pub replication: ReplicationGauges,
     pub local_entries: IntGauge,
     pub local_bytes: IntGauge,
     pub shared: SharedMetrics,
@@ -118,16 +114,9 @@ pub struct SharedMetrics {
 }
 
 impl SharedMetrics {
-    fn new(registry: &Registry) -> Self {
-        let counter_vec = |name: &str, help: &str, label: &str| {
-            register(
-                registry,
-                IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric"),
-            )
-        };
-        let counter = |name: &str, help: &str| {
-            register(registry, IntCounter::new(name, help).expect("valid metric"))
-        };
+    fn new(r: &Registrar<'_>) -> Self {
+        let counter_vec = |name: &str, help: &str, label: &str| r.counter_vec(name, help, &[label]);
+        let counter = |name: &str, help: &str| r.counter(name, help);
         let lookups = counter_vec(
             "pgcache_shared_lookups_total",
             "Shared-tier (Redis) lookups after a local miss, by result",
@@ -180,13 +169,9 @@ impl SharedMetrics {
                 "pgcache_shared_breaker_opens_total",
                 "Times the circuit breaker stopped pgcache from trying Redis",
             ),
-            up: register(
-                registry,
-                IntGauge::new(
-                    "pgcache_shared_up",
-                    "1 while the shared tier is in use: subscribed, in sync, breaker closed",
-                )
-                .expect("valid metric"),
+            up: r.gauge(
+                "pgcache_shared_up",
+                "1 while the shared tier is in use: subscribed, in sync, breaker closed",
             ),
         }
     }
@@ -200,203 +185,54 @@ pub struct AuthFailures {
     pub relay: IntCounter,
 }
 
-fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
-    registry
-        .register(Box::new(metric.clone()))
-        .expect("metric names are unique");
-    metric
+/// Registers metrics in one registry; a name registered twice is a bug.
+struct Registrar<'a>(&'a Registry);
+
+impl Registrar<'_> {
+    fn add<T: prometheus::core::Collector + Clone + 'static>(&self, metric: T) -> T {
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("metric names are unique");
+        metric
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.add(IntCounter::new(name, help).expect("valid metric"))
+    }
+
+    fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::new(name, help).expect("valid metric"))
+    }
+
+    /// A gauge per database.
+    fn database_gauge(&self, name: &str, help: &str) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), &["database"]).expect("valid metric"))
+    }
 }
 
-impl Metrics {
-    pub fn new() -> Self {
-        let registry = Registry::new();
-        let lookups = register(
-            &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "pgcache_cache_lookups_total",
-                    "Cache lookups by result (hit, miss, bypass)",
-                ),
-                &["result"],
-            )
-            .expect("valid metric"),
-        );
-        let stores = register(
-            &registry,
-            IntCounter::new(
-                "pgcache_cache_stores_total",
-                "Results stored in the local tier",
-            )
-            .expect("valid metric"),
-        );
-        let auth_failures = register(
-            &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "pgcache_auth_failures_total",
-                    "Logins that failed in pgcache: a wrong password or unknown user (client), \
-                     a login to PostgreSQL for an authenticated client (backend), SCRAM that \
-                     cannot be relayed across two TLS legs (relay)",
-                ),
-                &["stage"],
-            )
-            .expect("valid metric"),
-        );
-        let hint_problems = register(
-            &registry,
-            IntCounter::new(
-                "pgcache_hint_problems_total",
-                "Malformed or unknown cache hints (each reported to its client once per statement text)",
-            )
-            .expect("valid metric"),
-        );
-        let coalesced = register(
-            &registry,
-            IntCounter::new(
-                "pgcache_cache_coalesced_total",
-                "Misses that waited for a concurrent miss of the same key instead of querying PostgreSQL",
-            )
-            .expect("valid metric"),
-        );
-        let refreshes = register(
-            &registry,
-            IntCounter::new(
-                "pgcache_cache_refreshes_total",
-                "Entries refreshed in the background while still being served",
-            )
-            .expect("valid metric"),
-        );
-        let client_connections = register(
-            &registry,
-            IntGauge::new("pgcache_client_connections", "Client connections open")
-                .expect("valid metric"),
-        );
-        let db = |name: &str, help: &str| Opts::new(name, help);
-        let counter_vec = |name: &str, help: &str, label: &str| {
-            register(
-                &registry,
-                IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric"),
-            )
-        };
-        let hits_by_tier = counter_vec(
-            "pgcache_cache_hits_total",
-            "Requests answered from the cache, by tier",
-            "tier",
-        );
-        let bypasses = counter_vec(
-            "pgcache_cache_bypasses_total",
-            "Requests that could not use the cache, by reason",
-            "reason",
-        );
-        let evictions = counter_vec(
-            "pgcache_cache_evictions_total",
-            "Local-tier entries removed, by cause (size, expired, replaced, explicit)",
-            "cause",
-        );
-        let invalidations = counter_vec(
-            "pgcache_invalidations_total",
-            "Invalidations applied, by source (write, replication, admin, peer, resync, ttl)",
-            "source",
-        );
-        let client_bytes = counter_vec(
-            "pgcache_client_bytes_total",
-            "Bytes received from and sent to clients",
-            "direction",
-        );
-        let latency = register(
-            &registry,
-            HistogramVec::new(
-                HistogramOpts::new(
-                    "pgcache_request_duration_seconds",
-                    "Time to answer a cacheable request: from the cache (hit) or PostgreSQL (miss)",
-                )
-                .buckets(
-                    prometheus::exponential_buckets(0.000_025, 2.5, 12).expect("valid buckets"),
-                ),
-                &["outcome"],
-            )
-            .expect("valid metric"),
-        );
+/// Per-database gauges of the replication streams, set at scrape time.
+pub struct ReplicationGauges {
+    pub up: IntGaugeVec,
+    pub lag_seconds: GaugeVec,
+    pub lag_bytes: IntGaugeVec,
+    pub restarts: IntGaugeVec,
+    pub unpublished_tables: IntGaugeVec,
+}
+
+impl ReplicationGauges {
+    fn new(r: &Registrar<'_>) -> Self {
         Self {
-            hits_local: hits_by_tier.with_label_values(&["local"]),
-            hits_shared: hits_by_tier.with_label_values(&["shared"]),
-            bypass_reasons: BypassReason::ALL
-                .iter()
-                .map(|r| bypasses.with_label_values(&[r.label()]))
-                .collect(),
-            latency_hit: latency.with_label_values(&["hit"]),
-            latency_miss: latency.with_label_values(&["miss"]),
-            evictions: Evictions {
-                size: evictions.with_label_values(&["size"]),
-                expired: evictions.with_label_values(&["expired"]),
-                ttl: invalidations.with_label_values(&["ttl"]),
-                replaced: evictions.with_label_values(&["replaced"]),
-                explicit: evictions.with_label_values(&["explicit"]),
-            },
-            invalidations: Invalidations {
-                write: invalidations.with_label_values(&["write"]),
-                replication: invalidations.with_label_values(&["replication"]),
-                admin: invalidations.with_label_values(&["admin"]),
-                peer: invalidations.with_label_values(&["peer"]),
-                resync: invalidations.with_label_values(&["resync"]),
-            },
-            client_bytes_in: client_bytes.with_label_values(&["in"]),
-            client_bytes_out: client_bytes.with_label_values(&["out"]),
-            database_lookups: register(
-                &registry,
-                IntCounterVec::new(
-                    Opts::new(
-                        "pgcache_database_lookups_total",
-                        "Cache lookups per database, by result (hit, miss, bypass)",
-                    ),
-                    &["database", "result"],
-                )
-                .expect("valid metric"),
+            up: r.database_gauge(
+                "pgcache_replication_up",
+                "1 while the database's replication stream is up and current",
             ),
-            backend_connections: register(
-                &registry,
-                IntGauge::new(
-                    "pgcache_backend_connections",
-                    "Connections to PostgreSQL serving client sessions",
-                )
-                .expect("valid metric"),
-            ),
-            shared_breaker_open: register(
-                &registry,
-                IntGauge::new(
-                    "pgcache_shared_breaker_open",
-                    "1 while the circuit breaker keeps pgcache from trying Redis",
-                )
-                .expect("valid metric"),
-            ),
-            hits: lookups.with_label_values(&["hit"]),
-            misses: lookups.with_label_values(&["miss"]),
-            bypasses: lookups.with_label_values(&["bypass"]),
-            stores,
-            hint_problems,
-            coalesced,
-            auth_failures: AuthFailures {
-                client: auth_failures.with_label_values(&["client"]),
-                backend: auth_failures.with_label_values(&["backend"]),
-                relay: auth_failures.with_label_values(&["relay"]),
-            },
-            refreshes,
-            client_connections,
-            replication_up: register(
-                &registry,
-                IntGaugeVec::new(
-                    db(
-                        "pgcache_replication_up",
-                        "1 while the database's replication stream is up and current",
-                    ),
-                    &["database"],
-                )
-                .expect("valid metric"),
-            ),
-            replication_lag_seconds: register(
-                &registry,
+            lag_seconds: r.add(
                 GaugeVec::new(
-                    db(
+                    Opts::new(
                         "pgcache_replication_lag_seconds",
                         "Delay between a transaction's commit and its receipt by pgcache",
                     ),
@@ -404,53 +240,166 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
-            replication_lag_bytes: register(
-                &registry,
-                IntGaugeVec::new(
-                    db(
-                        "pgcache_replication_lag_bytes",
-                        "WAL the server has sent or announced beyond what pgcache has applied",
+            lag_bytes: r.database_gauge(
+                "pgcache_replication_lag_bytes",
+                "WAL the server has sent or announced beyond what pgcache has applied",
+            ),
+            restarts: r.database_gauge(
+                "pgcache_replication_stream_starts",
+                "Times the database's stream (re)started",
+            ),
+            unpublished_tables: r.database_gauge(
+                "pgcache_unpublished_tables",
+                "Tables without a replica identity: never published, never cached",
+            ),
+        }
+    }
+}
+
+/// The labelled families whose handles [`Metrics`] resolves once.
+struct Families {
+    lookups: IntCounterVec,
+    auth_failures: IntCounterVec,
+    hits_by_tier: IntCounterVec,
+    bypasses: IntCounterVec,
+    invalidations: IntCounterVec,
+    evictions: IntCounterVec,
+    client_bytes: IntCounterVec,
+    latency: HistogramVec,
+}
+
+impl Families {
+    fn new(r: &Registrar<'_>) -> Self {
+        Self {
+            lookups: r.counter_vec(
+                "pgcache_cache_lookups_total",
+                "Cache lookups by result (hit, miss, bypass)",
+                &["result"],
+            ),
+            auth_failures: r.counter_vec(
+                "pgcache_auth_failures_total",
+                "Logins that failed in pgcache: a wrong password or unknown user (client), \
+                 a login to PostgreSQL for an authenticated client (backend), SCRAM that \
+                 cannot be relayed across two TLS legs (relay)",
+                &["stage"],
+            ),
+            hits_by_tier: r.counter_vec(
+                "pgcache_cache_hits_total",
+                "Requests answered from the cache, by tier",
+                &["tier"],
+            ),
+            bypasses: r.counter_vec(
+                "pgcache_cache_bypasses_total",
+                "Requests that could not use the cache, by reason",
+                &["reason"],
+            ),
+            invalidations: r.counter_vec(
+                "pgcache_invalidations_total",
+                "Invalidations applied, by source (write, replication, admin, peer, resync, ttl)",
+                &["source"],
+            ),
+            evictions: r.counter_vec(
+                "pgcache_cache_evictions_total",
+                "Local-tier entries removed, by cause (size, expired, replaced, explicit)",
+                &["cause"],
+            ),
+            client_bytes: r.counter_vec(
+                "pgcache_client_bytes_total",
+                "Bytes received from and sent to clients",
+                &["direction"],
+            ),
+            latency: r.add(
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "pgcache_request_duration_seconds",
+                        "Time to answer a cacheable request: from the cache (hit) or PostgreSQL (miss)",
+                    )
+                    .buckets(
+                        prometheus::exponential_buckets(0.000_025, 2.5, 12)
+                            .expect("valid buckets"),
                     ),
-                    &["database"],
+                    &["outcome"],
                 )
                 .expect("valid metric"),
             ),
-            replication_restarts: register(
-                &registry,
-                IntGaugeVec::new(
-                    db(
-                        "pgcache_replication_stream_starts",
-                        "Times the database's stream (re)started",
-                    ),
-                    &["database"],
-                )
-                .expect("valid metric"),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let r = Registrar(&registry);
+        let f = Families::new(&r);
+        let by = |family: &IntCounterVec, label: &str| family.with_label_values(&[label]);
+        let invalidation = |source: &str| by(&f.invalidations, source);
+        Self {
+            hits: by(&f.lookups, "hit"),
+            misses: by(&f.lookups, "miss"),
+            bypasses: by(&f.lookups, "bypass"),
+            hits_local: by(&f.hits_by_tier, "local"),
+            hits_shared: by(&f.hits_by_tier, "shared"),
+            bypass_reasons: BypassReason::ALL
+                .iter()
+                .map(|reason| by(&f.bypasses, reason.label()))
+                .collect(),
+            latency_hit: f.latency.with_label_values(&["hit"]),
+            latency_miss: f.latency.with_label_values(&["miss"]),
+            evictions: Evictions {
+                size: by(&f.evictions, "size"),
+                expired: by(&f.evictions, "expired"),
+                ttl: invalidation("ttl"),
+                replaced: by(&f.evictions, "replaced"),
+                explicit: by(&f.evictions, "explicit"),
+            },
+            invalidations: Invalidations {
+                write: invalidation("write"),
+                replication: invalidation("replication"),
+                admin: invalidation("admin"),
+                peer: invalidation("peer"),
+                resync: invalidation("resync"),
+            },
+            client_bytes_in: by(&f.client_bytes, "in"),
+            client_bytes_out: by(&f.client_bytes, "out"),
+            auth_failures: AuthFailures {
+                client: by(&f.auth_failures, "client"),
+                backend: by(&f.auth_failures, "backend"),
+                relay: by(&f.auth_failures, "relay"),
+            },
+            stores: r.counter("pgcache_cache_stores_total", "Results stored in the local tier"),
+            hint_problems: r.counter(
+                "pgcache_hint_problems_total",
+                "Malformed or unknown cache hints (each reported to its client once per statement text)",
             ),
-            unpublished_tables: register(
-                &registry,
-                IntGaugeVec::new(
-                    db(
-                        "pgcache_unpublished_tables",
-                        "Tables without a replica identity: never published, never cached",
-                    ),
-                    &["database"],
-                )
-                .expect("valid metric"),
+            coalesced: r.counter(
+                "pgcache_cache_coalesced_total",
+                "Misses that waited for a concurrent miss of the same key instead of querying PostgreSQL",
             ),
-            local_entries: register(
-                &registry,
-                IntGauge::new("pgcache_cache_entries", "Entries in the local tier")
-                    .expect("valid metric"),
+            refreshes: r.counter(
+                "pgcache_cache_refreshes_total",
+                "Entries refreshed in the background while still being served",
             ),
-            local_bytes: register(
-                &registry,
-                IntGauge::new(
-                    "pgcache_cache_bytes",
-                    "Bytes charged to the local tier (entries and bookkeeping)",
-                )
-                .expect("valid metric"),
+            client_connections: r.gauge("pgcache_client_connections", "Client connections open"),
+            backend_connections: r.gauge(
+                "pgcache_backend_connections",
+                "Connections to PostgreSQL serving client sessions",
             ),
-            shared: SharedMetrics::new(&registry),
+            database_lookups: r.counter_vec(
+                "pgcache_database_lookups_total",
+                "Cache lookups per database, by result (hit, miss, bypass)",
+                &["database", "result"],
+            ),
+            shared_breaker_open: r.gauge(
+                "pgcache_shared_breaker_open",
+                "1 while the circuit breaker keeps pgcache from trying Redis",
+            ),
+            replication: ReplicationGauges::new(&r),
+            local_entries: r.gauge("pgcache_cache_entries", "Entries in the local tier"),
+            local_bytes: r.gauge(
+                "pgcache_cache_bytes",
+                "Bytes charged to the local tier (entries and bookkeeping)",
+            ),
+            shared: SharedMetrics::new(&r),
             registry,
         }
     }

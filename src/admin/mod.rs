@@ -193,56 +193,9 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             &["version"],
             &[vec![format!("pgcache {}", env!("CARGO_PKG_VERSION"))]],
         ),
-        ["INVALIDATE", "TABLE", _] => {
-            let name = words[2].trim_matches('"');
-            let name = name
-                .rsplit_once('.')
-                .map_or(name, |(_, n)| n)
-                .trim_matches('"');
-            for (_, db) in app.cache.databases.all() {
-                let mut bumps = Bumps::default();
-                db.relation_families(name, &mut bumps);
-                app.cache
-                    .invalidate(&db, bumps, &app.metrics.invalidations.admin)
-                    .send()
-                    .await;
-            }
-            info!(table = name, "admin: table invalidated");
-            complete(out, "INVALIDATE");
-        }
-        ["INVALIDATE", "ALL"] => {
-            for (_, db) in app.cache.databases.all() {
-                app.cache
-                    .invalidate(&db, Bumps::opaque(), &app.metrics.invalidations.admin)
-                    .send()
-                    .await;
-            }
-            app.cache.local.clear();
-            info!("admin: everything invalidated");
-            complete(out, "INVALIDATE");
-        }
-        ["RELOAD"] => match app.reload() {
-            Ok(restart) => {
-                if !restart.is_empty() {
-                    notice_response(
-                        out,
-                        "WARNING",
-                        sqlstate::WARNING,
-                        &format!(
-                            "changed, but applied only at restart: {}",
-                            restart.join(", ")
-                        ),
-                    );
-                }
-                complete(out, "RELOAD");
-            }
-            Err(e) => error_response(
-                out,
-                "ERROR",
-                sqlstate::CONFIG_FILE_ERROR,
-                &format!("RELOAD failed, nothing changed: {e}"),
-            ),
-        },
+        ["INVALIDATE", "TABLE", _] => invalidate_table(app, words[2], out).await,
+        ["INVALIDATE", "ALL"] => invalidate_all(app, out).await,
+        ["RELOAD"] => reload(app, out),
         _ => error_response(
             out,
             "ERROR",
@@ -251,6 +204,62 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
                 "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
                  SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE ALL or RELOAD"
             ),
+        ),
+    }
+}
+
+/// `INVALIDATE TABLE name`: in every database, on every instance.
+async fn invalidate_table(app: &App, name: &str, out: &mut BytesMut) {
+    let name = name.trim_matches('"');
+    let name = name
+        .rsplit_once('.')
+        .map_or(name, |(_, n)| n)
+        .trim_matches('"');
+    for (_, db) in app.cache.databases.all() {
+        let mut bumps = Bumps::default();
+        db.relation_families(name, &mut bumps);
+        app.cache
+            .invalidate(&db, bumps, &app.metrics.invalidations.admin)
+            .send()
+            .await;
+    }
+    info!(table = name, "admin: table invalidated");
+    complete(out, "INVALIDATE");
+}
+
+async fn invalidate_all(app: &App, out: &mut BytesMut) {
+    for (_, db) in app.cache.databases.all() {
+        app.cache
+            .invalidate(&db, Bumps::opaque(), &app.metrics.invalidations.admin)
+            .send()
+            .await;
+    }
+    app.cache.local.clear();
+    info!("admin: everything invalidated");
+    complete(out, "INVALIDATE");
+}
+
+fn reload(app: &App, out: &mut BytesMut) {
+    match app.reload() {
+        Ok(restart) => {
+            if !restart.is_empty() {
+                notice_response(
+                    out,
+                    "WARNING",
+                    sqlstate::WARNING,
+                    &format!(
+                        "changed, but applied only at restart: {}",
+                        restart.join(", ")
+                    ),
+                );
+            }
+            complete(out, "RELOAD");
+        }
+        Err(e) => error_response(
+            out,
+            "ERROR",
+            sqlstate::CONFIG_FILE_ERROR,
+            &format!("RELOAD failed, nothing changed: {e}"),
         ),
     }
 }

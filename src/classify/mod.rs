@@ -7,15 +7,18 @@
 //! snapshot (`cache::catalog`). Anything the parser does not understand is
 //! [`Effect::Opaque`]: treated as if it could have changed anything.
 
-use std::collections::BTreeSet;
-use std::ops::ControlFlow;
+mod policy;
+mod visitor;
 
-use sqlparser::ast::{
-    CopySource, Expr, FunctionArguments, ObjectName, ObjectNamePart, Query, Select, SetExpr,
-    Statement, TableFactor, TransactionIsolationLevel, TransactionMode, Value, Visit, Visitor,
-};
+use std::collections::BTreeSet;
+
+use sqlparser::ast::{CopySource, Statement, TransactionIsolationLevel, TransactionMode, Visit};
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::parser::Parser;
+
+pub use policy::{PolicyFacts, policy_facts};
+use visitor::{Facts, rel_name};
+pub use visitor::{is_system_schema, normalize_ident};
 
 /// Why a statement is not served from or stored in the cache. The labels
 /// double as metric label values.
@@ -296,23 +299,35 @@ fn analyze_statement(stmt: &Statement) -> StatementInfo {
     {
         relations.extend(rel_name(table_name));
     }
-    let mut info = StatementInfo::new(Effect::Opaque);
+    let mut info = StatementInfo::new(effect_of(stmt, &facts, &relations));
     info.functions = std::mem::take(&mut facts.functions);
+    info.creates_temp = match stmt {
+        Statement::CreateTable(t) => t.temporary,
+        Statement::CreateView(v) => v.temporary,
+        Statement::CreateSequence { temporary, .. } => *temporary,
+        _ => false,
+    };
+    info.relations = relations;
+    info.cacheable = cacheable_of(stmt, &facts, &info);
+    info
+}
 
-    info.effect = match stmt {
-        Statement::Query(_) if facts.nested_dml => Effect::Write(relations.clone()),
+/// What running `stmt` may change.
+fn effect_of(stmt: &Statement, facts: &Facts, relations: &[RelName]) -> Effect {
+    match stmt {
+        Statement::Query(_) if facts.nested_dml => Effect::Write(relations.to_vec()),
         Statement::Query(_) if facts.select_into => Effect::Opaque,
         Statement::Query(_) => Effect::None,
         Statement::Insert(_)
         | Statement::Update(_)
         | Statement::Delete(_)
         | Statement::Merge(_)
-        | Statement::Truncate(_) => Effect::Write(relations.clone()),
+        | Statement::Truncate(_) => Effect::Write(relations.to_vec()),
         Statement::Copy { to: true, .. } => Effect::None,
         Statement::Copy {
             source: CopySource::Table { .. },
             ..
-        } => Effect::Write(relations.clone()),
+        } => Effect::Write(relations.to_vec()),
         Statement::StartTransaction { modes, .. } => Effect::Begin {
             strict: modes.iter().any(|m| {
                 matches!(
@@ -341,24 +356,14 @@ fn analyze_statement(stmt: &Statement) -> StatementInfo {
         | Statement::Lock(_) => Effect::None,
         Statement::Explain { analyze: false, .. } => Effect::None,
         Statement::Set(_) | Statement::Reset(_) | Statement::Discard { .. } => Effect::Settings,
-        Statement::CreateTable(t) if t.temporary => {
-            info.creates_temp = true;
-            Effect::Opaque
-        }
         _ => Effect::Opaque,
-    };
-    if let Statement::CreateView(v) = stmt {
-        info.creates_temp |= v.temporary;
     }
-    if let Statement::CreateSequence {
-        temporary: true, ..
-    } = stmt
-    {
-        info.creates_temp = true;
-    }
-    info.relations = relations;
+}
 
-    info.cacheable = if !matches!(stmt, Statement::Query(_)) || info.effect != Effect::None {
+/// Whether a statement may be served from the cache, as far as its text
+/// tells (the catalog decides the rest).
+fn cacheable_of(stmt: &Statement, facts: &Facts, info: &StatementInfo) -> Result<(), BypassReason> {
+    if !matches!(stmt, Statement::Query(_)) || info.effect != Effect::None {
         Err(if facts.nested_dml {
             BypassReason::ModifyingCte
         } else if facts.select_into {
@@ -380,264 +385,7 @@ fn analyze_statement(stmt: &Statement) -> StatementInfo {
         Err(BypassReason::SystemCatalog)
     } else {
         Ok(())
-    };
-    info
-}
-
-pub fn is_system_schema(schema: Option<&str>) -> bool {
-    matches!(
-        schema,
-        Some("pg_catalog" | "information_schema" | "pg_toast")
-    ) || schema.is_some_and(|s| s.starts_with("pg_temp") || s.starts_with("pg_toast_temp"))
-}
-
-pub fn normalize_ident(value: &str, quote: Option<char>) -> String {
-    if quote.is_some() {
-        value.to_owned()
-    } else {
-        value.to_lowercase()
     }
-}
-
-fn rel_name(name: &ObjectName) -> Option<RelName> {
-    let parts: Vec<String> = name
-        .0
-        .iter()
-        .map(|p| match p {
-            ObjectNamePart::Identifier(i) => Some(normalize_ident(&i.value, i.quote_style)),
-            ObjectNamePart::Function(_) => None,
-        })
-        .collect::<Option<_>>()?;
-    match parts.as_slice() {
-        [name] => Some(RelName {
-            schema: None,
-            name: name.clone(),
-        }),
-        [.., schema, name] => Some(RelName {
-            schema: Some(schema.clone()),
-            name: name.clone(),
-        }),
-        [] => None,
-    }
-}
-
-/// Lower-cased last part of a function name.
-fn function_name(name: &ObjectName) -> String {
-    match name.0.last() {
-        Some(ObjectNamePart::Identifier(i)) => normalize_ident(&i.value, i.quote_style),
-        _ => String::new(),
-    }
-}
-
-/// Everything the visitor collects in one walk of the tree.
-#[derive(Default)]
-struct Facts {
-    raw_relations: Vec<Option<RelName>>,
-    table_functions: Vec<RelName>,
-    cte_names: BTreeSet<String>,
-    functions: BTreeSet<String>,
-    statements: usize,
-    nested_dml: bool,
-    select_into: bool,
-    locking: bool,
-    special_identifier: bool,
-    time_literal: bool,
-}
-
-impl Facts {
-    /// Relations read, minus CTE references and table functions, deduplicated.
-    fn relations(&self) -> Vec<RelName> {
-        let mut functions = self.table_functions.clone();
-        let mut out = BTreeSet::new();
-        for rel in &self.raw_relations {
-            let Some(rel) = rel else {
-                continue;
-            };
-            if let Some(i) = functions.iter().position(|f| f == rel) {
-                functions.swap_remove(i);
-                continue;
-            }
-            if rel.schema.is_none() && self.cte_names.contains(&rel.name) {
-                continue;
-            }
-            out.insert(rel.clone());
-        }
-        out.into_iter().collect()
-    }
-}
-
-impl Visitor for Facts {
-    type Break = ();
-
-    fn pre_visit_statement(&mut self, stmt: &Statement) -> ControlFlow<()> {
-        self.statements += 1;
-        if self.statements > 1
-            && matches!(
-                stmt,
-                Statement::Insert(_)
-                    | Statement::Update(_)
-                    | Statement::Delete(_)
-                    | Statement::Merge(_)
-            )
-        {
-            self.nested_dml = true;
-        }
-        ControlFlow::Continue(())
-    }
-
-    fn pre_visit_query(&mut self, query: &Query) -> ControlFlow<()> {
-        if let Some(with) = &query.with {
-            for cte in &with.cte_tables {
-                self.cte_names.insert(normalize_ident(
-                    &cte.alias.name.value,
-                    cte.alias.name.quote_style,
-                ));
-                if matches!(
-                    *cte.query.body,
-                    SetExpr::Insert(_)
-                        | SetExpr::Update(_)
-                        | SetExpr::Delete(_)
-                        | SetExpr::Merge(_)
-                ) {
-                    self.nested_dml = true;
-                }
-            }
-        }
-        if !query.locks.is_empty() || query.for_clause.is_some() {
-            self.locking = true;
-        }
-        if matches!(
-            *query.body,
-            SetExpr::Insert(_) | SetExpr::Update(_) | SetExpr::Delete(_) | SetExpr::Merge(_)
-        ) {
-            self.nested_dml = true;
-        }
-        ControlFlow::Continue(())
-    }
-
-    fn pre_visit_select(&mut self, select: &Select) -> ControlFlow<()> {
-        if select.into.is_some() {
-            self.select_into = true;
-        }
-        ControlFlow::Continue(())
-    }
-
-    fn pre_visit_relation(&mut self, relation: &ObjectName) -> ControlFlow<()> {
-        self.raw_relations.push(rel_name(relation));
-        ControlFlow::Continue(())
-    }
-
-    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
-        match factor {
-            TableFactor::Table {
-                name,
-                args: Some(_),
-                ..
-            } => {
-                if let Some(rel) = rel_name(name) {
-                    self.table_functions.push(rel);
-                }
-                self.functions.insert(function_name(name));
-            }
-            TableFactor::Function { name, .. } => {
-                self.functions.insert(function_name(name));
-            }
-            _ => {}
-        }
-        ControlFlow::Continue(())
-    }
-
-    fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
-        match expr {
-            Expr::Function(f) => {
-                let name = function_name(&f.name);
-                if matches!(f.args, FunctionArguments::None)
-                    && SPECIAL_IDENTIFIERS.contains(&name.as_str())
-                {
-                    self.special_identifier = true;
-                }
-                self.functions.insert(name);
-            }
-            Expr::Identifier(ident)
-                if ident.quote_style.is_none()
-                    && SPECIAL_IDENTIFIERS.contains(&ident.value.to_lowercase().as_str()) =>
-            {
-                self.special_identifier = true;
-            }
-            Expr::Value(v) if is_time_literal(&v.value) => self.time_literal = true,
-            Expr::TypedString(t) if is_time_literal(&t.value.value) => self.time_literal = true,
-            _ => {}
-        }
-        ControlFlow::Continue(())
-    }
-}
-
-/// What a row-level-security policy expression depends on.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct PolicyFacts {
-    /// Functions called (other than `current_setting`).
-    pub functions: BTreeSet<String>,
-    /// Custom settings read with `current_setting('name')`.
-    pub settings: Vec<String>,
-    /// The expression reads relations or calls `current_setting` with a
-    /// computed name: its result cannot be keyed.
-    pub opaque: bool,
-}
-
-/// Analyses a policy expression as `pg_get_expr` prints it. `None` if it
-/// does not parse.
-pub fn policy_facts(expr: &str) -> Option<PolicyFacts> {
-    let parsed = Parser::new(&PostgreSqlDialect {})
-        .try_with_sql(expr)
-        .ok()?
-        .parse_expr()
-        .ok()?;
-    let mut facts = Facts::default();
-    let _ = parsed.visit(&mut facts);
-    let mut out = PolicyFacts {
-        opaque: !facts.raw_relations.is_empty() || facts.time_literal,
-        ..Default::default()
-    };
-    let _ = sqlparser::ast::visit_expressions(&parsed, |e| {
-        if let Expr::Function(f) = e
-            && function_name(&f.name) == "current_setting"
-        {
-            let literal = match &f.args {
-                FunctionArguments::List(list) => list.args.first().and_then(|a| {
-                    let text = a.to_string();
-                    let name = text.split("::").next()?.trim();
-                    (name.len() >= 2 && name.starts_with('\'') && name.ends_with('\''))
-                        .then(|| name[1..name.len() - 1].to_ascii_lowercase())
-                }),
-                _ => None,
-            };
-            match literal {
-                Some(name) => out.settings.push(name),
-                None => out.opaque = true,
-            }
-        }
-        ControlFlow::<()>::Continue(())
-    });
-    out.functions = facts.functions;
-    // The role is part of every cache key; current_setting is handled above.
-    for keyed in [
-        "current_setting",
-        "current_user",
-        "session_user",
-        "current_role",
-        "user",
-    ] {
-        out.functions.remove(keyed);
-    }
-    Some(out)
-}
-
-fn is_time_literal(value: &Value) -> bool {
-    value.clone().into_string().is_some_and(|s| {
-        TIME_LITERALS
-            .iter()
-            .any(|t| s.trim().eq_ignore_ascii_case(t))
-    })
 }
 
 /// Whether a text-format parameter value is one of PostgreSQL's special

@@ -4,11 +4,12 @@
 //! unit test keeps that file and these defaults in step. Unknown keys and bad
 //! values are refused at start-up with the key's name.
 
+mod validate;
+
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -433,145 +434,6 @@ impl Config {
         }
     }
 
-    /// Checks every value and reports all problems at once.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut problems = Vec::new();
-        if self.server.max_client_connections == 0 {
-            problems.push("server.max_client_connections: must be at least 1".to_owned());
-        }
-        const MIN_MESSAGE: usize = 16 * 1024;
-        const MAX_MESSAGE: usize = 1 << 30;
-        if !(MIN_MESSAGE..=MAX_MESSAGE).contains(&self.server.max_message_bytes) {
-            problems.push(format!(
-                "server.max_message_bytes: {} is outside {MIN_MESSAGE}..={MAX_MESSAGE}",
-                self.server.max_message_bytes
-            ));
-        }
-        if self.server.max_startups_per_ip == 0 {
-            problems.push("server.max_startups_per_ip: must be at least 1".to_owned());
-        }
-        if self.server.startup_timeout_ms == 0 {
-            problems.push("server.startup_timeout_ms: must be above 0".to_owned());
-        }
-        if self.cache.max_entry_bytes == 0
-            || (self.cache.local.max_bytes > 0
-                && self.cache.max_entry_bytes as u64 > self.cache.local.max_bytes)
-        {
-            problems.push(format!(
-                "cache.max_entry_bytes: {} must be between 1 and cache.local.max_bytes ({})",
-                self.cache.max_entry_bytes, self.cache.local.max_bytes
-            ));
-        }
-        if self.replication.publication.is_empty() {
-            problems.push("replication.publication: must not be empty".to_owned());
-        }
-        problems.extend(crate::scram::validate_users(&self.auth.users));
-        if self.auth.mode == AuthMode::Terminate
-            && self.auth.users.is_empty()
-            && self.auth.auth_query.is_empty()
-        {
-            problems.push(
-                "auth.mode = \"terminate\" needs auth.users or auth.auth_query to check passwords against"
-                    .to_owned(),
-            );
-        }
-        if self.upstream.connect_timeout_ms == 0 {
-            problems.push("upstream.connect_timeout_ms: must be above 0".to_owned());
-        }
-        if let Err(e) = crate::upstream::UpstreamUrl::parse(&self.upstream.url) {
-            problems.push(format!("upstream.url: {e}"));
-        }
-        if let Some(nodes) = self.redis.nodes() {
-            for url in &nodes.urls {
-                if let Err(e) = redis::Client::open(url.as_str()) {
-                    problems.push(format!("redis.url: {:?}: {e}", redact(url)));
-                }
-            }
-            if nodes.cluster
-                && nodes
-                    .urls
-                    .iter()
-                    .any(|u| u.starts_with("unix:") || u.starts_with("redis+unix:"))
-            {
-                problems.push(
-                    "redis.url: a Redis Cluster is reached over TCP, not Unix sockets".to_owned(),
-                );
-            }
-        }
-        for (i, rule) in self.cache.tables.iter().enumerate() {
-            if rule.name.trim().is_empty() {
-                problems.push(format!("cache.tables[{i}].name: must not be empty"));
-            }
-            if rule.ttl_secs == Some(0) {
-                problems.push(format!("cache.tables[{i}].ttl_secs: must be above 0"));
-            }
-            if rule.ttl_only && rule.ttl_secs.is_none() {
-                problems.push(format!(
-                    "cache.tables[{i}] ({}): ttl_only needs ttl_secs, the only way its changes are seen",
-                    rule.name
-                ));
-            }
-        }
-        if self.cache.coalesce_wait_ms > 60_000 {
-            problems.push(format!(
-                "cache.coalesce_wait_ms: {} is above 60000",
-                self.cache.coalesce_wait_ms
-            ));
-        }
-        if !self.admin.password.is_empty()
-            && (self.admin.database.is_empty() || self.admin.user.is_empty())
-        {
-            problems.push(
-                "admin.database and admin.user: must not be empty when admin.password is set"
-                    .to_owned(),
-            );
-        }
-        if self.tls.ssl_mode != SslMode::Disable
-            && (self.tls.cert_file.as_os_str().is_empty()
-                || self.tls.key_file.as_os_str().is_empty())
-        {
-            problems.push(
-                "tls.cert_file and tls.key_file: needed when tls.ssl_mode is allow or require"
-                    .to_owned(),
-            );
-        }
-        let shared = &self.cache.shared;
-        if shared.ttl_secs == 0 {
-            problems.push(
-                "cache.shared.ttl_secs: must be above 0 (every Redis key has a TTL)".to_owned(),
-            );
-        }
-        if shared.timeout_ms == 0 || shared.timeout_ms > 10_000 {
-            problems.push(format!(
-                "cache.shared.timeout_ms: {} is outside 1..=10000",
-                shared.timeout_ms
-            ));
-        }
-        if shared.max_entry_bytes == 0 || shared.max_entry_bytes > 512 * 1024 * 1024 {
-            problems.push(format!(
-                "cache.shared.max_entry_bytes: {} is outside 1..=536870912 (Redis's largest value)",
-                shared.max_entry_bytes
-            ));
-        }
-        if shared.breaker_failures == 0 {
-            problems.push("cache.shared.breaker_failures: must be at least 1".to_owned());
-        }
-        if shared.max_pending_stores == 0 {
-            problems.push("cache.shared.max_pending_stores: must be at least 1".to_owned());
-        }
-        if shared.prefix.contains(char::is_whitespace) {
-            problems.push(format!(
-                "cache.shared.prefix: {:?} must not contain whitespace",
-                shared.prefix
-            ));
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid(problems))
-        }
-    }
-
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.upstream.connect_timeout_ms)
     }
@@ -590,43 +452,6 @@ impl Config {
 
     pub fn shared_timeout(&self) -> Duration {
         Duration::from_millis(self.cache.shared.timeout_ms)
-    }
-
-    /// After a reload: keeps this configuration's sections that apply only
-    /// at restart as they are in `old` (in force), and names those that
-    /// changed.
-    pub fn keep_restart_only(&mut self, old: &Config) -> Vec<String> {
-        fn keep<T: PartialEq + Clone>(new: &mut T, old: &T, name: &str, out: &mut Vec<String>) {
-            if new != old {
-                out.push(name.to_owned());
-                *new = old.clone();
-            }
-        }
-        let mut changed = Vec::new();
-        let c = &mut changed;
-        keep(&mut self.server, &old.server, "server", c);
-        keep(&mut self.upstream, &old.upstream, "upstream", c);
-        keep(&mut self.redis, &old.redis, "redis", c);
-        keep(&mut self.metrics, &old.metrics, "metrics", c);
-        keep(&mut self.replication, &old.replication, "replication", c);
-        keep(
-            &mut self.cache.enabled,
-            &old.cache.enabled,
-            "cache.enabled",
-            c,
-        );
-        let max_entry = &old.cache.max_entry_bytes;
-        keep(
-            &mut self.cache.max_entry_bytes,
-            max_entry,
-            "cache.max_entry_bytes",
-            c,
-        );
-        keep(&mut self.cache.local, &old.cache.local, "cache.local", c);
-        keep(&mut self.cache.shared, &old.cache.shared, "cache.shared", c);
-        keep(&mut self.tls.ssl_mode, &old.tls.ssl_mode, "tls.ssl_mode", c);
-        keep(&mut self.auth.mode, &old.auth.mode, "auth.mode", c);
-        changed
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -663,7 +488,7 @@ mod tests {
 
     #[test]
     fn shipped_config_file_matches_the_built_in_defaults() {
-        let text = include_str!("../config/pgcache.toml");
+        let text = include_str!("../../config/pgcache.toml");
         let parsed = parse(text).expect("config/pgcache.toml parses");
         assert_eq!(parsed, Config::default());
     }
