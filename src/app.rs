@@ -55,7 +55,9 @@ pub enum StartError {
     #[error(transparent)]
     Replication(#[from] ReplicationError),
     #[error("TLS: {0}")]
-    Tls(String),
+    Tls(#[from] tls::TlsError),
+    #[error("upstream.url: {0}")]
+    Upstream(#[from] crate::upstream::UpstreamError),
     #[error("cannot listen on {addr} (metrics.listen): {source}")]
     MetricsListen {
         addr: SocketAddr,
@@ -68,9 +70,8 @@ impl App {
         config.validate()?;
         // rustls in redis-rs (rediss://) takes the process's provider.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let tls = tls::ClientTls::new(&config.tls).map_err(StartError::Tls)?;
-        let upstream = Upstream::new(&config.upstream.url, config.connect_timeout())
-            .map_err(|e| StartError::Tls(format!("upstream.url: {e}")))?;
+        let tls = tls::ClientTls::new(&config.tls)?;
+        let upstream = Upstream::new(&config.upstream.url, config.connect_timeout())?;
         let upstream = Arc::new(upstream);
         let metrics = Arc::new(Metrics::new());
         let local = LocalCache::with_evictions(
@@ -205,7 +206,7 @@ impl App {
         let mut new = Config::load(path.as_deref(), &overrides)?;
         self.tls
             .reload(&new.tls)
-            .map_err(|e| ConfigError::Invalid(vec![e]))?;
+            .map_err(|e| ConfigError::Invalid(vec![e.to_string()]))?;
         let old = self.config();
         let restart = new.keep_restart_only(&old);
         self.auth.reload(&new.auth);

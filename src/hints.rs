@@ -271,8 +271,12 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
     for word in words {
         let problem = match word.split_once('=') {
             Some((key, value)) => match key.to_ascii_lowercase().as_str() {
-                "ttl" => duration(value).map(|d| parsed.ttl = Some(d)),
-                "refresh" => duration(value).map(|d| parsed.refresh = Some(d)),
+                "ttl" => duration(value)
+                    .map(|d| parsed.ttl = Some(d))
+                    .map_err(|e| e.to_string()),
+                "refresh" => duration(value)
+                    .map(|d| parsed.refresh = Some(d))
+                    .map_err(|e| e.to_string()),
                 "tier" => match value.to_ascii_lowercase().as_str() {
                     "local" => Ok(Tier::Local),
                     "shared" => Ok(Tier::Shared),
@@ -308,24 +312,35 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
     }
 }
 
+/// Why a hint's duration was ignored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("{0:?} is not a duration such as 30s")]
+    NotANumber(String),
+    #[error("{0:?}: unit must be ms, s, m or h")]
+    Unit(String),
+    #[error("{0:?} must be above 0 and at most 30 days")]
+    Range(String),
+}
+
 /// `30s`, `500ms`, `5m`, `1h`, or a bare number of seconds.
-pub fn duration(text: &str) -> Result<Duration, String> {
+pub fn duration(text: &str) -> Result<Duration, DurationError> {
     let split = text
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
     let n: u64 = number
         .parse()
-        .map_err(|_| format!("{text:?} is not a duration such as 30s"))?;
+        .map_err(|_| DurationError::NotANumber(text.to_owned()))?;
     let d = match unit.to_ascii_lowercase().as_str() {
         "ms" => Duration::from_millis(n),
         "" | "s" => Duration::from_secs(n),
         "m" => Duration::from_secs(n.saturating_mul(60)),
         "h" => Duration::from_secs(n.saturating_mul(3600)),
-        _ => return Err(format!("{text:?}: unit must be ms, s, m or h")),
+        _ => return Err(DurationError::Unit(text.to_owned())),
     };
     if d.is_zero() || d > MAX_DURATION {
-        return Err(format!("{text:?} must be above 0 and at most 30 days"));
+        return Err(DurationError::Range(text.to_owned()));
     }
     Ok(d)
 }
@@ -468,6 +483,7 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(duration("30s"), Ok(Duration::from_secs(30)));
+        assert!(matches!(duration("5y"), Err(DurationError::Unit(_))));
         assert_eq!(duration("2h"), Ok(Duration::from_secs(7200)));
         assert!(duration("").is_err());
         assert!(duration("s").is_err());

@@ -260,16 +260,23 @@ async fn text_route(app: &App, path: &str) -> (StatusCode, String) {
     }
 }
 
+/// Why the instance is not ready.
+#[derive(Debug, thiserror::Error)]
+enum NotReady {
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    #[error("replication stream of {0:?} is not up")]
+    Stream(String),
+}
+
 /// Ready: PostgreSQL accepts connections and, with replication on, every
 /// database's stream is up.
-async fn readiness(app: &App) -> Result<(), String> {
-    crate::backend::reachable(&app.upstream, Duration::from_secs(1))
-        .await
-        .map_err(|e| e.to_string())?;
+async fn readiness(app: &App) -> Result<(), NotReady> {
+    crate::backend::reachable(&app.upstream, Duration::from_secs(1)).await?;
     if app.cache.replication_on() {
         for (name, db) in app.cache.databases.all() {
             if !db.stream.is_current() {
-                return Err(format!("replication stream of {name:?} is not up"));
+                return Err(NotReady::Stream(name));
             }
         }
     }

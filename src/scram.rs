@@ -124,12 +124,51 @@ impl Verifier {
     }
 }
 
+/// Why a SCRAM exchange, or a configured secret, was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScramError {
+    /// A message lacks a part, or a part does not decode.
+    #[error("malformed {0}")]
+    Malformed(&'static str),
+    #[error("unsupported mechanism {0:?} or gs2 flag")]
+    Mechanism(String),
+    #[error("unsupported channel-binding type")]
+    BindingType,
+    #[error("no channel-binding data for this certificate")]
+    NoBindingData,
+    #[error(
+        "the client supports channel binding but thinks the server does not: a downgrade, refused"
+    )]
+    Downgrade,
+    #[error("channel binding data does not match")]
+    BindingMismatch,
+    #[error("nonce does not match")]
+    NonceMismatch,
+    #[error("password authentication failed")]
+    WrongProof,
+    #[error("the server's nonce does not extend ours")]
+    ServerNonce,
+    #[error(
+        "PostgreSQL's SCRAM verifier for this user differs from the one pgcache authenticated \
+         the client with (salt or iteration count)"
+    )]
+    VerifierDiffers,
+    #[error("the server refused: {0}")]
+    ServerRefused(String),
+    #[error("the server's signature is wrong")]
+    ServerSignature,
+    #[error(
+        "an MD5 hash cannot check a SCRAM login: give the password or its SCRAM-SHA-256 verifier"
+    )]
+    Md5Hash,
+}
+
 /// The first fields of a client-first-message.
-fn split_client_first(message: &str) -> Result<(&str, &str, &str), String> {
+fn split_client_first(message: &str) -> Result<(&str, &str, &str), ScramError> {
     let mut parts = message.splitn(3, ',');
     match (parts.next(), parts.next(), parts.next()) {
         (Some(cbind), Some(authzid), Some(bare)) => Ok((cbind, authzid, bare)),
-        _ => Err("malformed SCRAM client-first-message".into()),
+        _ => Err(ScramError::Malformed("SCRAM client-first-message")),
     }
 }
 
@@ -166,26 +205,22 @@ pub fn server_first(
     mechanism: &str,
     client_first: &str,
     binding: ServerBinding<'_>,
-) -> Result<(ServerExchange, String), String> {
+) -> Result<(ServerExchange, String), ScramError> {
     let (cbind, authzid, bare) = split_client_first(client_first)?;
     let binding_data = match (mechanism, cbind) {
         (MECHANISM, "n") => Vec::new(),
         (MECHANISM, "y") if binding.offered => {
-            return Err(
-                "the client supports channel binding but thinks the server does not: \
-                 a downgrade, refused"
-                    .into(),
-            );
+            return Err(ScramError::Downgrade);
         }
         (MECHANISM, "y") => Vec::new(),
-        (MECHANISM_PLUS, "p=tls-server-end-point") if binding.offered => binding
-            .data
-            .ok_or("no channel-binding data for this certificate")?
-            .to_vec(),
-        (MECHANISM_PLUS, _) => return Err("unsupported channel-binding type".into()),
-        _ => return Err(format!("unsupported mechanism {mechanism:?} or gs2 flag")),
+        (MECHANISM_PLUS, "p=tls-server-end-point") if binding.offered => {
+            binding.data.ok_or(ScramError::NoBindingData)?.to_vec()
+        }
+        (MECHANISM_PLUS, _) => return Err(ScramError::BindingType),
+        _ => return Err(ScramError::Mechanism(mechanism.to_owned())),
     };
-    let client_nonce = attribute(bare, 'r').ok_or("client-first-message without a nonce")?;
+    let client_nonce =
+        attribute(bare, 'r').ok_or(ScramError::Malformed("client-first-message: no nonce"))?;
     let mut nonce_bytes = [0u8; 18];
     rand::fill(&mut nonce_bytes);
     let nonce = format!("{client_nonce}{}", B64.encode(nonce_bytes));
@@ -218,24 +253,25 @@ pub struct Proven {
 impl ServerExchange {
     /// Checks the client's proof. `Err` is any failure: a wrong password
     /// and a malformed message get the same answer.
-    pub fn finish(self, client_final: &str) -> Result<Proven, String> {
+    pub fn finish(self, client_final: &str) -> Result<Proven, ScramError> {
         let (without_proof, proof) = client_final
             .rsplit_once(",p=")
-            .ok_or("client-final-message without a proof")?;
-        let binding = attribute(without_proof, 'c').ok_or("client-final-message without c=")?;
+            .ok_or(ScramError::Malformed("client-final-message: no proof"))?;
+        let binding = attribute(without_proof, 'c')
+            .ok_or(ScramError::Malformed("client-final-message: no c="))?;
         let mut expected = self.gs2_header.clone().into_bytes();
         expected.extend_from_slice(&self.binding);
         if !same(&B64.decode(binding).unwrap_or_default(), &expected) {
-            return Err("channel binding data does not match".into());
+            return Err(ScramError::BindingMismatch);
         }
         if attribute(without_proof, 'r') != Some(self.nonce.as_str()) {
-            return Err("nonce does not match".into());
+            return Err(ScramError::NonceMismatch);
         }
         let proof: [u8; 32] = B64
             .decode(proof)
             .ok()
             .and_then(|p| p.try_into().ok())
-            .ok_or("malformed proof")?;
+            .ok_or(ScramError::Malformed("proof"))?;
         let auth_message = format!(
             "{},{},{without_proof}",
             self.client_first_bare, self.server_first
@@ -244,7 +280,7 @@ impl ServerExchange {
         let client_key = xor(&proof, &signature);
         let recovered: [u8; 32] = Sha256::digest(client_key).into();
         if !same(&recovered, &self.verifier.stored_key) {
-            return Err("password authentication failed".into());
+            return Err(ScramError::WrongProof);
         }
         let server_signature = hmac(&self.verifier.server_key, auth_message.as_bytes());
         Ok(Proven {
@@ -295,18 +331,20 @@ impl ClientExchange {
     }
 
     /// Answers the server-first-message with the client-final-message.
-    pub fn respond(&mut self, server_first: &str) -> Result<String, String> {
-        let nonce = attribute(server_first, 'r').ok_or("server-first-message without a nonce")?;
+    pub fn respond(&mut self, server_first: &str) -> Result<String, ScramError> {
+        let malformed = ScramError::Malformed;
+        let nonce =
+            attribute(server_first, 'r').ok_or(malformed("server-first-message: no nonce"))?;
         if !nonce.starts_with(&self.nonce) {
-            return Err("the server's nonce does not extend ours".into());
+            return Err(ScramError::ServerNonce);
         }
-        let salt = B64
-            .decode(attribute(server_first, 's').ok_or("server-first-message without a salt")?)
-            .map_err(|_| "the server's salt is not base64")?;
+        let salt = attribute(server_first, 's')
+            .and_then(|s| B64.decode(s).ok())
+            .ok_or(malformed("server-first-message: no base64 salt"))?;
         let iterations: u32 = attribute(server_first, 'i')
             .and_then(|i| i.parse().ok())
             .filter(|i| *i > 0)
-            .ok_or("server-first-message without an iteration count")?;
+            .ok_or(malformed("server-first-message: no iteration count"))?;
         let (client_key, server_key) = match &self.secret {
             ClientSecret::Password(password) => {
                 let salted = salted_password(password, &salt, iterations);
@@ -317,11 +355,7 @@ impl ClientExchange {
                 verifier,
             } => {
                 if verifier.salt != salt || verifier.iterations != iterations {
-                    return Err(
-                        "PostgreSQL's SCRAM verifier for this user differs from the one pgcache \
-                         authenticated the client with (salt or iteration count)"
-                            .into(),
-                    );
+                    return Err(ScramError::VerifierDiffers);
                 }
                 (*client_key, verifier.server_key)
             }
@@ -335,16 +369,16 @@ impl ClientExchange {
     }
 
     /// Checks the server's signature: it knew the verifier too.
-    pub fn verify(&self, server_final: &str) -> Result<(), String> {
+    pub fn verify(&self, server_final: &str) -> Result<(), ScramError> {
         if let Some(error) = attribute(server_final, 'e') {
-            return Err(format!("the server refused: {error}"));
+            return Err(ScramError::ServerRefused(error.to_owned()));
         }
         let signature = attribute(server_final, 'v')
             .and_then(|v| B64.decode(v).ok())
-            .ok_or("malformed server-final-message")?;
+            .ok_or(ScramError::Malformed("server-final-message"))?;
         match &self.expected_signature {
             Some(expected) if same(expected, &signature) => Ok(()),
-            _ => Err("the server's signature is wrong".into()),
+            _ => Err(ScramError::ServerSignature),
         }
     }
 }
@@ -363,19 +397,17 @@ pub struct Credentials {
     pub password: Option<String>,
 }
 
-pub fn credentials(value: &str) -> Result<Credentials, String> {
+pub fn credentials(value: &str) -> Result<Credentials, ScramError> {
     if value.starts_with("SCRAM-SHA-256$") {
-        let verifier = Verifier::parse(value).ok_or("malformed SCRAM-SHA-256 verifier")?;
+        let verifier =
+            Verifier::parse(value).ok_or(ScramError::Malformed("SCRAM-SHA-256 verifier"))?;
         return Ok(Credentials {
             verifier,
             password: None,
         });
     }
     if value.len() == 35 && value.starts_with("md5") {
-        return Err(
-            "an MD5 hash cannot check a SCRAM login: give the password or its SCRAM-SHA-256 verifier"
-                .into(),
-        );
+        return Err(ScramError::Md5Hash);
     }
     Ok(Credentials {
         verifier: Verifier::random(value),
@@ -405,7 +437,7 @@ mod tests {
     };
 
     /// Runs a whole exchange between our two sides.
-    fn exchange(verifier: Verifier, secret: ClientSecret) -> Result<Proven, String> {
+    fn exchange(verifier: Verifier, secret: ClientSecret) -> Result<Proven, ScramError> {
         let (mut client, first) = ClientExchange::start(secret);
         let (server, server_first) = server_first(verifier, MECHANISM, &first, NO_BINDING)?;
         let client_final = client.respond(&server_first)?;
@@ -433,7 +465,8 @@ mod tests {
         // Another salt (another verifier of the same password): refused
         // with a message that says why.
         let err = exchange(Verifier::random("secret"), key).err().unwrap();
-        assert!(err.contains("verifier"), "{err}");
+        assert_eq!(err, ScramError::VerifierDiffers);
+        assert!(err.to_string().contains("verifier"), "{err}");
     }
 
     #[test]
@@ -477,7 +510,7 @@ mod tests {
             .finish(&format!("c={c},r={nonce},p=AAAA"))
             .err()
             .unwrap();
-        assert!(err.contains("channel binding"), "{err}");
+        assert_eq!(err, ScramError::BindingMismatch);
         assert!(
             server_first(
                 verifier.clone(),

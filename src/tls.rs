@@ -27,6 +27,19 @@ pub struct ClientTls {
     acceptor: RwLock<Option<Served>>,
 }
 
+/// Why the certificate and key cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("tls.cert_file {path}: {reason}")]
+    Certificate { path: String, reason: String },
+    #[error("tls.key_file {path}: {reason}")]
+    Key { path: String, reason: String },
+    #[error("tls.cert_file and tls.key_file do not make a pair: {0}")]
+    Pair(rustls::Error),
+    #[error(transparent)]
+    Rustls(#[from] rustls::Error),
+}
+
 #[derive(Clone)]
 struct Served {
     acceptor: TlsAcceptor,
@@ -36,7 +49,7 @@ struct Served {
 
 impl ClientTls {
     /// Loads the certificate and key when TLS is on.
-    pub fn new(config: &TlsConfig) -> Result<Self, String> {
+    pub fn new(config: &TlsConfig) -> Result<Self, TlsError> {
         let acceptor = match config.ssl_mode {
             SslMode::Disable => None,
             _ => Some(acceptor(&config.cert_file, &config.key_file)?),
@@ -67,7 +80,7 @@ impl ClientTls {
     }
 
     /// Re-reads the certificate and key (the mode itself needs a restart).
-    pub fn reload(&self, config: &TlsConfig) -> Result<(), String> {
+    pub fn reload(&self, config: &TlsConfig) -> Result<(), TlsError> {
         if self.mode == SslMode::Disable {
             return Ok(());
         }
@@ -106,26 +119,28 @@ fn end_point(cert: &CertificateDer<'_>) -> Option<Arc<[u8]>> {
     })
 }
 
-fn acceptor(cert_file: &Path, key_file: &Path) -> Result<Served, String> {
+fn acceptor(cert_file: &Path, key_file: &Path) -> Result<Served, TlsError> {
+    let certificate = |reason: String| TlsError::Certificate {
+        path: cert_file.display().to_string(),
+        reason,
+    };
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert_file)
         .and_then(|certs| certs.collect())
-        .map_err(|e| format!("tls.cert_file {}: {e}", cert_file.display()))?;
+        .map_err(|e| certificate(e.to_string()))?;
     if certs.is_empty() {
-        return Err(format!(
-            "tls.cert_file {}: no certificate in it",
-            cert_file.display()
-        ));
+        return Err(certificate("no certificate in it".to_owned()));
     }
-    let key = PrivateKeyDer::from_pem_file(key_file)
-        .map_err(|e| format!("tls.key_file {}: {e}", key_file.display()))?;
+    let key = PrivateKeyDer::from_pem_file(key_file).map_err(|e| TlsError::Key {
+        path: key_file.display().to_string(),
+        reason: e.to_string(),
+    })?;
     let end_point = end_point(&certs[0]);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_single_cert(certs, key)
-        .map_err(|e| format!("tls.cert_file and tls.key_file do not make a pair: {e}"))?;
+        .map_err(TlsError::Pair)?;
     config.alpn_protocols = vec![ALPN_POSTGRESQL.to_vec()];
     Ok(Served {
         acceptor: TlsAcceptor::from(Arc::new(config)),

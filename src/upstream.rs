@@ -20,6 +20,38 @@ use rustls::{
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 
+/// What is wrong with `upstream.url` (or the files it names).
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error(transparent)]
+    Url(#[from] tokio_postgres::Error),
+    #[error("sslmode {0:?}: expected disable, allow, prefer, require, verify-ca or verify-full")]
+    SslMode(String),
+    #[error("{0}: client certificates towards PostgreSQL are not supported")]
+    ClientCertificate(String),
+    #[error("sslmode={0} needs sslrootcert=<CA file> to check the server's certificate against")]
+    NoRootCert(&'static str),
+    #[error("{key}: {reason}")]
+    Param { key: String, reason: String },
+    #[error("missing \"=\" after {0:?} in connection string")]
+    MissingEquals(String),
+    #[error("unterminated quoted value")]
+    Unterminated,
+    #[error("sslrootcert {path}: {reason}")]
+    RootCert { path: String, reason: String },
+    #[error(transparent)]
+    Tls(#[from] rustls::Error),
+}
+
+impl UpstreamError {
+    fn root_cert(path: &std::path::Path, reason: impl std::fmt::Display) -> Self {
+        Self::RootCert {
+            path: path.display().to_string(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
 /// Where the backend is, resolved from `upstream.url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamAddr {
@@ -48,7 +80,7 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn new(url: &str, connect_timeout: Duration) -> Result<Self, String> {
+    pub fn new(url: &str, connect_timeout: Duration) -> Result<Self, UpstreamError> {
         let url = UpstreamUrl::parse(url)?;
         Ok(Self {
             addrs: addrs(&url.pg),
@@ -146,7 +178,7 @@ pub enum UpstreamSslMode {
 }
 
 impl UpstreamSslMode {
-    fn parse(value: &str) -> Result<Self, String> {
+    fn parse(value: &str) -> Result<Self, UpstreamError> {
         Ok(match value {
             "disable" => Self::Disable,
             "allow" => Self::Allow,
@@ -154,11 +186,7 @@ impl UpstreamSslMode {
             "require" => Self::Require,
             "verify-ca" => Self::VerifyCa,
             "verify-full" => Self::VerifyFull,
-            other => {
-                return Err(format!(
-                    "sslmode {other:?}: expected disable, allow, prefer, require, verify-ca or verify-full"
-                ));
-            }
+            other => return Err(UpstreamError::SslMode(other.to_owned())),
         })
     }
 
@@ -199,20 +227,16 @@ pub struct UpstreamUrl {
 const TLS_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
 
 impl UpstreamUrl {
-    pub fn parse(url: &str) -> Result<Self, String> {
+    pub fn parse(url: &str) -> Result<Self, UpstreamError> {
         let (rest, params) = split_params(url, &TLS_PARAMS)?;
-        let mut pg = tokio_postgres::Config::from_str(&rest).map_err(|e| e.to_string())?;
+        let mut pg = tokio_postgres::Config::from_str(&rest)?;
         let mut ssl_mode = UpstreamSslMode::default();
         let mut root_cert = None;
         for (key, value) in params {
             match key.as_str() {
                 "sslmode" => ssl_mode = UpstreamSslMode::parse(&value)?,
                 "sslrootcert" => root_cert = Some(PathBuf::from(value)),
-                _ => {
-                    return Err(format!(
-                        "{key}: client certificates towards PostgreSQL are not supported"
-                    ));
-                }
+                _ => return Err(UpstreamError::ClientCertificate(key)),
             }
         }
         if matches!(
@@ -220,10 +244,7 @@ impl UpstreamUrl {
             UpstreamSslMode::VerifyCa | UpstreamSslMode::VerifyFull
         ) && root_cert.is_none()
         {
-            return Err(format!(
-                "sslmode={} needs sslrootcert=<CA file> to check the server's certificate against",
-                ssl_mode.as_str()
-            ));
+            return Err(UpstreamError::NoRootCert(ssl_mode.as_str()));
         }
         pg.ssl_mode(match ssl_mode {
             UpstreamSslMode::Disable | UpstreamSslMode::Allow => {
@@ -243,7 +264,10 @@ impl UpstreamUrl {
 /// Takes the parameters named in `keys` out of a libpq URL
 /// (`postgres://...?k=v&...`) or key=value string, returning the rest and
 /// the (key, decoded value) pairs taken.
-fn split_params(url: &str, keys: &[&str]) -> Result<(String, Vec<(String, String)>), String> {
+fn split_params(
+    url: &str,
+    keys: &[&str],
+) -> Result<(String, Vec<(String, String)>), UpstreamError> {
     let mut taken = Vec::new();
     let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
     if is_url {
@@ -256,7 +280,10 @@ fn split_params(url: &str, keys: &[&str]) -> Result<(String, Vec<(String, String
             if keys.contains(&key) {
                 let value = percent_encoding::percent_decode_str(value)
                     .decode_utf8()
-                    .map_err(|e| format!("{key}: {e}"))?;
+                    .map_err(|e| UpstreamError::Param {
+                        key: key.to_owned(),
+                        reason: e.to_string(),
+                    })?;
                 taken.push((key.to_owned(), value.into_owned()));
             } else {
                 kept.push(pair);
@@ -283,7 +310,7 @@ fn split_params(url: &str, keys: &[&str]) -> Result<(String, Vec<(String, String
         }
         while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
         if chars.next_if(|(_, c)| *c == '=').is_none() {
-            return Err(format!("missing \"=\" after {key:?} in connection string"));
+            return Err(UpstreamError::MissingEquals(key));
         }
         while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
         let mut value = String::new();
@@ -292,11 +319,11 @@ fn split_params(url: &str, keys: &[&str]) -> Result<(String, Vec<(String, String
                 match chars.next() {
                     Some((_, '\\')) => match chars.next() {
                         Some((_, c)) => value.push(c),
-                        None => return Err("unterminated quoted value".into()),
+                        None => return Err(UpstreamError::Unterminated),
                     },
                     Some((_, '\'')) => break,
                     Some((_, c)) => value.push(c),
-                    None => return Err("unterminated quoted value".into()),
+                    None => return Err(UpstreamError::Unterminated),
                 }
             }
         } else {
@@ -335,33 +362,29 @@ impl std::fmt::Debug for UpstreamTls {
 
 impl UpstreamTls {
     /// Reads the CA file, if any, and builds the rustls configuration.
-    pub fn new(url: &UpstreamUrl) -> Result<Self, String> {
+    pub fn new(url: &UpstreamUrl) -> Result<Self, UpstreamError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = if url.ssl_mode.tries_tls() {
             let verifier: Arc<dyn ServerCertVerifier> = match &url.root_cert {
                 Some(path) => {
                     let mut roots = RootCertStore::empty();
                     let certs = CertificateDer::pem_file_iter(path)
-                        .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                        .map_err(|e| UpstreamError::root_cert(path, e))?;
                     for cert in certs {
-                        let cert =
-                            cert.map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                        let cert = cert.map_err(|e| UpstreamError::root_cert(path, e))?;
                         roots
                             .add(cert)
-                            .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                            .map_err(|e| UpstreamError::root_cert(path, e))?;
                     }
                     if roots.is_empty() {
-                        return Err(format!(
-                            "sslrootcert {}: no certificate in the file",
-                            path.display()
-                        ));
+                        return Err(UpstreamError::root_cert(path, "no certificate in the file"));
                     }
                     let webpki = WebPkiServerVerifier::builder_with_provider(
                         Arc::new(roots),
                         provider.clone(),
                     )
                     .build()
-                    .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                    .map_err(|e| UpstreamError::root_cert(path, e))?;
                     // As in libpq, a CA file makes require check the chain.
                     if url.ssl_mode == UpstreamSslMode::VerifyFull {
                         webpki
@@ -372,8 +395,7 @@ impl UpstreamTls {
                 None => Arc::new(Unchecked(provider.signature_verification_algorithms)),
             };
             let config = ClientConfig::builder_with_provider(provider)
-                .with_safe_default_protocol_versions()
-                .map_err(|e| e.to_string())?
+                .with_safe_default_protocol_versions()?
                 .dangerous()
                 .with_custom_certificate_verifier(verifier)
                 .with_no_client_auth();
@@ -599,10 +621,12 @@ mod tests {
         );
         assert_eq!(url.root_cert.as_deref(), Some(std::path::Path::new("/ca")));
         let err = UpstreamUrl::parse("postgres://db/app?sslmode=verify-full").unwrap_err();
-        assert!(err.contains("sslrootcert"), "{err}");
+        assert!(matches!(err, UpstreamError::NoRootCert("verify-full")));
+        assert!(err.to_string().contains("sslrootcert"), "{err}");
         let err = UpstreamUrl::parse("postgres://db/app?sslmode=sometimes").unwrap_err();
-        assert!(err.contains("verify-full"), "{err}");
+        assert!(err.to_string().contains("verify-full"), "{err}");
         let err = UpstreamUrl::parse("postgres://db/app?sslcert=/c").unwrap_err();
-        assert!(err.contains("client certificates"), "{err}");
+        assert!(matches!(err, UpstreamError::ClientCertificate(_)));
+        assert!(err.to_string().contains("client certificates"), "{err}");
     }
 }

@@ -121,7 +121,7 @@ where
         }
         Err(e) => {
             warn!(user, error = %e, "admin console: login failed");
-            (sqlstate::PROTOCOL_VIOLATION, e)
+            (sqlstate::PROTOCOL_VIOLATION, e.to_string())
         }
     };
     let _ = client.write_all(&messages::fatal(code, &message)).await;
@@ -130,7 +130,10 @@ where
 
 /// SCRAM-SHA-256 against the configured password (a fresh salt each
 /// time). `Ok(false)`: the proof was wrong.
-async fn authenticate<C>(client: &mut FramedStream<C>, password: &str) -> Result<bool, String>
+async fn authenticate<C>(
+    client: &mut FramedStream<C>,
+    password: &str,
+) -> Result<bool, crate::auth::ExchangeError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {

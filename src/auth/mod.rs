@@ -22,8 +22,8 @@ use crate::protocol::messages::encode;
 use crate::protocol::stream::{FramedStream, ReadError};
 use crate::protocol::{backend as be, frontend as fe, sqlstate};
 use crate::scram::{
-    self, ClientExchange, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ServerBinding,
-    Verifier, credentials,
+    self, ClientExchange, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ScramError,
+    ServerBinding, Verifier, credentials,
 };
 use crate::upstream::Upstream;
 
@@ -74,7 +74,7 @@ impl Authenticator {
 
     /// The user's credentials: `auth.users` first, then `auth.auth_query`.
     /// `Ok(None)`: no such user (or no password).
-    async fn lookup(&self, query: &str, user: &str) -> Result<Option<Credentials>, String> {
+    async fn lookup(&self, query: &str, user: &str) -> Result<Option<Credentials>, LookupError> {
         if let Some(found) = self
             .users
             .read()
@@ -92,27 +92,36 @@ impl Authenticator {
                 .upstream
                 .control(self.upstream.default_database())
                 .await
-                .map_err(|e| format!("auth_query connection: {e}"))?;
+                .map_err(LookupError::Connect)?;
             *slot = Some(client);
         }
         let client = slot.as_ref().expect("just connected");
         let rows = client
             .query(query, &[&user])
             .await
-            .map_err(|e| format!("auth_query failed: {e}"))?;
+            .map_err(LookupError::Query)?;
         let value: Option<String> = match rows.first() {
-            Some(row) => row
-                .try_get(0)
-                .map_err(|e| format!("auth_query must return one text column: {e}"))?,
+            Some(row) => row.try_get(0).map_err(LookupError::Column)?,
             None => None,
         };
         match value {
-            Some(value) => credentials(&value)
-                .map(Some)
-                .map_err(|e| format!("auth_query's password for {user:?}: {e}")),
+            Some(value) => credentials(&value).map(Some).map_err(LookupError::Secret),
             None => Ok(None),
         }
     }
+}
+
+/// Why `auth_query` could not say what a user's password is.
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("auth_query connection: {0}")]
+    Connect(tokio_postgres::Error),
+    #[error("auth_query failed: {0}")]
+    Query(tokio_postgres::Error),
+    #[error("auth_query must return one text column: {0}")]
+    Column(tokio_postgres::Error),
+    #[error("auth_query's password: {0}")]
+    Secret(ScramError),
 }
 
 /// Why a login ended without a session.
@@ -143,20 +152,34 @@ pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((mechanism, data))
 }
 
+/// Why a client's SASL exchange broke off (a wrong password is not an
+/// error: see [`sasl_server`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    #[error("client went away")]
+    Gone,
+    #[error("expected a {0}")]
+    Unexpected(&'static str),
+    #[error(transparent)]
+    Scram(#[from] ScramError),
+}
+
 /// The client's next message, which must be a `p` (here: `what`).
 async fn read_password_frame<C: AsyncRead + Unpin>(
     client: &mut FramedStream<C>,
-    what: &str,
-) -> Result<BytesMut, String> {
+    what: &'static str,
+) -> Result<BytesMut, ExchangeError> {
     let max = client.max_frame();
     client.set_max_frame(MAX_AUTH_MESSAGE);
     let frame = client.read_frame().await;
     client.set_max_frame(max);
-    let frame = frame
-        .map_err(|e| e.to_string())?
-        .ok_or("client went away")?;
+    let frame = frame?.ok_or(ExchangeError::Gone)?;
     if frame[0] != fe::PASSWORD {
-        return Err(format!("expected a {what}"));
+        return Err(ExchangeError::Unexpected(what));
     }
     Ok(frame)
 }
@@ -167,7 +190,7 @@ pub async fn sasl_server<C>(
     client: &mut FramedStream<C>,
     verifier: Verifier,
     binding: ServerBinding<'_>,
-) -> Result<Option<[u8; 32]>, String>
+) -> Result<Option<[u8; 32]>, ExchangeError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
@@ -177,11 +200,10 @@ where
     }
     let mut out = BytesMut::new();
     encode(&mut out, Authentication::SASL(mechanisms));
-    let io = |e: std::io::Error| e.to_string();
-    client.write_all(&out).await.map_err(io)?;
+    client.write_all(&out).await?;
     let first = read_password_frame(client, "SASLInitialResponse").await?;
-    let (mechanism, data) =
-        initial_response(&first[HEADER_LEN..]).ok_or("malformed SASLInitialResponse")?;
+    let (mechanism, data) = initial_response(&first[HEADER_LEN..])
+        .ok_or(ScramError::Malformed("SASLInitialResponse"))?;
     let (exchange, server_first) = scram::server_first(
         verifier,
         &String::from_utf8_lossy(mechanism),
@@ -193,7 +215,7 @@ where
         &mut out,
         Authentication::SASLContinue(server_first.into_bytes().into()),
     );
-    client.write_all(&out).await.map_err(io)?;
+    client.write_all(&out).await?;
     let last = read_password_frame(client, "SASLResponse").await?;
     match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
         Ok(proven) => {
@@ -202,7 +224,7 @@ where
                 &mut out,
                 Authentication::SASLFinal(proven.server_final.into_bytes().into()),
             );
-            client.write_all(&out).await.map_err(io)?;
+            client.write_all(&out).await?;
             Ok(Some(proven.client_key))
         }
         Err(e) => {
@@ -366,17 +388,14 @@ fn answer(
             let exchange = scram
                 .as_mut()
                 .ok_or(LoginError::Failed("SASLContinue out of order".into()))?;
-            let last = exchange
-                .respond(&String::from_utf8_lossy(data))
-                .map_err(LoginError::Failed)?;
+            let last = exchange.respond(&String::from_utf8_lossy(data))?;
             encode(&mut reply, SASLResponse::new(last.into()));
         }
         (AUTH_SASL_FINAL, _) => {
             scram
                 .as_ref()
                 .ok_or(LoginError::Failed("SASLFinal out of order".into()))?
-                .verify(&String::from_utf8_lossy(data))
-                .map_err(LoginError::Failed)?;
+                .verify(&String::from_utf8_lossy(data))?;
             return Ok(None);
         }
         (other, _) => {
@@ -400,6 +419,12 @@ pub enum LoginError {
 impl From<std::io::Error> for LoginError {
     fn from(e: std::io::Error) -> Self {
         LoginError::Failed(format!("connection to PostgreSQL: {e}"))
+    }
+}
+
+impl From<ScramError> for LoginError {
+    fn from(e: ScramError) -> Self {
+        LoginError::Failed(e.to_string())
     }
 }
 

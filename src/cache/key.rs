@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use super::{Family, Version};
+use super::versions::{Family, Version};
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
 const KEY_FORMAT: u8 = 1;

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{DbState, Family};
+use super::database::DbState;
+use super::versions::Family;
 
 #[derive(Default)]
 pub struct QueryStats {

@@ -4,6 +4,13 @@
 
 use crate::protocol::codec::{read_cstr, read_i32};
 
+/// pgoutput message tags (the first byte of each XLogData payload).
+const RELATION: u8 = b'R';
+const INSERT: u8 = b'I';
+const UPDATE: u8 = b'U';
+const DELETE: u8 = b'D';
+const TRUNCATE: u8 = b'T';
+
 #[derive(Debug, PartialEq, Eq)]
 pub enum Change {
     /// Relation: maps an OID to its name; sent before its first change in a
@@ -25,7 +32,7 @@ pub fn decode(data: &[u8]) -> Option<Change> {
     let (&tag, body) = data.split_first()?;
     let mut pos = 0;
     match tag {
-        b'R' => {
+        RELATION => {
             let oid = read_i32(body, &mut pos)? as u32;
             let namespace = String::from_utf8_lossy(read_cstr(body, &mut pos)?).into_owned();
             let name = String::from_utf8_lossy(read_cstr(body, &mut pos)?).into_owned();
@@ -35,10 +42,10 @@ pub fn decode(data: &[u8]) -> Option<Change> {
                 name,
             })
         }
-        b'I' | b'U' | b'D' => Some(Change::Row {
+        INSERT | UPDATE | DELETE => Some(Change::Row {
             oid: read_i32(body, &mut pos)? as u32,
         }),
-        b'T' => {
+        TRUNCATE => {
             let n = read_i32(body, &mut pos)?;
             pos += 1; // option bits
             let mut oids = Vec::with_capacity(n.clamp(0, 1024) as usize);

@@ -5,18 +5,16 @@
 
 use std::sync::Arc;
 
-use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
 use super::SessionError;
-use super::plan::Plan;
 use super::relay::Session;
 use crate::cache::catalog::{Catalog, snapshot_sql};
 use crate::cache::key;
 use crate::classify::BypassReason;
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, backend as be, extended, messages, sqlstate};
+use crate::protocol::{TxStatus, backend as be, extended, messages};
 
 /// Rows of a hidden query, as text.
 type Rows = Vec<Vec<Option<String>>>;
@@ -25,71 +23,9 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// The memoised plan for a statement text.
-    pub(super) async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
-        let generation = self.db.catalog.generation();
-        let policy_generation = self.app.policy_generation();
-        if let Some(plan) = self.known.plan(hash, generation, policy_generation) {
-            return Ok(plan);
-        }
-        if self.known.policy.generation != policy_generation {
-            self.known.policy = self.app.policy();
-        }
-        let analysis = self.app.cache.analysis(hash, sql);
-        if !analysis.scan.hints.problems.is_empty() {
-            self.warn_hints(hash, &analysis.scan.hints.problems).await?;
-        }
-        let needs_catalog = Plan::needs_catalog(&analysis);
-        let catalog = if needs_catalog {
-            self.catalog().await?
-        } else {
-            None
-        };
-        let generation = catalog.as_ref().map_or(generation, |(g, _)| *g);
-        let plan = Arc::new(Plan::new(
-            &analysis,
-            catalog.as_ref().map(|(_, c)| &**c),
-            &self.db.versions,
-            generation,
-            &self.known.policy,
-        ));
-        if let Ok(families) = &plan.read {
-            plan.stats.set_reads(&self.db, families);
-        }
-        if matches!(plan.read, Err(BypassReason::UnknownRelation)) {
-            self.db.catalog.request_reload();
-        }
-        if catalog.is_some() || !needs_catalog {
-            self.known.remember_plan(hash, &plan);
-        }
-        Ok(plan)
-    }
-
-    /// Tells the client, once per statement text, which of its hints were
-    /// malformed or unknown (the statement runs under the policy).
-    async fn warn_hints(&mut self, hash: u128, problems: &[String]) -> Result<(), SessionError> {
-        if !self.known.first_warning(hash) {
-            return Ok(());
-        }
-        let mut out = BytesMut::new();
-        for problem in problems {
-            self.app.metrics.hint_problems.inc();
-            messages::notice_response(
-                &mut out,
-                "WARNING",
-                sqlstate::WARNING,
-                &format!("pgcache: hint ignored: {problem}"),
-            );
-        }
-        self.client
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ClientIo)
-    }
-
     /// The database's catalog snapshot, loaded now if it is missing or
     /// stale and the backend is idle.
-    async fn catalog(&mut self) -> Result<Option<(u64, Arc<Catalog>)>, SessionError> {
+    pub(super) async fn catalog(&mut self) -> Result<Option<(u64, Arc<Catalog>)>, SessionError> {
         if let Some(c) = self.db.catalog.current() {
             return Ok(Some(c));
         }

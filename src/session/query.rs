@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
@@ -29,7 +29,7 @@ use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, frontend as fe, messages};
+use crate::protocol::{TxStatus, frontend as fe, messages, sqlstate};
 
 /// What became of a read the cache was asked for. Returned and matched at
 /// once, never stored: the size difference of its variants costs nothing.
@@ -172,6 +172,68 @@ where
             Lookup::Miss(fill) => Ok(Answer::Forward(Some(Capture::new(fill)))),
             Lookup::Bypass(_) => Ok(Answer::Forward(None)),
         }
+    }
+
+    /// The memoised plan for a statement text.
+    pub(super) async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
+        let generation = self.db.catalog.generation();
+        let policy_generation = self.app.policy_generation();
+        if let Some(plan) = self.known.plan(hash, generation, policy_generation) {
+            return Ok(plan);
+        }
+        if self.known.policy.generation != policy_generation {
+            self.known.policy = self.app.policy();
+        }
+        let analysis = self.app.cache.analysis(hash, sql);
+        if !analysis.scan.hints.problems.is_empty() {
+            self.warn_hints(hash, &analysis.scan.hints.problems).await?;
+        }
+        let needs_catalog = Plan::needs_catalog(&analysis);
+        let catalog = if needs_catalog {
+            self.catalog().await?
+        } else {
+            None
+        };
+        let generation = catalog.as_ref().map_or(generation, |(g, _)| *g);
+        let plan = Arc::new(Plan::new(
+            &analysis,
+            catalog.as_ref().map(|(_, c)| &**c),
+            &self.db.versions,
+            generation,
+            &self.known.policy,
+        ));
+        if let Ok(families) = &plan.read {
+            plan.stats.set_reads(&self.db, families);
+        }
+        if matches!(plan.read, Err(BypassReason::UnknownRelation)) {
+            self.db.catalog.request_reload();
+        }
+        if catalog.is_some() || !needs_catalog {
+            self.known.remember_plan(hash, &plan);
+        }
+        Ok(plan)
+    }
+
+    /// Tells the client, once per statement text, which of its hints were
+    /// malformed or unknown (the statement runs under the policy).
+    async fn warn_hints(&mut self, hash: u128, problems: &[String]) -> Result<(), SessionError> {
+        if !self.known.first_warning(hash) {
+            return Ok(());
+        }
+        let mut out = BytesMut::new();
+        for problem in problems {
+            self.app.metrics.hint_problems.inc();
+            messages::notice_response(
+                &mut out,
+                "WARNING",
+                sqlstate::WARNING,
+                &format!("pgcache: hint ignored: {problem}"),
+            );
+        }
+        self.client
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ClientIo)
     }
 
     /// Writes a stored response and the ReadyForQuery that ends it, in one write.

@@ -45,7 +45,8 @@ use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::{Bumps, Databases, DbState};
+use super::database::{Databases, DbState};
+use super::versions::{Bumps, unix_ms};
 use crate::config::{Config, RedisNodes};
 use crate::metrics::SharedMetrics;
 use breaker::Breaker;
@@ -86,6 +87,20 @@ if ARGV[2] ~= '' then
 end
 return redis.call('HGETALL', KEYS[1])
 ";
+
+/// Why a Redis operation did not happen. The shared tier fails open: these
+/// are counted and logged, never shown to a client.
+#[derive(Debug, thiserror::Error)]
+pub enum SharedError {
+    #[error("circuit breaker open")]
+    BreakerOpen,
+    #[error("not connected")]
+    NotConnected,
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+}
 
 /// What the shared tier's background tasks work with.
 pub struct Background {
@@ -227,16 +242,16 @@ impl SharedTier {
     async fn run<T>(
         &self,
         op: impl AsyncFnOnce(Conn) -> redis::RedisResult<T>,
-    ) -> Result<T, String> {
+    ) -> Result<T, SharedError> {
         if !self.breaker.allows() {
-            return Err("circuit breaker open".to_owned());
+            return Err(SharedError::BreakerOpen);
         }
-        let conn = self.conn().ok_or("not connected")?;
+        let conn = self.conn().ok_or(SharedError::NotConnected)?;
         self.metrics.round_trips.inc();
         let result = match tokio::time::timeout(self.timeout, op(conn)).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("timed out after {:?}", self.timeout)),
+            Ok(Err(e)) => Err(SharedError::Redis(e)),
+            Err(_) => Err(SharedError::Timeout(self.timeout)),
         };
         match &result {
             Ok(_) => self.breaker.success(),
@@ -320,7 +335,7 @@ impl SharedTier {
             self.metrics.store_dropped.inc();
             return;
         };
-        let value = entry::encode(key, super::unix_ms(), versions, payload);
+        let value = entry::encode(key, unix_ms(), versions, payload);
         let value_len = value.len() as u64;
         let ttl_ms = ttl.map_or(self.ttl_ms, |t| {
             (t.as_millis() as u64).clamp(1, self.ttl_ms)

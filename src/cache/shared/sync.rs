@@ -8,8 +8,9 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
-use super::{Background, DDL, EPOCH, SharedTier, TABLE};
-use crate::cache::{DbState, Version};
+use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE};
+use crate::cache::database::DbState;
+use crate::cache::versions::Version;
 
 impl SharedTier {
     /// Keeps a subscription to the invalidation channel, applying what other
@@ -106,7 +107,7 @@ impl SharedTier {
         }
     }
 
-    async fn resync_db(&self, db: &DbState, missed: bool) -> Result<(), String> {
+    async fn resync_db(&self, db: &DbState, missed: bool) -> Result<(), SharedError> {
         let header = if missed {
             message_header(&db.name, &[EPOCH.to_owned()])
         } else {
