@@ -38,15 +38,16 @@ pub(super) struct Batch {
     pub parsed: Vec<Bytes>,
 }
 
-/// The one query of a held batch: its Bind (checked) and plan.
+/// The one query of a held batch: its Bind and plan.
 pub(super) struct SingleQuery {
     bind_frame: Bytes,
     pub plan: Arc<Plan>,
 }
 
 impl SingleQuery {
-    pub fn bind(&self) -> Bind<'_> {
-        extended::bind(&self.bind_frame[HEADER_LEN..]).expect("checked by Batch::single_query")
+    /// The Bind's parameters and formats; `None` if it is malformed.
+    pub fn bind(&self) -> Option<Bind<'_>> {
+        extended::bind(&self.bind_frame[HEADER_LEN..])
     }
 }
 
@@ -141,14 +142,14 @@ impl Batch {
         let (Some(bind_frame), Some((portal, 0, plan))) = (&self.bind, &self.execute) else {
             return Err(BypassReason::UnsupportedShape);
         };
-        let bind =
-            extended::bind(&bind_frame[HEADER_LEN..]).ok_or(BypassReason::UnsupportedShape)?;
+        let (bound_portal, statement) = extended::bind_names(&bind_frame[HEADER_LEN..])
+            .ok_or(BypassReason::UnsupportedShape)?;
         let describe_ok = match &self.describe {
             None => true,
-            Some((fe::TARGET_PORTAL, name)) => name.as_ref() == bind.portal,
-            Some((_, name)) => name.as_ref() == bind.statement,
+            Some((fe::TARGET_PORTAL, name)) => name.as_ref() == bound_portal,
+            Some((_, name)) => name.as_ref() == statement,
         };
-        if !bind.portal.is_empty() || portal.as_ref() != bind.portal || !describe_ok {
+        if !bound_portal.is_empty() || portal.as_ref() != bound_portal || !describe_ok {
             return Err(BypassReason::UnsupportedShape);
         }
         Ok(SingleQuery {
@@ -221,7 +222,7 @@ mod tests {
             [fe::BIND, fe::DESCRIBE, fe::TARGET_PORTAL, fe::EXECUTE]
         );
         let q = b.single_query().unwrap();
-        assert_eq!(q.bind().statement, b"s1");
+        assert_eq!(q.bind().unwrap().statement, b"s1");
         assert!(
             held("", Some((fe::TARGET_STATEMENT, "s1")), 0)
                 .single_query()

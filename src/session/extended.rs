@@ -200,7 +200,9 @@ where
             Ok(q) => q,
             Err(reason) => return Ok(Err(reason)),
         };
-        let bind = query.bind();
+        let Some(bind) = query.bind() else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
         let Some(stmt) = self.known.statements.get(bind.statement).cloned() else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
@@ -222,7 +224,6 @@ where
             Ok(prefix) => prefix,
             Err(reason) => return Ok(Err(reason)),
         };
-        let bind = query.bind();
         let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
         k.bytes(self.batch.shape()).bytes(&stmt.param_types);
         for (value, format) in bind.params.iter().zip(&bind.param_formats) {

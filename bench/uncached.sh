@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# What is *not* a hit, in one run: PostgreSQL directly vs pgcache (cache on)
+# vs PgBouncer (session mode). Prints wall times or TPS and ratios to direct.
+#   ddl        psql script: 200 x (CREATE TABLE ddl_i(a int); SELECT count(*) FROM t WHERE k < i)
+#   distinct   psql script: 2,000 distinct SELECT v FROM t WHERE k = <i>, one session
+#   select     pgbench -S, simple protocol, scale 10, 8 clients (mostly misses)
+#   hot-key    pgbench, 1,000 hot keys, simple protocol, 8 clients (no regression on hits)
+#   ddl-large  the ddl script on a database with 20,000 tables and 5,000
+#              functions, divided by the same script on an empty database
+#   bench/uncached.sh [SECONDS-PER-RUN]   (default 10)
+source "$(dirname "$0")/lib.sh"
+DURATION=${1:-10}
+
+build_pgcache
+start_postgres
+init_bench_db
+start_pgbouncer
+PGCACHE_PORT=$(free_port)
+start_pgcache "$PGCACHE_PORT"
+
+psql_at() { # PORT DB [psql args...]
+    local port=$1 db=$2; shift 2
+    "$PGBIN/psql" -h 127.0.0.1 -p "$port" -U postgres -d "$db" -X -q -v ON_ERROR_STOP=1 "$@"
+}
+
+# A database with t(k, v) of 10,000 rows; with $2 = big, also 20,000 tables
+# and 5,000 functions, made in transactions of 1,000 (the lock table's size).
+make_db() {
+    psql_at "$PGPORT" postgres -c "CREATE DATABASE $1" >/dev/null
+    psql_at "$PGPORT" "$1" -c "CREATE TABLE t(k int PRIMARY KEY, v int);
+        INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i;" >/dev/null
+    [ "${2:-}" = big ] || return 0
+    python3 - "$RUNDIR/big.sql" <<'PY'
+import sys
+with open(sys.argv[1], "w") as f:
+    for batch in range(20):
+        f.write("BEGIN;\n")
+        for i in range(batch * 1000, (batch + 1) * 1000):
+            f.write(f"CREATE TABLE big_{i} (a int PRIMARY KEY, b text);\n")
+        f.write("COMMIT;\n")
+    f.write("BEGIN;\n")
+    for i in range(5000):
+        f.write(f"CREATE FUNCTION fn_{i}(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 + {i}';\n")
+    f.write("COMMIT;\n")
+PY
+    psql_at "$PGPORT" "$1" -f "$RUNDIR/big.sql" >/dev/null
+}
+
+python3 - "$RUNDIR" <<'PY'
+import sys
+d = sys.argv[1]
+with open(f"{d}/ddl.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
+with open(f"{d}/distinct.sql", "w") as f:
+    for i in range(1, 2001):
+        f.write(f"SELECT v FROM t WHERE k = {i};\n")
+PY
+
+# seconds PORT DB FILE: wall time of one psql run of FILE.
+seconds() {
+    local start end
+    start=$(date +%s.%N)
+    psql_at "$1" "$2" -f "$3" >/dev/null
+    end=$(date +%s.%N)
+    python3 -c "print(f'{$end - $start:.3f}')"
+}
+
+printf '%-22s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cache/dir bouncer/dir
+row() { printf '%-22s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")"; }
+
+n=0
+for script in ddl distinct; do
+    times=()
+    for port in "$PGPORT" "$PGCACHE_PORT" "$BOUNCER_PORT"; do
+        n=$((n + 1))
+        make_db "s$n"
+        times+=("$(seconds "$port" "s$n" "$RUNDIR/$script.sql")")
+    done
+    row "$script (s)" "${times[@]}"
+done
+
+for what in select hot-key; do
+    if [ "$what" = select ]; then
+        args=(-S -c 8 -j 2 -T "$DURATION")
+    else
+        printf '\\set aid random(1, 1000)\nSELECT abalance FROM pgbench_accounts WHERE aid = :aid;\n' >"$RUNDIR/hot.sql"
+        args=(-f "$RUNDIR/hot.sql" -c 8 -j 2 -T "$DURATION")
+        tps "$PGCACHE_PORT" simple -f "$RUNDIR/hot.sql" -c 8 -j 2 -T 2 >/dev/null
+    fi
+    d=$(best2 tps "$PGPORT" simple "${args[@]}")
+    c=$(best2 tps "$PGCACHE_PORT" simple "${args[@]}")
+    b=$(best2 tps "$BOUNCER_PORT" simple "${args[@]}")
+    row "$what (tps)" "$(printf %.0f "$d")" "$(printf %.0f "$c")" "$(printf %.0f "$b")"
+    [ "$what" = select ] && select_vs_bouncer=$(ratio "$c" "$b")
+done
+echo "select: pgcache / pgbouncer = $select_vs_bouncer"
+
+make_db empty_db
+make_db big_db big
+for port in "$PGPORT" "$PGCACHE_PORT"; do
+    psql_at "$port" empty_db -c "SELECT 1" >/dev/null
+    psql_at "$port" big_db -c "SELECT 1" >/dev/null
+done
+empty=$(seconds "$PGCACHE_PORT" empty_db "$RUNDIR/ddl.sql")
+big=$(seconds "$PGCACHE_PORT" big_db "$RUNDIR/ddl.sql")
+psql_at "$PGPORT" empty_db -c "DROP TABLE $(python3 -c "print(','.join(f'ddl_{i}' for i in range(200)))")" >/dev/null
+psql_at "$PGPORT" big_db -c "DROP TABLE $(python3 -c "print(','.join(f'ddl_{i}' for i in range(200)))")" >/dev/null
+d_empty=$(seconds "$PGPORT" empty_db "$RUNDIR/ddl.sql")
+d_big=$(seconds "$PGPORT" big_db "$RUNDIR/ddl.sql")
+echo "ddl-large: pgcache ${big}s on 20,000 tables vs ${empty}s empty = $(ratio "$big" "$empty")x; directly ${d_big}s vs ${d_empty}s = $(ratio "$d_big" "$d_empty")x"
