@@ -51,11 +51,26 @@ pub struct Hints {
 }
 
 /// The hints and the normalised text of a statement.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Scan {
     pub hints: Hints,
     /// Comments dropped, whitespace collapsed, literals replaced with `?`.
     pub normalized: String,
+    /// The normalised text stands for every text that normalises to it:
+    /// it was not cut short, and no literal it replaced could change what
+    /// the statement means to the cache (a time input such as `'now'`, or
+    /// a string with escapes that might spell one).
+    pub shape_exact: bool,
+}
+
+impl Default for Scan {
+    fn default() -> Self {
+        Self {
+            hints: Hints::default(),
+            normalized: String::new(),
+            shape_exact: true,
+        }
+    }
 }
 
 /// Longest normalised text kept (statistics show it; it is not a key).
@@ -96,6 +111,9 @@ impl<'a> Lexer<'a> {
         }
         self.space = false;
         let room = MAX_NORMALIZED.saturating_sub(n.len());
+        if s.len() > room {
+            self.out.shape_exact = false;
+        }
         let mut take = s.len().min(room);
         while !s.is_char_boundary(take) {
             take -= 1;
@@ -122,6 +140,8 @@ impl<'a> Lexer<'a> {
             b'/' if b.get(i + 1) == Some(&b'*') => self.block_comment(),
             b'\'' => {
                 self.i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
+                let end = self.i.saturating_sub(1).max(i + 1);
+                self.literal(&b[i + 1..end]);
                 self.push("?");
             }
             b'"' => {
@@ -143,6 +163,14 @@ impl<'a> Lexer<'a> {
                 self.push(&sql[i..i + len]);
                 self.i = i + len;
             }
+        }
+    }
+
+    /// A string literal about to be replaced with `?`: one whose value may
+    /// matter to the cache keeps the text from sharing its shape.
+    fn literal(&mut self, raw: &[u8]) {
+        if raw.contains(&b'\\') || crate::classify::is_time_literal_text(raw) {
+            self.out.shape_exact = false;
         }
     }
 
@@ -178,10 +206,12 @@ impl<'a> Lexer<'a> {
         }
         if b.get(j) == Some(&b'$') && !b[i + 1..j].first().is_some_and(u8::is_ascii_digit) {
             let tag = &sql[i..=j];
-            self.i = match sql[j + 1..].find(tag) {
-                Some(k) => j + 1 + k + tag.len(),
-                None => b.len(),
+            let (body_end, end) = match sql[j + 1..].find(tag) {
+                Some(k) => (j + 1 + k, j + 1 + k + tag.len()),
+                None => (b.len(), b.len()),
             };
+            self.literal(&b[j + 1..body_end]);
+            self.i = end;
             self.push("?");
         } else {
             self.push(&sql[i..j]);
@@ -348,6 +378,23 @@ pub fn duration(text: &str) -> Result<Duration, DurationError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn texts_that_differ_in_literals_share_an_exact_shape_unless_a_literal_matters() {
+        let a = scan("SELECT v FROM t WHERE k = 1 AND s = 'x'");
+        let b = scan("select_ignored");
+        assert!(a.shape_exact && b.shape_exact);
+        assert_eq!(
+            a.normalized,
+            scan("SELECT v FROM t WHERE k = 42 AND s = 'yy'").normalized
+        );
+        for time in ["'now'", "' Today '", "$$now$$", "E'\\x6eow'", "E'a\\'b'"] {
+            let s = scan(&format!("SELECT * FROM t WHERE ts < {time}"));
+            assert!(!s.shape_exact, "{time}");
+        }
+        let long = scan(&format!("SELECT {} FROM t", "x, ".repeat(2000)));
+        assert!(!long.shape_exact, "a cut text stands for nothing else");
+    }
 
     fn hints(sql: &str) -> Hints {
         scan(sql).hints

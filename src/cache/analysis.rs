@@ -7,7 +7,9 @@ use crate::classify::{self, Analysis, BypassReason, Effect, StatementInfo};
 use crate::hints::{self, Scan};
 
 pub struct Analyzed {
-    pub analysis: Analysis,
+    /// Shared by every text of the same shape (see [`Analyses::get`]).
+    pub analysis: Arc<Analysis>,
+    /// This text's own hints and normalised text.
     pub scan: Scan,
     pub stats: Arc<QueryStats>,
 }
@@ -16,29 +18,45 @@ pub struct Analyzed {
 /// are assumed unknown.
 pub const MAX_ANALYZED_SQL: usize = 64 * 1024;
 
-/// Statement analyses, memoised by the hash of their text.
+/// Statement analyses, memoised by the hash of their text and, for the
+/// parse itself, by their shape: `WHERE k = 1` and `WHERE k = 2` are
+/// parsed once. What the cache takes from a parse (the statements' kinds,
+/// the relations and functions they name) does not depend on the literals
+/// the normalised text replaced, unless one of them is a time input or a
+/// string with escapes, and the lexer says so (`Scan::shape_exact`).
 pub struct Analyses {
     memo: moka::sync::Cache<u128, Arc<Analyzed>>,
+    shapes: moka::sync::Cache<u128, Arc<Analysis>>,
 }
 
 impl Analyses {
     pub fn new(capacity: u64) -> Self {
         Self {
             memo: moka::sync::Cache::new(capacity),
+            shapes: moka::sync::Cache::new(capacity),
         }
     }
 
-    /// The analysis of `sql` (hash `hash`), parsed once per text.
+    /// The analysis of `sql` (hash `hash`): lexed once per text, parsed
+    /// once per shape.
     pub fn get(&self, hash: u128, sql: &[u8], stats: &StatsRegistry) -> Arc<Analyzed> {
         if let Some(a) = self.memo.get(&hash) {
             return a;
         }
         let (analysis, scan) = match std::str::from_utf8(sql) {
             Ok(text) if sql.len() <= MAX_ANALYZED_SQL => {
-                (classify::analyze(text), hints::scan(text))
+                let scan = hints::scan(text);
+                let analysis = if scan.shape_exact {
+                    let shape = xxhash_rust::xxh3::xxh3_128(scan.normalized.as_bytes());
+                    self.shapes
+                        .get_with(shape, || Arc::new(classify::analyze(text)))
+                } else {
+                    Arc::new(classify::analyze(text))
+                };
+                (analysis, scan)
             }
             _ => (
-                opaque_analysis(),
+                Arc::new(opaque_analysis()),
                 hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)])),
             ),
         };
@@ -63,4 +81,40 @@ fn opaque_analysis() -> Analysis {
         creates_temp: false,
     });
     a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn get(a: &Analyses, sql: &str) -> Arc<Analyzed> {
+        let hash = xxhash_rust::xxh3::xxh3_128(sql.as_bytes());
+        a.get(hash, sql.as_bytes(), &StatsRegistry::new(10))
+    }
+
+    #[test]
+    fn texts_of_one_shape_share_one_parse_but_keep_their_own_hints() {
+        let a = Analyses::new(100);
+        let one = get(&a, "SELECT v FROM t WHERE k = 1");
+        let two = get(&a, "/*+ cache ttl=5s */ SELECT v FROM t WHERE k = 2");
+        assert!(Arc::ptr_eq(&one.analysis, &two.analysis));
+        assert_eq!(one.scan.hints.ttl, None);
+        assert_eq!(two.scan.hints.ttl, Some(std::time::Duration::from_secs(5)));
+        assert!(Arc::ptr_eq(&one, &get(&a, "SELECT v FROM t WHERE k = 1")));
+    }
+
+    #[test]
+    fn a_time_input_is_never_answered_by_another_texts_parse() {
+        let a = Analyses::new(100);
+        let plain = get(&a, "SELECT * FROM t WHERE ts < '2020-01-01'");
+        assert!(plain.analysis.cacheable_select().is_ok());
+        let now = get(&a, "SELECT * FROM t WHERE ts < 'now'");
+        assert!(!Arc::ptr_eq(&plain.analysis, &now.analysis));
+        assert_eq!(
+            now.analysis.cacheable_select().err(),
+            Some(BypassReason::TimeLiteral)
+        );
+        let escaped = get(&a, "SELECT * FROM t WHERE ts < E'\\x6eow'");
+        assert!(!Arc::ptr_eq(&plain.analysis, &escaped.analysis));
+    }
 }
