@@ -7,7 +7,8 @@
 #   hot-key    pgbench, 1,000 hot keys, simple protocol, 8 clients (no regression on hits)
 #   ddl-large  the ddl script on a database with 20,000 tables and 5,000
 #              functions, divided by the same script on an empty database
-#   bench/uncached.sh [SECONDS-PER-RUN]   (default 10)
+#   bench/uncached.sh [SECONDS-PER-RUN]   (default 10; LARGE=0 skips ddl-large,
+#   which takes minutes while DDL reloads the whole catalog)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 
@@ -96,6 +97,7 @@ for what in select hot-key; do
 done
 echo "select: pgcache / pgbouncer = $select_vs_bouncer"
 
+[ "${LARGE:-1}" = 0 ] && exit 0
 make_db empty_db
 make_db big_db big
 for port in "$PGPORT" "$PGCACHE_PORT"; do
