@@ -2,6 +2,7 @@
 # What is *not* a hit, in one run: PostgreSQL directly vs pgcache (cache on)
 # vs PgBouncer (session mode). Prints wall times or TPS and ratios to direct.
 #   ddl        psql script: 200 x (CREATE TABLE ddl_i(a int); SELECT count(*) FROM t WHERE k < i)
+#   migration  psql script: 200 x (CREATE TABLE mig_i(...); CREATE INDEX ...; ALTER TABLE ...)
 #   distinct   psql script: 2,000 distinct SELECT v FROM t WHERE k = <i>, one session
 #   select     pgbench -S, simple protocol, scale 10, 8 clients (mostly misses)
 #   hot-key    pgbench, 1,000 hot keys, simple protocol, 8 clients (no regression on hits)
@@ -53,6 +54,11 @@ d = sys.argv[1]
 with open(f"{d}/ddl.sql", "w") as f:
     for i in range(200):
         f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
+with open(f"{d}/migration.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE mig_{i}(a int PRIMARY KEY, b text);\n"
+                f"CREATE INDEX ON mig_{i}(b);\n"
+                f"ALTER TABLE mig_{i} ADD COLUMN c int DEFAULT 0;\n")
 with open(f"{d}/distinct.sql", "w") as f:
     for i in range(1, 2001):
         f.write(f"SELECT v FROM t WHERE k = {i};\n")
@@ -71,7 +77,7 @@ printf '%-22s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cach
 row() { printf '%-22s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")"; }
 
 n=0
-for script in ddl distinct; do
+for script in ddl migration distinct; do
     times=()
     for port in "$PGPORT" "$PGCACHE_PORT" "$BOUNCER_PORT"; do
         n=$((n + 1))

@@ -36,13 +36,19 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// Reads of tables, or of functions, need the catalog to be planned.
+    /// Whether the catalog can change this text's plan: a cacheable read
+    /// (are its tables watched, its functions immutable?), a write (which
+    /// versions does it bump?), or a function call outside DDL (may it
+    /// write?). DDL and other opaque statements bump everything whatever
+    /// the catalog says, so they never wait for it.
     pub fn needs_catalog(analyzed: &Analyzed) -> bool {
-        analyzed
-            .analysis
-            .statements
-            .iter()
-            .any(|s| !s.relations.is_empty() || !s.functions.is_empty())
+        let analysis = &analyzed.analysis;
+        analysis.cacheable_select().is_ok()
+            || analysis.statements.iter().any(|s| match &s.effect {
+                Effect::Opaque => false,
+                Effect::Write(_) => true,
+                _ => !s.functions.is_empty(),
+            })
     }
 
     pub fn new(
@@ -294,6 +300,47 @@ mod tests {
         );
         let ddl = plan("CREATE TABLE x (a int)");
         assert!(ddl.effects.schema && ddl.settings);
+    }
+
+    #[test]
+    fn only_reads_writes_and_function_calls_wait_for_the_catalog() {
+        let needs = |sql: &str| {
+            let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
+            Plan::needs_catalog(&analyzed)
+        };
+        assert!(needs("SELECT v FROM t"));
+        assert!(needs("UPDATE t SET v = 1"));
+        assert!(needs("SELECT bump()"));
+        assert!(needs("SET x.y = lower('A')"));
+        for sql in [
+            "CREATE TABLE x (a int REFERENCES t)",
+            "ALTER TABLE t ADD COLUMN c int DEFAULT lower('a')",
+            "DROP TABLE t",
+            "BEGIN",
+            "SHOW search_path",
+            "SELECT * FROM t FOR UPDATE",
+        ] {
+            assert!(!needs(sql), "{sql}");
+        }
+    }
+
+    #[test]
+    fn a_plan_made_without_the_catalog_is_the_one_made_with_it_when_it_needs_none() {
+        for sql in ["CREATE TABLE x (a int)", "DROP TABLE t", "SHOW search_path"] {
+            let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
+            assert!(!Plan::needs_catalog(&analyzed));
+            let policy = Policy::new(&CacheConfig::default(), 1);
+            let versions = Versions::default();
+            let (with, _) = plan_with(sql, &policy);
+            let without = Plan::new(&analyzed, None, &versions, 3, &policy);
+            assert_eq!(with.read.err(), without.read.err(), "{sql}");
+            assert_eq!(
+                (with.effects.epoch, with.effects.schema, with.effects.families.len()),
+                (without.effects.epoch, without.effects.schema, without.effects.families.len()),
+                "{sql}"
+            );
+            assert_eq!((with.settings, with.writes), (without.settings, without.writes));
+        }
     }
 
     #[test]
