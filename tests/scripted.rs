@@ -308,9 +308,11 @@ async fn an_error_mid_batch_is_relayed_once_and_the_batch_ends_at_sync() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_owes_an_answer_is_closed_only_at_the_shutdown_timeout() {
     let (mut proxy, listener, mut client, mut buf) = start_with(1).await;
-    let _backend = log_in(&mut client, &mut buf, &listener).await;
+    let mut backend = log_in(&mut client, &mut buf, &listener).await;
     client.write_all(&query("SET x.y = 1")).await.unwrap();
-    // The backend never answers: the session is busy, not idle.
+    // The query reached the backend, which never answers: the session is
+    // busy, not idle.
+    assert_eq!(backend.expect_client_query().await, "SET x.y = 1");
     let message = closed_with(&mut proxy, &mut client, &mut buf).await;
     assert!(message.contains("shutdown timeout reached"), "{message}");
 }

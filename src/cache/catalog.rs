@@ -2,7 +2,7 @@
 //! whose changes pgcache can see, which are hazards for writes, which
 //! functions are immutable, and which settings RLS policies read.
 //!
-//! It is loaded with one query ([`SNAPSHOT_SQL`]) run on a client's own
+//! It is loaded with one query ([`snapshot_sql`]) run on a client's own
 //! backend connection while that session is idle, and reloaded after DDL.
 //! Relations are known by bare name across all schemas, conservatively: a
 //! name is readable only if every relation of that name is a permanent table

@@ -12,10 +12,11 @@
 //! ```
 //!
 //! A session's state is split by concern: the requests in flight
-//! ([`pipeline`]), the extended batch held until Sync ([`batch`]), the
-//! transaction's books ([`transaction`]), what a statement means for the
-//! cache ([`plan`]), and what the session knows of its own settings
-//! ([`hidden`]). The cache itself is behind [`crate::cache::Cache`].
+//! (`pipeline.rs`), the extended batch held until Sync (`batch.rs`), the
+//! transaction's books (`transaction.rs`), what a statement means for the
+//! cache (`plan.rs`), and what the session knows of itself (`known.rs`,
+//! read by pgcache's own queries in `hidden.rs`). The cache itself is
+//! behind [`crate::cache::Cache`].
 
 mod batch;
 mod capture;

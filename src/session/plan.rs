@@ -335,11 +335,22 @@ mod tests {
             let without = Plan::new(&analyzed, None, &versions, 3, &policy);
             assert_eq!(with.read.err(), without.read.err(), "{sql}");
             assert_eq!(
-                (with.effects.epoch, with.effects.schema, with.effects.families.len()),
-                (without.effects.epoch, without.effects.schema, without.effects.families.len()),
+                (
+                    with.effects.epoch,
+                    with.effects.schema,
+                    with.effects.families.len()
+                ),
+                (
+                    without.effects.epoch,
+                    without.effects.schema,
+                    without.effects.families.len()
+                ),
                 "{sql}"
             );
-            assert_eq!((with.settings, with.writes), (without.settings, without.writes));
+            assert_eq!(
+                (with.settings, with.writes),
+                (without.settings, without.writes)
+            );
         }
     }
 

@@ -456,12 +456,6 @@ where
         }
         let _ = self.backend.write_all(&messages::TERMINATE).await;
     }
-
-    /// Stores a completed read's result.
-    pub(super) fn store(&self, result: (Fill, BytesMut)) {
-        let (fill, bytes) = result;
-        self.app.cache.store(fill, &bytes);
-    }
 }
 
 /// `server.client_idle_timeout_secs` and

@@ -93,8 +93,8 @@ where
         for bumps in completion.visible {
             self.invalidate(bumps);
         }
-        for result in completion.store {
-            self.store(result);
+        for (fill, bytes) in completion.store {
+            self.app.cache.store(fill, &bytes);
         }
     }
 

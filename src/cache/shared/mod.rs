@@ -114,7 +114,7 @@ pub struct Background {
 
 /// A bump of this instance on its way to Redis. While one exists, the
 /// shared tier is not read (its mirrors may be behind this instance's own
-/// writes). Dropped without [`Pending::done`], it marks the tier out of sync.
+/// writes). Dropped before it is done, it marks the tier out of sync.
 pub struct Pending {
     tier: Arc<SharedTier>,
     db: Arc<DbState>,
