@@ -12,6 +12,10 @@ pub struct Analyzed {
     /// This text's own hints and normalised text.
     pub scan: Scan,
     pub stats: Arc<QueryStats>,
+    /// Texts with the same key get the same plan from the same session
+    /// state: one shape and the same hints (or, for a text whose literals
+    /// matter, the text itself).
+    pub plan_key: u128,
 }
 
 /// Statements longer than this are not parsed (nor cached): their effects
@@ -61,10 +65,17 @@ impl Analyses {
             ),
         };
         let stats = stats.get(&scan.normalized);
+        let plan_key = if scan.shape_exact {
+            let shape = format!("{}\0{:?}", scan.normalized, scan.hints);
+            xxhash_rust::xxh3::xxh3_128(shape.as_bytes())
+        } else {
+            hash
+        };
         let analyzed = Arc::new(Analyzed {
             analysis,
             scan,
             stats,
+            plan_key,
         });
         self.memo.insert(hash, Arc::clone(&analyzed));
         analyzed
@@ -101,6 +112,9 @@ mod tests {
         assert_eq!(one.scan.hints.ttl, None);
         assert_eq!(two.scan.hints.ttl, Some(std::time::Duration::from_secs(5)));
         assert!(Arc::ptr_eq(&one, &get(&a, "SELECT v FROM t WHERE k = 1")));
+        assert_ne!(one.plan_key, two.plan_key, "other hints, another plan");
+        let three = get(&a, "SELECT v FROM t WHERE k = 3");
+        assert_eq!(one.plan_key, three.plan_key);
     }
 
     #[test]
@@ -116,5 +130,7 @@ mod tests {
         );
         let escaped = get(&a, "SELECT * FROM t WHERE ts < E'\\x6eow'");
         assert!(!Arc::ptr_eq(&plain.analysis, &escaped.analysis));
+        let later = get(&a, "SELECT * FROM t WHERE ts < 'tomorrow'");
+        assert_ne!(now.plan_key, later.plan_key, "planned text by text");
     }
 }

@@ -12,6 +12,11 @@ use crate::policy::Policy;
 
 const MAX_PLANS: usize = 4096;
 
+fn current(plan: Option<&Arc<Plan>>, generation: u64, policy_generation: u64) -> Option<Arc<Plan>> {
+    plan.filter(|p| p.generation == generation && p.policy_generation == policy_generation)
+        .cloned()
+}
+
 /// A prepared statement as the client defined it.
 pub(super) struct Statement {
     pub hash: u128,
@@ -31,7 +36,9 @@ pub(super) struct Known {
     pub role: Option<String>,
     /// Statement texts whose hint problems this client was told of.
     warned: HashSet<u128>,
+    /// Plans by text, and by plan key (one shape, the same hints).
     plans: HashMap<u128, Arc<Plan>>,
+    shape_plans: HashMap<u128, Arc<Plan>>,
     pub statements: HashMap<Bytes, Arc<Statement>>,
     pub portals: HashMap<Bytes, Arc<Statement>>,
     /// Parse messages answered from the cache that the backend has not seen.
@@ -47,6 +54,7 @@ impl Known {
             role: None,
             warned: HashSet::new(),
             plans: HashMap::new(),
+            shape_plans: HashMap::new(),
             statements: HashMap::new(),
             portals: HashMap::new(),
             unsent_parses: Vec::new(),
@@ -55,17 +63,28 @@ impl Known {
 
     /// The memoised plan of a text, if made under these generations.
     pub fn plan(&self, hash: u128, generation: u64, policy_generation: u64) -> Option<Arc<Plan>> {
-        self.plans
-            .get(&hash)
-            .filter(|p| p.generation == generation && p.policy_generation == policy_generation)
-            .cloned()
+        current(self.plans.get(&hash), generation, policy_generation)
     }
 
-    pub fn remember_plan(&mut self, hash: u128, plan: &Arc<Plan>) {
+    /// The memoised plan of another text with this plan key.
+    pub fn shape_plan(
+        &self,
+        key: u128,
+        generation: u64,
+        policy_generation: u64,
+    ) -> Option<Arc<Plan>> {
+        current(self.shape_plans.get(&key), generation, policy_generation)
+    }
+
+    pub fn remember_plan(&mut self, hash: u128, plan_key: u128, plan: &Arc<Plan>) {
         if self.plans.len() >= MAX_PLANS {
             self.plans.clear();
         }
+        if self.shape_plans.len() >= MAX_PLANS {
+            self.shape_plans.clear();
+        }
         self.plans.insert(hash, Arc::clone(plan));
+        self.shape_plans.insert(plan_key, Arc::clone(plan));
     }
 
     /// True the first time a text's hint problems come up.

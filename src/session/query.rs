@@ -188,6 +188,13 @@ where
         if !analysis.scan.hints.problems.is_empty() {
             self.warn_hints(hash, &analysis.scan.hints.problems).await?;
         }
+        let shared = self
+            .known
+            .shape_plan(analysis.plan_key, generation, policy_generation);
+        if let Some(plan) = shared {
+            self.known.remember_plan(hash, analysis.plan_key, &plan);
+            return Ok(plan);
+        }
         let needs_catalog = Plan::needs_catalog(&analysis);
         let catalog = if needs_catalog {
             self.catalog().await?
@@ -209,7 +216,7 @@ where
             self.db.catalog.request_reload();
         }
         if catalog.is_some() || !needs_catalog {
-            self.known.remember_plan(hash, &plan);
+            self.known.remember_plan(hash, analysis.plan_key, &plan);
         }
         Ok(plan)
     }
