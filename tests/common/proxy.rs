@@ -80,6 +80,39 @@ impl Proxy {
         }
     }
 
+    /// Waits until the database's stream is current (up, and its last
+    /// commit arrived within `replication.max_lag_ms`): a test that counts
+    /// hits must not lose one to a commit the loaded machine delivered
+    /// late. Each wait commits a logical message directly, so a fresh
+    /// commit comes through.
+    pub async fn wait_current(&self, db: &str) {
+        if !self.app.cache.replication_on() {
+            return;
+        }
+        let state = self.app.cache.db(db);
+        let direct = super::pg().direct(db).await;
+        eventually(
+            Duration::from_secs(20),
+            "a current replication stream",
+            || {
+                let (state, direct) = (&state, &direct);
+                async move {
+                    if state.stream.is_current() {
+                        return Some(());
+                    }
+                    direct
+                        .batch_execute(
+                            "SELECT pg_catalog.pg_logical_emit_message(true, 'pgcache_test', '')",
+                        )
+                        .await
+                        .ok()?;
+                    None
+                }
+            },
+        )
+        .await;
+    }
+
     /// Starts shutdown; returns the task that finishes when pgcache stops.
     pub fn begin_shutdown(&mut self) -> JoinHandle<()> {
         if let Some(tx) = self.shutdown.take() {
