@@ -22,29 +22,33 @@ pub struct Analyzed {
 /// are assumed unknown.
 pub const MAX_ANALYZED_SQL: usize = 64 * 1024;
 
-/// Statement analyses, memoised by the hash of their text and, for the
-/// parse itself, by their shape: `WHERE k = 1` and `WHERE k = 2` are
-/// parsed once. What the cache takes from a parse (the statements' kinds,
-/// the relations and functions they name) does not depend on the literals
-/// the normalised text replaced, unless one of them is a time input or a
-/// string with escapes, and the lexer says so (`Scan::shape_exact`).
+/// Statement analyses, parsed once per *shape*: `WHERE k = 1` and
+/// `WHERE k = 2` share one parse. What the cache takes from a parse (the
+/// statements' kinds, the relations and functions they name) does not
+/// depend on the literals the normalised text replaced, unless one of them
+/// is a time input or a string with escapes, and the lexer says so
+/// (`Scan::shape_exact`); such texts are memoised one by one.
+///
+/// A text of a known shape is lexed again rather than memoised: sessions
+/// keep their plans by text, so this runs once per text and session, and a
+/// memo of every distinct text (say, point selects with literal keys)
+/// would churn: inserting and evicting in moka cost more than the lexer.
 pub struct Analyses {
-    memo: moka::sync::Cache<u128, Arc<Analyzed>>,
+    texts: moka::sync::Cache<u128, Arc<Analyzed>>,
     shapes: moka::sync::Cache<u128, Arc<Analysis>>,
 }
 
 impl Analyses {
     pub fn new(capacity: u64) -> Self {
         Self {
-            memo: moka::sync::Cache::new(capacity),
+            texts: moka::sync::Cache::new(capacity),
             shapes: moka::sync::Cache::new(capacity),
         }
     }
 
-    /// The analysis of `sql` (hash `hash`): lexed once per text, parsed
-    /// once per shape.
+    /// The analysis of `sql` (hash `hash`), parsed once per shape.
     pub fn get(&self, hash: u128, sql: &[u8], stats: &StatsRegistry) -> Arc<Analyzed> {
-        if let Some(a) = self.memo.get(&hash) {
+        if let Some(a) = self.texts.get(&hash) {
             return a;
         }
         let (analysis, scan) = match std::str::from_utf8(sql) {
@@ -77,7 +81,9 @@ impl Analyses {
             stats,
             plan_key,
         });
-        self.memo.insert(hash, Arc::clone(&analyzed));
+        if !analyzed.scan.shape_exact {
+            self.texts.insert(hash, Arc::clone(&analyzed));
+        }
         analyzed
     }
 }
@@ -111,7 +117,13 @@ mod tests {
         assert!(Arc::ptr_eq(&one.analysis, &two.analysis));
         assert_eq!(one.scan.hints.ttl, None);
         assert_eq!(two.scan.hints.ttl, Some(std::time::Duration::from_secs(5)));
-        assert!(Arc::ptr_eq(&one, &get(&a, "SELECT v FROM t WHERE k = 1")));
+        let again = get(&a, "SELECT v FROM t WHERE k = 1");
+        assert!(Arc::ptr_eq(&one.analysis, &again.analysis));
+        assert_eq!(
+            a.texts.entry_count() + a.texts.weighted_size(),
+            0,
+            "shapes only"
+        );
         assert_ne!(one.plan_key, two.plan_key, "other hints, another plan");
         let three = get(&a, "SELECT v FROM t WHERE k = 3");
         assert_eq!(one.plan_key, three.plan_key);
@@ -130,6 +142,11 @@ mod tests {
         );
         let escaped = get(&a, "SELECT * FROM t WHERE ts < E'\\x6eow'");
         assert!(!Arc::ptr_eq(&plain.analysis, &escaped.analysis));
+        let again = get(&a, "SELECT * FROM t WHERE ts < 'now'");
+        assert!(
+            Arc::ptr_eq(&now, &again),
+            "such texts are memoised one by one"
+        );
         let later = get(&a, "SELECT * FROM t WHERE ts < 'tomorrow'");
         assert_ne!(now.plan_key, later.plan_key, "planned text by text");
     }
