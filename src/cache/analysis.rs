@@ -63,10 +63,13 @@ impl Analyses {
                 };
                 (analysis, scan)
             }
-            _ => (
-                Arc::new(opaque_analysis()),
-                hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)])),
-            ),
+            _ => {
+                // Too long, or not UTF-8: its hints come from the start of
+                // the text, which stands for no other text.
+                let mut scan = hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)]));
+                scan.shape_exact = false;
+                (Arc::new(opaque_analysis()), scan)
+            }
         };
         let stats = stats.get(&scan.normalized);
         let plan_key = if scan.shape_exact {
@@ -149,5 +152,17 @@ mod tests {
         );
         let later = get(&a, "SELECT * FROM t WHERE ts < 'tomorrow'");
         assert_ne!(now.plan_key, later.plan_key, "planned text by text");
+    }
+
+    #[test]
+    fn a_text_too_long_to_parse_shares_nothing_with_the_text_its_start_looks_like() {
+        let a = Analyses::new(100);
+        let short = get(&a, "SELECT 'a'");
+        let long = format!("SELECT '{}', now()", "x".repeat(MAX_ANALYZED_SQL));
+        let long = get(&a, &long);
+        assert!(short.analysis.cacheable_select().is_ok());
+        assert!(long.analysis.cacheable_select().is_err());
+        assert!(!long.scan.shape_exact);
+        assert_ne!(short.plan_key, long.plan_key);
     }
 }
