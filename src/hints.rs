@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 /// Where an entry may be kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Tier {
     Local,
     Shared,
@@ -39,7 +39,7 @@ impl Tier {
 }
 
 /// What the hints of a statement ask for.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Hints {
     /// `Some(true)`: cache; `Some(false)`: do not; `None`: no hint.
     pub cache: Option<bool>,

@@ -1,6 +1,10 @@
-//! What pgcache knows of a statement text, worked out once per text.
+//! What pgcache knows of a statement text: its own hints and normalised
+//! text, and a parse shared by every text of the same shape.
 
+use std::hash::Hash;
 use std::sync::Arc;
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
 use super::stats::{QueryStats, StatsRegistry};
 use crate::classify::{self, Analysis, BypassReason, Effect, StatementInfo};
@@ -55,7 +59,7 @@ impl Analyses {
             Ok(text) if sql.len() <= MAX_ANALYZED_SQL => {
                 let scan = hints::scan(text);
                 let analysis = if scan.shape_exact {
-                    let shape = xxhash_rust::xxh3::xxh3_128(scan.normalized.as_bytes());
+                    let shape = xxh3_128(scan.normalized.as_bytes());
                     self.shapes
                         .get_with(shape, || Arc::new(classify::analyze(text)))
                 } else {
@@ -73,8 +77,10 @@ impl Analyses {
         };
         let stats = stats.get(&scan.normalized);
         let plan_key = if scan.shape_exact {
-            let shape = format!("{}\0{:?}", scan.normalized, scan.hints);
-            xxhash_rust::xxh3::xxh3_128(shape.as_bytes())
+            let mut key = Xxh3::new();
+            key.update(scan.normalized.as_bytes());
+            scan.hints.hash(&mut key);
+            key.digest128()
         } else {
             hash
         };

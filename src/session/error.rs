@@ -23,9 +23,6 @@ pub enum SessionError {
     /// The client's first packets were malformed.
     #[error(transparent)]
     Startup(#[from] StartupError),
-    /// The client broke the protocol some other way.
-    #[error("protocol violation: {0}")]
-    Protocol(&'static str),
     /// The connection is dropped without a word, as PostgreSQL drops it
     /// (a TLS negotiation gone wrong).
     #[error("connection dropped: {0}")]
@@ -63,7 +60,7 @@ impl SessionError {
             Self::ClientIo(_) | Self::BackendIo(_) | Self::BackendFrame(_) | Self::Connect(_) => {
                 sqlstate::CONNECTION_FAILURE
             }
-            Self::ClientFrame(_) | Self::Startup(_) | Self::Protocol(_) | Self::Dropped(_) => {
+            Self::ClientFrame(_) | Self::Startup(_) | Self::Dropped(_) => {
                 sqlstate::PROTOCOL_VIOLATION
             }
             Self::Refused { code, .. } => code,
