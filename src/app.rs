@@ -10,8 +10,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+use crate::cache::catalog::Facts;
+use crate::cache::catalog::fetch::Fetcher;
 use crate::cache::shared::{Background, SharedTier};
-use crate::cache::{Cache, LocalCache};
+use crate::cache::{Cache, DbState, LocalCache};
 use crate::config::{self, Config, ConfigError};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
@@ -175,6 +177,32 @@ impl App {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
+    }
+
+    /// The facts known of `rels` and `funcs` in `db`; names not known yet are
+    /// queued for the database's fetcher, started here on first need.
+    pub fn catalog_facts(&self, db: &Arc<DbState>, rels: &[&str], funcs: &[&str]) -> Facts {
+        let (facts, queued) = db
+            .catalog
+            .facts(rels.iter().copied(), funcs.iter().copied());
+        if queued && db.catalog.claim_fetcher() {
+            let fetcher = Fetcher {
+                db: Arc::clone(db),
+                upstream: Arc::clone(&self.upstream),
+                publication: self.publication(),
+                drain: self.drain.clone(),
+            };
+            tokio::spawn(fetcher.run());
+        }
+        facts
+    }
+
+    /// The publication that decides which tables are readable, when
+    /// replication is on.
+    pub fn publication(&self) -> Option<String> {
+        self.cache
+            .replication_on()
+            .then(|| self.config().replication.publication.clone())
     }
 
     /// The policy's generation: one atomic load, for sessions to notice a RELOAD.

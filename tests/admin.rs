@@ -149,6 +149,8 @@ async fn invalidate_commands_make_the_next_read_a_miss() {
         let (ok, out, err) = psql_admin(&proxy, "pgcache", PASSWORD, &[command]).await;
         assert!(ok, "{command}: {err}");
         assert_eq!(out.trim(), "INVALIDATE");
+        // INVALIDATE ALL also forgets what pgcache knows of the catalog.
+        proxy.learn_all(&db).await;
         assert!(!read_is_hit().await, "{command}: the next read is a miss");
         assert!(read_is_hit().await, "{command}: and the one after a hit");
     }

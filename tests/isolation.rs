@@ -191,6 +191,7 @@ async fn views_cached_by_hint_keep_each_roles_answer() {
     );
     let a = login(&proxy, &alice, &db).await;
     let b = login(&proxy, &bob, &db).await;
+    proxy.learn_all(&db).await;
     // A view runs with its owner's privileges but current_user is still the
     // reader, so RLS filters by the reader; each role gets its own entry.
     let definer = "/*+ cache ttl=60s */ SELECT id, body FROM definer_docs ORDER BY id";

@@ -241,6 +241,7 @@ async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
         async move { again.then_some(()) }
     })
     .await;
+    proxy.learn_all(&db).await;
     // Whatever was cached before may have missed changes: not served again.
     let hits = proxy.hits();
     assert_eq!(scalar(&client, read).await.as_deref(), Some("1"));

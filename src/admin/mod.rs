@@ -359,11 +359,10 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
 fn tables(app: &App, out: &mut BytesMut) {
     let mut rows = Vec::new();
     for (name, db) in app.cache.databases.all() {
-        let catalog = db.catalog.current();
         let mut families = db.versions.families();
         families.sort_by(|a, b| a.name.cmp(&b.name));
         for f in families {
-            let publication = match catalog.as_ref().and_then(|(_, c)| c.relation(&f.name)) {
+            let publication = match db.catalog.relation(&f.name) {
                 Some(facts) if facts.readable => "published",
                 Some(_) => "not published",
                 None => "unknown",

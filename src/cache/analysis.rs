@@ -105,6 +105,7 @@ fn opaque_analysis() -> Analysis {
         relations: Vec::new(),
         functions: Default::default(),
         creates_temp: false,
+        ddl: classify::Ddl::All,
     });
     a
 }

@@ -1,4 +1,4 @@
-//! What pgcache keeps per database: its versions, its catalog snapshot, the
+//! What pgcache keeps per database: its versions, what it knows of its catalog, the
 //! health of its replication stream and its sync state with the shared tier.
 //! Each is its own type, written by one party: sessions and the replication
 //! stream bump versions, the stream reports its health, the shared tier
@@ -6,10 +6,11 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::catalog::Catalog;
+#[cfg(test)]
+use super::versions::Ddl;
 use super::versions::{Bumps, Versions};
 use crate::metrics::DbMetrics;
 
@@ -18,7 +19,7 @@ use crate::metrics::DbMetrics;
 pub struct DbState {
     pub name: String,
     pub versions: Versions,
-    pub catalog: CatalogSlot,
+    pub catalog: Catalog,
     pub stream: StreamHealth,
     pub sync: SharedSync,
     /// This database's lookup counters, resolved once.
@@ -32,71 +33,21 @@ impl DbState {
         for f in &bumps.families {
             f.version.bump_local();
         }
-        if bumps.schema {
-            self.catalog.forget();
-        }
-        if bumps.schema || bumps.epoch {
+        self.catalog.forget(&bumps.ddl);
+        if !bumps.ddl.is_none() || bumps.epoch {
             self.versions.epoch.bump_local();
         }
     }
 
     /// The families a replicated change to relation `name` invalidates: its
-    /// own, and its partition tree's if the snapshot knows it.
+    /// own, and its partition tree's if the catalog knows it.
     pub fn relation_families(&self, name: &str, bumps: &mut Bumps) {
         bumps.add_family(self.versions.family(name));
-        if let Some((_, catalog)) = self.catalog.current()
-            && let Some(facts) = catalog.relation(name)
+        if let Some(facts) = self.catalog.relation(name)
             && facts.family != name
         {
             bumps.add_family(self.versions.family(&facts.family));
         }
-    }
-}
-
-/// A query naming a relation the snapshot lacks reloads it at most this often.
-const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
-
-/// The catalog snapshot and the generation that says whether it is current.
-#[derive(Default)]
-pub struct CatalogSlot {
-    /// Bumped by DDL: the snapshot must be reloaded.
-    generation: AtomicU64,
-    snapshot: RwLock<Option<(u64, Arc<Catalog>)>>,
-    /// When a reload for an unknown relation was last asked for.
-    last_reload: Mutex<Option<Instant>>,
-}
-
-impl CatalogSlot {
-    pub fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
-    }
-
-    /// DDL ran (here or on another instance): the snapshot is stale.
-    pub fn forget(&self) {
-        self.generation.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// A query named a relation the snapshot does not know (created outside
-    /// pgcache, or since): reload the snapshot, at most once a second.
-    pub fn request_reload(&self) {
-        let mut last = self.last_reload.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| t.elapsed() >= RELOAD_INTERVAL) {
-            *last = Some(Instant::now());
-            self.forget();
-        }
-    }
-
-    /// The snapshot, if it is current.
-    pub fn current(&self) -> Option<(u64, Arc<Catalog>)> {
-        let generation = self.generation();
-        let guard = self.snapshot.read().unwrap_or_else(|e| e.into_inner());
-        guard.as_ref().filter(|(g, _)| *g == generation).cloned()
-    }
-
-    /// Installs a snapshot loaded while the generation was `generation`.
-    pub fn set(&self, generation: u64, catalog: Arc<Catalog>) {
-        let mut guard = self.snapshot.write().unwrap_or_else(|e| e.into_inner());
-        *guard = Some((generation, catalog));
     }
 }
 
@@ -229,18 +180,57 @@ mod tests {
     use super::*;
 
     #[test]
-    fn schema_bumps_forget_the_catalog_and_move_the_epoch() {
+    fn ddl_forgets_what_it_touched_and_moves_the_epoch() {
+        use super::super::catalog::{FuncFacts, RelFacts};
         let db = DbState::default();
-        db.catalog.set(0, Arc::new(Catalog::from_rows(&[])));
-        assert!(db.catalog.current().is_some());
+        let (facts, queued) = db.catalog.facts(["t", "u"], ["f"]);
+        assert!(queued && !facts.complete());
+        let wanted = db.catalog.take_wanted();
+        let rel = RelFacts {
+            readable: true,
+            write_hazard: false,
+            family: String::new(),
+            ttl_ok: true,
+            policy_functions: Vec::new(),
+        };
+        let mut fetched = super::super::catalog::Fetched::default();
+        for name in ["t", "u"] {
+            let family = name.to_owned();
+            fetched.rels.insert(
+                name.into(),
+                RelFacts {
+                    family,
+                    ..rel.clone()
+                },
+            );
+        }
+        let func = FuncFacts {
+            immutable: true,
+            may_write: false,
+        };
+        fetched.funcs.insert("f".into(), func);
+        db.catalog.install(&wanted, fetched);
+        assert!(db.catalog.knows(&["t", "u"], &["f"]));
         let table = db.versions.family("t");
         let mut bumps = Bumps::default();
         bumps.add_family(Arc::clone(&table));
+        let generation = db.catalog.generation();
         db.apply_local(&bumps);
         assert_eq!((table.version.local(), db.versions.epoch.local()), (1, 0));
-        assert!(db.catalog.current().is_some(), "a write keeps the catalog");
-        db.apply_local(&Bumps::opaque());
+        assert_eq!(
+            db.catalog.generation(),
+            generation,
+            "a write keeps the catalog"
+        );
+        db.apply_local(&Bumps::ddl(Ddl::objects(["t"])));
         assert_eq!(db.versions.epoch.local(), 1);
-        assert!(db.catalog.current().is_none(), "DDL forgets it");
+        assert!(!db.catalog.knows(&["t"], &[]), "DDL on t forgets t");
+        assert!(db.catalog.knows(&["u"], &["f"]), "and only t");
+        assert!(db.catalog.generation() > generation);
+        db.apply_local(&Bumps::opaque());
+        assert!(
+            !db.catalog.knows(&["u"], &[]),
+            "unknown DDL forgets everything"
+        );
     }
 }

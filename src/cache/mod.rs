@@ -45,7 +45,7 @@ pub use key::RequestKey;
 pub use local::{CachedResponse, Lifetime, LocalCache};
 use shared::{Pending, SharedTier};
 use stats::{QueryStats, StatsRegistry};
-pub use versions::{Bumps, Family, Version, unix_ms};
+pub use versions::{Bumps, Ddl, Family, Version, unix_ms};
 
 /// Everything cache-related shared by the sessions of one pgcache.
 pub struct Cache {

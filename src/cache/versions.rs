@@ -7,6 +7,7 @@
 //! values, so two instances can never use one value for different states
 //! of a table (see [`crate::cache::shared`]).
 
+pub use crate::classify::Ddl;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -119,16 +120,23 @@ pub struct Bumps {
     pub families: Vec<Arc<Family>>,
     /// Unknown effects: everything in the database may have changed.
     pub epoch: bool,
-    /// DDL: the catalog snapshot is stale too (implies `epoch`).
-    pub schema: bool,
+    /// DDL: what pgcache knows of the catalog is stale too (with `epoch`).
+    pub ddl: Ddl,
 }
 
 impl Bumps {
+    /// Anything may have changed, the catalog included.
     pub fn opaque() -> Self {
+        Self::ddl(Ddl::All)
+    }
+
+    /// DDL that changed `ddl`: it also moves the epoch, since its effects
+    /// on stored results (a column dropped, a view redefined) are unknown.
+    pub fn ddl(ddl: Ddl) -> Self {
         Self {
             families: Vec::new(),
             epoch: true,
-            schema: true,
+            ddl,
         }
     }
 
@@ -143,11 +151,11 @@ impl Bumps {
             self.add_family(Arc::clone(f));
         }
         self.epoch |= other.epoch;
-        self.schema |= other.schema;
+        self.ddl.merge(&other.ddl);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.families.is_empty() && !self.epoch && !self.schema
+        self.families.is_empty() && !self.epoch && self.ddl.is_none()
     }
 }
 
@@ -176,6 +184,6 @@ mod tests {
         assert_eq!(a.families.len(), 2);
         assert!(!a.epoch && !a.is_empty());
         a.merge(&Bumps::opaque());
-        assert!(a.epoch && a.schema);
+        assert!(a.epoch && a.ddl == Ddl::All);
     }
 }

@@ -7,6 +7,7 @@
 //! snapshot (`cache::catalog`). Anything the parser does not understand is
 //! [`Effect::Opaque`]: treated as if it could have changed anything.
 
+mod ddl;
 mod policy;
 mod visitor;
 
@@ -16,6 +17,7 @@ use sqlparser::ast::{CopySource, Statement, TransactionIsolationLevel, Transacti
 use sqlparser::dialect::PostgreSqlDialect;
 use sqlparser::parser::Parser;
 
+pub use ddl::Ddl;
 pub use policy::{PolicyFacts, policy_facts};
 use visitor::{Facts, rel_name};
 pub use visitor::{is_system_schema, normalize_ident};
@@ -39,7 +41,7 @@ pub enum BypassReason {
     InTransactionAfterWrite,
     IsolationLevel,
     SettingsUnknown,
-    CatalogUnavailable,
+    CatalogPending,
     TooLarge,
     Pipelined,
     UnsupportedShape,
@@ -71,7 +73,7 @@ impl BypassReason {
         Self::InTransactionAfterWrite,
         Self::IsolationLevel,
         Self::SettingsUnknown,
-        Self::CatalogUnavailable,
+        Self::CatalogPending,
         Self::TooLarge,
         Self::Pipelined,
         Self::UnsupportedShape,
@@ -100,7 +102,7 @@ impl BypassReason {
             Self::InTransactionAfterWrite => "in_transaction_after_write",
             Self::IsolationLevel => "isolation_level",
             Self::SettingsUnknown => "settings_unknown",
-            Self::CatalogUnavailable => "catalog_unavailable",
+            Self::CatalogPending => "catalog_pending",
             Self::TooLarge => "too_large",
             Self::Pipelined => "pipelined",
             Self::UnsupportedShape => "unsupported_shape",
@@ -153,6 +155,8 @@ pub struct StatementInfo {
     pub functions: BTreeSet<String>,
     /// Creates a temporary object (CREATE TEMP TABLE ...).
     pub creates_temp: bool,
+    /// For DDL and other opaque statements: the catalog objects it changes.
+    pub ddl: Ddl,
 }
 
 /// The whole text of one Query or Parse message.
@@ -278,12 +282,17 @@ fn starts_with_word(text: &str, word: &str) -> bool {
 
 impl StatementInfo {
     fn new(effect: Effect) -> Self {
+        let ddl = match effect {
+            Effect::Opaque => Ddl::All,
+            _ => Ddl::None,
+        };
         Self {
             effect,
             cacheable: Err(BypassReason::NotSelect),
             relations: Vec::new(),
             functions: BTreeSet::new(),
             creates_temp: false,
+            ddl,
         }
     }
 }
@@ -309,6 +318,9 @@ fn analyze_statement(stmt: &Statement) -> StatementInfo {
     };
     info.relations = relations;
     info.cacheable = cacheable_of(stmt, &facts, &info);
+    if info.effect == Effect::Opaque {
+        info.ddl = ddl::ddl_of(stmt);
+    }
     info
 }
 

@@ -93,7 +93,7 @@ pub async fn cluster_id(upstream: &Upstream) -> Option<String> {
 /// roots rather than partitions) with a replica identity, so that publishing
 /// their UPDATE/DELETE cannot make those writes fail.
 const PUBLISHABLE: &str = "\
-SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.oid IN
+SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
     (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr
      JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1),
   c.relreplident = 'f'
@@ -103,12 +103,21 @@ FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamesp
 WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
   AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'";
 
+/// What [`sync_publication`] did.
+#[derive(Debug, Default)]
+pub struct Synced {
+    /// Tables left out for lack of a replica identity.
+    pub unpublished: u64,
+    /// Bare names of the tables it added.
+    pub added: Vec<String>,
+}
+
 /// Creates the publication if needed and makes it list exactly the tables
-/// that have a replica identity. Returns how many tables are left out.
+/// that have a replica identity.
 pub async fn sync_publication(
     ctl: &tokio_postgres::Client,
     publication: &str,
-) -> Result<u64, ReplicationError> {
+) -> Result<Synced, ReplicationError> {
     let quoted = quote_ident(publication);
     let exists = ctl
         .query_opt(
@@ -119,7 +128,7 @@ pub async fn sync_publication(
     match exists {
         Some(row) if row.get::<_, bool>(0) => {
             // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-            return Ok(0);
+            return Ok(Synced::default());
         }
         Some(_) => {}
         None => {
@@ -132,14 +141,18 @@ pub async fn sync_publication(
     }
     let rows = ctl.query(PUBLISHABLE, &[&publication]).await?;
     let mut add = Vec::new();
+    let mut added = Vec::new();
     let mut drop = Vec::new();
     let mut unpublishable = Vec::new();
     for row in rows {
         let name: String = row.get(0);
-        let published: bool = row.get(1);
-        let has_identity: bool = row.get(2);
+        let published: bool = row.get(2);
+        let has_identity: bool = row.get(3);
         match (published, has_identity) {
-            (false, true) => add.push(name),
+            (false, true) => {
+                add.push(name);
+                added.push(row.get(1));
+            }
             (true, false) => drop.push(name),
             (false, false) => unpublishable.push(name),
             (true, true) => {}
@@ -172,7 +185,10 @@ pub async fn sync_publication(
             "tables without a replica identity (no primary key, identity index or FULL) are not cached"
         );
     }
-    Ok(unpublishable.len() as u64)
+    Ok(Synced {
+        unpublished: unpublishable.len() as u64,
+        added,
+    })
 }
 
 /// Installs an event trigger that announces DDL in the stream, so DDL made
@@ -180,12 +196,48 @@ pub async fn sync_publication(
 /// a warning and notices outside DDL only through the TTL and the snapshot
 /// reload for unknown relations. The function can never fail the user's DDL.
 pub async fn install_ddl_trigger(ctl: &tokio_postgres::Client, database: &str) {
+    // Object types whose changes leave every fact pgcache keeps as it was
+    // (a schema renamed keeps its relations' bare names; a dropped table's
+    // row type, indexes and toast table are reported beside it).
+    const NO_FACTS: &str = "'schema', 'type', 'index', 'toast table', 'operator', 'operator class', \
+        'operator family', 'publication', 'extension', 'statistics object', 'collation', 'cast'";
+    // The message names what changed, one bare name per line after the
+    // command tag ("*": anything): the object itself, the relations its
+    // policies, triggers, rules and constraints belong to, and the tables
+    // whose facts depend on it (inheritance relatives, tables its foreign
+    // keys reference). If naming fails, the tag alone means anything.
     let sql = format!(
         "CREATE SCHEMA IF NOT EXISTS pgcache;
          CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
            LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+           DECLARE
+             names text;
            BEGIN
-             PERFORM pg_catalog.pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
+             BEGIN
+               IF tg_event = 'sql_drop' THEN
+                 SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
+                     ELSE o.address_names[2] END, E'\\n')
+                   INTO names FROM pg_event_trigger_dropped_objects() o
+                   WHERE o.object_type NOT IN ({NO_FACTS});
+               ELSE
+                 SELECT string_agg(n, E'\\n') INTO names FROM (
+                   SELECT CASE WHEN cardinality(a.object_names) < 2 THEN '*' ELSE a.object_names[2] END AS n
+                   FROM pg_event_trigger_ddl_commands() c,
+                     LATERAL pg_identify_object_as_address(c.classid, c.objid, c.objsubid) a
+                   WHERE a.type NOT IN ({NO_FACTS})
+                   UNION ALL
+                   SELECT r.relname::text FROM pg_event_trigger_ddl_commands() c
+                     JOIN pg_inherits i ON c.classid = 'pg_class'::regclass AND c.objid IN (i.inhrelid, i.inhparent)
+                     JOIN pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
+                   UNION ALL
+                   SELECT r.relname::text FROM pg_event_trigger_ddl_commands() c
+                     JOIN pg_constraint k ON c.classid = 'pg_class'::regclass AND k.conrelid = c.objid AND k.contype = 'f'
+                     JOIN pg_class r ON r.oid = k.confrelid) s;
+               END IF;
+               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || coalesce(names, ''));
+             EXCEPTION WHEN OTHERS THEN
+               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
+             END;
            EXCEPTION WHEN OTHERS THEN NULL;
            END $$;
          DO $$ BEGIN

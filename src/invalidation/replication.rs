@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::control::{install_ddl_trigger, sync_publication, wait_visible};
 use super::pgoutput::{self, Change};
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
-use crate::cache::{Bumps, Cache, DbState};
+use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
 use crate::upstream::{Upstream, UpstreamAddr};
 
@@ -56,7 +56,10 @@ impl Streams {
         tokio::spawn(async move { streams.run(db).await });
     }
 
-    async fn invalidate(&self, db: &Arc<DbState>, bumps: Bumps) {
+    /// Every instance hears DDL from its own stream, so the catalog facts
+    /// are forgotten here and only the versions are published.
+    async fn invalidate(&self, db: &Arc<DbState>, mut bumps: Bumps) {
+        db.catalog.forget(&std::mem::take(&mut bumps.ddl));
         self.cache.invalidate(db, bumps, &self.applied).send().await;
     }
 
@@ -88,15 +91,16 @@ impl Streams {
         let database = db.name.as_str();
         let ctl = self.upstream.control(database).await?;
         if self.settings.manage_publication {
-            db.stream
-                .set_unpublished(sync_publication(&ctl, &self.settings.publication).await?);
+            let synced = sync_publication(&ctl, &self.settings.publication).await?;
+            db.stream.set_unpublished(synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
             install_ddl_trigger(&ctl, database).await;
         }
         let (mut stream, slot) = self.start(database).await?;
         // Changes made while no stream was running were missed: everything
-        // cached for this database is stale, and so is the catalog snapshot.
+        // cached for this database is stale, and so may be what this
+        // instance knows of the catalog.
         self.invalidate(db, Bumps::opaque()).await;
         db.stream.started();
         db.stream.set_streaming(true);
@@ -115,8 +119,8 @@ impl Streams {
             if !step.bumps.is_empty() {
                 self.invalidate(db, step.bumps).await;
             }
-            if let Some(xid) = step.ddl_committed {
-                self.after_ddl(&ctl, db, xid).await?;
+            if let Some((xid, ddl)) = step.ddl_committed {
+                self.after_ddl(&ctl, db, xid, ddl).await?;
             }
         }
     }
@@ -173,19 +177,25 @@ impl Streams {
 
     /// A transaction that ran DDL committed. The stream can deliver a
     /// commit before the transaction is visible to other sessions: wait
-    /// until it is, then make the catalog snapshot (and the publication)
-    /// reflect it.
+    /// until it is, then forget what it changed again (a fetch may have
+    /// read the old catalog meanwhile) and bring the publication up to date.
     async fn after_ddl(
         &self,
         ctl: &tokio_postgres::Client,
         db: &Arc<DbState>,
         xid: u32,
+        ddl: Ddl,
     ) -> Result<(), ReplicationError> {
         wait_visible(ctl, xid).await?;
-        self.invalidate(db, Bumps::opaque()).await;
+        self.invalidate(db, Bumps::ddl(ddl)).await;
         if self.settings.manage_publication {
             match sync_publication(ctl, &self.settings.publication).await {
-                Ok(unpublished) => db.stream.set_unpublished(unpublished),
+                Ok(synced) => {
+                    db.stream.set_unpublished(synced.unpublished);
+                    // Facts fetched before a table joined the publication
+                    // say it cannot be watched.
+                    db.catalog.forget(&Ddl::objects(synced.added));
+                }
                 Err(e) => {
                     warn!(database = %db.name, error = %e, "could not update the publication after DDL")
                 }
@@ -201,8 +211,8 @@ struct Step {
     /// Acknowledge this LSN as applied.
     ack: Option<pgwire_replication::Lsn>,
     bumps: Bumps,
-    /// A transaction that ran DDL committed (its xid).
-    ddl_committed: Option<u32>,
+    /// A transaction that ran DDL committed: its xid and what it changed.
+    ddl_committed: Option<(u32, Ddl)>,
 }
 
 /// Turns pgoutput events into version bumps, transaction by transaction,
@@ -213,8 +223,8 @@ struct Decoder {
     touched: HashSet<u32>,
     in_transaction: bool,
     current_xid: u32,
-    /// A committed transaction that ran DDL, to act on once it is visible.
-    ddl_xid: Option<u32>,
+    /// The current transaction's DDL, as its messages name it.
+    ddl: Ddl,
     /// Server WAL position seen and position applied, for the byte lag.
     server_lsn: u64,
     applied_lsn: u64,
@@ -228,7 +238,7 @@ impl Decoder {
             touched: HashSet::new(),
             in_transaction: false,
             current_xid: 0,
-            ddl_xid: None,
+            ddl: Ddl::None,
             server_lsn: 0,
             applied_lsn: 0,
         }
@@ -268,10 +278,13 @@ impl Decoder {
                 db.stream
                     .set_lag(lag.max(0) as u64 / 1000, lag > self.max_lag_micros);
             }
-            ReplicationEvent::Message { prefix, .. } if prefix == DDL_MESSAGE_PREFIX => {
-                debug!(database = %db.name, "DDL seen in the stream");
-                step.bumps = Bumps::opaque();
-                self.ddl_xid = Some(self.current_xid);
+            ReplicationEvent::Message {
+                prefix, content, ..
+            } if prefix == DDL_MESSAGE_PREFIX => {
+                let ddl = ddl_message(&content);
+                debug!(database = %db.name, ?ddl, "DDL seen in the stream");
+                step.bumps = Bumps::ddl(ddl.clone());
+                self.ddl.merge(&ddl);
             }
             ReplicationEvent::Message { lsn, .. } => step.ack = Some(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -288,8 +301,8 @@ impl Decoder {
         db.stream
             .set_lag_bytes(self.server_lsn.saturating_sub(self.applied_lsn));
         db.stream.set_applied_lsn(self.applied_lsn);
-        if !self.in_transaction {
-            step.ddl_committed = self.ddl_xid.take();
+        if !self.in_transaction && !self.ddl.is_none() {
+            step.ddl_committed = Some((self.current_xid, std::mem::take(&mut self.ddl)));
         }
         Some(step)
     }
@@ -309,9 +322,44 @@ impl Decoder {
     }
 }
 
+/// What the event trigger's message says a DDL command changed: its tag,
+/// then one changed name per line, `*` for anything. A message without
+/// names (an older trigger) changed anything.
+fn ddl_message(content: &[u8]) -> Ddl {
+    let text = String::from_utf8_lossy(content);
+    let mut lines = text.split('\n').skip(1).peekable();
+    if lines.peek().is_none() || text.split('\n').skip(1).any(|l| l == "*") {
+        return Ddl::All;
+    }
+    let mut names: Vec<&str> = lines.filter(|l| !l.is_empty()).collect();
+    names.sort_unstable();
+    names.dedup();
+    Ddl::objects(names)
+}
+
 fn now_pg_micros() -> i64 {
     let since_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     since_unix.as_micros() as i64 - PG_EPOCH_MICROS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ddl_messages_name_what_changed() {
+        assert_eq!(ddl_message(b"CREATE TABLE\nt"), Ddl::objects(["t"]));
+        assert_eq!(
+            ddl_message(b"ALTER TABLE\nu\nt\nu\n"),
+            Ddl::objects(["t", "u"])
+        );
+        assert_eq!(
+            ddl_message(b"CREATE INDEX\n"),
+            Ddl::objects(Vec::<String>::new())
+        );
+        assert_eq!(ddl_message(b"DROP SCHEMA\ns\n*"), Ddl::All);
+        assert_eq!(ddl_message(b"CREATE TABLE"), Ddl::All, "an older trigger");
+    }
 }

@@ -191,7 +191,13 @@ mod tests {
     fn plan() -> Arc<Plan> {
         let analyzed = Analyses::new(1).get(1, b"SELECT 1", &StatsRegistry::new(1));
         let policy = Policy::new(&CacheConfig::default(), 1);
-        Arc::new(Plan::new(&analyzed, None, &Versions::default(), 0, &policy))
+        Arc::new(Plan::new(
+            &analyzed,
+            &Default::default(),
+            &Versions::default(),
+            0,
+            &policy,
+        ))
     }
 
     fn held(portal: &str, describe: Option<(u8, &str)>, max_rows: i32) -> Batch {

@@ -1,56 +1,71 @@
 //! pgcache's own queries on a client's backend connection ("hidden
-//! queries"): the catalog snapshot and the session's settings. They run
+//! queries"): the session's settings, which only its own backend can tell,
+//! and catalog facts when pgcache has no connection of its own. They run
 //! only while the backend is idle ([`Session::backend_idle`]), so they can
 //! never interleave with the client's work.
 
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::debug;
 
 use super::SessionError;
 use super::relay::Session;
-use crate::cache::catalog::{Catalog, snapshot_sql};
+use crate::cache::catalog::Facts;
+use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::cache::key;
 use crate::classify::BypassReason;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be, extended, messages};
 
-/// Rows of a hidden query, as text.
-type Rows = Vec<Vec<Option<String>>>;
-
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// The database's catalog snapshot, loaded now if it is missing or
-    /// stale and the backend is idle.
-    pub(super) async fn catalog(&mut self) -> Result<Option<(u64, Arc<Catalog>)>, SessionError> {
-        if let Some(c) = self.db.catalog.current() {
-            return Ok(Some(c));
+    /// The facts of the names a statement uses. Names not known yet are
+    /// queued for the database's fetcher (started here on first need),
+    /// which looks them up on pgcache's own connection while this statement
+    /// goes on without them. Only when pgcache cannot open a connection of
+    /// its own does the session look them up itself, on its idle backend.
+    pub(super) async fn facts(
+        &mut self,
+        rels: &[&str],
+        funcs: &[&str],
+    ) -> Result<Facts, SessionError> {
+        if rels.is_empty() && funcs.is_empty() {
+            return Ok(Facts::default());
         }
-        if !self.backend_idle() {
-            return Ok(None);
+        let db = Arc::clone(&self.db);
+        let facts = self.app.catalog_facts(&db, rels, funcs);
+        if facts.complete() {
+            return Ok(facts);
         }
-        let generation = self.db.catalog.generation();
-        let publication = self
-            .app
-            .cache
-            .replication_on()
-            .then(|| self.app.config().replication.publication.clone());
-        let Some(rows) = self
-            .hidden_query(&snapshot_sql(publication.as_deref()))
-            .await?
-        else {
-            return Ok(None);
-        };
-        let catalog = Arc::new(Catalog::from_rows(&rows));
-        debug!(
-            relations = catalog.relation_count(),
-            "catalog snapshot loaded"
-        );
-        self.db.catalog.set(generation, Arc::clone(&catalog));
-        Ok(Some((generation, catalog)))
+        if !db.catalog.fetcher_down() || !self.backend_idle() {
+            return Ok(facts);
+        }
+        let wanted = db.catalog.take_wanted();
+        if wanted.is_empty() {
+            return Ok(facts);
+        }
+        let publication = self.app.publication();
+        let mut lookup = Lookup::new(&wanted, publication.as_deref());
+        while let Some(sql) = lookup.next_query() {
+            match self.hidden_query(&sql).await {
+                Ok(Some(rows)) => lookup.add(&rows),
+                Ok(None) => {
+                    db.catalog.abandon(&wanted);
+                    return Ok(facts);
+                }
+                Err(e) => {
+                    db.catalog.abandon(&wanted);
+                    return Err(e);
+                }
+            }
+        }
+        db.catalog.install(&wanted, lookup.finish());
+        Ok(db
+            .catalog
+            .facts(rels.iter().copied(), funcs.iter().copied())
+            .0)
     }
 
     /// The hash of the session's identity and settings, read from the
@@ -58,7 +73,7 @@ where
     pub(super) async fn session_prefix(
         &mut self,
     ) -> Result<Result<u128, BypassReason>, SessionError> {
-        let generation = self.db.catalog.generation();
+        let (generation, policy_settings) = self.db.catalog.policy_settings();
         if let Some((prefix, g)) = self.known.prefix
             && g == generation
         {
@@ -67,15 +82,12 @@ where
         if !self.backend_idle() {
             return Ok(Err(BypassReason::SettingsUnknown));
         }
-        let Some((generation, catalog)) = self.catalog().await? else {
-            return Ok(Err(BypassReason::CatalogUnavailable));
-        };
         let mut sql = String::from(
             "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), \
              (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
               FROM pg_catalog.pg_settings WHERE name <> 'application_name')",
         );
-        for name in &catalog.policy_settings {
+        for name in policy_settings.iter() {
             sql.push_str(", pg_catalog.current_setting('");
             sql.push_str(&name.replace('\'', "''"));
             sql.push_str("', true)");

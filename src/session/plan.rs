@@ -1,11 +1,12 @@
-//! What a statement text means for the cache, given the catalog snapshot
-//! and the policy: worked out once per text and session (memoised until
-//! the catalog or the policy changes), by pure functions.
+//! What a statement text means for the cache, given the facts known of the
+//! names it references and the policy: worked out once per statement shape
+//! and session (memoised until facts are forgotten or the policy changes),
+//! by pure functions.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cache::catalog::Catalog;
+use crate::cache::catalog::Facts;
 use crate::cache::stats::QueryStats;
 use crate::cache::versions::Versions;
 use crate::cache::{Analyzed, Bumps, Family, Lifetime};
@@ -36,24 +37,36 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// Whether the catalog can change this text's plan: a cacheable read
-    /// (are its tables watched, its functions immutable?), a write (which
-    /// versions does it bump?), or a function call outside DDL (may it
-    /// write?). DDL and other opaque statements bump everything whatever
-    /// the catalog says, so they never wait for it.
-    pub fn needs_catalog(analyzed: &Analyzed) -> bool {
+    /// The relation and function names whose facts can change this text's
+    /// plan: a cacheable read's (are its tables watched, its functions
+    /// immutable?), a write's targets (which versions does it bump?), and
+    /// functions called outside DDL (may they write?). DDL and other opaque
+    /// statements bump everything whatever the facts say: they need none.
+    pub fn names(analyzed: &Analyzed) -> (Vec<&str>, Vec<&str>) {
         let analysis = &analyzed.analysis;
-        analysis.cacheable_select().is_ok()
-            || analysis.statements.iter().any(|s| match &s.effect {
-                Effect::Opaque => false,
-                Effect::Write(_) => true,
-                _ => !s.functions.is_empty(),
-            })
+        let mut rels: Vec<&str> = Vec::new();
+        let mut funcs: Vec<&str> = Vec::new();
+        if let Ok(st) = analysis.cacheable_select() {
+            rels.extend(st.relations.iter().map(|r| r.name.as_str()));
+        }
+        for st in &analysis.statements {
+            match &st.effect {
+                Effect::Opaque => continue,
+                Effect::Write(targets) => rels.extend(targets.iter().map(|r| r.name.as_str())),
+                _ => {}
+            }
+            funcs.extend(st.functions.iter().map(String::as_str));
+        }
+        rels.sort_unstable();
+        rels.dedup();
+        funcs.sort_unstable();
+        funcs.dedup();
+        (rels, funcs)
     }
 
     pub fn new(
         analyzed: &Analyzed,
-        catalog: Option<&Catalog>,
+        facts: &Facts,
         versions: &Versions,
         generation: u64,
         policy: &Policy,
@@ -73,10 +86,10 @@ impl Plan {
             begin_strict: None,
         };
         for st in &analyzed.analysis.statements {
-            plan.add_effects(st, catalog, versions);
+            plan.add_effects(st, facts, versions);
         }
         let mut ttl = hints.ttl;
-        plan.read = read_of(&analyzed.analysis, hints, catalog, policy, &mut ttl)
+        plan.read = read_of(&analyzed.analysis, hints, facts, policy, &mut ttl)
             .map(|families| families.iter().map(|f| versions.family(f)).collect());
         let ttl = ttl.or(policy.default_ttl);
         let refresh = hints
@@ -89,13 +102,13 @@ impl Plan {
 
     /// What one statement changes: versions of what it writes (the epoch
     /// when that is unknown), the session's settings, the transaction.
-    fn add_effects(&mut self, st: &StatementInfo, catalog: Option<&Catalog>, versions: &Versions) {
+    fn add_effects(&mut self, st: &StatementInfo, facts: &Facts, versions: &Versions) {
         match &st.effect {
             Effect::None => {}
             Effect::Write(rels) => {
                 self.writes = true;
                 for rel in rels {
-                    match catalog.and_then(|c| c.relation(&rel.name)) {
+                    match facts.relation(&rel.name) {
                         Some(facts) if !facts.write_hazard => {
                             self.effects.add_family(versions.family(&facts.family));
                         }
@@ -106,13 +119,13 @@ impl Plan {
             Effect::Settings => self.settings = true,
             Effect::Begin { strict } => self.begin_strict = Some(*strict),
             Effect::Opaque => {
-                self.effects.merge(&Bumps::opaque());
+                self.effects.merge(&Bumps::ddl(st.ddl.clone()));
                 self.settings = true;
                 self.writes = true;
             }
         }
         for f in &st.functions {
-            match catalog.and_then(|c| c.function(f)) {
+            match facts.function(f) {
                 Some(facts) if !facts.may_write => {}
                 _ => {
                     // A function that may write, or one not known yet.
@@ -135,7 +148,7 @@ impl Plan {
 fn read_of<'c>(
     analysis: &Analysis,
     hints: &Hints,
-    catalog: Option<&'c Catalog>,
+    known: &'c Facts,
     policy: &Policy,
     ttl: &mut Option<Duration>,
 ) -> Result<Vec<&'c str>, BypassReason> {
@@ -143,10 +156,14 @@ fn read_of<'c>(
     if hints.cache == Some(false) {
         return Err(BypassReason::Hint);
     }
-    let catalog = catalog.ok_or(BypassReason::CatalogUnavailable)?;
+    let pending = st.relations.iter().any(|r| known.is_pending(&r.name))
+        || st.functions.iter().any(|f| known.is_pending(f));
+    if pending {
+        return Err(BypassReason::CatalogPending);
+    }
     let mut families: Vec<&str> = Vec::with_capacity(st.relations.len());
     for rel in &st.relations {
-        let facts = catalog
+        let facts = known
             .relation(&rel.name)
             .ok_or(BypassReason::UnknownRelation)?;
         let rule = policy.table(&rel.name);
@@ -174,7 +191,7 @@ fn read_of<'c>(
     if !st
         .functions
         .iter()
-        .all(|f| catalog.function(f).is_some_and(|f| f.immutable))
+        .all(|f| known.function(f).is_some_and(|f| f.immutable))
     {
         return Err(BypassReason::VolatileFunction);
     }
@@ -190,49 +207,46 @@ fn read_of<'c>(
 mod tests {
     use super::*;
     use crate::cache::analysis::Analyses;
+    use crate::cache::catalog::{Catalog, Fetched, FuncFacts, RelFacts};
     use crate::cache::stats::StatsRegistry;
+    use crate::classify::Ddl;
     use crate::config::CacheConfig;
 
-    fn rel(name: &str, readable: bool, hazard: bool, family: &str) -> Vec<Option<String>> {
-        [
-            "r",
-            name,
-            if readable { "true" } else { "false" },
-            if hazard { "true" } else { "false" },
-        ]
-        .into_iter()
-        .map(|s| Some(s.to_owned()))
-        .chain([
-            (family != name).then(|| family.to_owned()),
-            Some("true".to_owned()),
-        ])
-        .collect()
-    }
-
-    fn func(name: &str, immutable: bool, may_write: bool) -> Vec<Option<String>> {
-        vec![
-            Some("f".into()),
-            Some(name.into()),
-            Some(immutable.to_string()),
-            Some(may_write.to_string()),
-            None,
-            None,
-        ]
+    fn facts() -> Facts {
+        let mut fetched = Fetched::default();
+        for (name, readable, hazard, family) in [
+            ("t", true, false, "t"),
+            ("part_1", true, false, "part"),
+            ("v", false, true, "v"),
+            ("audited", true, true, "audited"),
+        ] {
+            let rel = RelFacts {
+                readable,
+                write_hazard: hazard,
+                family: family.to_owned(),
+                ttl_ok: true,
+                policy_functions: Vec::new(),
+            };
+            fetched.rels.insert(name.to_owned(), rel);
+        }
+        for (name, immutable, may_write) in [
+            ("lower", true, false),
+            ("now", false, false),
+            ("bump", false, true),
+        ] {
+            let func = FuncFacts {
+                immutable,
+                may_write,
+            };
+            fetched.funcs.insert(name.to_owned(), func);
+        }
+        Facts::from(fetched)
     }
 
     fn plan_with(sql: &str, policy: &Policy) -> (Plan, Versions) {
-        let catalog = Catalog::from_rows(&[
-            rel("t", true, false, "t"),
-            rel("part_1", true, false, "part"),
-            rel("v", false, true, "v"),
-            rel("audited", true, true, "audited"),
-            func("lower", true, false),
-            func("now", false, false),
-            func("bump", false, true),
-        ]);
         let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
         let versions = Versions::default();
-        let plan = Plan::new(&analyzed, Some(&catalog), &versions, 3, policy);
+        let plan = Plan::new(&analyzed, &facts(), &versions, 3, policy);
         (plan, versions)
     }
 
@@ -299,19 +313,27 @@ mod tests {
             "a volatile user function"
         );
         let ddl = plan("CREATE TABLE x (a int)");
-        assert!(ddl.effects.schema && ddl.settings);
+        assert!(ddl.effects.epoch && ddl.settings);
+        assert_eq!(ddl.effects.ddl, Ddl::objects(["x"]));
+        assert_eq!(plan("DO $$ BEGIN END $$").effects.ddl, Ddl::All);
     }
 
     #[test]
-    fn only_reads_writes_and_function_calls_wait_for_the_catalog() {
-        let needs = |sql: &str| {
+    fn only_reads_writes_and_function_calls_need_facts() {
+        let names = |sql: &str| {
             let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
-            Plan::needs_catalog(&analyzed)
+            let (rels, funcs) = Plan::names(&analyzed);
+            let owned = |v: Vec<&str>| v.into_iter().map(str::to_owned).collect::<Vec<_>>();
+            (owned(rels), owned(funcs))
         };
-        assert!(needs("SELECT v FROM t"));
-        assert!(needs("UPDATE t SET v = 1"));
-        assert!(needs("SELECT bump()"));
-        assert!(needs("SET x.y = lower('A')"));
+        let strs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            names("SELECT v FROM t JOIN s.u USING (k)"),
+            (strs(&["t", "u"]), vec![])
+        );
+        assert_eq!(names("UPDATE t SET v = 1"), (strs(&["t"]), vec![]));
+        assert_eq!(names("SELECT bump()"), (vec![], strs(&["bump"])));
+        assert_eq!(names("SET x.y = lower('A')"), (vec![], strs(&["lower"])));
         for sql in [
             "CREATE TABLE x (a int REFERENCES t)",
             "ALTER TABLE t ADD COLUMN c int DEFAULT lower('a')",
@@ -320,29 +342,29 @@ mod tests {
             "SHOW search_path",
             "SELECT * FROM t FOR UPDATE",
         ] {
-            assert!(!needs(sql), "{sql}");
+            assert_eq!(names(sql), (vec![], vec![]), "{sql}");
         }
     }
 
     #[test]
-    fn a_plan_made_without_the_catalog_is_the_one_made_with_it_when_it_needs_none() {
+    fn a_plan_made_without_facts_is_the_one_made_with_them_when_it_needs_none() {
         for sql in ["CREATE TABLE x (a int)", "DROP TABLE t", "SHOW search_path"] {
             let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
-            assert!(!Plan::needs_catalog(&analyzed));
+            assert_eq!(Plan::names(&analyzed), (vec![], vec![]));
             let policy = Policy::new(&CacheConfig::default(), 1);
             let versions = Versions::default();
             let (with, _) = plan_with(sql, &policy);
-            let without = Plan::new(&analyzed, None, &versions, 3, &policy);
+            let without = Plan::new(&analyzed, &Facts::default(), &versions, 3, &policy);
             assert_eq!(with.read.err(), without.read.err(), "{sql}");
             assert_eq!(
                 (
                     with.effects.epoch,
-                    with.effects.schema,
+                    &with.effects.ddl,
                     with.effects.families.len()
                 ),
                 (
                     without.effects.epoch,
-                    without.effects.schema,
+                    &without.effects.ddl,
                     without.effects.families.len()
                 ),
                 "{sql}"
@@ -352,6 +374,24 @@ mod tests {
                 (without.settings, without.writes)
             );
         }
+    }
+
+    #[test]
+    fn a_read_whose_facts_are_being_fetched_is_a_counted_bypass() {
+        let catalog = Catalog::default();
+        let (pending, queued) = catalog.facts(["t"], ["lower"]);
+        assert!(queued && !pending.complete());
+        let sql = "SELECT lower(v) FROM t";
+        let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
+        let policy = Policy::new(&CacheConfig::default(), 1);
+        let plan = Plan::new(&analyzed, &pending, &Versions::default(), 3, &policy);
+        assert_eq!(plan.read.err(), Some(BypassReason::CatalogPending));
+        let write = Analyses::new(10).get(2, b"UPDATE t SET v = 1", &StatsRegistry::new(10));
+        let plan = Plan::new(&write, &pending, &Versions::default(), 3, &policy);
+        assert!(
+            plan.effects.epoch,
+            "a write to a table not known yet bumps everything"
+        );
     }
 
     #[test]

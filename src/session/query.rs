@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! Query / Parse..Sync
-//!   → plan (memoised per text: analysis × catalog snapshot → read? effects)
+//!   → plan (memoised per shape: analysis × facts of the names it uses → read? effects)
 //!   → may it be served? (single SELECT, no temp objects, nothing in flight,
 //!      not after a write in this transaction, not REPEATABLE READ, settings known)
 //!   → key (session prefix, statement, parameters)
@@ -195,16 +195,11 @@ where
             self.known.remember_plan(hash, analysis.plan_key, &plan);
             return Ok(plan);
         }
-        let needs_catalog = Plan::needs_catalog(&analysis);
-        let catalog = if needs_catalog {
-            self.catalog().await?
-        } else {
-            None
-        };
-        let generation = catalog.as_ref().map_or(generation, |(g, _)| *g);
+        let (rels, funcs) = Plan::names(&analysis);
+        let facts = self.facts(&rels, &funcs).await?;
         let plan = Arc::new(Plan::new(
             &analysis,
-            catalog.as_ref().map(|(_, c)| &**c),
+            &facts,
             &self.db.versions,
             generation,
             &self.known.policy,
@@ -212,10 +207,9 @@ where
         if let Ok(families) = &plan.read {
             plan.stats.set_reads(&self.db, families);
         }
-        if matches!(plan.read, Err(BypassReason::UnknownRelation)) {
-            self.db.catalog.request_reload();
-        }
-        if catalog.is_some() || !needs_catalog {
+        // A plan made while facts were being fetched is made again once
+        // they are known.
+        if facts.complete() {
             self.known.remember_plan(hash, analysis.plan_key, &plan);
         }
         Ok(plan)

@@ -59,8 +59,10 @@ impl Proxy {
         self.app.metrics.stores.get()
     }
 
-    /// Connects as `postgres`, and waits until the database's replication
-    /// stream is up (until then pgcache serves nothing from its cache).
+    /// Connects as `postgres`, waits until the database's replication
+    /// stream is up (until then pgcache serves nothing from its cache) and
+    /// until pgcache knows every relation and function the database has now
+    /// (see [`Proxy::learn`]).
     pub async fn connect(&self, db: &str) -> tokio_postgres::Client {
         let client = connect_dsn(&self.dsn("postgres", db))
             .await
@@ -69,7 +71,48 @@ impl Proxy {
         client
     }
 
+    /// [`Proxy::learn`] for every relation outside the system schemas and
+    /// every function `db` has now.
+    pub async fn learn_all(&self, db: &str) {
+        let direct = self
+            .app
+            .upstream
+            .control(db)
+            .await
+            .expect("control connection");
+        let names = |sql: &'static str| {
+            let direct = &direct;
+            async move {
+                direct
+                    .query(sql, &[])
+                    .await
+                    .expect("catalog names")
+                    .iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .collect::<Vec<_>>()
+            }
+        };
+        let rels = names(
+            "SELECT DISTINCT relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
+               AND c.relkind IN ('r', 'p', 'v', 'm', 'f')",
+        )
+        .await;
+        let funcs = names("SELECT DISTINCT proname::text FROM pg_proc").await;
+        let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
+        let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
+        self.learn(db, &rels, &funcs).await;
+    }
+
+    /// Waits until the database's replication stream is up, then until
+    /// pgcache knows the database's relations and functions again (a stream
+    /// that starts forgets them: DDL may have been missed).
     pub async fn wait_streaming(&self, db: &str) {
+        self.wait_stream(db).await;
+        self.learn_all(db).await;
+    }
+
+    async fn wait_stream(&self, db: &str) {
         if self.app.cache.replication_on() {
             let state = self.app.cache.db(db);
             eventually(Duration::from_secs(20), "the replication stream", || {
@@ -110,6 +153,21 @@ impl Proxy {
                 }
             },
         )
+        .await;
+    }
+
+    /// Makes pgcache learn the catalog facts of relations `rels` and
+    /// functions `funcs` in `db`, and waits until it knows them. A client's
+    /// first statement naming them does the same, but is forwarded uncached
+    /// while they are fetched: a test that counts hits and stores from its
+    /// first read learns the names first.
+    pub async fn learn(&self, db: &str, rels: &[&str], funcs: &[&str]) {
+        let state = self.app.cache.db(db);
+        eventually(Duration::from_secs(20), "catalog facts", || {
+            let _ = self.app.catalog_facts(&state, rels, funcs);
+            let known = state.catalog.knows(rels, funcs);
+            async move { known.then_some(()) }
+        })
         .await;
     }
 

@@ -386,10 +386,12 @@ impl SharedTier {
             .iter()
             .map(|f| format!("{TABLE}{}", f.name))
             .collect();
-        if bumps.epoch || bumps.schema {
+        if bumps.epoch || !bumps.ddl.is_none() {
             fields.push(EPOCH.to_owned());
         }
-        if bumps.schema {
+        // Other instances forget all they know of the catalog: the names
+        // are not sent.
+        if bumps.ddl.changes_facts() {
             fields.push(DDL.to_owned());
         }
         if fields.is_empty() {

@@ -1,0 +1,508 @@
+//! What pgcache knows of one database's catalog, learnt name by name.
+//!
+//! A statement's plan needs facts about the relations and functions it
+//! names: is this relation a permanent table replication can watch, may
+//! writing it change others, is this function immutable? [`Catalog::facts`]
+//! answers from what is known and queues the names it does not know for
+//! [`fetch`], which asks PostgreSQL for exactly those names on pgcache's own
+//! connection, off every client's path. DDL forgets exactly the names it
+//! touched ([`Catalog::forget`]). Nothing here depends on how many
+//! relations or functions the database has.
+//!
+//! Facts are kept per bare name over every schema, conservatively: a name
+//! is readable only if every relation of that name is a permanent table
+//! outside the system schemas, and a write hazard if any of them is. That
+//! is at least as strict as any `search_path` could resolve it, so one fact
+//! serves every session; a session's own temporary objects are the
+//! session's to track.
+
+pub mod fetch;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::versions::Ddl;
+
+/// How long "no relation (function) of this name" is believed: such a name
+/// is fetched again after this long, since a CREATE made where no event
+/// trigger reports it would otherwise stay unknown.
+const ABSENT_FOR: Duration = Duration::from_secs(1);
+
+/// Names kept at most; beyond it everything is forgotten (a client naming
+/// endless missing relations must not grow memory without bound).
+const MAX_NAMES: usize = 100_000;
+
+/// SQL constructs sqlparser reports as function calls that are not in
+/// pg_proc, and are immutable.
+const IMMUTABLE_CONSTRUCTS: &[&str] = &["coalesce", "nullif", "greatest", "least", "trim"];
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelFacts {
+    /// Every relation of this name is a permanent table pgcache can watch.
+    pub readable: bool,
+    /// Writing to a relation of this name may change other relations
+    /// (triggers, rules, cascading foreign keys, views, inheritance).
+    pub write_hazard: bool,
+    /// Versions are kept per partition tree: the root's name.
+    pub family: String,
+    /// Every relation of this name is permanent, outside the system
+    /// schemas, and a table, view, materialized view or foreign table: it
+    /// may be cached with a TTL even if replication cannot watch it.
+    pub ttl_ok: bool,
+    /// Functions its row-level security policies call: these facts are
+    /// stale when one of them changes.
+    pub policy_functions: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FuncFacts {
+    /// Every overload is IMMUTABLE.
+    pub immutable: bool,
+    /// Some overload is VOLATILE and outside pg_catalog: it may write.
+    pub may_write: bool,
+}
+
+/// What is known of one name.
+#[derive(Debug)]
+enum Entry<T> {
+    /// Asked for; the answer to this ticket will be installed.
+    Fetching(u64),
+    Known(T),
+    /// No object of this name, as of this instant.
+    Absent(Instant),
+}
+
+/// Names a fetch is asked to look up, each with its ticket.
+#[derive(Debug, Default)]
+pub struct Wanted {
+    pub rels: Vec<(String, u64)>,
+    pub funcs: Vec<(String, u64)>,
+}
+
+impl Wanted {
+    pub fn is_empty(&self) -> bool {
+        self.rels.is_empty() && self.funcs.is_empty()
+    }
+}
+
+/// What one fetch found: names missing from the maps do not exist.
+#[derive(Debug, Default)]
+pub struct Fetched {
+    pub rels: HashMap<String, RelFacts>,
+    pub funcs: HashMap<String, FuncFacts>,
+    /// Custom settings the found relations' policies read.
+    pub settings: BTreeSet<String>,
+}
+
+#[derive(Default)]
+struct Names {
+    rels: HashMap<String, Entry<RelFacts>>,
+    funcs: HashMap<String, Entry<FuncFacts>>,
+    next_ticket: u64,
+}
+
+/// The facts one plan was made with: a small view of the catalog, for the
+/// names its statement references.
+#[derive(Debug, Default)]
+pub struct Facts {
+    rels: Vec<(String, RelFacts)>,
+    funcs: Vec<(String, FuncFacts)>,
+    /// Names referenced but not known yet (being fetched).
+    pending: Vec<String>,
+}
+
+impl Facts {
+    pub fn relation(&self, name: &str) -> Option<&RelFacts> {
+        self.rels.iter().find(|(n, _)| n == name).map(|(_, f)| f)
+    }
+
+    pub fn function(&self, name: &str) -> Option<FuncFacts> {
+        if IMMUTABLE_CONSTRUCTS.contains(&name) {
+            return Some(FuncFacts {
+                immutable: true,
+                may_write: false,
+            });
+        }
+        self.funcs.iter().find(|(n, _)| n == name).map(|(_, f)| *f)
+    }
+
+    /// Whether `name` is being fetched (as opposed to known not to exist).
+    pub fn is_pending(&self, name: &str) -> bool {
+        self.pending.iter().any(|n| n == name)
+    }
+
+    /// Every name referenced is known (found or known absent).
+    pub fn complete(&self) -> bool {
+        self.pending.is_empty()
+    }
+}
+
+impl From<Fetched> for Facts {
+    fn from(fetched: Fetched) -> Facts {
+        Facts {
+            rels: fetched.rels.into_iter().collect(),
+            funcs: fetched.funcs.into_iter().collect(),
+            pending: Vec::new(),
+        }
+    }
+}
+
+/// What pgcache knows of one database's catalog.
+#[derive(Default)]
+pub struct Catalog {
+    /// Bumped whenever facts are forgotten: plans made before are stale.
+    generation: AtomicU64,
+    names: RwLock<Names>,
+    /// Custom settings that RLS policies of known relations read, with a
+    /// generation bumped when the set grows: they are part of every cache
+    /// key, so a session re-reads its settings when the set changes.
+    settings: RwLock<(u64, Arc<[String]>)>,
+    wanted: Mutex<Wanted>,
+    /// Wakes the fetcher when names are wanted.
+    pub wake: Notify,
+    fetcher_claimed: AtomicBool,
+    /// pgcache's own connection cannot be opened: sessions fetch on their
+    /// own idle connection instead.
+    fetcher_down: AtomicBool,
+    /// Fetches run, for the admin console and tests.
+    fetches: AtomicU64,
+}
+
+impl Catalog {
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The facts for `rels` and `funcs`, queueing every name not known yet
+    /// for the fetcher. Returns the facts and whether names were queued.
+    pub fn facts<'a>(
+        &self,
+        rels: impl IntoIterator<Item = &'a str>,
+        funcs: impl IntoIterator<Item = &'a str>,
+    ) -> (Facts, bool) {
+        let mut facts = Facts::default();
+        let mut missing = Wanted::default();
+        let rels: Vec<&str> = rels.into_iter().collect();
+        let funcs: Vec<&str> = funcs
+            .into_iter()
+            .filter(|f| !IMMUTABLE_CONSTRUCTS.contains(f))
+            .collect();
+        {
+            let names = self.names.read().unwrap_or_else(|e| e.into_inner());
+            for name in &rels {
+                match names.rels.get(*name) {
+                    Some(Entry::Known(f)) => facts.rels.push((name.to_string(), f.clone())),
+                    Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
+                    Some(Entry::Fetching(_)) => facts.pending.push(name.to_string()),
+                    _ => missing.rels.push((name.to_string(), 0)),
+                }
+            }
+            for name in &funcs {
+                match names.funcs.get(*name) {
+                    Some(Entry::Known(f)) => facts.funcs.push((name.to_string(), *f)),
+                    Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
+                    Some(Entry::Fetching(_)) => facts.pending.push(name.to_string()),
+                    _ => missing.funcs.push((name.to_string(), 0)),
+                }
+            }
+        }
+        if missing.is_empty() {
+            return (facts, false);
+        }
+        let mut queued = Wanted::default();
+        {
+            let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
+            if names.rels.len() + names.funcs.len() >= MAX_NAMES {
+                names.rels.clear();
+                names.funcs.clear();
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
+            let names = &mut *names;
+            for (name, _) in missing.rels {
+                facts.pending.push(name.clone());
+                if let Some(ticket) = claim(&mut names.rels, &mut names.next_ticket, &name) {
+                    queued.rels.push((name, ticket));
+                }
+            }
+            for (name, _) in missing.funcs {
+                facts.pending.push(name.clone());
+                if let Some(ticket) = claim(&mut names.funcs, &mut names.next_ticket, &name) {
+                    queued.funcs.push((name, ticket));
+                }
+            }
+        }
+        if queued.is_empty() {
+            return (facts, false);
+        }
+        let mut wanted = self.wanted.lock().unwrap_or_else(|e| e.into_inner());
+        wanted.rels.append(&mut queued.rels);
+        wanted.funcs.append(&mut queued.funcs);
+        drop(wanted);
+        self.wake.notify_one();
+        (facts, true)
+    }
+
+    /// Everything queued for fetching, emptying the queue.
+    pub fn take_wanted(&self) -> Wanted {
+        std::mem::take(&mut *self.wanted.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Installs what a fetch of `asked` found, for every name still waiting
+    /// for that very ticket: a name forgotten (DDL) while it was being
+    /// fetched is not installed, as the answer may predate the DDL.
+    pub fn install(&self, asked: &Wanted, mut fetched: Fetched) {
+        self.fetches.fetch_add(1, Ordering::Relaxed);
+        // Settings first: a session that sees the facts must also see that
+        // its key needs these settings.
+        if !fetched.settings.is_empty() {
+            let mut settings = self.settings.write().unwrap_or_else(|e| e.into_inner());
+            let mut all: BTreeSet<String> = settings.1.iter().cloned().collect();
+            let before = all.len();
+            all.append(&mut fetched.settings);
+            if all.len() != before {
+                *settings = (settings.0 + 1, all.into_iter().collect());
+            }
+        }
+        let now = Instant::now();
+        let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
+        for (name, ticket) in &asked.rels {
+            if let Some(entry) = names.rels.get_mut(name)
+                && matches!(entry, Entry::Fetching(t) if t == ticket)
+            {
+                *entry = match fetched.rels.remove(name) {
+                    Some(f) => Entry::Known(f),
+                    None => Entry::Absent(now),
+                };
+            }
+        }
+        for (name, ticket) in &asked.funcs {
+            if let Some(entry) = names.funcs.get_mut(name)
+                && matches!(entry, Entry::Fetching(t) if t == ticket)
+            {
+                *entry = match fetched.funcs.remove(name) {
+                    Some(f) => Entry::Known(f),
+                    None => Entry::Absent(now),
+                };
+            }
+        }
+    }
+
+    /// A fetch of `asked` failed: the names are asked for again by the
+    /// next statement that needs them.
+    pub fn abandon(&self, asked: &Wanted) {
+        let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
+        for (name, ticket) in &asked.rels {
+            if matches!(names.rels.get(name), Some(Entry::Fetching(t)) if t == ticket) {
+                names.rels.remove(name);
+            }
+        }
+        for (name, ticket) in &asked.funcs {
+            if matches!(names.funcs.get(name), Some(Entry::Fetching(t)) if t == ticket) {
+                names.funcs.remove(name);
+            }
+        }
+    }
+
+    /// DDL changed `ddl`: forget what it touched (and relations whose
+    /// policies call a function it touched).
+    pub fn forget(&self, ddl: &Ddl) {
+        tracing::debug!(?ddl, "catalog: forget");
+        let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
+        match ddl {
+            Ddl::None => return,
+            Ddl::Objects(objects) if objects.is_empty() => return,
+            Ddl::Objects(objects) => {
+                for name in objects {
+                    names.rels.remove(&**name);
+                    names.funcs.remove(&**name);
+                }
+                names.rels.retain(|_, entry| match entry {
+                    Entry::Known(f) => !f
+                        .policy_functions
+                        .iter()
+                        .any(|p| objects.iter().any(|o| **o == **p)),
+                    _ => true,
+                });
+            }
+            Ddl::All => {
+                names.rels.clear();
+                names.funcs.clear();
+            }
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The facts of relation `name`, if known.
+    pub fn relation(&self, name: &str) -> Option<RelFacts> {
+        let names = self.names.read().unwrap_or_else(|e| e.into_inner());
+        match names.rels.get(name) {
+            Some(Entry::Known(f)) => Some(f.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether every name is known (found or absent), as tests wait for.
+    pub fn knows(&self, rels: &[&str], funcs: &[&str]) -> bool {
+        let names = self.names.read().unwrap_or_else(|e| e.into_inner());
+        rels.iter()
+            .all(|n| matches!(names.rels.get(*n), Some(Entry::Known(_) | Entry::Absent(_))))
+            && funcs.iter().all(|n| {
+                matches!(
+                    names.funcs.get(*n),
+                    Some(Entry::Known(_) | Entry::Absent(_))
+                )
+            })
+    }
+
+    /// The custom settings RLS policies read, with their generation.
+    pub fn policy_settings(&self) -> (u64, Arc<[String]>) {
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// True for the one caller that should start this database's fetcher.
+    pub fn claim_fetcher(&self) -> bool {
+        !self.fetcher_claimed.swap(true, Ordering::AcqRel)
+    }
+
+    pub fn set_fetcher_down(&self, down: bool) {
+        self.fetcher_down.store(down, Ordering::Release);
+    }
+
+    pub fn fetcher_down(&self) -> bool {
+        self.fetcher_down.load(Ordering::Acquire)
+    }
+
+    pub fn fetches(&self) -> u64 {
+        self.fetches.load(Ordering::Relaxed)
+    }
+
+    /// Names known (found or absent), for the admin console.
+    pub fn known_names(&self) -> usize {
+        let names = self.names.read().unwrap_or_else(|e| e.into_inner());
+        names.rels.len() + names.funcs.len()
+    }
+}
+
+/// Marks `name` as being fetched under a new ticket, unless it already is.
+fn claim<T>(map: &mut HashMap<String, Entry<T>>, next: &mut u64, name: &str) -> Option<u64> {
+    match map.get(name) {
+        Some(Entry::Fetching(_) | Entry::Known(_)) => None,
+        Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => None,
+        _ => {
+            *next += 1;
+            map.insert(name.to_owned(), Entry::Fetching(*next));
+            Some(*next)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(family: &str) -> RelFacts {
+        RelFacts {
+            readable: true,
+            write_hazard: false,
+            family: family.to_owned(),
+            ttl_ok: true,
+            policy_functions: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn names_are_fetched_once_and_installed_when_found() {
+        let catalog = Catalog::default();
+        let (facts, queued) = catalog.facts(["t", "gone"], []);
+        assert!(queued && facts.is_pending("t") && facts.is_pending("gone"));
+        let (_, again) = catalog.facts(["t"], []);
+        assert!(!again, "a name being fetched is not queued twice");
+        let wanted = catalog.take_wanted();
+        assert_eq!(wanted.rels.len(), 2);
+        let mut fetched = Fetched::default();
+        fetched.rels.insert("t".into(), table("t"));
+        catalog.install(&wanted, fetched);
+        let (facts, queued) = catalog.facts(["t", "gone"], []);
+        assert!(!queued && facts.complete());
+        assert!(facts.relation("t").is_some());
+        assert!(facts.relation("gone").is_none(), "known not to exist");
+        assert_eq!(catalog.fetches(), 1);
+    }
+
+    #[test]
+    fn an_answer_that_may_predate_a_ddl_is_not_installed() {
+        let catalog = Catalog::default();
+        catalog.facts(["t"], []);
+        let wanted = catalog.take_wanted();
+        let generation = catalog.generation();
+        catalog.forget(&Ddl::objects(["t"]));
+        assert!(catalog.generation() > generation);
+        let mut fetched = Fetched::default();
+        fetched.rels.insert("t".into(), table("t"));
+        catalog.install(&wanted, fetched);
+        assert!(!catalog.knows(&["t"], &[]));
+        let (facts, queued) = catalog.facts(["t"], []);
+        assert!(queued && !facts.complete(), "asked for again");
+    }
+
+    #[test]
+    fn a_failed_fetch_is_asked_again_and_absence_is_believed_briefly() {
+        let catalog = Catalog::default();
+        catalog.facts(["t"], []);
+        let wanted = catalog.take_wanted();
+        catalog.abandon(&wanted);
+        assert!(catalog.facts(["t"], []).1, "queued again after a failure");
+        let wanted = catalog.take_wanted();
+        catalog.install(&wanted, Fetched::default());
+        assert!(catalog.knows(&["t"], &[]));
+        let mut names = catalog.names.write().unwrap();
+        names
+            .rels
+            .insert("t".into(), Entry::Absent(Instant::now() - ABSENT_FOR));
+        drop(names);
+        assert!(
+            catalog.facts(["t"], []).1,
+            "an old absence is checked again"
+        );
+    }
+
+    #[test]
+    fn forgetting_a_function_forgets_relations_whose_policies_call_it() {
+        let catalog = Catalog::default();
+        catalog.facts(["secure", "plain"], ["tenant_of"]);
+        let wanted = catalog.take_wanted();
+        let mut fetched = Fetched::default();
+        let secure = RelFacts {
+            policy_functions: vec!["tenant_of".into()],
+            ..table("secure")
+        };
+        fetched.rels.insert("secure".into(), secure);
+        fetched.rels.insert("plain".into(), table("plain"));
+        fetched.settings.insert("app.tenant".into());
+        catalog.install(&wanted, fetched);
+        let (generation, settings) = catalog.policy_settings();
+        assert_eq!(
+            (generation, &*settings),
+            (1, &["app.tenant".to_owned()][..])
+        );
+        catalog.forget(&Ddl::objects(["tenant_of"]));
+        assert!(!catalog.knows(&["secure"], &[]));
+        assert!(catalog.knows(&["plain"], &[]));
+        assert_eq!(catalog.policy_settings().0, 1, "settings are kept");
+    }
+
+    #[test]
+    fn immutable_constructs_need_no_fetch() {
+        let catalog = Catalog::default();
+        let (facts, queued) = catalog.facts([], ["coalesce"]);
+        assert!(!queued && facts.complete());
+        assert!(facts.function("coalesce").unwrap().immutable);
+    }
+}
