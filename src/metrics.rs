@@ -410,6 +410,11 @@ impl Metrics {
         self.bypass_reasons[reason as usize].inc();
     }
 
+    /// Bypasses counted for `reason`.
+    pub fn bypasses(&self, reason: BypassReason) -> u64 {
+        self.bypass_reasons[reason as usize].get()
+    }
+
     /// The handles of one database's lookups (resolve once, keep them).
     pub fn database(&self, name: &str) -> DbMetrics {
         DbMetrics {

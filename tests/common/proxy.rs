@@ -112,7 +112,8 @@ impl Proxy {
         self.learn_all(db).await;
     }
 
-    async fn wait_stream(&self, db: &str) {
+    /// Waits until the database's replication stream is up, and no more.
+    pub async fn wait_stream(&self, db: &str) {
         if self.app.cache.replication_on() {
             let state = self.app.cache.db(db);
             eventually(Duration::from_secs(20), "the replication stream", || {

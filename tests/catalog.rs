@@ -1,0 +1,336 @@
+//! What pgcache knows of the catalog, learnt name by name: a first read
+//! is forwarded while its names are looked up, and DDL made directly on
+//! PostgreSQL never lets an entry outlive what it was computed from.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use pgcache::classify::BypassReason;
+use tokio_postgres::Client;
+
+async fn setup(name: &str, sql: &str) -> (String, Proxy, Client, Client) {
+    let db = pg().create_db(name);
+    pg().psql_db(&db, sql);
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg().direct(&db).await;
+    (db, proxy, client, direct)
+}
+
+/// Reads `sql` until it returns `want` (the stream carries a direct change
+/// within its lag).
+async fn eventually_reads(client: &Client, sql: &str, want: &str) {
+    eventually(
+        Duration::from_secs(10),
+        &format!("{sql} to return {want}"),
+        || async { (scalar(client, sql).await.as_deref() == Some(want)).then_some(()) },
+    )
+    .await;
+}
+
+/// Reads `sql` until one read is a hit; returns the value.
+async fn eventually_hit(proxy: &Proxy, client: &Client, sql: &str) -> Option<String> {
+    eventually(
+        Duration::from_secs(10),
+        &format!("{sql} to hit"),
+        || async {
+            let hits = proxy.hits();
+            let value = scalar(client, sql).await;
+            (proxy.hits() > hits).then_some(value)
+        },
+    )
+    .await
+}
+
+/// Reads `sql` three times, expecting `want` each time and no hit.
+async fn never_hits(proxy: &Proxy, client: &Client, sql: &str, want: &str) {
+    let hits = proxy.hits();
+    for _ in 0..3 {
+        assert_eq!(scalar(client, sql).await.as_deref(), Some(want), "{sql}");
+    }
+    assert_eq!(proxy.hits(), hits, "{sql} must not be served from cache");
+}
+
+#[tokio::test]
+async fn a_first_read_is_forwarded_while_its_names_are_looked_up_then_cached() {
+    let db = pg().create_db("cat_first");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 7)",
+    );
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    proxy.wait_stream(&db).await;
+    let pending = proxy.app.metrics.bypasses(BypassReason::CatalogPending);
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("7"));
+    assert_eq!(
+        proxy.app.metrics.bypasses(BypassReason::CatalogPending),
+        pending + 1,
+        "the first read does not wait for the lookup: it is a counted bypass"
+    );
+    assert_eq!(proxy.stores(), 0);
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("7")
+    );
+    // DDL never waits for, nor causes, a lookup.
+    let fetches = proxy.app.cache.db(&db).catalog.fetches();
+    client
+        .batch_execute("CREATE TABLE other(a int); DROP TABLE other")
+        .await
+        .unwrap();
+    assert_eq!(proxy.app.cache.db(&db).catalog.fetches(), fetches);
+}
+
+#[tokio::test]
+async fn without_a_connection_of_its_own_a_session_looks_names_up_itself() {
+    let db = pg().create_db("cat_own");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 7)",
+    );
+    let mut config = pg().proxy_config();
+    // pgcache's own connections log in as a user that does not exist;
+    // clients still log in as themselves.
+    config.upstream.url = config.upstream.url.replace("postgres@", "no_such_user@");
+    config.replication.enabled = false;
+    let proxy = Proxy::start(config).await;
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    let read = "SELECT v FROM t WHERE id = 1";
+    let state = proxy.app.cache.db(&db);
+    eventually(
+        Duration::from_secs(10),
+        "the fetcher to give up",
+        || async {
+            scalar(&client, read).await;
+            state.catalog.fetcher_down().then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("7")
+    );
+}
+
+#[tokio::test]
+async fn a_table_created_directly_becomes_cacheable_within_the_stream_lag() {
+    let (_db, proxy, client, direct) = setup("cat_created", "SELECT 1").await;
+    let read = "SELECT v FROM fresh WHERE id = 1";
+    assert!(
+        client.simple_query(read).await.is_err(),
+        "no such table yet"
+    );
+    direct
+        .batch_execute(
+            "CREATE TABLE fresh(id int PRIMARY KEY, v int); INSERT INTO fresh VALUES (1, 5)",
+        )
+        .await
+        .unwrap();
+    let created = Instant::now();
+    let stores = proxy.stores();
+    eventually(
+        Duration::from_secs(10),
+        "the new table to be stored",
+        || async {
+            let _ = client.simple_query(read).await;
+            (proxy.stores() > stores).then_some(())
+        },
+    )
+    .await;
+    eprintln!(
+        "a table created directly was cacheable after {:?}",
+        created.elapsed()
+    );
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("5")
+    );
+    direct
+        .batch_execute("UPDATE fresh SET v = 6")
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "6").await;
+}
+
+#[tokio::test]
+async fn a_table_replaced_renamed_or_moved_directly_never_serves_an_old_entry() {
+    let (_db, proxy, client, direct) = setup(
+        "cat_replaced",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
+         CREATE TABLE base(id int PRIMARY KEY, v int); INSERT INTO base VALUES (1, 2)",
+    )
+    .await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("1")
+    );
+
+    // Dropped and recreated as a view: never served from the table's entry,
+    // and a view is not cached without a TTL.
+    direct
+        .batch_execute("DROP TABLE t; CREATE VIEW t AS SELECT id, v FROM base")
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "2").await;
+    never_hits(&proxy, &client, read, "2").await;
+    direct.batch_execute("UPDATE base SET v = 3").await.unwrap();
+    never_hits(&proxy, &client, read, "3").await;
+
+    // Back to a table: cached again, and its writes seen.
+    direct
+        .batch_execute(
+            "DROP VIEW t; CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 4)",
+        )
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "4").await;
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("4")
+    );
+
+    // Renamed: the old name fails, the new one is read and cached.
+    direct
+        .batch_execute("ALTER TABLE t RENAME TO t2")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(10), "the old name to fail", || async {
+        client.simple_query(read).await.is_err().then_some(())
+    })
+    .await;
+    let renamed = "SELECT v FROM t2 WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, renamed).await.as_deref(),
+        Some("4")
+    );
+
+    // Moved to another schema: read by its new qualified name, its writes
+    // still invalidate.
+    direct
+        .batch_execute("CREATE SCHEMA elsewhere; ALTER TABLE t2 SET SCHEMA elsewhere")
+        .await
+        .unwrap();
+    let moved = "SELECT v FROM elsewhere.t2 WHERE id = 1";
+    eventually_reads(&client, moved, "4").await;
+    assert_eq!(
+        eventually_hit(&proxy, &client, moved).await.as_deref(),
+        Some("4")
+    );
+    direct
+        .batch_execute("UPDATE elsewhere.t2 SET v = 5")
+        .await
+        .unwrap();
+    eventually_reads(&client, moved, "5").await;
+}
+
+#[tokio::test]
+async fn a_function_made_volatile_directly_stops_its_reads_being_cached() {
+    let (_db, proxy, client, direct) = setup(
+        "cat_volatile",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 10);
+         CREATE FUNCTION twice(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 * 2'",
+    )
+    .await;
+    let read = "SELECT twice(v) FROM t WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("20")
+    );
+    direct
+        .batch_execute(
+            "CREATE OR REPLACE FUNCTION twice(int) RETURNS int LANGUAGE sql VOLATILE AS 'SELECT $1 * 3'",
+        )
+        .await
+        .unwrap();
+    eventually_reads(&client, read, "30").await;
+    never_hits(&proxy, &client, read, "30").await;
+}
+
+#[tokio::test]
+async fn a_temporary_table_that_shadows_a_cached_one_is_read_not_the_entry() {
+    let (db, proxy, client, _direct) = setup(
+        "cat_temp",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("1")
+    );
+    client
+        .batch_execute("CREATE TEMP TABLE t(id int, v int); INSERT INTO t VALUES (1, 99)")
+        .await
+        .unwrap();
+    never_hits(&proxy, &client, read, "99").await;
+    // Other sessions read the permanent table. pgcache keeps one set of
+    // facts per name for every session, so while any session has a
+    // temporary relation of that name, nobody's reads of it are cached.
+    let other = proxy.connect(&db).await;
+    never_hits(&proxy, &other, read, "1").await;
+    client.batch_execute("DROP TABLE pg_temp.t").await.unwrap();
+    never_hits(&proxy, &client, read, "1").await;
+    assert_eq!(
+        eventually_hit(&proxy, &other, read).await.as_deref(),
+        Some("1")
+    );
+}
+
+#[tokio::test]
+async fn row_level_security_added_or_changed_directly_is_obeyed() {
+    let role = format!("cat_rls_{}", rand_suffix());
+    let (db, proxy, _client, direct) = setup(
+        "cat_rls",
+        &format!(
+            "CREATE ROLE {role} LOGIN;
+             CREATE TABLE docs(id int PRIMARY KEY, tenant int, body text);
+             INSERT INTO docs VALUES (1, 1, 'one'), (2, 2, 'two');
+             GRANT SELECT ON docs TO {role};
+             CREATE FUNCTION tenant_now() RETURNS int LANGUAGE sql VOLATILE AS 'SELECT 1'"
+        ),
+    )
+    .await;
+    let login = |tenant: u32| {
+        let dsn = format!("{} options='-c app.tenant={tenant}'", proxy.dsn(&role, &db));
+        async move { connect_dsn(&dsn).await.unwrap() }
+    };
+    let (one, two) = (login(1).await, login(2).await);
+    let read = "SELECT string_agg(body, ',' ORDER BY id) FROM docs";
+    assert_eq!(
+        eventually_hit(&proxy, &one, read).await.as_deref(),
+        Some("one,two")
+    );
+
+    // A policy added directly: each tenant sees its own rows, cached apart.
+    direct
+        .batch_execute(
+            "ALTER TABLE docs ENABLE ROW LEVEL SECURITY;
+             CREATE POLICY by_tenant ON docs USING (tenant = current_setting('app.tenant')::int)",
+        )
+        .await
+        .unwrap();
+    eventually_reads(&one, read, "one").await;
+    eventually_reads(&two, read, "two").await;
+    assert_eq!(
+        eventually_hit(&proxy, &one, read).await.as_deref(),
+        Some("one")
+    );
+    assert_eq!(
+        eventually_hit(&proxy, &two, read).await.as_deref(),
+        Some("two")
+    );
+
+    // Changed directly to call a volatile function: never cached.
+    direct
+        .batch_execute("ALTER POLICY by_tenant ON docs USING (tenant = tenant_now() + 1)")
+        .await
+        .unwrap();
+    eventually_reads(&one, read, "two").await;
+    never_hits(&proxy, &one, read, "two").await;
+    never_hits(&proxy, &two, read, "two").await;
+}
