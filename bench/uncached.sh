@@ -9,7 +9,7 @@
 #   ddl-large  the ddl script on a database with 20,000 tables and 5,000
 #              functions, divided by the same script on an empty database
 #   bench/uncached.sh [SECONDS-PER-RUN]   (default 10; LARGE=0 skips ddl-large,
-#   which takes minutes while DDL reloads the whole catalog)
+#   whose set-up takes a minute)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 

@@ -101,7 +101,8 @@ SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid 
     OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident))
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
-  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'";
+  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
+  AND ($2::text[] IS NULL OR c.relname = ANY ($2::text[]))";
 
 /// What [`sync_publication`] did.
 #[derive(Debug, Default)]
@@ -113,10 +114,13 @@ pub struct Synced {
 }
 
 /// Creates the publication if needed and makes it list exactly the tables
-/// that have a replica identity.
+/// that have a replica identity: every table, or (after DDL that named
+/// them) the tables of these names, so that the cost of a DDL statement
+/// does not grow with the database.
 pub async fn sync_publication(
     ctl: &tokio_postgres::Client,
     publication: &str,
+    only: Option<&[String]>,
 ) -> Result<Synced, ReplicationError> {
     let quoted = quote_ident(publication);
     let exists = ctl
@@ -139,7 +143,7 @@ pub async fn sync_publication(
             info!(publication, "created publication");
         }
     }
-    let rows = ctl.query(PUBLISHABLE, &[&publication]).await?;
+    let rows = ctl.query(PUBLISHABLE, &[&publication, &only]).await?;
     let mut add = Vec::new();
     let mut added = Vec::new();
     let mut drop = Vec::new();

@@ -91,7 +91,7 @@ impl Streams {
         let database = db.name.as_str();
         let ctl = self.upstream.control(database).await?;
         if self.settings.manage_publication {
-            let synced = sync_publication(&ctl, &self.settings.publication).await?;
+            let synced = sync_publication(&ctl, &self.settings.publication, None).await?;
             db.stream.set_unpublished(synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
@@ -187,9 +187,15 @@ impl Streams {
         ddl: Ddl,
     ) -> Result<(), ReplicationError> {
         wait_visible(ctl, xid).await?;
+        // Only tables of the names it touched can have joined or left.
+        let only: Option<Vec<String>> = match &ddl {
+            Ddl::All => None,
+            Ddl::Objects(names) => Some(names.iter().map(|n| n.to_string()).collect()),
+            Ddl::None => Some(Vec::new()),
+        };
         self.invalidate(db, Bumps::ddl(ddl)).await;
-        if self.settings.manage_publication {
-            match sync_publication(ctl, &self.settings.publication).await {
+        if self.settings.manage_publication && only.as_ref().is_none_or(|o| !o.is_empty()) {
+            match sync_publication(ctl, &self.settings.publication, only.as_deref()).await {
                 Ok(synced) => {
                     db.stream.set_unpublished(synced.unpublished);
                     // Facts fetched before a table joined the publication

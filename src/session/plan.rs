@@ -10,7 +10,7 @@ use crate::cache::catalog::Facts;
 use crate::cache::stats::QueryStats;
 use crate::cache::versions::Versions;
 use crate::cache::{Analyzed, Bumps, Family, Lifetime};
-use crate::classify::{Analysis, BypassReason, Effect, StatementInfo};
+use crate::classify::{Analysis, BypassReason, Ddl, Effect, StatementInfo};
 use crate::config::CacheMode;
 use crate::hints::{Hints, Tier};
 use crate::policy::Policy;
@@ -120,7 +120,10 @@ impl Plan {
             Effect::Begin { strict } => self.begin_strict = Some(*strict),
             Effect::Opaque => {
                 self.effects.merge(&Bumps::ddl(st.ddl.clone()));
-                self.settings = true;
+                // DDL whose objects the parser named cannot change the
+                // session's settings (functions it calls are checked below);
+                // anything else might.
+                self.settings |= st.ddl == Ddl::All;
                 self.writes = true;
             }
         }
@@ -209,7 +212,6 @@ mod tests {
     use crate::cache::analysis::Analyses;
     use crate::cache::catalog::{Catalog, Fetched, FuncFacts, RelFacts};
     use crate::cache::stats::StatsRegistry;
-    use crate::classify::Ddl;
     use crate::config::CacheConfig;
 
     fn facts() -> Facts {
@@ -313,9 +315,13 @@ mod tests {
             "a volatile user function"
         );
         let ddl = plan("CREATE TABLE x (a int)");
-        assert!(ddl.effects.epoch && ddl.settings);
+        assert!(ddl.effects.epoch && ddl.writes);
         assert_eq!(ddl.effects.ddl, Ddl::objects(["x"]));
-        assert_eq!(plan("DO $$ BEGIN END $$").effects.ddl, Ddl::All);
+        assert!(!ddl.settings, "named DDL leaves the settings alone");
+        let default = plan("ALTER TABLE t ADD COLUMN c int DEFAULT next_id()");
+        assert!(default.settings, "a function it runs might not");
+        let opaque = plan("DO $$ BEGIN END $$");
+        assert!(opaque.settings && opaque.effects.ddl == Ddl::All);
     }
 
     #[test]
