@@ -70,6 +70,7 @@ start_pgbouncer() {
     BOUNCER_PORT=$(free_port)
     mkdir -p "$RUNDIR/pgbouncer"
     sed -e "s#@RUNDIR@#$RUNDIR#g" -e "s/55432/$PGPORT/" -e "s/56432/$BOUNCER_PORT/" -e "s/^bench = .*/* = host=127.0.0.1 port=$PGPORT/" \
+        -e "s/^ignore_startup_parameters = .*/ignore_startup_parameters = ${BOUNCER_IGNORE:-extra_float_digits}/" \
         "$ROOT/../shared/anchors/pgbouncer-session.ini" >"$RUNDIR/pgbouncer.ini" 2>/dev/null || cat >"$RUNDIR/pgbouncer.ini" <<INI
 [databases]
 * = host=127.0.0.1 port=$PGPORT
@@ -85,7 +86,7 @@ pool_mode = session
 max_client_conn = 200
 default_pool_size = 32
 server_reset_query = DISCARD ALL
-ignore_startup_parameters = extra_float_digits
+ignore_startup_parameters = ${BOUNCER_IGNORE:-extra_float_digits}
 INI
     echo '"postgres" ""' >"$RUNDIR/userlist.txt"
     [ "$(id -u)" -eq 0 ] && chown -R postgres: "$RUNDIR/pgbouncer" "$RUNDIR/userlist.txt" "$RUNDIR/pgbouncer.ini"

@@ -334,3 +334,30 @@ async fn row_level_security_added_or_changed_directly_is_obeyed() {
     never_hits(&proxy, &one, read, "two").await;
     never_hits(&proxy, &two, read, "two").await;
 }
+
+#[tokio::test]
+async fn a_table_that_loses_its_replica_identity_can_be_updated_at_once() {
+    let (_db, _proxy, client, direct) = setup(
+        "cat_identity",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
+         CREATE TABLE u(id int PRIMARY KEY, v int); INSERT INTO u VALUES (1, 1)",
+    )
+    .await;
+    let published = "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'pgcache' AND tablename IN ('t', 'u')";
+    assert_eq!(scalar(&direct, published).await.as_deref(), Some("2"));
+    // PostgreSQL refuses UPDATE on a published table without a replica
+    // identity: the publication must let go of it within the DDL itself.
+    direct
+        .batch_execute("ALTER TABLE t DROP CONSTRAINT t_pkey; UPDATE t SET v = 2")
+        .await
+        .expect("directly");
+    client
+        .batch_execute("ALTER TABLE u REPLICA IDENTITY NOTHING")
+        .await
+        .unwrap();
+    client
+        .batch_execute("UPDATE u SET v = 2")
+        .await
+        .expect("through pgcache");
+    assert_eq!(scalar(&direct, published).await.as_deref(), Some("0"));
+}

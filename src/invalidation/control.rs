@@ -92,17 +92,30 @@ pub async fn cluster_id(upstream: &Upstream) -> Option<String> {
 /// Tables that may join the publication: permanent user tables (partitioned
 /// roots rather than partitions) with a replica identity, so that publishing
 /// their UPDATE/DELETE cannot make those writes fail.
-const PUBLISHABLE: &str = "\
-SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
+/// Whether pg_class row `c` has a replica identity, so that publishing its
+/// UPDATE/DELETE cannot make them fail.
+macro_rules! has_identity {
+    () => {
+        "(c.relreplident = 'f'
+    OR (c.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+    OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)))"
+    };
+}
+
+/// Tables that may join the publication: permanent user tables (partitioned
+/// roots rather than partitions) with a replica identity.
+const PUBLISHABLE: &str = concat!(
+    "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
     (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr
      JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1),
-  c.relreplident = 'f'
-    OR (c.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
-    OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident))
+  ",
+    has_identity!(),
+    "
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
   AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
-  AND ($2::text[] IS NULL OR c.relname = ANY ($2::text[]))";
+  AND ($2::text[] IS NULL OR c.relname = ANY ($2::text[]))"
+);
 
 /// What [`sync_publication`] did.
 #[derive(Debug, Default)]
@@ -197,9 +210,37 @@ pub async fn sync_publication(
 
 /// Installs an event trigger that announces DDL in the stream, so DDL made
 /// outside pgcache invalidates too. Needs superuser; without it pgcache logs
-/// a warning and notices outside DDL only through the TTL and the snapshot
-/// reload for unknown relations. The function can never fail the user's DDL.
-pub async fn install_ddl_trigger(ctl: &tokio_postgres::Client, database: &str) {
+/// a warning and notices outside DDL only through the TTL. The function can
+/// never fail the user's DDL.
+///
+/// With `managed` (the publication pgcache keeps), the trigger also takes a
+/// table that loses its replica identity out of the publication in the same
+/// transaction: PostgreSQL refuses UPDATE and DELETE on a published table
+/// without one, and waiting for the stream would leave that window open.
+pub async fn install_ddl_trigger(
+    ctl: &tokio_postgres::Client,
+    database: &str,
+    managed: Option<&str>,
+) {
+    let unpublish = match managed {
+        Some(publication) => format!(
+            "IF tg_event = 'ddl_command_end' THEN
+               BEGIN
+                 FOR rel IN SELECT DISTINCT c.oid::regclass::text FROM pg_event_trigger_ddl_commands() d
+                     JOIN pg_class c ON d.classid = 'pg_class'::regclass AND c.oid = d.objid
+                     JOIN pg_publication_rel pr ON pr.prrelid = c.oid
+                     JOIN pg_publication p ON p.oid = pr.prpubid AND p.pubname = {name}
+                   WHERE NOT {identity} LOOP
+                   EXECUTE format('ALTER PUBLICATION %I DROP TABLE %s', {name}, rel);
+                 END LOOP;
+               EXCEPTION WHEN OTHERS THEN NULL;
+               END;
+             END IF;",
+            name = quote_literal(publication),
+            identity = has_identity!(),
+        ),
+        None => String::new(),
+    };
     // Object types whose changes leave every fact pgcache keeps as it was
     // (a schema renamed keeps its relations' bare names; a dropped table's
     // row type, indexes and toast table are reported beside it).
@@ -216,7 +257,9 @@ pub async fn install_ddl_trigger(ctl: &tokio_postgres::Client, database: &str) {
            LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
            DECLARE
              names text;
+             rel text;
            BEGIN
+             {unpublish}
              BEGIN
                IF tg_event = 'sql_drop' THEN
                  SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
@@ -276,6 +319,10 @@ pub async fn wait_visible(ctl: &tokio_postgres::Client, xid: u32) -> Result<(), 
         // and its proc-array update: a short pause, not a synchronisation.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
 }
 
 fn quote_ident(name: &str) -> String {

@@ -95,7 +95,9 @@ impl Streams {
             db.stream.set_unpublished(synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
-            install_ddl_trigger(&ctl, database).await;
+            let managed = self.settings.manage_publication;
+            let publication = managed.then_some(self.settings.publication.as_str());
+            install_ddl_trigger(&ctl, database, publication).await;
         }
         let (mut stream, slot) = self.start(database).await?;
         // Changes made while no stream was running were missed: everything
