@@ -3,9 +3,10 @@
 //! [`analyze`] parses SQL with sqlparser's PostgreSQL dialect and reports,
 //! per statement, whether it is a candidate for caching and what it may
 //! change. It never looks at the catalog: whether a relation is a plain
-//! table, or a function immutable, is decided later against the catalog
-//! snapshot (`cache::catalog`). Anything the parser does not understand is
-//! [`Effect::Opaque`]: treated as if it could have changed anything.
+//! table, or a function immutable, is decided later against the facts
+//! pgcache learns of those names (`cache::catalog`). Anything the parser
+//! does not understand is [`Effect::Opaque`]: treated as if it could have
+//! changed anything; DDL also says which names it changed ([`Ddl`]).
 
 mod ddl;
 mod policy;
