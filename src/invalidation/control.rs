@@ -208,6 +208,53 @@ pub async fn sync_publication(
     })
 }
 
+/// Object types whose changes leave every fact pgcache keeps as it was (a
+/// schema renamed keeps its relations' bare names; a dropped table's row
+/// type, indexes and toast table are reported beside it).
+const NO_FACTS: &str = "'schema', 'type', 'index', 'toast table', 'operator', 'operator class', \
+    'operator family', 'publication', 'extension', 'statistics object', 'collation', 'cast'";
+
+/// An object a DDL command created or altered: `(classid, objid, objsubid)`
+/// as `pg_event_trigger_ddl_commands()` reports it.
+pub type ObjectAddress = (u32, u32, i32);
+
+/// The bare names whose facts `objects` changed: each object's own
+/// relation or function name, plus the tables whose facts depend on it
+/// (inheritance relatives, tables its foreign keys reference). Asked after
+/// the DDL committed, so an object may be gone: `None` then, meaning
+/// anything may have changed.
+pub async fn ddl_names(
+    ctl: &tokio_postgres::Client,
+    objects: &[ObjectAddress],
+) -> Result<Option<Vec<String>>, ReplicationError> {
+    let sql = format!(
+        "SELECT CASE WHEN a.type IS NULL OR cardinality(a.object_names) < 2 THEN NULL
+                ELSE a.object_names[2] END
+         FROM unnest($1::pg_catalog.oid[], $2::pg_catalog.oid[], $3::pg_catalog.int4[]) d(classid, objid, objsubid)
+         CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
+         WHERE a.type IS NULL OR a.type NOT IN ({NO_FACTS})
+         UNION ALL
+         SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
+           JOIN pg_catalog.pg_inherits i ON d.objid IN (i.inhrelid, i.inhparent)
+           JOIN pg_catalog.pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
+         UNION ALL
+         SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
+           JOIN pg_catalog.pg_constraint k ON k.conrelid = d.objid AND k.contype = 'f'
+           JOIN pg_catalog.pg_class r ON r.oid = k.confrelid"
+    );
+    let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
+    let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
+    let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
+    let rows = match ctl.query(&sql, &[&classids, &objids, &subids]).await {
+        Ok(rows) => rows,
+        // An object gone before it could be named.
+        Err(e) if e.as_db_error().is_some() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let names: Option<Vec<String>> = rows.iter().map(|r| r.get::<_, Option<String>>(0)).collect();
+    Ok(names)
+}
+
 /// Installs an event trigger that announces DDL in the stream, so DDL made
 /// outside pgcache invalidates too. Needs superuser; without it pgcache logs
 /// a warning and notices outside DDL only through the TTL. The function can
@@ -224,7 +271,7 @@ pub async fn install_ddl_trigger(
 ) {
     let unpublish = match managed {
         Some(publication) => format!(
-            "IF tg_event = 'ddl_command_end' THEN
+            "IF tg_tag = 'ALTER TABLE' THEN
                BEGIN
                  FOR rel IN SELECT DISTINCT c.oid::regclass::text FROM pg_event_trigger_ddl_commands() d
                      JOIN pg_class c ON d.classid = 'pg_class'::regclass AND c.oid = d.objid
@@ -241,16 +288,11 @@ pub async fn install_ddl_trigger(
         ),
         None => String::new(),
     };
-    // Object types whose changes leave every fact pgcache keeps as it was
-    // (a schema renamed keeps its relations' bare names; a dropped table's
-    // row type, indexes and toast table are reported beside it).
-    const NO_FACTS: &str = "'schema', 'type', 'index', 'toast table', 'operator', 'operator class', \
-        'operator family', 'publication', 'extension', 'statistics object', 'collation', 'cast'";
-    // The message names what changed, one bare name per line after the
-    // command tag ("*": anything): the object itself, the relations its
-    // policies, triggers, rules and constraints belong to, and the tables
-    // whose facts depend on it (inheritance relatives, tables its foreign
-    // keys reference). If naming fails, the tag alone means anything.
+    // The message says what changed, one line each after the command tag:
+    // a dropped object's bare name, "@classid,objid,objsubid" for an object
+    // a command created or altered (named later, by [`ddl_names`], off the
+    // user's transaction: naming it here costed a third more per DDL
+    // statement), "*" for anything. The tag alone means anything.
     let sql = format!(
         "CREATE SCHEMA IF NOT EXISTS pgcache;
          CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
@@ -267,19 +309,8 @@ pub async fn install_ddl_trigger(
                    INTO names FROM pg_event_trigger_dropped_objects() o
                    WHERE o.object_type NOT IN ({NO_FACTS});
                ELSE
-                 SELECT string_agg(n, E'\\n') INTO names FROM (
-                   SELECT CASE WHEN cardinality(a.object_names) < 2 THEN '*' ELSE a.object_names[2] END AS n
-                   FROM pg_event_trigger_ddl_commands() c,
-                     LATERAL pg_identify_object_as_address(c.classid, c.objid, c.objsubid) a
-                   WHERE a.type NOT IN ({NO_FACTS})
-                   UNION ALL
-                   SELECT r.relname::text FROM pg_event_trigger_ddl_commands() c
-                     JOIN pg_inherits i ON c.classid = 'pg_class'::regclass AND c.objid IN (i.inhrelid, i.inhparent)
-                     JOIN pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
-                   UNION ALL
-                   SELECT r.relname::text FROM pg_event_trigger_ddl_commands() c
-                     JOIN pg_constraint k ON c.classid = 'pg_class'::regclass AND k.conrelid = c.objid AND k.contype = 'f'
-                     JOIN pg_class r ON r.oid = k.confrelid) s;
+                 SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
+                   INTO names FROM pg_event_trigger_ddl_commands() c;
                END IF;
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || coalesce(names, ''));
              EXCEPTION WHEN OTHERS THEN

@@ -9,7 +9,9 @@ use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent}
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::control::{install_ddl_trigger, sync_publication, wait_visible};
+use super::control::{
+    ObjectAddress, ddl_names, install_ddl_trigger, sync_publication, wait_visible,
+};
 use super::pgoutput::{self, Change};
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
 use crate::cache::{Bumps, Cache, DbState, Ddl};
@@ -121,8 +123,8 @@ impl Streams {
             if !step.bumps.is_empty() {
                 self.invalidate(db, step.bumps).await;
             }
-            if let Some((xid, ddl)) = step.ddl_committed {
-                self.after_ddl(&ctl, db, xid, ddl).await?;
+            if let Some((xid, announced)) = step.ddl_committed {
+                self.after_ddl(&ctl, db, xid, announced).await?;
             }
         }
     }
@@ -179,16 +181,26 @@ impl Streams {
 
     /// A transaction that ran DDL committed. The stream can deliver a
     /// commit before the transaction is visible to other sessions: wait
-    /// until it is, then forget what it changed again (a fetch may have
-    /// read the old catalog meanwhile) and bring the publication up to date.
+    /// until it is, name the objects it created or altered, forget what it
+    /// changed again (a fetch may have read the old catalog meanwhile) and
+    /// bring the publication up to date.
     async fn after_ddl(
         &self,
         ctl: &tokio_postgres::Client,
         db: &Arc<DbState>,
         xid: u32,
-        ddl: Ddl,
+        announced: Announced,
     ) -> Result<(), ReplicationError> {
         wait_visible(ctl, xid).await?;
+        let mut ddl = announced.names;
+        if !announced.objects.is_empty() {
+            let named = ddl_names(ctl, &announced.objects).await?;
+            debug!(database = %db.name, ?named, "DDL objects named");
+            ddl.merge(&match named {
+                Some(names) => Ddl::objects(names),
+                None => Ddl::All,
+            });
+        }
         // Only tables of the names it touched can have joined or left.
         let only: Option<Vec<String>> = match &ddl {
             Ddl::All => None,
@@ -220,7 +232,28 @@ struct Step {
     ack: Option<pgwire_replication::Lsn>,
     bumps: Bumps,
     /// A transaction that ran DDL committed: its xid and what it changed.
-    ddl_committed: Option<(u32, Ddl)>,
+    ddl_committed: Option<(u32, Announced)>,
+}
+
+/// What the event trigger's messages of one transaction announced.
+#[derive(Debug, Default, PartialEq)]
+struct Announced {
+    /// Names of what was dropped (or anything).
+    names: Ddl,
+    /// Objects created or altered, to be named once the transaction is
+    /// visible.
+    objects: Vec<ObjectAddress>,
+}
+
+impl Announced {
+    fn is_empty(&self) -> bool {
+        self.names.is_none() && self.objects.is_empty()
+    }
+
+    fn merge(&mut self, other: Announced) {
+        self.names.merge(&other.names);
+        self.objects.extend(other.objects);
+    }
 }
 
 /// Turns pgoutput events into version bumps, transaction by transaction,
@@ -231,8 +264,8 @@ struct Decoder {
     touched: HashSet<u32>,
     in_transaction: bool,
     current_xid: u32,
-    /// The current transaction's DDL, as its messages name it.
-    ddl: Ddl,
+    /// The current transaction's DDL, as its messages announce it.
+    ddl: Announced,
     /// Server WAL position seen and position applied, for the byte lag.
     server_lsn: u64,
     applied_lsn: u64,
@@ -246,7 +279,7 @@ impl Decoder {
             touched: HashSet::new(),
             in_transaction: false,
             current_xid: 0,
-            ddl: Ddl::None,
+            ddl: Announced::default(),
             server_lsn: 0,
             applied_lsn: 0,
         }
@@ -289,10 +322,12 @@ impl Decoder {
             ReplicationEvent::Message {
                 prefix, content, ..
             } if prefix == DDL_MESSAGE_PREFIX => {
-                let ddl = ddl_message(&content);
-                debug!(database = %db.name, ?ddl, "DDL seen in the stream");
-                step.bumps = Bumps::ddl(ddl.clone());
-                self.ddl.merge(&ddl);
+                let announced = ddl_message(&content);
+                debug!(database = %db.name, ?announced, "DDL seen in the stream");
+                // What is named already is forgotten at once; the rest once
+                // the transaction is visible and its objects named.
+                step.bumps = Bumps::ddl(announced.names.clone());
+                self.ddl.merge(announced);
             }
             ReplicationEvent::Message { lsn, .. } => step.ack = Some(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -309,7 +344,7 @@ impl Decoder {
         db.stream
             .set_lag_bytes(self.server_lsn.saturating_sub(self.applied_lsn));
         db.stream.set_applied_lsn(self.applied_lsn);
-        if !self.in_transaction && !self.ddl.is_none() {
+        if !self.in_transaction && !self.ddl.is_empty() {
             step.ddl_committed = Some((self.current_xid, std::mem::take(&mut self.ddl)));
         }
         Some(step)
@@ -331,18 +366,48 @@ impl Decoder {
 }
 
 /// What the event trigger's message says a DDL command changed: its tag,
-/// then one changed name per line, `*` for anything. A message without
-/// names (an older trigger) changed anything.
-fn ddl_message(content: &[u8]) -> Ddl {
+/// then one line per thing: a bare name, `@classid,objid,objsubid` for an
+/// object to name later, `*` for anything. A message with nothing after its
+/// tag (an older trigger) changed anything.
+fn ddl_message(content: &[u8]) -> Announced {
     let text = String::from_utf8_lossy(content);
+    let mut announced = Announced::default();
     let mut lines = text.split('\n').skip(1).peekable();
-    if lines.peek().is_none() || text.split('\n').skip(1).any(|l| l == "*") {
-        return Ddl::All;
+    if lines.peek().is_none() {
+        announced.names = Ddl::All;
+        return announced;
     }
-    let mut names: Vec<&str> = lines.filter(|l| !l.is_empty()).collect();
+    let mut names: Vec<&str> = Vec::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        if line == "*" {
+            announced.names = Ddl::All;
+            return announced;
+        }
+        match line.strip_prefix('@') {
+            Some(address) => match parse_address(address) {
+                Some(object) => announced.objects.push(object),
+                None => {
+                    announced.names = Ddl::All;
+                    return announced;
+                }
+            },
+            None => names.push(line),
+        }
+    }
     names.sort_unstable();
     names.dedup();
-    Ddl::objects(names)
+    announced.names = Ddl::objects(names);
+    announced
+}
+
+fn parse_address(text: &str) -> Option<ObjectAddress> {
+    let mut parts = text.split(',');
+    let address = (
+        parts.next()?.parse().ok()?,
+        parts.next()?.parse().ok()?,
+        parts.next()?.parse().ok()?,
+    );
+    parts.next().is_none().then_some(address)
 }
 
 fn now_pg_micros() -> i64 {
@@ -358,16 +423,19 @@ mod tests {
 
     #[test]
     fn ddl_messages_name_what_changed() {
-        assert_eq!(ddl_message(b"CREATE TABLE\nt"), Ddl::objects(["t"]));
+        let names = |text: &[u8]| ddl_message(text).names;
+        assert_eq!(names(b"DROP TABLE\nt"), Ddl::objects(["t"]));
+        assert_eq!(names(b"DROP TABLE\nu\nt\nu\n"), Ddl::objects(["t", "u"]));
+        assert_eq!(names(b"CREATE INDEX\n"), Ddl::objects(Vec::<String>::new()));
+        assert_eq!(names(b"DROP SCHEMA\ns\n*"), Ddl::All);
+        assert_eq!(names(b"CREATE TABLE"), Ddl::All, "an older trigger");
         assert_eq!(
-            ddl_message(b"ALTER TABLE\nu\nt\nu\n"),
-            Ddl::objects(["t", "u"])
+            ddl_message(b"CREATE TABLE\n@1259,16384,0\n@2606,16390,0"),
+            Announced {
+                names: Ddl::objects(Vec::<String>::new()),
+                objects: vec![(1259, 16384, 0), (2606, 16390, 0)],
+            }
         );
-        assert_eq!(
-            ddl_message(b"CREATE INDEX\n"),
-            Ddl::objects(Vec::<String>::new())
-        );
-        assert_eq!(ddl_message(b"DROP SCHEMA\ns\n*"), Ddl::All);
-        assert_eq!(ddl_message(b"CREATE TABLE"), Ddl::All, "an older trigger");
+        assert_eq!(names(b"ALTER TABLE\n@1259,x,0"), Ddl::All, "unreadable");
     }
 }
