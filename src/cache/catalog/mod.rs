@@ -168,7 +168,7 @@ pub struct Catalog {
     /// pgcache's own connection cannot be opened: sessions fetch on their
     /// own idle connection instead.
     fetcher_down: AtomicBool,
-    /// Fetches run, for the admin console and tests.
+    /// Lookups installed: a DDL statement must cause none (tested).
     fetches: AtomicU64,
 }
 
@@ -381,12 +381,6 @@ impl Catalog {
 
     pub fn fetches(&self) -> u64 {
         self.fetches.load(Ordering::Relaxed)
-    }
-
-    /// Names known (found or absent), for the admin console.
-    pub fn known_names(&self) -> usize {
-        let names = self.names.read().unwrap_or_else(|e| e.into_inner());
-        names.rels.len() + names.funcs.len()
     }
 }
 
