@@ -10,26 +10,6 @@ use common::*;
 use pgcache::classify::BypassReason;
 use tokio_postgres::Client;
 
-async fn setup(name: &str, sql: &str) -> (String, Proxy, Client, Client) {
-    let db = pg().create_db(name);
-    pg().psql_db(&db, sql);
-    let proxy = Proxy::start(pg().proxy_config()).await;
-    let client = proxy.connect(&db).await;
-    let direct = pg().direct(&db).await;
-    (db, proxy, client, direct)
-}
-
-/// Reads `sql` until it returns `want` (the stream carries a direct change
-/// within its lag).
-async fn eventually_reads(client: &Client, sql: &str, want: &str) {
-    eventually(
-        Duration::from_secs(10),
-        &format!("{sql} to return {want}"),
-        || async { (scalar(client, sql).await.as_deref() == Some(want)).then_some(()) },
-    )
-    .await;
-}
-
 /// Reads `sql` until one read is a hit; returns the value.
 async fn eventually_hit(proxy: &Proxy, client: &Client, sql: &str) -> Option<String> {
     eventually(
@@ -137,7 +117,7 @@ async fn without_a_connection_of_its_own_a_session_looks_names_up_itself() {
 
 #[tokio::test]
 async fn a_table_created_directly_becomes_cacheable_within_the_stream_lag() {
-    let (_db, proxy, client, direct) = setup("cat_created", "SELECT 1").await;
+    let (_db, proxy, client, direct) = setup_streaming("cat_created", "SELECT 1").await;
     let read = "SELECT v FROM fresh WHERE id = 1";
     assert!(
         client.simple_query(read).await.is_err(),
@@ -177,7 +157,7 @@ async fn a_table_created_directly_becomes_cacheable_within_the_stream_lag() {
 
 #[tokio::test]
 async fn a_table_replaced_renamed_or_moved_directly_never_serves_an_old_entry() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "cat_replaced",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
          CREATE TABLE base(id int PRIMARY KEY, v int); INSERT INTO base VALUES (1, 2)",
@@ -249,7 +229,7 @@ async fn a_table_replaced_renamed_or_moved_directly_never_serves_an_old_entry() 
 
 #[tokio::test]
 async fn a_function_made_volatile_directly_stops_its_reads_being_cached() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "cat_volatile",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 10);
          CREATE FUNCTION twice(int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT $1 * 2'",
@@ -272,7 +252,7 @@ async fn a_function_made_volatile_directly_stops_its_reads_being_cached() {
 
 #[tokio::test]
 async fn a_temporary_table_that_shadows_a_cached_one_is_read_not_the_entry() {
-    let (db, proxy, client, _direct) = setup(
+    let (db, proxy, client, _direct) = setup_streaming(
         "cat_temp",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
     )
@@ -303,7 +283,7 @@ async fn a_temporary_table_that_shadows_a_cached_one_is_read_not_the_entry() {
 #[tokio::test]
 async fn row_level_security_added_or_changed_directly_is_obeyed() {
     let role = format!("cat_rls_{}", rand_suffix());
-    let (db, proxy, _client, direct) = setup(
+    let (db, proxy, _client, direct) = setup_streaming(
         "cat_rls",
         &format!(
             "CREATE ROLE {role} LOGIN;
@@ -356,7 +336,7 @@ async fn row_level_security_added_or_changed_directly_is_obeyed() {
 
 #[tokio::test]
 async fn a_table_that_loses_its_replica_identity_can_be_updated_at_once() {
-    let (_db, _proxy, client, direct) = setup(
+    let (_db, _proxy, client, direct) = setup_streaming(
         "cat_identity",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
          CREATE TABLE u(id int PRIMARY KEY, v int); INSERT INTO u VALUES (1, 1)",

@@ -8,16 +8,6 @@ use std::time::Duration;
 use common::*;
 use tokio_postgres::{Client, SimpleQueryMessage};
 
-/// Reads `sql` through pgcache until it returns `want` (polling, with a deadline).
-async fn eventually_reads(client: &Client, sql: &str, want: &str) {
-    eventually(
-        Duration::from_secs(10),
-        &format!("{sql} to return {want}"),
-        || async { (scalar(client, sql).await.as_deref() == Some(want)).then_some(()) },
-    )
-    .await;
-}
-
 /// Reads `sql` twice and checks the second read was a hit.
 async fn cached(proxy: &Proxy, client: &Client, sql: &str) -> Option<String> {
     let first = scalar(client, sql).await;
@@ -28,18 +18,9 @@ async fn cached(proxy: &Proxy, client: &Client, sql: &str) -> Option<String> {
     second
 }
 
-async fn setup(name: &str, sql: &str) -> (String, Proxy, Client, Client) {
-    let db = pg().create_db(name);
-    pg().psql_db(&db, sql);
-    let proxy = Proxy::start(pg().proxy_config()).await;
-    let client = proxy.connect(&db).await;
-    let direct = pg().direct(&db).await;
-    (db, proxy, client, direct)
-}
-
 #[tokio::test]
 async fn direct_writes_of_every_kind_invalidate() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "directwrites",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 0)",
     )
@@ -75,7 +56,7 @@ async fn direct_writes_of_every_kind_invalidate() {
 
 #[tokio::test]
 async fn a_rolled_back_transaction_leaves_the_cache_alone() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "rollback",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1); CREATE TABLE other(id int PRIMARY KEY)",
     )
@@ -103,7 +84,7 @@ async fn a_rolled_back_transaction_leaves_the_cache_alone() {
 
 #[tokio::test]
 async fn a_direct_write_to_a_partition_invalidates_the_parent() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "partitions",
         "CREATE TABLE m(id int PRIMARY KEY, v int) PARTITION BY RANGE (id);
          CREATE TABLE m1 PARTITION OF m FOR VALUES FROM (0) TO (100);
@@ -134,7 +115,7 @@ async fn a_direct_write_to_a_partition_invalidates_the_parent() {
 
 #[tokio::test]
 async fn a_table_without_a_primary_key_is_never_published_and_its_writes_work() {
-    let (db, proxy, client, direct) = setup(
+    let (db, proxy, client, direct) = setup_streaming(
         "nopk",
         "CREATE TABLE log(msg text); INSERT INTO log VALUES ('a'); CREATE TABLE t(id int PRIMARY KEY)",
     )
@@ -190,7 +171,7 @@ async fn a_table_without_a_primary_key_is_never_published_and_its_writes_work() 
 
 #[tokio::test]
 async fn ddl_made_outside_pgcache_invalidates() {
-    let (_db, proxy, client, direct) = setup(
+    let (_db, proxy, client, direct) = setup_streaming(
         "ddl",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
     )
@@ -218,7 +199,7 @@ async fn ddl_made_outside_pgcache_invalidates() {
 
 #[tokio::test]
 async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
-    let (db, proxy, client, direct) = setup(
+    let (db, proxy, client, direct) = setup_streaming(
         "walsender",
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
     )

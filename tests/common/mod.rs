@@ -107,6 +107,36 @@ pub async fn scalar(client: &tokio_postgres::Client, sql: &str) -> Option<String
         .flatten()
 }
 
+/// Reads `sql` through `client` until it returns `want` (a change made
+/// directly arrives within the replication stream's lag).
+pub async fn eventually_reads(client: &tokio_postgres::Client, sql: &str, want: &str) {
+    eventually(
+        Duration::from_secs(10),
+        &format!("{sql} to return {want}"),
+        || async { (scalar(client, sql).await.as_deref() == Some(want)).then_some(()) },
+    )
+    .await;
+}
+
+/// A database made by `sql`, pgcache streaming it, a client through
+/// pgcache and one straight to PostgreSQL.
+pub async fn setup_streaming(
+    name: &str,
+    sql: &str,
+) -> (
+    String,
+    Proxy,
+    tokio_postgres::Client,
+    tokio_postgres::Client,
+) {
+    let db = pg().create_db(name);
+    pg().psql_db(&db, sql);
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg().direct(&db).await;
+    (db, proxy, client, direct)
+}
+
 /// All rows of a simple query, as text.
 pub async fn rows(client: &tokio_postgres::Client, sql: &str) -> Vec<Vec<Option<String>>> {
     client

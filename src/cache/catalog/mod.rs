@@ -141,6 +141,7 @@ impl Facts {
     }
 }
 
+#[cfg(test)]
 impl From<Fetched> for Facts {
     fn from(fetched: Fetched) -> Facts {
         Facts {
@@ -185,32 +186,25 @@ impl Catalog {
         funcs: impl IntoIterator<Item = &'a str>,
     ) -> (Facts, bool) {
         let mut facts = Facts::default();
-        let mut missing = Wanted::default();
         let rels: Vec<&str> = rels.into_iter().collect();
         let funcs: Vec<&str> = funcs
             .into_iter()
             .filter(|f| !IMMUTABLE_CONSTRUCTS.contains(f))
             .collect();
+        let (mut missing_rels, mut missing_funcs) = (Vec::new(), Vec::new());
         {
             let names = self.names.read().unwrap_or_else(|e| e.into_inner());
-            for name in &rels {
-                match names.rels.get(*name) {
-                    Some(Entry::Known(f)) => facts.rels.push((name.to_string(), f.clone())),
-                    Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
-                    Some(Entry::Fetching(_)) => facts.pending.push(name.to_string()),
-                    _ => missing.rels.push((name.to_string(), 0)),
-                }
-            }
-            for name in &funcs {
-                match names.funcs.get(*name) {
-                    Some(Entry::Known(f)) => facts.funcs.push((name.to_string(), *f)),
-                    Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
-                    Some(Entry::Fetching(_)) => facts.pending.push(name.to_string()),
-                    _ => missing.funcs.push((name.to_string(), 0)),
-                }
-            }
+            look_up(
+                &names.rels,
+                &rels,
+                &mut facts.rels,
+                &mut facts.pending,
+                &mut missing_rels,
+            );
+            let (known, pending) = (&mut facts.funcs, &mut facts.pending);
+            look_up(&names.funcs, &funcs, known, pending, &mut missing_funcs);
         }
-        if missing.is_empty() {
+        if missing_rels.is_empty() && missing_funcs.is_empty() {
             return (facts, false);
         }
         let mut queued = Wanted::default();
@@ -222,18 +216,15 @@ impl Catalog {
                 self.generation.fetch_add(1, Ordering::AcqRel);
             }
             let names = &mut *names;
-            for (name, _) in missing.rels {
-                facts.pending.push(name.clone());
-                if let Some(ticket) = claim(&mut names.rels, &mut names.next_ticket, &name) {
-                    queued.rels.push((name, ticket));
-                }
-            }
-            for (name, _) in missing.funcs {
-                facts.pending.push(name.clone());
-                if let Some(ticket) = claim(&mut names.funcs, &mut names.next_ticket, &name) {
-                    queued.funcs.push((name, ticket));
-                }
-            }
+            let next = &mut names.next_ticket;
+            facts.pending.extend(
+                missing_rels
+                    .iter()
+                    .chain(&missing_funcs)
+                    .map(|n| n.to_string()),
+            );
+            queued.rels = claim_all(&mut names.rels, next, &missing_rels);
+            queued.funcs = claim_all(&mut names.funcs, next, &missing_funcs);
         }
         if queued.is_empty() {
             return (facts, false);
@@ -269,42 +260,16 @@ impl Catalog {
         }
         let now = Instant::now();
         let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
-        for (name, ticket) in &asked.rels {
-            if let Some(entry) = names.rels.get_mut(name)
-                && matches!(entry, Entry::Fetching(t) if t == ticket)
-            {
-                *entry = match fetched.rels.remove(name) {
-                    Some(f) => Entry::Known(f),
-                    None => Entry::Absent(now),
-                };
-            }
-        }
-        for (name, ticket) in &asked.funcs {
-            if let Some(entry) = names.funcs.get_mut(name)
-                && matches!(entry, Entry::Fetching(t) if t == ticket)
-            {
-                *entry = match fetched.funcs.remove(name) {
-                    Some(f) => Entry::Known(f),
-                    None => Entry::Absent(now),
-                };
-            }
-        }
+        settle(&mut names.rels, &asked.rels, fetched.rels, now);
+        settle(&mut names.funcs, &asked.funcs, fetched.funcs, now);
     }
 
     /// A fetch of `asked` failed: the names are asked for again by the
     /// next statement that needs them.
     pub fn abandon(&self, asked: &Wanted) {
         let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
-        for (name, ticket) in &asked.rels {
-            if matches!(names.rels.get(name), Some(Entry::Fetching(t)) if t == ticket) {
-                names.rels.remove(name);
-            }
-        }
-        for (name, ticket) in &asked.funcs {
-            if matches!(names.funcs.get(name), Some(Entry::Fetching(t)) if t == ticket) {
-                names.funcs.remove(name);
-            }
-        }
+        release(&mut names.rels, &asked.rels);
+        release(&mut names.funcs, &asked.funcs);
     }
 
     /// DDL changed `ddl`: forget what it touched (and relations whose
@@ -384,15 +349,71 @@ impl Catalog {
     }
 }
 
-/// Marks `name` as being fetched under a new ticket, unless it already is.
-fn claim<T>(map: &mut HashMap<String, Entry<T>>, next: &mut u64, name: &str) -> Option<u64> {
-    match map.get(name) {
-        Some(Entry::Fetching(_) | Entry::Known(_)) => None,
-        Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => None,
-        _ => {
-            *next += 1;
-            map.insert(name.to_owned(), Entry::Fetching(*next));
-            Some(*next)
+/// Sorts `names` into the facts `map` knows, the names being fetched, and
+/// the names to ask for (never seen, or absent for too long).
+fn look_up<'a, T: Clone>(
+    map: &HashMap<String, Entry<T>>,
+    names: &[&'a str],
+    known: &mut Vec<(String, T)>,
+    pending: &mut Vec<String>,
+    missing: &mut Vec<&'a str>,
+) {
+    for name in names {
+        match map.get(*name) {
+            Some(Entry::Known(f)) => known.push((name.to_string(), f.clone())),
+            Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
+            Some(Entry::Fetching(_)) => pending.push(name.to_string()),
+            _ => missing.push(name),
+        }
+    }
+}
+
+/// Marks each of `names` as being fetched under a new ticket, unless
+/// another caller did meanwhile; returns those it marked.
+fn claim_all<T>(
+    map: &mut HashMap<String, Entry<T>>,
+    next: &mut u64,
+    names: &[&str],
+) -> Vec<(String, u64)> {
+    let mut claimed = Vec::new();
+    for name in names {
+        match map.get(*name) {
+            Some(Entry::Fetching(_) | Entry::Known(_)) => {}
+            Some(Entry::Absent(at)) if at.elapsed() < ABSENT_FOR => {}
+            _ => {
+                *next += 1;
+                map.insert(name.to_string(), Entry::Fetching(*next));
+                claimed.push((name.to_string(), *next));
+            }
+        }
+    }
+    claimed
+}
+
+/// Installs the answer for every name still waiting for its ticket.
+fn settle<T>(
+    map: &mut HashMap<String, Entry<T>>,
+    asked: &[(String, u64)],
+    mut found: HashMap<String, T>,
+    now: Instant,
+) {
+    for (name, ticket) in asked {
+        if let Some(entry) = map.get_mut(name)
+            && matches!(entry, Entry::Fetching(t) if t == ticket)
+        {
+            *entry = match found.remove(name) {
+                Some(f) => Entry::Known(f),
+                None => Entry::Absent(now),
+            };
+        }
+    }
+}
+
+/// Drops the marks of a failed fetch that are still its own.
+fn release<T>(map: &mut HashMap<String, Entry<T>>, asked: &[(String, u64)]) {
+    for (name, ticket) in asked {
+        if matches!(map.get(name), Some(Entry::Fetching(t)) if t == ticket) {
+            map.remove(name);
         }
     }
 }
