@@ -62,6 +62,7 @@ start_pgcache() {
     RUST_LOG=warn "$PGCACHE_BIN" --listen "127.0.0.1:$port" --upstream "${UPSTREAM_URL:-postgres://postgres@127.0.0.1:$PGPORT}" \
         --metrics "127.0.0.1:$METRICS_PORT" "$@" >"$RUNDIR/pgcache-$port.log" 2>&1 &
     PIDS+=($!)
+    PGCACHE_PID=$!
     wait_port "$port"
 }
 
@@ -142,6 +143,14 @@ start_pgpool() {
     as_pg pgpool -n -f "$RUNDIR/pgpool.conf" -a "$RUNDIR/pool_hba.conf" -F "$RUNDIR/pcp.conf" >"$RUNDIR/pgpool/stdout.log" 2>&1 &
     PIDS+=($!)
     wait_port "$PGPOOL_PORT"
+}
+
+# CPU seconds a process has used (user + system), and with CHILDREN set,
+# what its reaped children used (the postmaster's: the exited backends').
+cpu_secs() {
+    awk -v tck="$(getconf CLK_TCK)" -v kids="${CHILDREN:-}" '{
+        sub(/^.*\) /, ""); # fields from state on: utime is $12, cutime $14
+        printf "%.2f", (kids ? $14 + $15 : $12 + $13) / tck }' "/proc/$1/stat" 2>/dev/null
 }
 
 # Peak resident memory of a process, in MiB.

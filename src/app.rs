@@ -17,6 +17,7 @@ use crate::cache::{Cache, DbState, LocalCache};
 use crate::config::{self, Config, ConfigError};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
+use crate::pool::ServerPool;
 use crate::upstream::Upstream;
 use crate::{auth, cancel, policy, tls};
 
@@ -27,6 +28,8 @@ pub struct App {
     /// `upstream.url`, parsed once.
     pub upstream: Arc<Upstream>,
     pub cancel: Arc<cancel::CancelRegistry>,
+    /// Server connections parked between sessions.
+    pub pool: Arc<ServerPool>,
     /// Shutdown requested: sessions close once idle.
     pub drain: CancellationToken,
     /// Shutdown timeout expired: sessions close now.
@@ -96,6 +99,7 @@ impl App {
             streams,
             upstream,
             cancel: Arc::default(),
+            pool: Arc::new(ServerPool::new(metrics.pool.clone())),
             drain,
             force: CancellationToken::new(),
             metrics,

@@ -14,6 +14,7 @@
 //! - [`cache`]: the facade over both tiers, keys, versions, the catalog.
 //! - [`invalidation`]: logical replication streams that bump versions.
 //! - [`backend`], [`cancel`], [`tls`], [`auth`]: connections and logins.
+//! - [`pool`]: server connections parked between sessions.
 //! - [`app`]: the state one instance shares between its sessions.
 //! - [`session`]: one client, from startup to the relay loop.
 //! - [`admin`], [`http`], [`server`]: the console, the HTTP endpoint,
@@ -32,6 +33,7 @@ pub mod http;
 pub mod invalidation;
 pub mod metrics;
 pub mod policy;
+pub mod pool;
 pub mod protocol;
 pub mod scram;
 pub mod server;

@@ -51,6 +51,62 @@ pub struct Metrics {
     pub local_entries: IntGauge,
     pub local_bytes: IntGauge,
     pub shared: SharedMetrics,
+    pub pool: PoolMetrics,
+}
+
+/// The server-connection pool ([`crate::pool`]).
+#[derive(Clone)]
+pub struct PoolMetrics {
+    /// Connections parked for the next client now, and ever.
+    pub idle: IntGauge,
+    pub parked: IntCounter,
+    /// Logins served by a parked connection, and by a new one.
+    pub reused: IntCounter,
+    pub fresh: IntCounter,
+    /// Parked or returning connections closed, by why.
+    pub closed_stale: IntCounter,
+    pub closed_failed: IntCounter,
+    pub closed_full: IntCounter,
+    pub closed_expired: IntCounter,
+    pub closed_evicted: IntCounter,
+    pub closed_tainted: IntCounter,
+}
+
+impl PoolMetrics {
+    fn new(r: &Registrar<'_>) -> Self {
+        let logins = r.counter_vec(
+            "pgcache_pool_logins_total",
+            "Client logins by the server connection they got: a parked one (reused) or a new one (fresh)",
+            &["server"],
+        );
+        let closed = r.counter_vec(
+            "pgcache_pool_closed_total",
+            "Server connections closed instead of parked or reused, by reason: settings changed \
+             or first seen (stale), reset or check failed (failed), pool full (full), idle too long \
+             (expired), closed for a database statement (evicted), session state DISCARD ALL \
+             keeps (tainted)",
+            &["reason"],
+        );
+        let by = |family: &IntCounterVec, label: &str| family.with_label_values(&[label]);
+        Self {
+            idle: r.gauge(
+                "pgcache_pool_idle_servers",
+                "Server connections parked for the next client",
+            ),
+            parked: r.counter(
+                "pgcache_pool_parked_total",
+                "Server connections reset and parked when their session ended",
+            ),
+            reused: by(&logins, "reused"),
+            fresh: by(&logins, "fresh"),
+            closed_stale: by(&closed, "stale"),
+            closed_failed: by(&closed, "failed"),
+            closed_full: by(&closed, "full"),
+            closed_expired: by(&closed, "expired"),
+            closed_evicted: by(&closed, "evicted"),
+            closed_tainted: by(&closed, "tainted"),
+        }
+    }
 }
 
 /// Local-tier entries that left, by cause.
@@ -400,6 +456,7 @@ impl Metrics {
                 "Bytes charged to the local tier (entries and bookkeeping)",
             ),
             shared: SharedMetrics::new(&r),
+            pool: PoolMetrics::new(&r),
             registry,
         }
     }

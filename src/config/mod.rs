@@ -38,6 +38,48 @@ pub struct Config {
     pub admin: AdminConfig,
     pub tls: TlsConfig,
     pub auth: AuthConfig,
+    pub pool: PoolConfig,
+}
+
+/// Server connections kept for the next client once a session ends
+/// ([`crate::pool`]).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Connections kept idle at most, over all users and databases (each
+    /// holds one of PostgreSQL's `max_connections`); 0 turns reuse off.
+    pub max_idle_servers: usize,
+    /// An idle connection is closed after this long.
+    pub server_idle_timeout_secs: u64,
+    /// A connection older than this is closed when its session ends.
+    pub server_lifetime_secs: u64,
+    /// Time allowed for the reset or check query of a connection.
+    pub check_timeout_ms: u64,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_idle_servers: 16,
+            server_idle_timeout_secs: 60,
+            server_lifetime_secs: 3600,
+            check_timeout_ms: 2_000,
+        }
+    }
+}
+
+impl PoolConfig {
+    pub fn server_idle_timeout(&self) -> Duration {
+        Duration::from_secs(self.server_idle_timeout_secs)
+    }
+
+    pub fn server_lifetime(&self) -> Duration {
+        Duration::from_secs(self.server_lifetime_secs)
+    }
+
+    pub fn check_timeout(&self) -> Duration {
+        Duration::from_millis(self.check_timeout_ms)
+    }
 }
 
 /// Who authenticates clients.

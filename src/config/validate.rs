@@ -11,6 +11,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
         self.check_server(&mut problems);
+        self.check_pool(&mut problems);
         self.check_connections(&mut problems);
         self.check_cache(&mut problems);
         self.check_shared(&mut problems);
@@ -37,6 +38,16 @@ impl Config {
         }
         if self.server.startup_timeout_ms == 0 {
             problems.push("server.startup_timeout_ms: must be above 0".to_owned());
+        }
+    }
+
+    fn check_pool(&self, problems: &mut Vec<String>) {
+        let pool = &self.pool;
+        if pool.max_idle_servers > 0 && pool.server_idle_timeout_secs == 0 {
+            problems.push("pool.server_idle_timeout_secs: must be above 0".to_owned());
+        }
+        if pool.check_timeout_ms == 0 {
+            problems.push("pool.check_timeout_ms: must be above 0".to_owned());
         }
     }
 

@@ -150,6 +150,9 @@ where
                     return Ok((!failed).then_some(rows));
                 }
                 be::NOTIFICATION | be::PARAMETER_STATUS => {
+                    if frame[0] == be::PARAMETER_STATUS {
+                        self.server.statuses.note(&frame);
+                    }
                     self.client
                         .write_all(&frame)
                         .await

@@ -104,9 +104,13 @@ where
             let code = (frame[0] == be::AUTHENTICATION && len >= HEADER_LEN + 4)
                 .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
             if code == Some(AUTH_OK) {
+                self.server.trusted = !self.server.challenged;
                 done = true;
                 break;
             }
+            // Anything before AuthenticationOk asked the client to prove
+            // itself: this connection is not one any client may have.
+            self.server.challenged = true;
             let offer = match code {
                 Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
                 _ => None,

@@ -31,6 +31,7 @@ mod plan;
 mod query;
 mod relay;
 mod response;
+mod reuse;
 mod transaction;
 
 use std::net::SocketAddr;
@@ -43,13 +44,15 @@ use tracing::{Instrument, debug, info, warn};
 use crate::App;
 use crate::auth;
 use crate::config::{AuthMode, SslMode};
+use crate::pool::PoolKey;
 use crate::protocol::sqlstate;
-use crate::protocol::stream::FramedStream;
+use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
 use crate::tls::ClientStream;
 pub use error::SessionError;
 use negotiate::Negotiated;
 use relay::Session;
+use reuse::ServerBook;
 
 /// How long a closing session waits for the client to hang up.
 const LINGER: std::time::Duration = std::time::Duration::from_millis(500);
@@ -148,16 +151,58 @@ async fn admit(
         Ok(secret) => secret,
         Err(e) => return Err((client, e)),
     };
-    let (backend, addr) = match crate::backend::connect(&app.upstream).await {
-        Ok(b) => b,
-        Err(e) => return Err((client, e.into())),
+    let checked_by_pgcache = secret.is_some();
+    let pool = &config.pool;
+    let key = (pool.max_idle_servers > 0)
+        .then(|| PoolKey::of(startup))
+        .flatten();
+    let parked = match &key {
+        // A client pgcache did not authenticate may only have a connection
+        // PostgreSQL would have let it open without a password.
+        Some(key) => app.pool.take(pool, key, !checked_by_pgcache).await,
+        None => None,
+    };
+    let (backend, addr, book) = match parked {
+        Some(mut server) => {
+            let login = server.login_frames();
+            let buf = server.stream.buffer_mut();
+            let rest = buf.split();
+            buf.extend_from_slice(&login);
+            buf.extend_from_slice(&rest);
+            let book = ServerBook::reused(&server);
+            (server.stream, server.addr, book)
+        }
+        None => match crate::backend::connect(&app.upstream).await {
+            Ok((stream, addr)) => {
+                app.metrics.pool.fresh.inc();
+                let buf = BytesMut::with_capacity(READ_CHUNK);
+                let stream = FramedStream::new(stream, buf, relay::MAX_BACKEND_FRAME);
+                (stream, addr, ServerBook::new(key.is_some()))
+            }
+            Err(e) => return Err((client, e.into())),
+        },
     };
     let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
-    let mut session = Session::new(Arc::clone(app), client, backend, addr, negotiated.startup);
+    let mut session = Session::new(
+        Arc::clone(app),
+        client,
+        backend,
+        addr,
+        book,
+        negotiated.startup,
+    );
     match session.run(&negotiated.raw, secret).instrument(span).await {
         Ok(()) => debug!("session closed"),
         Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
         Err(e) => info!(error = %e, "session ended"),
+    }
+    // A connection PostgreSQL asked a password for is kept only for
+    // clients pgcache authenticates itself.
+    if let Some(key) = key
+        && let Some(server) = session.into_server()
+        && (server.trusted || checked_by_pgcache)
+    {
+        app.pool.give_back(&app.config().pool, key, server);
     }
     Ok(())
 }

@@ -28,6 +28,7 @@ use super::relay::Session;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
+use crate::pool::marks::marks;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, frontend as fe, messages, sqlstate};
 
@@ -48,6 +49,9 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        if self.server.pooling && (frame[0] == fe::QUERY || frame[0] == fe::PARSE) {
+            self.note_marks(marks(&frame[HEADER_LEN..]));
+        }
         match frame[0] {
             fe::QUERY => self.on_query(frame).await,
             fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE | fe::CLOSE => {
@@ -65,6 +69,7 @@ where
                 });
                 Ok(Flow::Continue)
             }
+            fe::TERMINATE if self.hand_back() => Ok(Flow::Close),
             tag => {
                 if tag == fe::FLUSH {
                     self.release_batch();

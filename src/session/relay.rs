@@ -14,16 +14,18 @@ use super::SessionError;
 use super::batch::Batch;
 use super::known::Known;
 use super::pipeline::{Flow, Pipeline};
+use super::reuse::ServerBook;
 use super::transaction::Transaction;
 use crate::App;
 use crate::backend::BackendStream;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget};
+use crate::pool::marks::marks;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
-use crate::protocol::stream::{FramedStream, READ_CHUNK};
-use crate::protocol::{TxStatus, backend as be, sqlstate};
+use crate::protocol::stream::FramedStream;
+use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
 use crate::scram::ClientSecret;
 use crate::upstream::UpstreamAddr;
 
@@ -37,7 +39,9 @@ pub(super) struct Session<C> {
     pub caching: bool,
     pub client: FramedStream<C>,
     pub backend: FramedStream<BackendStream>,
-    backend_addr: UpstreamAddr,
+    pub(super) backend_addr: UpstreamAddr,
+    /// What decides whether the backend connection outlives the session.
+    pub(super) server: ServerBook,
     /// Staging for client writes that pgcache assembles or rewrites.
     pub out: BytesMut,
     pub startup: Startup,
@@ -57,7 +61,7 @@ pub(super) struct Session<C> {
     pub backend_fatal: bool,
     draining: bool,
     /// The backend's own cancel key, and the registration of ours.
-    backend_key: Option<CancelTarget>,
+    pub(super) backend_key: Option<CancelTarget>,
     cancel: Option<CancelGuard>,
     _gauge: ConnectionGauge,
 }
@@ -84,11 +88,14 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    /// A session on `backend`: a new connection to log in, or a parked one
+    /// whose login frames are in its read buffer (`server` says which).
     pub fn new(
         app: Arc<App>,
         client: FramedStream<C>,
-        backend: BackendStream,
+        backend: FramedStream<BackendStream>,
         backend_addr: UpstreamAddr,
+        server: ServerBook,
         startup: Startup,
     ) -> Self {
         Self {
@@ -97,12 +104,9 @@ where
             _gauge: ConnectionGauge::new(&app),
             app,
             client,
-            backend: FramedStream::new(
-                backend,
-                BytesMut::with_capacity(READ_CHUNK),
-                MAX_BACKEND_FRAME,
-            ),
+            backend,
             backend_addr,
+            server,
             out: BytesMut::new(),
             startup,
             ready: false,
@@ -129,7 +133,12 @@ where
         startup_raw: &[u8],
         secret: Option<ClientSecret>,
     ) -> Result<(), SessionError> {
-        let result = match self.log_in(startup_raw, secret).await {
+        let logged_in = if self.server.reused {
+            Ok(Flow::Continue) // its login frames are replayed by the relay
+        } else {
+            self.log_in(startup_raw, secret).await
+        };
+        let result = match logged_in {
             Ok(Flow::Continue) => self.relay().await,
             other => other.map(|_| ()),
         };
@@ -320,7 +329,15 @@ where
             while flow == Flow::Continue {
                 match self.client.frame_len_at(pos) {
                     Ok(Some(len)) => {
-                        flow = self.pipeline.note_client_frame(self.client.buffered()[pos]);
+                        let tag = self.client.buffered()[pos];
+                        if self.server.pooling && (tag == fe::QUERY || tag == fe::PARSE) {
+                            let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
+                            self.note_marks(marks(sql));
+                        } else if tag == fe::TERMINATE && self.hand_back() {
+                            flow = Flow::Close;
+                            break;
+                        }
+                        flow = self.pipeline.note_client_frame(tag);
                         pos += len;
                     }
                     Ok(None) => break,

@@ -21,6 +21,7 @@ where
         let tag = frame[0];
         if tag == be::PARAMETER_STATUS {
             self.known.prefix = None;
+            self.server.statuses.note(frame);
         }
         let max = self.app.cache.local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {

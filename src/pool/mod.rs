@@ -1,0 +1,469 @@
+//! Server connections kept for the next client once a session ends, as
+//! PgBouncer's session mode keeps them: a client that logs in with the same
+//! user, database and startup parameters gets a parked connection instead
+//! of a new PostgreSQL backend (a fork, a login and a cold catalog cache).
+//!
+//! A connection is parked only when reusing it cannot show: the session
+//! ended with a Terminate while idle, `DISCARD ALL` succeeded, and nothing
+//! in the session left state that `DISCARD ALL` keeps ([`marks`]). Who may
+//! have it follows from how it logged in: one PostgreSQL let in without a
+//! password (`trust`) may serve any client of its key, since PostgreSQL
+//! sees every pgcache connection from the same address; one that needed a
+//! password serves only clients pgcache authenticated itself (terminate
+//! mode); in passthrough mode such a connection is closed.
+//!
+//! A connection's settings are fixed at login by the role's and database's
+//! `ALTER ... SET`, which `DISCARD ALL` does not re-read. So each parking
+//! and each reuse runs a check query, and its answer (those settings and
+//! the configuration's load time) must match: the one seen when parked,
+//! and the one seen before the connection logged in ([`Seen`]).
+
+pub mod marks;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tracing::debug;
+
+use crate::backend::BackendStream;
+use crate::config::PoolConfig;
+use crate::metrics::PoolMetrics;
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::startup::Startup;
+use crate::protocol::stream::FramedStream;
+use crate::protocol::{TxStatus, backend as be, extended, messages};
+use crate::upstream::UpstreamAddr;
+
+/// What a parked connection's settings depend on beyond its startup
+/// packet: the role's and the database's `ALTER ... SET`, and when the
+/// configuration (pg_hba.conf among it) was last loaded.
+const CHECK: &str = "SELECT pg_catalog.pg_conf_load_time()::text, \
+     (SELECT pg_catalog.string_agg(s.setdatabase::text || ':' || s.setrole::text || ':' \
+         || pg_catalog.array_to_string(s.setconfig, E'\\x01'), E'\\x02' \
+         ORDER BY s.setdatabase, s.setrole) \
+      FROM pg_catalog.pg_db_role_setting s \
+      WHERE s.setdatabase IN (0, (SELECT oid FROM pg_catalog.pg_database \
+                                  WHERE datname = pg_catalog.current_database())) \
+        AND s.setrole IN (0, (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = session_user)))";
+
+/// How often parked connections past their idle time are closed.
+const REAP_EVERY: Duration = Duration::from_secs(1);
+
+/// The startup that a connection was made for, in a canonical form: two
+/// clients with the same key get identical sessions from PostgreSQL.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    user: Box<str>,
+    database: Box<str>,
+    /// The protocol version and every other parameter, sorted.
+    rest: Box<str>,
+}
+
+impl PoolKey {
+    /// `None` for a startup that must have a connection of its own: a
+    /// replication connection, or one that negotiates protocol options.
+    pub fn of(startup: &Startup) -> Option<PoolKey> {
+        let mut rest: Vec<(&str, &str)> = Vec::new();
+        for (name, value) in &startup.params {
+            match name.as_str() {
+                "user" | "database" => {}
+                "replication" => return None,
+                n if n.starts_with("_pq_.") => return None,
+                n => rest.push((n, value)),
+            }
+        }
+        rest.sort_unstable();
+        let mut text = startup.version.to_string();
+        for (name, value) in rest {
+            text.push('\0');
+            text.push_str(name);
+            text.push('\0');
+            text.push_str(value);
+        }
+        Some(PoolKey {
+            user: startup.user().into(),
+            database: startup.database().into(),
+            rest: text.into(),
+        })
+    }
+
+    fn role(&self) -> (Box<str>, Box<str>) {
+        (self.database.clone(), self.user.clone())
+    }
+}
+
+/// The latest ParameterStatus frame of each parameter, in the order
+/// PostgreSQL first reported them: what a reused connection's client is
+/// told at login.
+#[derive(Debug, Default, Clone)]
+pub struct Statuses(Vec<(Box<[u8]>, Bytes)>);
+
+impl Statuses {
+    /// Notes a ParameterStatus frame (header included).
+    pub fn note(&mut self, frame: &[u8]) {
+        let body = &frame[HEADER_LEN.min(frame.len())..];
+        let name = body.split(|b| *b == 0).next().unwrap_or_default();
+        match self.0.iter_mut().find(|(n, _)| **n == *name) {
+            Some((_, f)) => *f = Bytes::copy_from_slice(frame),
+            None => self.0.push((name.into(), Bytes::copy_from_slice(frame))),
+        }
+    }
+
+    fn replay(&self, out: &mut BytesMut) {
+        for (_, frame) in &self.0 {
+            out.extend_from_slice(frame);
+        }
+    }
+}
+
+/// A logged-in server connection that a session can hand back.
+pub struct Server {
+    pub stream: FramedStream<BackendStream>,
+    pub addr: UpstreamAddr,
+    pub statuses: Statuses,
+    /// The body of PostgreSQL's BackendKeyData.
+    pub key_data: Vec<u8>,
+    /// PostgreSQL let it in without asking for a password.
+    pub trusted: bool,
+    /// When it logged in.
+    pub born: Instant,
+}
+
+impl Server {
+    /// What PostgreSQL would send a client logging in on this connection
+    /// now: AuthenticationOk, the parameters, the key, ReadyForQuery.
+    pub fn login_frames(&self) -> BytesMut {
+        let mut out = BytesMut::new();
+        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
+        self.statuses.replay(&mut out);
+        let len = (4 + self.key_data.len()) as u32;
+        out.extend_from_slice(&[be::BACKEND_KEY_DATA]);
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(&self.key_data);
+        out.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
+        out
+    }
+}
+
+/// The check's answer for one (database, user), and since when it has been
+/// seen without a change: a connection that logged in before that may
+/// carry older settings.
+struct Seen {
+    answer: Box<str>,
+    since: Instant,
+}
+
+struct Parked {
+    key: PoolKey,
+    server: Server,
+    /// The check's answer when it was parked.
+    answer: Box<str>,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Idle {
+    /// Oldest first.
+    parked: VecDeque<Parked>,
+    /// Bumped by [`ServerPool::evict_all`]: a reset that began before is
+    /// not parked.
+    epoch: u64,
+    seen: HashMap<(Box<str>, Box<str>), Seen>,
+    reaping: bool,
+}
+
+pub struct ServerPool {
+    idle: Mutex<Idle>,
+    metrics: PoolMetrics,
+}
+
+/// The outcome of a check query.
+enum Checked {
+    Answer(Box<str>),
+    Failed,
+}
+
+impl ServerPool {
+    pub fn new(metrics: PoolMetrics) -> Self {
+        Self {
+            idle: Mutex::new(Idle::default()),
+            metrics,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        // Every critical section leaves the state whole.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parked connections now.
+    pub fn idle_count(&self) -> usize {
+        self.lock().parked.len()
+    }
+
+    /// A parked connection for `key` that passed its check, newest first;
+    /// `trusted_only` when the client was not authenticated by pgcache.
+    pub async fn take(
+        &self,
+        config: &PoolConfig,
+        key: &PoolKey,
+        trusted_only: bool,
+    ) -> Option<Server> {
+        loop {
+            let parked = {
+                let mut idle = self.lock();
+                let found = idle
+                    .parked
+                    .iter()
+                    .rposition(|p| p.key == *key && (p.server.trusted || !trusted_only))?;
+                let parked = idle.parked.remove(found).expect("found above");
+                self.metrics.idle.set(idle.parked.len() as i64);
+                parked
+            };
+            let Parked {
+                mut server, answer, ..
+            } = parked;
+            let checked = tokio::time::timeout(config.check_timeout(), check(&mut server)).await;
+            match checked {
+                Ok(Checked::Answer(now)) if now == answer => {
+                    self.saw(key, &now);
+                    self.metrics.reused.inc();
+                    return Some(server);
+                }
+                Ok(Checked::Answer(now)) => {
+                    self.saw(key, &now);
+                    debug!("parked server connection outdated by a settings change");
+                    self.metrics.closed_stale.inc();
+                }
+                _ => self.metrics.closed_failed.inc(),
+            }
+        }
+    }
+
+    /// Resets a connection whose session ended and parks it, off the
+    /// client's path; it is closed instead if the reset or check fails, if
+    /// it is too old, or if an eviction happened meanwhile.
+    pub fn give_back(self: &Arc<Self>, config: &PoolConfig, key: PoolKey, mut server: Server) {
+        if config.max_idle_servers == 0 || server.born.elapsed() > config.server_lifetime() {
+            return;
+        }
+        let epoch = self.lock().epoch;
+        let pool = Arc::clone(self);
+        let config = config.clone();
+        tokio::spawn(async move {
+            let reset = tokio::time::timeout(config.check_timeout(), reset(&mut server)).await;
+            let Ok(Checked::Answer(answer)) = reset else {
+                pool.metrics.closed_failed.inc();
+                return;
+            };
+            let since = pool.saw(&key, &answer);
+            let mut idle = pool.lock();
+            if idle.epoch != epoch {
+                pool.metrics.closed_evicted.inc();
+                return;
+            }
+            if since > server.born {
+                // Settings changed while it served, or this is the first
+                // look at them: it may not have what a new login gets.
+                pool.metrics.closed_stale.inc();
+                return;
+            }
+            while idle.parked.len() >= config.max_idle_servers {
+                idle.parked.pop_front();
+                pool.metrics.closed_full.inc();
+            }
+            idle.parked.push_back(Parked {
+                key,
+                server,
+                answer,
+                at: Instant::now(),
+            });
+            pool.metrics.idle.set(idle.parked.len() as i64);
+            pool.metrics.parked.inc();
+            if !idle.reaping {
+                idle.reaping = true;
+                tokio::spawn(reap(Arc::downgrade(&pool), config.server_idle_timeout()));
+            }
+        });
+    }
+
+    /// Closes every parked connection, and keeps resets under way from
+    /// parking theirs: a statement is about to need the databases free.
+    pub fn evict_all(&self) {
+        let mut idle = self.lock();
+        idle.epoch += 1;
+        let n = idle.parked.len();
+        idle.parked.clear();
+        self.metrics.closed_evicted.inc_by(n as u64);
+        self.metrics.idle.set(0);
+    }
+
+    /// Records a check's answer; returns since when it has been seen.
+    fn saw(&self, key: &PoolKey, answer: &str) -> Instant {
+        let mut idle = self.lock();
+        let seen = idle.seen.entry(key.role()).or_insert_with(|| Seen {
+            answer: answer.into(),
+            since: Instant::now(),
+        });
+        if *seen.answer != *answer {
+            *seen = Seen {
+                answer: answer.into(),
+                since: Instant::now(),
+            };
+        }
+        seen.since
+    }
+}
+
+/// Closes parked connections idle past `timeout`, until the pool is gone.
+async fn reap(pool: Weak<ServerPool>, timeout: Duration) {
+    let mut tick = tokio::time::interval(REAP_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        let mut idle = pool.lock();
+        let before = idle.parked.len();
+        idle.parked.retain(|p| p.at.elapsed() < timeout);
+        let expired = before - idle.parked.len();
+        pool.metrics.closed_expired.inc_by(expired as u64);
+        pool.metrics.idle.set(idle.parked.len() as i64);
+        // Bounded: a pool the size of a few hundred role pairs at most.
+        idle.seen.retain(|_, s| s.since.elapsed() < timeout * 10);
+    }
+}
+
+/// `DISCARD ALL`, then the check.
+async fn reset(server: &mut Server) -> Checked {
+    let mut out = messages::query("DISCARD ALL");
+    out.extend_from_slice(&messages::query(CHECK));
+    if server.stream.write_all(&out).await.is_err() {
+        return Checked::Failed;
+    }
+    match read_answer(server).await {
+        Some(rows) if rows.is_empty() => {}
+        _ => return Checked::Failed,
+    }
+    answer_of(read_answer(server).await)
+}
+
+async fn check(server: &mut Server) -> Checked {
+    if server
+        .stream
+        .write_all(&messages::query(CHECK))
+        .await
+        .is_err()
+    {
+        return Checked::Failed;
+    }
+    answer_of(read_answer(server).await)
+}
+
+fn answer_of(rows: Option<Vec<Vec<Option<String>>>>) -> Checked {
+    match rows.as_deref() {
+        Some([row]) => {
+            let text: Vec<&str> = row.iter().map(|v| v.as_deref().unwrap_or("")).collect();
+            Checked::Answer(text.join("\n").into())
+        }
+        _ => Checked::Failed,
+    }
+}
+
+/// Reads one simple query's answer up to ReadyForQuery: its rows, or
+/// `None` if it failed or left a transaction open. Parameter changes are
+/// noted; notices are dropped (no client is listening).
+async fn read_answer(server: &mut Server) -> Option<Vec<Vec<Option<String>>>> {
+    let mut rows = Vec::new();
+    let mut failed = false;
+    loop {
+        let frame = server.stream.read_frame().await.ok()??;
+        let body = &frame[HEADER_LEN..];
+        match frame[0] {
+            be::DATA_ROW => rows.push(extended::data_row(body)?),
+            be::ERROR_RESPONSE => failed = true,
+            be::PARAMETER_STATUS => server.statuses.note(&frame),
+            be::READY_FOR_QUERY => {
+                let idle = body.first() == Some(&b'I');
+                return (idle && !failed).then_some(rows);
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::startup::{StartupPacket, encode_startup, parse};
+
+    fn startup(params: &[(&str, &str)]) -> Startup {
+        match parse(&encode_startup(params)).unwrap() {
+            StartupPacket::Startup(s) => s,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn keys_ignore_parameter_order_but_not_values() {
+        let a = PoolKey::of(&startup(&[
+            ("user", "u"),
+            ("database", "d"),
+            ("a", "1"),
+            ("b", "2"),
+        ]));
+        let b = PoolKey::of(&startup(&[
+            ("b", "2"),
+            ("user", "u"),
+            ("a", "1"),
+            ("database", "d"),
+        ]));
+        let c = PoolKey::of(&startup(&[
+            ("user", "u"),
+            ("database", "d"),
+            ("a", "1"),
+            ("b", "3"),
+        ]));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let other_db = PoolKey::of(&startup(&[
+            ("user", "u"),
+            ("database", "e"),
+            ("a", "1"),
+            ("b", "2"),
+        ]));
+        assert_ne!(a, other_db);
+    }
+
+    #[test]
+    fn replication_and_protocol_options_get_their_own_connection() {
+        assert!(PoolKey::of(&startup(&[("user", "u"), ("replication", "database")])).is_none());
+        assert!(PoolKey::of(&startup(&[("user", "u"), ("_pq_.x", "1")])).is_none());
+    }
+
+    #[test]
+    fn statuses_keep_the_latest_value_in_first_order() {
+        let frame = |name: &str, value: &str| {
+            let mut f = BytesMut::new();
+            let len = (4 + name.len() + value.len() + 2) as u32;
+            f.extend_from_slice(&[be::PARAMETER_STATUS]);
+            f.extend_from_slice(&len.to_be_bytes());
+            f.extend_from_slice(name.as_bytes());
+            f.extend_from_slice(&[0]);
+            f.extend_from_slice(value.as_bytes());
+            f.extend_from_slice(&[0]);
+            f
+        };
+        let mut s = Statuses::default();
+        s.note(&frame("DateStyle", "ISO, MDY"));
+        s.note(&frame("TimeZone", "UTC"));
+        s.note(&frame("DateStyle", "SQL, DMY"));
+        let mut out = BytesMut::new();
+        s.replay(&mut out);
+        let mut want = frame("DateStyle", "SQL, DMY");
+        want.extend_from_slice(&frame("TimeZone", "UTC"));
+        assert_eq!(out, want);
+    }
+}

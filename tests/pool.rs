@@ -1,0 +1,277 @@
+//! Server connections parked between sessions: a client gets a parked
+//! connection only when it cannot tell, and parked connections never stand
+//! in the way of a database-level statement.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pgcache::config::AuthMode;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+async fn backend_pid(client: &tokio_postgres::Client) -> String {
+    scalar(client, "SELECT pg_backend_pid()").await.unwrap()
+}
+
+/// Parked connections, plus the ones closed instead: every session end
+/// with a Terminate adds one once the pool has decided.
+fn decided(proxy: &Proxy) -> u64 {
+    let m = &proxy.app.metrics.pool;
+    m.parked.get()
+        + m.closed_stale.get()
+        + m.closed_failed.get()
+        + m.closed_full.get()
+        + m.closed_evicted.get()
+        + m.closed_tainted.get()
+}
+
+/// Ends a session through pgcache and waits for the pool to decide about
+/// its connection; true if it was parked.
+async fn end(proxy: &Proxy, client: tokio_postgres::Client) -> bool {
+    let before = decided(proxy);
+    let parked = proxy.app.metrics.pool.parked.get();
+    drop(client);
+    eventually(WAIT, "the pool to decide", || async {
+        (decided(proxy) > before).then_some(())
+    })
+    .await;
+    proxy.app.metrics.pool.parked.get() > parked
+}
+
+/// Runs `work` in a session of its own and ends it. Returns the session's
+/// backend pid and whether the connection was parked.
+async fn session(proxy: &Proxy, dsn: &str, work: &str) -> (String, bool) {
+    let client = connect_dsn(dsn).await.unwrap();
+    let pid = backend_pid(&client).await;
+    if !work.is_empty() {
+        client.batch_execute(work).await.unwrap();
+    }
+    (pid, end(proxy, client).await)
+}
+
+/// A connection parked for `dsn`'s login: the first of a role is never
+/// parked (nothing was seen of its settings before it logged in).
+async fn park(proxy: &Proxy, dsn: &str, work: &str) -> String {
+    for _ in 0..3 {
+        if let (pid, true) = session(proxy, dsn, work).await {
+            return pid;
+        }
+    }
+    panic!("no connection was parked");
+}
+
+#[tokio::test]
+async fn a_new_client_gets_the_parked_connection_without_the_last_ones_state() {
+    let pg = pg();
+    let db = pg.create_db("pool_reuse");
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let pid = park(
+        &proxy,
+        &proxy.dsn("postgres", &db),
+        "SET work_mem = '1MB'; CREATE TEMP TABLE scratch(a int); PREPARE p AS SELECT 1; \
+         LISTEN somewhere; SELECT pg_advisory_lock(4242)",
+    )
+    .await;
+    // While parked, it holds nothing: DISCARD ALL let the lock go.
+    let direct = pg.direct(&db).await;
+    assert_eq!(
+        scalar(&direct, "SELECT pg_try_advisory_lock(4242)")
+            .await
+            .as_deref(),
+        Some("t")
+    );
+    drop(direct);
+
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    assert_eq!(
+        backend_pid(&client).await,
+        pid,
+        "the parked connection was reused"
+    );
+    assert_eq!(proxy.app.metrics.pool.reused.get(), 1);
+    assert_eq!(
+        scalar(&client, "SHOW work_mem").await.as_deref(),
+        Some("4MB")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT to_regclass('pg_temp.scratch')::text").await,
+        None
+    );
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM pg_prepared_statements")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT count(*) FROM pg_listening_channels()")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+    // A session on a reused connection still cancels its own queries.
+    let cancel = client.cancel_token();
+    let sleeper = tokio::spawn(async move {
+        let r = client.simple_query("SELECT pg_sleep(30)").await;
+        r.err().and_then(|e| e.code().map(|c| c.code().to_owned()))
+    });
+    eventually(WAIT, "the sleep to start", || async {
+        let direct = pg.direct(&db).await;
+        let n = scalar(
+            &direct,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)'",
+        )
+        .await;
+        (n.as_deref() == Some("1")).then_some(())
+    })
+    .await;
+    cancel.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    assert_eq!(sleeper.await.unwrap().as_deref(), Some("57014"));
+}
+
+#[tokio::test]
+async fn a_session_that_defined_a_custom_setting_leaves_no_trace() {
+    let pg = pg();
+    let db = pg.create_db("pool_custom");
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    park(&proxy, &proxy.dsn("postgres", &db), "").await;
+    let (pid, parked) = session(&proxy, &proxy.dsn("postgres", &db), "SET app.tenant = '7'").await;
+    assert!(
+        !parked,
+        "a connection with a custom setting defined is not parked"
+    );
+    assert!(proxy.app.metrics.pool.closed_tainted.get() >= 1);
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    assert_ne!(backend_pid(&client).await, pid);
+    // A fresh backend has never heard of it: NULL, not ''.
+    assert_eq!(
+        scalar(&client, "SELECT current_setting('app.tenant', true)").await,
+        None
+    );
+}
+
+#[tokio::test]
+async fn role_settings_changed_directly_reach_the_next_client() {
+    let pg = pg();
+    let db = pg.create_db("pool_role");
+    let role = format!("pool_role_{}", rand_suffix());
+    pg.psql_admin(&format!("CREATE ROLE {role} LOGIN"));
+    let proxy = Proxy::start(pg.proxy_config()).await;
+
+    // Changed while a connection is parked: the parked one is not used.
+    let pid = park(&proxy, &proxy.dsn(&role, &db), "").await;
+    pg.psql_admin(&format!("ALTER ROLE {role} SET work_mem = '3MB'"));
+    let client = connect_dsn(&proxy.dsn(&role, &db)).await.unwrap();
+    assert_ne!(backend_pid(&client).await, pid);
+    assert_eq!(
+        scalar(&client, "SHOW work_mem").await.as_deref(),
+        Some("3MB")
+    );
+    end(&proxy, client).await;
+
+    // Changed while a connection serves: it is not parked afterwards.
+    let pid = park(&proxy, &proxy.dsn(&role, &db), "").await;
+    let client = connect_dsn(&proxy.dsn(&role, &db)).await.unwrap();
+    assert_eq!(backend_pid(&client).await, pid);
+    pg.psql_admin(&format!("ALTER ROLE {role} SET work_mem = '5MB'"));
+    assert!(!end(&proxy, client).await, "parked with outdated settings");
+    let client = connect_dsn(&proxy.dsn(&role, &db)).await.unwrap();
+    assert_eq!(
+        scalar(&client, "SHOW work_mem").await.as_deref(),
+        Some("5MB")
+    );
+}
+
+#[tokio::test]
+async fn drop_database_through_pgcache_is_not_blocked_by_parked_connections() {
+    let pg = pg();
+    let db = pg.create_db("pool_drop");
+    // Without caching: a replication slot would hold the database too.
+    let mut config = pg.proxy_config();
+    config.cache.enabled = false;
+    let proxy = Proxy::start(config).await;
+    park(&proxy, &proxy.dsn("postgres", &db), "").await;
+    assert_eq!(proxy.app.pool.idle_count(), 1);
+    let admin = connect_dsn(&proxy.dsn("postgres", "postgres"))
+        .await
+        .unwrap();
+    admin
+        .batch_execute(&format!("DROP DATABASE {db}"))
+        .await
+        .expect("DROP DATABASE succeeds while a connection to it was parked");
+    assert_eq!(proxy.app.pool.idle_count(), 0);
+}
+
+#[tokio::test]
+async fn a_parked_connection_that_died_is_replaced_unseen() {
+    let pg = pg();
+    let db = pg.create_db("pool_dead");
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let pid = park(&proxy, &proxy.dsn("postgres", &db), "").await;
+    let direct = pg.direct(&db).await;
+    scalar(&direct, &format!("SELECT pg_terminate_backend({pid})")).await;
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    assert_ne!(backend_pid(&client).await, pid);
+    assert_eq!(scalar(&client, "SELECT 1").await.as_deref(), Some("1"));
+    assert!(proxy.app.metrics.pool.closed_failed.get() >= 1);
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_after_the_idle_timeout() {
+    let pg = pg();
+    let db = pg.create_db("pool_idle");
+    let mut config = pg.proxy_config();
+    config.pool.server_idle_timeout_secs = 1;
+    let proxy = Proxy::start(config).await;
+    let pid = park(&proxy, &proxy.dsn("postgres", &db), "").await;
+    let direct = pg.direct(&db).await;
+    eventually(WAIT, "the parked backend to exit", || async {
+        let n = scalar(
+            &direct,
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}"),
+        )
+        .await;
+        (n.as_deref() == Some("0")).then_some(())
+    })
+    .await;
+    assert_eq!(proxy.app.pool.idle_count(), 0);
+    assert!(proxy.app.metrics.pool.closed_expired.get() >= 1);
+}
+
+#[tokio::test]
+async fn password_logins_are_reused_only_when_pgcache_checked_the_password() {
+    let pg = pg();
+    let db = pg.create_db("pool_password");
+    // Passthrough: PostgreSQL asked this client for a password, so its
+    // connection may serve no one else.
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let dsn = format!("{} password={MD5_PASSWORD}", proxy.dsn(MD5_USER, &db));
+    for _ in 0..3 {
+        let client = connect_dsn(&dsn).await.unwrap();
+        scalar(&client, "SELECT 1").await;
+    }
+    let wrong = format!("{} password=wrong", proxy.dsn(MD5_USER, &db));
+    let Err(refused) = connect_dsn(&wrong).await else {
+        panic!("a wrong password is refused");
+    };
+    assert_eq!(refused.code().map(|c| c.code()), Some("28P01"));
+    assert_eq!(proxy.app.metrics.pool.reused.get(), 0);
+    assert_eq!(proxy.app.pool.idle_count(), 0);
+
+    // Terminate mode: pgcache checked the password, so it may reuse.
+    let mut config = pg.proxy_config();
+    config.auth.mode = AuthMode::Terminate;
+    config
+        .auth
+        .users
+        .insert(MD5_USER.to_owned(), MD5_PASSWORD.to_owned());
+    let proxy = Proxy::start(config).await;
+    let dsn = format!("{} password={MD5_PASSWORD}", proxy.dsn(MD5_USER, &db));
+    let pid = park(&proxy, &dsn, "").await;
+    let client = connect_dsn(&dsn).await.unwrap();
+    assert_eq!(backend_pid(&client).await, pid);
+    let wrong = format!("{} password=wrong", proxy.dsn(MD5_USER, &db));
+    assert!(connect_dsn(&wrong).await.is_err());
+}
