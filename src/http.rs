@@ -14,6 +14,8 @@ use hyper::{Request, Response, StatusCode};
 use prometheus::proto::MetricFamily;
 use prometheus::proto::MetricType;
 use tokio::net::TcpListener;
+
+use crate::cache::Unfresh;
 use tracing::{debug, warn};
 
 use crate::App;
@@ -35,7 +37,7 @@ fn render(app: &App) -> String {
         m.replication
             .lag_seconds
             .with_label_values(&labels)
-            .set(db.stream.lag_ms() as f64 / 1000.0);
+            .set(db.stream.lag().as_secs_f64());
         m.replication
             .lag_bytes
             .with_label_values(&labels)
@@ -204,7 +206,7 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             serde_json::json!({
                 "name": name,
                 "state": app.cache.stream_state(&db),
-                "lag_ms": db.stream.lag_ms(),
+                "lag_ms": db.stream.lag().as_millis() as u64,
                 "lag_bytes": db.stream.lag_bytes(),
             })
         })
@@ -267,16 +269,20 @@ enum NotReady {
     Backend(#[from] crate::backend::BackendError),
     #[error("replication stream of {0:?} is not up")]
     Stream(String),
+    #[error("replication stream of {0:?} is stale: no heartbeat back for {1:?}")]
+    Stale(String, Duration),
 }
 
 /// Ready: PostgreSQL accepts connections and, with replication on, every
-/// database's stream is up.
+/// database's stream is up within its staleness lease.
 async fn readiness(app: &App) -> Result<(), NotReady> {
     crate::backend::reachable(&app.upstream, Duration::from_secs(1)).await?;
     if app.cache.replication_on() {
         for (name, db) in app.cache.databases.all() {
-            if !db.stream.is_current() {
-                return Err(NotReady::Stream(name));
+            match db.stream.freshness() {
+                Ok(()) => {}
+                Err(Unfresh::Down) => return Err(NotReady::Stream(name)),
+                Err(Unfresh::Stale) => return Err(NotReady::Stale(name, db.stream.lag())),
             }
         }
     }

@@ -284,13 +284,14 @@ impl ReplicationGauges {
         Self {
             up: r.database_gauge(
                 "pgcache_replication_up",
-                "1 while the database's replication stream is up and current",
+                "1 while the database's replication stream is up within its staleness lease",
             ),
             lag_seconds: r.add(
                 GaugeVec::new(
                     Opts::new(
                         "pgcache_replication_lag_seconds",
-                        "Delay between a transaction's commit and its receipt by pgcache",
+                        "How far behind the database the cache may be: time since the newest \
+                         heartbeat seen back through the stream was sent (grows during a stall)",
                     ),
                     &["database"],
                 )

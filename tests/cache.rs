@@ -403,7 +403,7 @@ async fn repeatable_read_and_serializable_transactions_bypass_the_cache() {
         client.batch_execute("UPDATE t SET v = 1").await.unwrap();
     }
     // A read-committed transaction may use the cache before it writes.
-    proxy.wait_current(&db).await;
+    proxy.wait_stream(&db).await;
     assert_eq!(
         scalar(&client, "SELECT v FROM t").await.as_deref(),
         Some("1")

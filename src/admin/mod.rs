@@ -405,7 +405,7 @@ fn replication(app: &App, out: &mut BytesMut) {
             vec![
                 name,
                 app.cache.stream_state(&db).to_owned(),
-                db.stream.lag_ms().to_string(),
+                db.stream.lag().as_millis().to_string(),
                 db.stream.lag_bytes().to_string(),
                 lsn(db.stream.applied_lsn()),
                 db.stream.starts().to_string(),

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::catalog::Catalog;
 #[cfg(test)]
@@ -52,16 +53,23 @@ impl DbState {
 }
 
 /// The replication stream's health, as the stream reports it.
-#[derive(Default)]
+///
+/// Freshness is proved, not assumed: the stream's heartbeats (see
+/// [`crate::invalidation`]) come back through it, and the database's
+/// cache is served only while the newest one was sent at most the lease
+/// ago. Times are microseconds since `anchor`, so they fit in atomics.
 pub struct StreamHealth {
+    anchor: Instant,
     /// A replication stream task exists for this database.
     claimed: AtomicBool,
     /// The stream is up and has flushed what it may have missed.
     streaming: AtomicBool,
-    /// The last commit arrived later than `replication.max_lag_ms`.
-    lagging: AtomicBool,
-    /// Commit-to-receipt delay of the last transaction, in milliseconds.
-    lag_ms: AtomicU64,
+    /// When the newest heartbeat applied was sent; 0: none yet.
+    fresh_as_of: AtomicU64,
+    /// When the stream (re)started.
+    started_at: AtomicU64,
+    /// `replication.max_staleness_ms`, in microseconds.
+    lease: AtomicU64,
     /// WAL announced by the server beyond what has been applied.
     lag_bytes: AtomicU64,
     /// The last commit LSN applied.
@@ -70,6 +78,32 @@ pub struct StreamHealth {
     starts: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity.
     unpublished: AtomicU64,
+}
+
+impl Default for StreamHealth {
+    fn default() -> Self {
+        Self {
+            anchor: Instant::now(),
+            claimed: AtomicBool::new(false),
+            streaming: AtomicBool::new(false),
+            fresh_as_of: AtomicU64::new(0),
+            started_at: AtomicU64::new(0),
+            lease: AtomicU64::new(0),
+            lag_bytes: AtomicU64::new(0),
+            applied_lsn: AtomicU64::new(0),
+            starts: AtomicU64::new(0),
+            unpublished: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Why a database's cache may not be served now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unfresh {
+    /// No stream is up.
+    Down,
+    /// The stream is up, but no heartbeat came back within the lease.
+    Stale,
 }
 
 impl StreamHealth {
@@ -82,30 +116,67 @@ impl StreamHealth {
         self.streaming.store(up, Ordering::Release);
     }
 
-    /// The stream is up and not lagging: cached results may be served.
+    fn micros(&self, at: Instant) -> u64 {
+        // Never 0, which means "none".
+        (at.saturating_duration_since(self.anchor).as_micros() as u64).max(1)
+    }
+
+    /// Cached results may be served: the stream is up and its newest
+    /// heartbeat back was sent within the lease.
+    pub fn freshness(&self) -> Result<(), Unfresh> {
+        if !self.streaming.load(Ordering::Acquire) {
+            return Err(Unfresh::Down);
+        }
+        let as_of = self.fresh_as_of.load(Ordering::Acquire);
+        let lease = self.lease.load(Ordering::Acquire);
+        if as_of == 0 || self.micros(Instant::now()).saturating_sub(as_of) > lease {
+            return Err(Unfresh::Stale);
+        }
+        Ok(())
+    }
+
     pub fn is_current(&self) -> bool {
-        self.streaming.load(Ordering::Acquire) && !self.lagging.load(Ordering::Acquire)
+        self.freshness().is_ok()
     }
 
     pub fn is_streaming(&self) -> bool {
         self.streaming.load(Ordering::Acquire)
     }
 
-    pub fn started(&self) {
+    /// The stream (re)started, with this lease.
+    pub fn started(&self, lease: Duration) {
         self.starts.fetch_add(1, Ordering::AcqRel);
+        self.lease
+            .store(lease.as_micros() as u64, Ordering::Release);
+        self.started_at
+            .store(self.micros(Instant::now()), Ordering::Release);
+        // Heartbeats of an earlier stream say nothing of this one.
+        self.fresh_as_of.store(0, Ordering::Release);
     }
 
     pub fn starts(&self) -> u64 {
         self.starts.load(Ordering::Acquire)
     }
 
-    pub fn set_lag(&self, lag_ms: u64, lagging: bool) {
-        self.lag_ms.store(lag_ms, Ordering::Release);
-        self.lagging.store(lagging, Ordering::Release);
+    /// A heartbeat sent at `sent` came back through the stream: every
+    /// change committed before `sent` has been applied.
+    pub fn heartbeat_applied(&self, sent: Instant) {
+        self.fresh_as_of
+            .fetch_max(self.micros(sent), Ordering::AcqRel);
     }
 
-    pub fn lag_ms(&self) -> u64 {
-        self.lag_ms.load(Ordering::Acquire)
+    /// How far behind the database the cache may be: the time since the
+    /// newest heartbeat back was sent (or since the stream started, before
+    /// the first). It grows while the stream stalls.
+    pub fn lag(&self) -> Duration {
+        let as_of = match self.fresh_as_of.load(Ordering::Acquire) {
+            0 => self.started_at.load(Ordering::Acquire),
+            t => t,
+        };
+        if as_of == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_micros(self.micros(Instant::now()).saturating_sub(as_of))
     }
 
     pub fn set_lag_bytes(&self, bytes: u64) {

@@ -39,7 +39,7 @@ use crate::hints::Tier;
 use crate::metrics::{DbMetrics, Metrics};
 pub use analysis::{Analyzed, MAX_ANALYZED_SQL};
 pub use catalog::Catalog;
-pub use database::{Databases, DbState};
+pub use database::{Databases, DbState, Unfresh};
 pub use fill::{Claim, FillGuard, Fills};
 pub use key::RequestKey;
 pub use local::{CachedResponse, Lifetime, LocalCache};
@@ -156,9 +156,16 @@ impl Cache {
     }
 
     /// Cached results of `db` may be served: replication is off (TTL-only
-    /// by configuration), or its stream is up and current.
-    pub fn fresh(&self, db: &DbState) -> bool {
-        !self.replication_on() || db.stream.is_current()
+    /// by configuration), or its stream is up within its staleness lease.
+    /// Else why not.
+    pub fn freshness(&self, db: &DbState) -> Result<(), BypassReason> {
+        if !self.replication_on() {
+            return Ok(());
+        }
+        db.stream.freshness().map_err(|unfresh| match unfresh {
+            Unfresh::Down => BypassReason::ReplicationDown,
+            Unfresh::Stale => BypassReason::ReplicationStale,
+        })
     }
 
     /// The state of `db`'s replication stream, as the admin console and
@@ -169,7 +176,7 @@ impl Cache {
         } else if db.stream.is_current() {
             "streaming"
         } else if db.stream.is_streaming() {
-            "lagging"
+            "stale"
         } else {
             "down"
         }
@@ -201,9 +208,9 @@ impl Cache {
     /// local one), else — after waiting for a concurrent identical miss, if
     /// there is one — returns the fill that will store the backend's answer.
     pub async fn lookup(&self, req: &Request<'_>) -> Lookup {
-        if !self.fresh(req.db) {
-            self.bypassed(req.db, BypassReason::ReplicationDown);
-            return Lookup::Bypass(BypassReason::ReplicationDown);
+        if let Err(reason) = self.freshness(req.db) {
+            self.bypassed(req.db, reason);
+            return Lookup::Bypass(reason);
         }
         let mut waited = false;
         loop {

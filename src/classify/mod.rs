@@ -46,7 +46,11 @@ pub enum BypassReason {
     TooLarge,
     Pipelined,
     UnsupportedShape,
+    /// No replication stream is up for the database.
     ReplicationDown,
+    /// The stream is up, but no heartbeat came back within
+    /// `replication.max_staleness_ms`.
+    ReplicationStale,
     /// `/*+ nocache */` or `/*NO QUERY CACHE*/`.
     Hint,
     /// `cache.mode = "opt_in"` and no hint asked.
@@ -58,7 +62,7 @@ pub enum BypassReason {
 
 impl BypassReason {
     /// Every reason, in declaration order (`reason as usize` indexes it).
-    pub const ALL: [BypassReason; 25] = [
+    pub const ALL: [BypassReason; 26] = [
         Self::NotSelect,
         Self::MultiStatement,
         Self::ParseError,
@@ -79,6 +83,7 @@ impl BypassReason {
         Self::Pipelined,
         Self::UnsupportedShape,
         Self::ReplicationDown,
+        Self::ReplicationStale,
         Self::Hint,
         Self::OptIn,
         Self::TableRule,
@@ -108,6 +113,7 @@ impl BypassReason {
             Self::Pipelined => "pipelined",
             Self::UnsupportedShape => "unsupported_shape",
             Self::ReplicationDown => "replication_down",
+            Self::ReplicationStale => "replication_stale",
             Self::Hint => "hint",
             Self::OptIn => "opt_in",
             Self::TableRule => "table_rule",

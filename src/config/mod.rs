@@ -140,8 +140,13 @@ pub struct ReplicationConfig {
     pub manage_publication: bool,
     /// Install an event trigger that announces DDL in the stream.
     pub ddl_event_trigger: bool,
-    /// Commit-to-receipt delay past which the database's cache is not served.
-    pub max_lag_ms: u64,
+    /// How often each stream's database gets a heartbeat message.
+    pub heartbeat_ms: u64,
+    /// A database's cache is served only while its newest heartbeat back
+    /// through the stream was sent at most this long ago (the staleness
+    /// lease). `max_lag_ms` is its former name.
+    #[serde(alias = "max_lag_ms")]
+    pub max_staleness_ms: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -152,7 +157,8 @@ impl Default for ReplicationConfig {
             publication: "pgcache".to_owned(),
             manage_publication: true,
             ddl_event_trigger: true,
-            max_lag_ms: 1000,
+            heartbeat_ms: 100,
+            max_staleness_ms: 1000,
         }
     }
 }
@@ -478,6 +484,14 @@ impl Config {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.upstream.connect_timeout_ms)
+    }
+
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.replication.heartbeat_ms)
+    }
+
+    pub fn max_staleness(&self) -> Duration {
+        Duration::from_millis(self.replication.max_staleness_ms)
     }
 
     pub fn startup_timeout(&self) -> Duration {

@@ -12,6 +12,7 @@ impl Config {
         let mut problems = Vec::new();
         self.check_server(&mut problems);
         self.check_pool(&mut problems);
+        self.check_replication(&mut problems);
         self.check_connections(&mut problems);
         self.check_cache(&mut problems);
         self.check_shared(&mut problems);
@@ -38,6 +39,19 @@ impl Config {
         }
         if self.server.startup_timeout_ms == 0 {
             problems.push("server.startup_timeout_ms: must be above 0".to_owned());
+        }
+    }
+
+    fn check_replication(&self, problems: &mut Vec<String>) {
+        let r = &self.replication;
+        if r.heartbeat_ms == 0 {
+            problems.push("replication.heartbeat_ms: must be above 0".to_owned());
+        }
+        if r.max_staleness_ms <= r.heartbeat_ms {
+            problems.push(format!(
+                "replication.max_staleness_ms: {} must be above replication.heartbeat_ms ({})",
+                r.max_staleness_ms, r.heartbeat_ms
+            ));
         }
     }
 

@@ -15,13 +15,17 @@
 //!   → START_REPLICATION; then bump the epoch (anything may have been
 //!     missed) and only then mark the stream up
 //!   → per transaction: collect the relations changed; at Commit bump their
-//!     versions and acknowledge the LSN; a `pgcache_ddl` message bumps the
-//!     epoch and reloads the catalog
+//!     versions and acknowledge the LSN; a `pgcache_ddl` message forgets
+//!     what the DDL changed; a `pgcache_heartbeat` of ours renews the
+//!     staleness lease (see [`heartbeat`])
+//! heartbeat task (on the control connection): a logical message every
+//!   `replication.heartbeat_ms`; its failure restarts the stream
 //! on error: mark the stream down (no cache for the database), back off,
 //! reconnect
 //! ```
 
 pub mod control;
+pub mod heartbeat;
 pub mod pgoutput;
 pub mod replication;
 

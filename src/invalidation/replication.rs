@@ -5,6 +5,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_util::task::AbortOnDropHandle;
+
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -12,14 +14,12 @@ use tracing::{debug, info, warn};
 use super::control::{
     ObjectAddress, ddl_names, install_ddl_trigger, sync_publication, wait_visible,
 };
+use super::heartbeat::{self, HEARTBEAT_PREFIX, Heartbeats};
 use super::pgoutput::{self, Change};
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
 use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
 use crate::upstream::{Upstream, UpstreamAddr};
-
-/// Microseconds between the Unix epoch and PostgreSQL's (2000-01-01).
-const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
 
 /// Starts and keeps the replication streams, one per database served.
 pub struct Streams {
@@ -29,6 +29,8 @@ pub struct Streams {
     drain: CancellationToken,
     /// Counts the invalidations the streams apply.
     applied: prometheus::IntCounter,
+    /// Names this instance in its heartbeats.
+    instance: u64,
 }
 
 impl Streams {
@@ -45,6 +47,7 @@ impl Streams {
             settings,
             drain,
             applied,
+            instance: rand::random(),
         }
     }
 
@@ -102,16 +105,34 @@ impl Streams {
             install_ddl_trigger(&ctl, database, publication).await;
         }
         let (mut stream, slot) = self.start(database).await?;
+        let ctl = Arc::new(ctl);
+        let beats = Arc::new(Heartbeats::new(self.instance));
+        let every = Duration::from_millis(self.settings.heartbeat_ms);
+        let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
+            Arc::clone(&ctl),
+            Arc::clone(&beats),
+            every,
+        )));
         // Changes made while no stream was running were missed: everything
         // cached for this database is stale, and so may be what this
         // instance knows of the catalog.
         self.invalidate(db, Bumps::opaque()).await;
-        db.stream.started();
+        db.stream
+            .started(Duration::from_millis(self.settings.max_staleness_ms));
         db.stream.set_streaming(true);
         info!(database, slot, "replication stream up");
-        let mut state = Decoder::new(self.settings.max_lag_ms as i64 * 1000);
+        let mut state = Decoder::new(beats);
         loop {
-            let Some(event) = stream.recv().await? else {
+            let event = tokio::select! {
+                event = stream.recv() => event?,
+                failed = &mut beating => {
+                    return Err(match failed {
+                        Ok(e) => e,
+                        Err(_) => ReplicationError::Config("the heartbeat task ended".into()),
+                    });
+                }
+            };
+            let Some(event) = event else {
                 return Ok(());
             };
             let Some(step) = state.on_event(db, event) else {
@@ -257,9 +278,9 @@ impl Announced {
 }
 
 /// Turns pgoutput events into version bumps, transaction by transaction,
-/// and keeps the lag figures.
+/// notes heartbeats coming back, and keeps the byte lag.
 struct Decoder {
-    max_lag_micros: i64,
+    beats: Arc<Heartbeats>,
     relations: HashMap<u32, String>,
     touched: HashSet<u32>,
     in_transaction: bool,
@@ -272,9 +293,9 @@ struct Decoder {
 }
 
 impl Decoder {
-    fn new(max_lag_micros: i64) -> Self {
+    fn new(beats: Arc<Heartbeats>) -> Self {
         Self {
-            max_lag_micros,
+            beats,
             relations: HashMap::new(),
             touched: HashSet::new(),
             in_transaction: false,
@@ -298,11 +319,7 @@ impl Decoder {
                 self.server_lsn = self.server_lsn.max(wal_end.0);
                 self.on_change(&db.name, &data);
             }
-            ReplicationEvent::Commit {
-                end_lsn,
-                commit_time_micros,
-                ..
-            } => {
+            ReplicationEvent::Commit { end_lsn, .. } => {
                 self.in_transaction = false;
                 for oid in self.touched.drain() {
                     match self.relations.get(&oid) {
@@ -315,9 +332,15 @@ impl Decoder {
                 step.ack = Some(end_lsn);
                 self.applied_lsn = self.applied_lsn.max(end_lsn.0);
                 self.server_lsn = self.server_lsn.max(end_lsn.0);
-                let lag = now_pg_micros() - commit_time_micros;
-                db.stream
-                    .set_lag(lag.max(0) as u64 / 1000, lag > self.max_lag_micros);
+            }
+            ReplicationEvent::Message {
+                prefix, content, ..
+            } if prefix == HEARTBEAT_PREFIX => {
+                // Delivered in commit order: everything committed before
+                // it was sent is applied by now.
+                if let Some(sent) = self.beats.back(&content) {
+                    db.stream.heartbeat_applied(sent);
+                }
             }
             ReplicationEvent::Message {
                 prefix, content, ..
@@ -336,7 +359,6 @@ impl Decoder {
                     // Idle and told where WAL ends: caught up.
                     step.ack = Some(wal_end);
                     self.applied_lsn = self.applied_lsn.max(wal_end.0);
-                    db.stream.set_lag(0, false);
                 }
             }
             ReplicationEvent::StoppedAt { .. } => return None,
@@ -408,13 +430,6 @@ fn parse_address(text: &str) -> Option<ObjectAddress> {
         parts.next()?.parse().ok()?,
     );
     parts.next().is_none().then_some(address)
-}
-
-fn now_pg_micros() -> i64 {
-    let since_unix = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    since_unix.as_micros() as i64 - PG_EPOCH_MICROS
 }
 
 #[cfg(test)]

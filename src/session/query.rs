@@ -293,8 +293,8 @@ where
         if self.known.temp {
             return Ok(Err(BypassReason::TempObjects));
         }
-        if !self.app.cache.fresh(&self.db) {
-            return Ok(Err(BypassReason::ReplicationDown));
+        if let Err(reason) = self.app.cache.freshness(&self.db) {
+            return Ok(Err(reason));
         }
         if !self.pipeline.is_quiet() {
             return Ok(Err(BypassReason::Pipelined));

@@ -112,49 +112,21 @@ impl Proxy {
         self.learn_all(db).await;
     }
 
-    /// Waits until the database's replication stream is up, and no more.
+    /// Waits until the database's replication stream is up and a
+    /// heartbeat has come back through it (the cache is served only then).
     pub async fn wait_stream(&self, db: &str) {
         if self.app.cache.replication_on() {
             let state = self.app.cache.db(db);
-            eventually(Duration::from_secs(20), "the replication stream", || {
-                let up = state.stream.is_streaming();
-                async move { up.then_some(()) }
-            })
+            eventually(
+                Duration::from_secs(20),
+                "a current replication stream",
+                || {
+                    let up = state.stream.is_current();
+                    async move { up.then_some(()) }
+                },
+            )
             .await;
         }
-    }
-
-    /// Waits until the database's stream is current (up, and its last
-    /// commit arrived within `replication.max_lag_ms`): a test that counts
-    /// hits must not lose one to a commit the loaded machine delivered
-    /// late. Each wait commits a logical message directly, so a fresh
-    /// commit comes through.
-    pub async fn wait_current(&self, db: &str) {
-        if !self.app.cache.replication_on() {
-            return;
-        }
-        let state = self.app.cache.db(db);
-        let direct = super::pg().direct(db).await;
-        eventually(
-            Duration::from_secs(20),
-            "a current replication stream",
-            || {
-                let (state, direct) = (&state, &direct);
-                async move {
-                    if state.stream.is_current() {
-                        return Some(());
-                    }
-                    direct
-                        .batch_execute(
-                            "SELECT pg_catalog.pg_logical_emit_message(true, 'pgcache_test', '')",
-                        )
-                        .await
-                        .ok()?;
-                    None
-                }
-            },
-        )
-        .await;
     }
 
     /// Makes pgcache learn the catalog facts of relations `rels` and
