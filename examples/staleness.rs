@@ -3,8 +3,9 @@
 //! cached, commit a new one on a direct connection, then read through
 //! pgcache as fast as possible until the new value appears.
 //!
-//! `cargo run --release --example staleness -- DIRECT_DSN PGCACHE_DSN [SAMPLES]`
-//! Prints p50, p99 and max in milliseconds. Used by `bench/invalidation.sh`.
+//! `cargo run --release --example staleness -- DIRECT_DSN PGCACHE_DSN [SAMPLES] [async]`
+//! Prints p50, p99 and max in milliseconds. With `async`, the writes commit
+//! with `synchronous_commit = off`. Used by `bench/invalidation.sh`.
 #![allow(clippy::print_stdout)] // its output is the report
 
 use std::time::{Duration, Instant};
@@ -37,6 +38,7 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (direct_dsn, cache_dsn) = (&args[1], &args[2]);
     let samples: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(300);
+    let commit = args.get(4).map(String::as_str).unwrap_or("sync");
     let direct = connect(direct_dsn).await;
     let cached = connect(cache_dsn).await;
     direct
@@ -72,6 +74,12 @@ async fn main() {
         // The blocked read was cancelled by the timeout; let it drain.
         read(&cached).await;
     }
+    if commit == "async" {
+        direct
+            .batch_execute("SET synchronous_commit = off")
+            .await
+            .expect("set");
+    }
     let mut stale = Vec::with_capacity(samples);
     let mut saw_stale = 0;
     for _ in 0..samples {
@@ -103,7 +111,7 @@ async fn main() {
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let pct = |p: f64| stale[((stale.len() as f64 * p) as usize).min(stale.len() - 1)];
     println!(
-        "staleness over {} writes ({} of them read stale at least once): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "{commit} commit: staleness over {} writes ({} of them read stale at least once): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         stale.len(),
         saw_stale,
         ms(pct(0.50)),

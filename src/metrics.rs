@@ -31,6 +31,8 @@ pub struct Metrics {
     pub auth_failures: AuthFailures,
     /// Entries refreshed in the background while being served.
     pub refreshes: IntCounter,
+    /// Settings queries run on clients' connections.
+    pub settings_queries: IntCounter,
     pub client_connections: IntGauge,
     pub backend_connections: IntGauge,
     /// Hits by tier.
@@ -435,6 +437,11 @@ impl Metrics {
             refreshes: r.counter(
                 "pgcache_cache_refreshes_total",
                 "Entries refreshed in the background while still being served",
+            ),
+            settings_queries: r.counter(
+                "pgcache_settings_queries_total",
+                "Settings queries pgcache ran on clients' connections (a session's first cacheable \
+                 read, and after a settings change; none on a reused connection's first read)",
             ),
             client_connections: r.gauge("pgcache_client_connections", "Client connections open"),
             backend_connections: r.gauge(

@@ -132,6 +132,38 @@ async fn a_new_client_gets_the_parked_connection_without_the_last_ones_state() {
 }
 
 #[tokio::test]
+async fn a_reused_connection_needs_no_settings_query_and_keys_results_alike() {
+    let pg = pg();
+    let db = pg.create_db("pool_settings");
+    pg.psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 7)",
+    );
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    proxy.connect(&db).await; // the stream up and the table known
+    let read = "SELECT v FROM t WHERE id = 1";
+    let pid = park(&proxy, &proxy.dsn("postgres", &db), read).await;
+    let queries = proxy.app.metrics.settings_queries.get();
+    let hits = proxy.hits();
+    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("7"));
+    assert_eq!(
+        proxy.hits(),
+        hits + 1,
+        "the earlier session's entry, under the same key"
+    );
+    assert_eq!(proxy.app.metrics.settings_queries.get(), queries);
+    assert_eq!(backend_pid(&client).await, pid);
+    // Once the session changes a setting, it is asked again.
+    client
+        .batch_execute("SET DateStyle = 'German'")
+        .await
+        .unwrap();
+    scalar(&client, read).await;
+    assert_eq!(proxy.app.metrics.settings_queries.get(), queries + 1);
+}
+
+#[tokio::test]
 async fn a_session_that_defined_a_custom_setting_leaves_no_trace() {
     let pg = pg();
     let db = pg.create_db("pool_custom");

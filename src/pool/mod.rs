@@ -122,6 +122,18 @@ pub struct Server {
     pub trusted: bool,
     /// When it logged in.
     pub born: Instant,
+    /// The session settings a client starts with on it, once read.
+    pub login_settings: Option<LoginSettings>,
+}
+
+/// The answer of a session's settings query (see `session/hidden.rs`) in
+/// a connection's login state, and the policy generation it was asked
+/// under. `DISCARD ALL` returns the connection to that state, and the
+/// pool's check closes it if what login applies changed.
+#[derive(Debug, Clone)]
+pub struct LoginSettings {
+    pub generation: u64,
+    pub row: Vec<Option<String>>,
 }
 
 impl Server {

@@ -117,7 +117,7 @@ where
             .and_then(|(p, _)| self.known.portals.get(p).cloned());
         let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
             self.batch.effects.merge(&Bumps::opaque());
-            self.known.prefix = None;
+            self.settings_may_have_changed();
             self.tx.wrote();
             return Ok(false);
         };

@@ -14,6 +14,7 @@ use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::cache::key;
 use crate::classify::BypassReason;
+use crate::pool::LoginSettings;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be, extended, messages};
 
@@ -79,6 +80,14 @@ where
         {
             return Ok(Ok(prefix));
         }
+        // A reused connection still in its login state is in the state an
+        // earlier session read at login: no need to read it again.
+        if self.server.login_state
+            && let Some(login) = self.server.login_settings.clone()
+            && login.generation == generation
+        {
+            return Ok(Ok(self.adopt_settings(&login.row, generation)));
+        }
         if !self.backend_idle() {
             return Ok(Err(BypassReason::SettingsUnknown));
         }
@@ -92,12 +101,24 @@ where
             sql.push_str(&name.replace('\'', "''"));
             sql.push_str("', true)");
         }
+        self.app.metrics.settings_queries.inc();
         let Some(rows) = self.hidden_query(&sql).await? else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
         let Some(row) = rows.into_iter().next() else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
+        let prefix = self.adopt_settings(&row, generation);
+        if self.server.login_state {
+            // What a client logging in on this connection starts with.
+            self.server.login_settings = Some(LoginSettings { generation, row });
+        }
+        Ok(Ok(prefix))
+    }
+
+    /// Takes the settings query's answer as the session's: its role,
+    /// default isolation and cache-key prefix.
+    fn adopt_settings(&mut self, row: &[Option<String>], generation: u64) -> u128 {
         self.known.role = row.first().cloned().flatten();
         self.tx.default_strict = !matches!(
             row.get(2).and_then(|v| v.as_deref()),
@@ -108,9 +129,9 @@ where
             .params
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()));
-        let prefix = key::session_prefix(self.startup.database(), params, &row);
+        let prefix = key::session_prefix(self.startup.database(), params, row);
         self.known.prefix = Some((prefix, generation));
-        Ok(Ok(prefix))
+        prefix
     }
 
     /// Runs pgcache's own simple query on the idle backend and returns its

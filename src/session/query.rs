@@ -61,7 +61,7 @@ where
             fe::FUNCTION_CALL => {
                 self.release_batch();
                 self.forward(&frame);
-                self.known.prefix = None;
+                self.settings_may_have_changed();
                 self.tx.wrote();
                 self.pipeline.push(Inflight {
                     effects: Bumps::opaque(),
@@ -264,7 +264,7 @@ where
     /// State changes a forwarded statement causes at once.
     pub(super) fn note_effects(&mut self, plan: &Plan) {
         if plan.settings {
-            self.known.prefix = None;
+            self.settings_may_have_changed();
         }
         if plan.creates_temp {
             self.known.temp = true;

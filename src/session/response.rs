@@ -20,7 +20,11 @@ where
         let frame = &self.backend.buffered()[pos..pos + len];
         let tag = frame[0];
         if tag == be::PARAMETER_STATUS {
-            self.known.prefix = None;
+            // The ones before the first ReadyForQuery are the login's own.
+            if self.ready {
+                self.known.prefix = None;
+                self.server.login_state = false;
+            }
             self.server.statuses.note(frame);
         }
         let max = self.app.cache.local.max_entry_bytes();

@@ -8,7 +8,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::relay::Session;
 use crate::pool::marks::Marks;
-use crate::pool::{Server, Statuses};
+use crate::pool::{LoginSettings, Server, Statuses};
 
 /// What the session knows of its backend connection beyond the relay.
 pub(super) struct ServerBook {
@@ -29,6 +29,12 @@ pub(super) struct ServerBook {
     /// The client sent Terminate while the backend was idle, and the
     /// backend was not told: the connection is the pool's to reset.
     pub handed_back: bool,
+    /// The session's settings are still those of its login: nothing it
+    /// ran may have changed them (as far as the cache key can tell).
+    pub login_state: bool,
+    /// The settings query's answer in the login state, kept with the
+    /// connection for the sessions that reuse it.
+    pub login_settings: Option<LoginSettings>,
 }
 
 impl ServerBook {
@@ -42,6 +48,8 @@ impl ServerBook {
             pooling,
             tainted: false,
             handed_back: false,
+            login_state: true,
+            login_settings: None,
         }
     }
 
@@ -56,6 +64,8 @@ impl ServerBook {
             pooling: true,
             tainted: false,
             handed_back: false,
+            login_state: true,
+            login_settings: server.login_settings.clone(),
         }
     }
 }
@@ -85,6 +95,13 @@ where
         self.server.handed_back
     }
 
+    /// A statement may have changed the session's settings: they are read
+    /// again before the next cacheable read.
+    pub(super) fn settings_may_have_changed(&mut self) {
+        self.known.prefix = None;
+        self.server.login_state = false;
+    }
+
     /// The backend connection, if this session handed it back clean.
     pub fn into_server(self) -> Option<Server> {
         if self.server.pooling && self.server.tainted {
@@ -103,6 +120,7 @@ where
             key_data,
             trusted: self.server.trusted,
             born: self.server.born,
+            login_settings: self.server.login_settings,
         })
     }
 }
