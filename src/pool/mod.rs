@@ -13,11 +13,12 @@
 //! mode); in passthrough mode such a connection is closed.
 //!
 //! A connection's settings are fixed at login by the role's and database's
-//! `ALTER ... SET`, which `DISCARD ALL` does not re-read. So each parking
-//! and each reuse runs a check query, and its answer (those settings and
-//! the configuration's load time) must match: the one seen when parked,
-//! and the one seen before the connection logged in ([`Seen`]). The first
-//! connection after pgcache starts is therefore never parked.
+//! `ALTER ... SET`, which `DISCARD ALL` does not re-read. So each reuse
+//! runs a check query, and its answer (those settings and the
+//! configuration's load time) must have been seen, unchanged, since before
+//! the connection logged in ([`Seen`]): a change made at any time after
+//! its login shows as a new answer first seen after it. (The first
+//! connection reused after pgcache starts is closed for that reason.)
 
 pub mod marks;
 
@@ -163,8 +164,6 @@ struct Seen {
 struct Parked {
     key: PoolKey,
     server: Server,
-    /// The check's answer when it was parked.
-    answer: Box<str>,
     at: Instant,
 }
 
@@ -182,12 +181,6 @@ struct Idle {
 pub struct ServerPool {
     idle: Mutex<Idle>,
     metrics: PoolMetrics,
-}
-
-/// The outcome of a check query.
-enum Checked {
-    Answer(Box<str>),
-    Failed,
 }
 
 impl ServerPool {
@@ -227,19 +220,17 @@ impl ServerPool {
                 self.metrics.idle.set(idle.parked.len() as i64);
                 parked
             };
-            let Parked {
-                mut server, answer, ..
-            } = parked;
+            let mut server = parked.server;
             let checked = tokio::time::timeout(config.check_timeout(), check(&mut server)).await;
             match checked {
-                Ok(Checked::Answer(now)) if now == answer => {
-                    self.saw(&now);
-                    self.metrics.reused.inc();
-                    return Some(server);
-                }
-                Ok(Checked::Answer(now)) => {
-                    self.saw(&now);
-                    debug!("parked server connection outdated by a settings change");
+                Ok(Some(answer)) => {
+                    // Unchanged since before it logged in: it has what a
+                    // new login would get.
+                    if self.saw(&answer) <= server.born {
+                        self.metrics.reused.inc();
+                        return Some(server);
+                    }
+                    debug!("parked server connection may predate a settings change");
                     self.metrics.closed_stale.inc();
                 }
                 _ => self.metrics.closed_failed.inc(),
@@ -248,8 +239,8 @@ impl ServerPool {
     }
 
     /// Resets a connection whose session ended and parks it, off the
-    /// client's path; it is closed instead if the reset or check fails, if
-    /// it is too old, or if an eviction happened meanwhile.
+    /// client's path; it is closed instead if the reset fails, if it is too
+    /// old, or if an eviction happened meanwhile.
     pub fn give_back(self: &Arc<Self>, config: &PoolConfig, key: PoolKey, mut server: Server) {
         if config.max_idle_servers == 0 || server.born.elapsed() > config.server_lifetime() {
             return;
@@ -259,20 +250,13 @@ impl ServerPool {
         let config = config.clone();
         tokio::spawn(async move {
             let reset = tokio::time::timeout(config.check_timeout(), reset(&mut server)).await;
-            let Ok(Checked::Answer(answer)) = reset else {
+            if reset != Ok(true) {
                 pool.metrics.closed_failed.inc();
                 return;
-            };
-            let since = pool.saw(&answer);
+            }
             let mut idle = pool.lock();
             if idle.epoch != epoch {
                 pool.metrics.closed_evicted.inc();
-                return;
-            }
-            if since > server.born {
-                // Settings changed while it served, or this is the first
-                // look at them: it may not have what a new login gets.
-                pool.metrics.closed_stale.inc();
                 return;
             }
             while idle.parked.len() >= config.max_idle_servers {
@@ -282,7 +266,6 @@ impl ServerPool {
             idle.parked.push_back(Parked {
                 key,
                 server,
-                answer,
                 at: Instant::now(),
             });
             pool.metrics.idle.set(idle.parked.len() as i64);
@@ -339,42 +322,33 @@ async fn reap(pool: Weak<ServerPool>, timeout: Duration) {
     }
 }
 
-/// `DISCARD ALL`, then the check.
-async fn reset(server: &mut Server) -> Checked {
-    let mut out = messages::query("DISCARD ALL");
-    out.extend_from_slice(&messages::query(CHECK));
-    if server.stream.write_all(&out).await.is_err() {
-        return Checked::Failed;
-    }
-    match read_answer(server).await {
-        Some(rows) if rows.is_empty() => {}
-        _ => return Checked::Failed,
-    }
-    answer_of(read_answer(server).await)
-}
-
-async fn check(server: &mut Server) -> Checked {
+/// `DISCARD ALL`: true if it succeeded and left the connection idle.
+async fn reset(server: &mut Server) -> bool {
     if server
         .stream
-        .write_all(&messages::query(CHECK))
+        .write_all(&messages::query("DISCARD ALL"))
         .await
         .is_err()
     {
-        return Checked::Failed;
+        return false;
     }
-    answer_of(read_answer(server).await)
+    read_answer(server).await.is_some()
 }
 
-fn answer_of(rows: Option<Vec<Vec<Option<String>>>>) -> Checked {
-    let Some(rows) = rows.filter(|r| !r.is_empty()) else {
-        return Checked::Failed;
-    };
+/// The check query's answer as one text; `None` if it failed.
+async fn check(server: &mut Server) -> Option<Box<str>> {
+    server
+        .stream
+        .write_all(&messages::query(CHECK))
+        .await
+        .ok()?;
+    let rows = read_answer(server).await.filter(|r| !r.is_empty())?;
     let mut answer = String::new();
     for value in rows.iter().flatten() {
         answer.push_str(value.as_deref().unwrap_or("\\N"));
         answer.push('\n');
     }
-    Checked::Answer(answer.into())
+    Some(answer.into())
 }
 
 /// Reads one simple query's answer up to ReadyForQuery: its rows, or
