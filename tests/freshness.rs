@@ -7,13 +7,11 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
 use pgcache::classify::BypassReason;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 const HEARTBEAT_MS: u64 = 100;
 const STALENESS_MS: u64 = 1_000;
@@ -86,6 +84,17 @@ async fn stale_reads_end_within_the_lease(
         state.stream.lag()
     );
     assert!(proxy.app.metrics.bypasses(BypassReason::ReplicationStale) > 0);
+    let (status, body) = proxy.http_get("/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("stale"), "{body}");
+    let (_, metrics) = proxy.http_get("/metrics").await;
+    let series = format!("pgcache_replication_lag_seconds{{database=\"{db}\"}} ");
+    let lag: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse().ok())
+        .expect("the lag series");
+    assert!(lag > STALENESS_MS as f64 / 1000.0, "lag {lag}");
     eprintln!("first fresh read {fresh_since:?} after the write (bound on stale reads {bound:?})");
 }
 
@@ -143,67 +152,14 @@ async fn a_stopped_walsender_stops_serving_within_the_lease_and_resumes_after() 
     assert_eq!(proxy.hits(), hits + 1, "served from the cache again");
 }
 
-/// Relays TCP connections to `target`. Once `freeze` is set, connections
-/// that carried a replication startup stop forwarding, without closing:
-/// what a network black hole does.
-async fn relay(target: u16, freeze: Arc<AtomicBool>) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((inbound, _)) = listener.accept().await {
-            let Ok(outbound) = TcpStream::connect(("127.0.0.1", target)).await else {
-                continue;
-            };
-            let replication = Arc::new(AtomicBool::new(false));
-            let (ri, wi) = inbound.into_split();
-            let (ro, wo) = outbound.into_split();
-            let marks = Some(Arc::clone(&replication));
-            tokio::spawn(pipe(
-                ri,
-                wo,
-                marks,
-                Arc::clone(&replication),
-                Arc::clone(&freeze),
-            ));
-            tokio::spawn(pipe(ro, wi, None, replication, Arc::clone(&freeze)));
-        }
-    });
-    port
-}
-
-/// Copies one direction; `marks` (client to server) notes a replication
-/// startup.
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    marks: Option<Arc<AtomicBool>>,
-    replication: Arc<AtomicBool>,
-    freeze: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if let Some(marks) = &marks
-            && buf[..n].windows(12).any(|w| w == b"replication\0")
-        {
-            marks.store(true, Ordering::Release);
-        }
-        while replication.load(Ordering::Acquire) && freeze.load(Ordering::Acquire) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 #[tokio::test]
 async fn a_black_holed_stream_stops_serving_within_the_lease() {
-    let freeze = Arc::new(AtomicBool::new(false));
-    let port = relay(pg().port, Arc::clone(&freeze)).await;
+    let faults = Faults {
+        frozen_marker: b"replication\0",
+        ..Faults::default()
+    };
+    let freeze = Arc::clone(&faults.freeze);
+    let port = relay(pg().port, faults).await;
     let (db, proxy, client) = setup("fresh_hole", port).await;
     freeze.store(true, Ordering::Release);
     stale_reads_end_within_the_lease(&db, &proxy, &client).await;

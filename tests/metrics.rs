@@ -3,29 +3,10 @@
 mod common;
 
 use common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// GET `path` on pgcache's metrics port; returns (status, body).
 async fn get(proxy: &Proxy, path: &str) -> (u16, String) {
-    let addr = *proxy
-        .app
-        .metrics_addr
-        .get()
-        .expect("metrics endpoint bound");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: pgcache\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).await.unwrap();
-    let status = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = raw
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    proxy.http_get(path).await
 }
 
 /// The value of one sample line, by its full name and labels.

@@ -586,3 +586,98 @@ async fn a_redis_cluster_over_tls_carries_the_shared_tier() {
     // Served over TLS, invalidated over TLS.
     shared_across(&cluster, (&a, &ca), (&b, &cb), 12).await;
 }
+
+/// Rounds of: read through B twice (the second a hit), write through A,
+/// read through B at once. Readers on both instances run meanwhile and
+/// check that no read returns less than what was acknowledged before it
+/// began. Returns how many reads right after a write were stale, and B's
+/// hits.
+async fn write_through_a_read_through_b(
+    consistency: pgcache::config::Consistency,
+    rounds: u64,
+) -> (u64, u64) {
+    let db = pg().create_db("shared_ryw");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE c(id int PRIMARY KEY, n bigint); INSERT INTO c VALUES (1, 0)",
+    );
+    let mut config = config(&redis().url());
+    config.cache.shared.consistency = consistency;
+    let a = Proxy::start(config.clone()).await;
+    // B hears Redis 5 ms late, as over a slow network: its pub/sub news
+    // of A's writes arrives after B's client reads.
+    let slow = Faults {
+        delay: Duration::from_millis(5),
+        ..Faults::default()
+    };
+    let port = relay(redis().port, slow).await;
+    config.redis.url = format!("redis://127.0.0.1:{port}");
+    let b = Proxy::start(config).await;
+    let ca = a.connect(&db).await;
+    let cb = b.connect(&db).await;
+    shared_ready(&a, &db).await;
+    shared_ready(&b, &db).await;
+    let sql = "SELECT n FROM c WHERE id = 1";
+    let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let mut checkers = Vec::new();
+    for proxy in [&a, &b, &a, &b] {
+        let reader = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+        let (acked, done) = (Arc::clone(&acked), Arc::clone(&done));
+        let strict = consistency == pgcache::config::Consistency::ReadYourWrites;
+        checkers.push(tokio::spawn(async move {
+            let mut behind = 0u64;
+            while !done.load(Ordering::Acquire) {
+                let floor = acked.load(Ordering::Acquire);
+                let n: u64 = scalar(&reader, sql).await.unwrap().parse().unwrap();
+                if n < floor {
+                    assert!(!strict, "read {n} after {floor} was acknowledged");
+                    behind += 1;
+                }
+            }
+            behind
+        }));
+    }
+    let mut stale = 0;
+    for i in 1..=rounds {
+        scalar(&cb, sql).await;
+        scalar(&cb, sql).await;
+        ca.batch_execute(&format!("UPDATE c SET n = {i} WHERE id = 1"))
+            .await
+            .unwrap();
+        acked.store(i, Ordering::Release);
+        if scalar(&cb, sql).await.as_deref() != Some(i.to_string().as_str()) {
+            stale += 1;
+        }
+    }
+    done.store(true, Ordering::Release);
+    let mut behind = 0;
+    for c in checkers {
+        behind += c.await.unwrap();
+    }
+    eprintln!(
+        "{consistency:?}: {stale} of {rounds} reads through B right after a write through A were \
+         stale; concurrent readers saw {behind} reads older than an acknowledged write"
+    );
+    (stale, b.hits())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_your_writes_never_serves_a_state_older_than_an_acknowledged_write() {
+    let rounds = 1000;
+    let (stale, hits) =
+        write_through_a_read_through_b(pgcache::config::Consistency::ReadYourWrites, rounds).await;
+    assert_eq!(stale, 0);
+    assert!(hits >= rounds / 2, "B served from its cache: {hits} hits");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eventual_consistency_reports_its_window() {
+    let rounds = 300;
+    let (stale, hits) =
+        write_through_a_read_through_b(pgcache::config::Consistency::Eventual, rounds).await;
+    assert!(hits >= rounds / 2, "B served from its cache: {hits} hits");
+    // The window read_your_writes closes is there: the same test with it
+    // would fail.
+    assert!(stale > 0, "no read was stale under eventual consistency");
+}

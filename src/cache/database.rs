@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::catalog::Catalog;
+use super::shared::confirm::Confirms;
 #[cfg(test)]
 use super::versions::Ddl;
 use super::versions::{Bumps, Versions};
@@ -212,6 +213,8 @@ pub struct SharedSync {
     pub synced: AtomicU64,
     /// A bump of this instance never reached Redis.
     pub dirty: AtomicBool,
+    /// Read-your-writes confirmations with Redis.
+    pub confirms: Confirms,
 }
 
 /// Every database this instance has served, by name.

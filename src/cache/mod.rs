@@ -212,6 +212,13 @@ impl Cache {
             self.bypassed(req.db, reason);
             return Lookup::Bypass(reason);
         }
+        if let Some(tier) = self.shared().filter(|t| t.read_your_writes)
+            && let Err(e) = tier.confirm(req.db, req.reads).await
+        {
+            tracing::debug!(error = %e, "cannot confirm versions with Redis");
+            self.bypassed(req.db, BypassReason::Unconfirmed);
+            return Lookup::Bypass(BypassReason::Unconfirmed);
+        }
         let mut waited = false;
         loop {
             // Local counters first, then the shared tier's state, then its

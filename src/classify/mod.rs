@@ -51,6 +51,8 @@ pub enum BypassReason {
     /// The stream is up, but no heartbeat came back within
     /// `replication.max_staleness_ms`.
     ReplicationStale,
+    /// `read_your_writes`, and Redis could not confirm the versions.
+    Unconfirmed,
     /// `/*+ nocache */` or `/*NO QUERY CACHE*/`.
     Hint,
     /// `cache.mode = "opt_in"` and no hint asked.
@@ -62,7 +64,7 @@ pub enum BypassReason {
 
 impl BypassReason {
     /// Every reason, in declaration order (`reason as usize` indexes it).
-    pub const ALL: [BypassReason; 26] = [
+    pub const ALL: [BypassReason; 27] = [
         Self::NotSelect,
         Self::MultiStatement,
         Self::ParseError,
@@ -84,6 +86,7 @@ impl BypassReason {
         Self::UnsupportedShape,
         Self::ReplicationDown,
         Self::ReplicationStale,
+        Self::Unconfirmed,
         Self::Hint,
         Self::OptIn,
         Self::TableRule,
@@ -114,6 +117,7 @@ impl BypassReason {
             Self::UnsupportedShape => "unsupported_shape",
             Self::ReplicationDown => "replication_down",
             Self::ReplicationStale => "replication_stale",
+            Self::Unconfirmed => "unconfirmed",
             Self::Hint => "hint",
             Self::OptIn => "opt_in",
             Self::TableRule => "table_rule",

@@ -287,6 +287,8 @@ pub struct SharedCacheConfig {
     pub breaker_open_ms: u64,
     /// Stores to Redis in flight at once; more are dropped (and counted).
     pub max_pending_stores: usize,
+    /// What a read may miss of writes made through other instances.
+    pub consistency: Consistency,
 }
 
 impl Default for SharedCacheConfig {
@@ -299,8 +301,23 @@ impl Default for SharedCacheConfig {
             breaker_failures: 3,
             breaker_open_ms: 2000,
             max_pending_stores: 256,
+            consistency: Consistency::Eventual,
         }
     }
+}
+
+/// `cache.shared.consistency`.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Consistency {
+    /// A write through one instance reaches the others by pub/sub, about
+    /// a millisecond later.
+    #[default]
+    Eventual,
+    /// No read is answered from a state older than a write any instance
+    /// acknowledged before the read began: each read confirms its versions
+    /// with Redis first.
+    ReadYourWrites,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

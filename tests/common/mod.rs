@@ -17,6 +17,7 @@ mod pg;
 mod process;
 mod proxy;
 mod redis;
+mod relay;
 mod tls;
 
 use std::net::TcpListener as StdListener;
@@ -26,6 +27,9 @@ use std::time::{Duration, Instant};
 
 pub use pg::*;
 pub use proxy::Proxy;
+// Only the fault tests relay connections.
+#[allow(unused_imports)]
+pub use relay::{Faults, relay};
 // Not every test binary starts Redis or makes certificates.
 #[allow(unused_imports)]
 pub use redis::*;

@@ -51,6 +51,23 @@ impl Proxy {
         )
     }
 
+    /// GET `path` on pgcache's metrics port; returns (status, body).
+    pub async fn http_get(&self, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = *self.app.metrics_addr.get().expect("metrics endpoint bound");
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: pgcache\r\nConnection: close\r\n\r\n");
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).await.unwrap();
+        let status = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+
     pub fn hits(&self) -> u64 {
         self.app.metrics.hits.get()
     }

@@ -31,6 +31,7 @@
 //! Redis the local tier and PostgreSQL answer, and clients see no errors.
 
 mod breaker;
+pub mod confirm;
 mod conn;
 pub mod entry;
 mod sync;
@@ -47,7 +48,7 @@ use tracing::{debug, warn};
 
 use super::database::{Databases, DbState};
 use super::versions::{Bumps, unix_ms};
-use crate::config::{Config, RedisNodes};
+use crate::config::{Config, Consistency, RedisNodes};
 use crate::metrics::SharedMetrics;
 use breaker::Breaker;
 use conn::Conn;
@@ -161,6 +162,9 @@ pub struct SharedTier {
     bump: Script,
     resync_script: Script,
     metrics: SharedMetrics,
+    /// `cache.shared.consistency = "read_your_writes"`: every read
+    /// confirms its versions with Redis first ([`confirm`]).
+    pub read_your_writes: bool,
 }
 
 impl SharedTier {
@@ -193,6 +197,7 @@ impl SharedTier {
             bump: Script::new(BUMP),
             resync_script: Script::new(RESYNC),
             metrics,
+            read_your_writes: shared.consistency == Consistency::ReadYourWrites,
         }
     }
 

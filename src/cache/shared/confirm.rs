@@ -1,0 +1,157 @@
+//! Read-your-writes across instances (`cache.shared.consistency =
+//! "read_your_writes"`): before a read may be answered from the cache, this
+//! instance confirms with Redis that its version mirrors of the tables it
+//! reads are not behind.
+//!
+//! Why that suffices: an instance sends a write's version bumps to Redis
+//! before its client hears that the write completed (see
+//! [`super::SharedTier::publish`]). A read that begins after that moment
+//! asks Redis after it too, so it sees the bump, raises its mirrors, and
+//! misses. Pub/sub alone delivers the bump about a millisecond later, which
+//! is the window `eventual` leaves open.
+//!
+//! Reads share round trips, as a group commit does: while one `HMGET` is
+//! on its way, the reads that arrive gather their fields for the next one,
+//! which leaves as soon as the first returns. A read never takes an answer
+//! to a request sent before it began.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use super::sync::apply_field;
+use super::{EPOCH, SharedError, SharedTier, TABLE};
+use crate::cache::database::DbState;
+use crate::cache::versions::Family;
+
+/// One database's rounds of confirmation.
+pub struct Confirms {
+    state: Mutex<Rounds>,
+    /// The newest round answered, and whether it succeeded.
+    answered: watch::Sender<(u64, bool)>,
+}
+
+#[derive(Default)]
+struct Rounds {
+    /// The newest round started (sent, or being gathered while one is in
+    /// flight).
+    started: u64,
+    in_flight: bool,
+    /// Fields the next round asks for.
+    wanted: BTreeSet<String>,
+}
+
+impl Default for Confirms {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new(Rounds::default()),
+            answered: watch::channel((0, true)).0,
+        }
+    }
+}
+
+impl Confirms {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Rounds> {
+        // Every critical section leaves the rounds whole.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl SharedTier {
+    /// Raises `db`'s mirrors of the epoch and of `reads` to what Redis
+    /// holds now, in a round trip that leaves after this call began.
+    pub async fn confirm(
+        self: &Arc<Self>,
+        db: &Arc<DbState>,
+        reads: &[Arc<Family>],
+    ) -> Result<(), SharedError> {
+        let confirms = &db.sync.confirms;
+        let mut answered = confirms.answered.subscribe();
+        let (round, lead) = {
+            let mut rounds = confirms.lock();
+            rounds.wanted.insert(EPOCH.to_owned());
+            for family in reads {
+                rounds.wanted.insert(format!("{TABLE}{}", family.name));
+            }
+            if rounds.in_flight {
+                // The request in flight may have left before this read
+                // began: wait for the next one.
+                (rounds.started + 1, false)
+            } else {
+                rounds.in_flight = true;
+                rounds.started += 1;
+                (rounds.started, true)
+            }
+        };
+        if lead {
+            // Its own task: the rounds go on if this read is dropped.
+            let tier = Arc::clone(self);
+            let db = Arc::clone(db);
+            tokio::spawn(async move { tier.confirm_rounds(&db).await });
+        }
+        let (_, ok) = *answered
+            .wait_for(|(done, _)| *done >= round)
+            .await
+            .map_err(|_| SharedError::NotConnected)?;
+        if ok {
+            Ok(())
+        } else {
+            Err(SharedError::NotConnected)
+        }
+    }
+
+    /// Sends rounds until no read waits for another.
+    async fn confirm_rounds(&self, db: &DbState) {
+        let confirms = &db.sync.confirms;
+        loop {
+            let (round, fields) = {
+                let mut rounds = confirms.lock();
+                (rounds.started, std::mem::take(&mut rounds.wanted))
+            };
+            let fields: Vec<String> = fields.into_iter().collect();
+            let hash = self.versions_key(&db.name);
+            let result = self
+                .run(async |mut c| {
+                    redis::cmd("HMGET")
+                        .arg(&hash)
+                        .arg(&fields)
+                        .query_async::<Vec<Option<u64>>>(&mut c)
+                        .await
+                })
+                .await;
+            let ok = match result {
+                Ok(values) => {
+                    for (field, value) in fields.iter().zip(values) {
+                        if let Some(value) = value {
+                            apply_field(db, field, value);
+                        }
+                    }
+                    true
+                }
+                Err(_) => false,
+            };
+            let more = {
+                let mut rounds = confirms.lock();
+                let more = !rounds.wanted.is_empty();
+                if more {
+                    rounds.started += 1;
+                } else {
+                    rounds.in_flight = false;
+                }
+                more
+            };
+            // Rounds of two leaders can finish out of order: never go back.
+            confirms.answered.send_if_modified(|answered| {
+                let newer = round > answered.0;
+                if newer {
+                    *answered = (round, ok);
+                }
+                newer
+            });
+            if !more {
+                return;
+            }
+        }
+    }
+}
