@@ -36,7 +36,8 @@ for commit in sync async; do
         "host=127.0.0.1 port=$PGPORT user=postgres dbname=bench" \
         "host=127.0.0.1 port=$PGCACHE_PORT user=postgres dbname=bench" "$SAMPLES" "$commit"
 done
-kill -INT $LOAD 2>/dev/null || true
+# A background job of a script ignores SIGINT: TERM ends it.
+kill $LOAD 2>/dev/null || true
 wait $LOAD 2>/dev/null || true
 sleep 1 # statistics are reported at transaction end, with a short delay
 python3 -c "print(f'write load during the measurement: {($(updates) - $BEFORE) / ($(date +%s.%N) - $STARTED):.0f} updates/s on a direct connection')"

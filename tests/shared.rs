@@ -621,7 +621,8 @@ async fn write_through_a_read_through_b(
     let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let done = Arc::new(AtomicBool::new(false));
     let mut checkers = Vec::new();
-    for proxy in [&a, &b, &a, &b] {
+    // Many readers, so that confirmation rounds overlap and are shared.
+    for proxy in [&a, &b, &a, &b, &a, &b, &a, &b, &a, &b, &a, &b] {
         let reader = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
         let (acked, done) = (Arc::clone(&acked), Arc::clone(&done));
         let strict = consistency == pgcache::config::Consistency::ReadYourWrites;
@@ -629,7 +630,8 @@ async fn write_through_a_read_through_b(
             let mut behind = 0u64;
             while !done.load(Ordering::Acquire) {
                 let floor = acked.load(Ordering::Acquire);
-                let n: u64 = scalar(&reader, sql).await.unwrap().parse().unwrap();
+                let read = tokio::time::timeout(Duration::from_secs(10), scalar(&reader, sql));
+                let n: u64 = read.await.expect("a read hung").unwrap().parse().unwrap();
                 if n < floor {
                     assert!(!strict, "read {n} after {floor} was acknowledged");
                     behind += 1;

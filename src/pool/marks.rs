@@ -2,11 +2,15 @@
 //! by a cheap scan (no parse), so that the pass-through relay can afford
 //! it on every Query and Parse.
 //!
-//! Two things survive `DISCARD ALL` or make a parked connection harmful:
+//! Some things survive `DISCARD ALL` or make a parked connection harmful:
 //! - a custom setting (`SET app.tenant = ...`, `set_config('app.x', ...)`)
 //!   stays defined as a placeholder, so the next client's
-//!   `current_setting('app.tenant', true)` gives '' instead of NULL, and a
-//!   `LOAD`ed library stays loaded: such a connection is not reused;
+//!   `current_setting('app.tenant', true)` gives '' instead of NULL; a
+//!   `LOAD`ed library stays loaded; a temporary schema, once made, stays
+//!   the backend's, so a transaction that touches `pg_temp` no longer
+//!   counts as one that made it (`PREPARE TRANSACTION` then fails with
+//!   another error; found by PostgreSQL's `temp` test): a session that
+//!   names `temp`, `temporary` or `pg_temp` leaves its connection closed;
 //! - `CREATE`/`DROP`/`ALTER DATABASE` fail while other connections use
 //!   the database (or the template): parked connections are closed first.
 
@@ -36,6 +40,9 @@ pub fn marks(sql: &[u8]) -> Marks {
             marks.evicts = true;
         } else {
             marks.taints |= is(word, b"set_config")
+                || is(word, b"temp")
+                || is(word, b"temporary")
+                || is(word, b"pg_temp")
                 || (is(word, b"load") && next_byte(sql, end) == Some(b'\''))
                 || (is(word, b"set") && sets_custom(&mut words));
         }
@@ -116,6 +123,10 @@ mod tests {
         assert_eq!(m("SELECT set_config('app.x', '1', false)"), (true, false));
         assert_eq!(m("LOAD 'auto_explain'"), (true, false));
         assert_eq!(m("SELECT 1; load  '$libdir/plugins/x'"), (true, false));
+        assert_eq!(m("CREATE TEMP TABLE scratch(a int)"), (true, false));
+        assert_eq!(m("create temporary view v as select 1"), (true, false));
+        assert_eq!(m("SET search_path TO 'pg_temp'"), (true, false));
+        assert_eq!(m("SELECT pg_temp.f()"), (true, false));
     }
 
     #[test]

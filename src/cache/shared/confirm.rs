@@ -34,9 +34,10 @@ pub struct Confirms {
 
 #[derive(Default)]
 struct Rounds {
-    /// The newest round started (sent, or being gathered while one is in
-    /// flight).
-    started: u64,
+    /// Rounds whose fields were taken for sending. The next round, `sent +
+    /// 1`, carries what `wanted` holds when it is taken.
+    sent: u64,
+    /// A task is sending rounds.
     in_flight: bool,
     /// Fields the next round asks for.
     wanted: BTreeSet<String>,
@@ -74,15 +75,11 @@ impl SharedTier {
             for family in reads {
                 rounds.wanted.insert(format!("{TABLE}{}", family.name));
             }
-            if rounds.in_flight {
-                // The request in flight may have left before this read
-                // began: wait for the next one.
-                (rounds.started + 1, false)
-            } else {
-                rounds.in_flight = true;
-                rounds.started += 1;
-                (rounds.started, true)
-            }
+            // A round already taken may have left before this read began:
+            // this read's fields go with the next one.
+            let lead = !rounds.in_flight;
+            rounds.in_flight = true;
+            (rounds.sent + 1, lead)
         };
         if lead {
             // Its own task: the rounds go on if this read is dropped.
@@ -107,7 +104,8 @@ impl SharedTier {
         loop {
             let (round, fields) = {
                 let mut rounds = confirms.lock();
-                (rounds.started, std::mem::take(&mut rounds.wanted))
+                rounds.sent += 1;
+                (rounds.sent, std::mem::take(&mut rounds.wanted))
             };
             let fields: Vec<String> = fields.into_iter().collect();
             let hash = self.versions_key(&db.name);
@@ -134,11 +132,9 @@ impl SharedTier {
             let more = {
                 let mut rounds = confirms.lock();
                 let more = !rounds.wanted.is_empty();
-                if more {
-                    rounds.started += 1;
-                } else {
-                    rounds.in_flight = false;
-                }
+                // Under the lock: a read that comes after this either saw
+                // `in_flight` and is in `wanted`, or leads a new task.
+                rounds.in_flight = more;
                 more
             };
             // Rounds of two leaders can finish out of order: never go back.
