@@ -177,7 +177,7 @@ async fn admit(
                 app.metrics.pool.fresh.inc();
                 let buf = BytesMut::with_capacity(READ_CHUNK);
                 let stream = FramedStream::new(stream, buf, relay::MAX_BACKEND_FRAME);
-                (stream, addr, ServerBook::new(key.is_some()))
+                (stream, addr, ServerBook::new(pool.max_idle_servers > 0))
             }
             Err(e) => return Err((client, e.into())),
         },
