@@ -28,8 +28,8 @@ use crate::cache::versions::Family;
 /// One database's rounds of confirmation.
 pub struct Confirms {
     state: Mutex<Rounds>,
-    /// The newest round answered, and whether it succeeded.
-    answered: watch::Sender<(u64, bool)>,
+    /// The newest round answered, and the newest that failed.
+    answered: watch::Sender<(u64, u64)>,
 }
 
 #[derive(Default)]
@@ -47,7 +47,7 @@ impl Default for Confirms {
     fn default() -> Self {
         Self {
             state: Mutex::new(Rounds::default()),
-            answered: watch::channel((0, true)).0,
+            answered: watch::channel((0, 0)).0,
         }
     }
 }
@@ -87,11 +87,13 @@ impl SharedTier {
             let db = Arc::clone(db);
             tokio::spawn(async move { tier.confirm_rounds(&db).await });
         }
-        let (_, ok) = *answered
+        let (_, failed) = *answered
             .wait_for(|(done, _)| *done >= round)
             .await
             .map_err(|_| SharedError::NotConnected)?;
-        if ok {
+        // A failure of this round, or of a later one (which may hide
+        // whether this one failed), is no confirmation.
+        if failed < round {
             Ok(())
         } else {
             Err(SharedError::NotConnected)
@@ -138,12 +140,11 @@ impl SharedTier {
                 more
             };
             // Rounds of two leaders can finish out of order: never go back.
-            confirms.answered.send_if_modified(|answered| {
-                let newer = round > answered.0;
-                if newer {
-                    *answered = (round, ok);
+            confirms.answered.send_modify(|(done, failed)| {
+                *done = (*done).max(round);
+                if !ok {
+                    *failed = (*failed).max(round);
                 }
-                newer
             });
             if !more {
                 return;
