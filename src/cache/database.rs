@@ -4,7 +4,7 @@
 //! stream bump versions, the stream reports its health, the shared tier
 //! records its sync.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -77,8 +77,9 @@ pub struct StreamHealth {
     applied_lsn: AtomicU64,
     /// How many times the stream (re)started.
     starts: AtomicU64,
-    /// Tables left out of the publication for lack of a replica identity.
-    unpublished: AtomicU64,
+    /// Tables left out of the publication for lack of a replica identity:
+    /// qualified name to bare name.
+    unpublished: Mutex<BTreeMap<String, String>>,
 }
 
 impl Default for StreamHealth {
@@ -93,7 +94,7 @@ impl Default for StreamHealth {
             lag_bytes: AtomicU64::new(0),
             applied_lsn: AtomicU64::new(0),
             starts: AtomicU64::new(0),
-            unpublished: AtomicU64::new(0),
+            unpublished: Mutex::default(),
         }
     }
 }
@@ -196,12 +197,39 @@ impl StreamHealth {
         self.applied_lsn.load(Ordering::Acquire)
     }
 
-    pub fn set_unpublished(&self, tables: u64) {
-        self.unpublished.store(tables, Ordering::Release);
+    /// Records the tables a publication sync checked (all of them, or
+    /// those of the bare names `checked`) and found unpublishable; returns
+    /// the ones that were not so before, to be reported once.
+    pub fn note_unpublished(
+        &self,
+        checked: Option<&[String]>,
+        found: Vec<(String, String)>,
+    ) -> Vec<String> {
+        let mut tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
+        let before = std::mem::take(&mut *tables);
+        *tables = match checked {
+            None => BTreeMap::new(),
+            Some(names) => before
+                .iter()
+                .filter(|(_, bare)| !names.contains(bare))
+                .map(|(q, b)| (q.clone(), b.clone()))
+                .collect(),
+        };
+        let mut news = Vec::new();
+        for (qualified, bare) in found {
+            if !before.contains_key(&qualified) {
+                news.push(qualified.clone());
+            }
+            tables.insert(qualified, bare);
+        }
+        news
     }
 
     pub fn unpublished(&self) -> u64 {
-        self.unpublished.load(Ordering::Acquire)
+        self.unpublished
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len() as u64
     }
 }
 
@@ -252,6 +280,35 @@ impl Databases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unpublishable_table_is_reported_once_per_change() {
+        let health = StreamHealth::default();
+        let t = |q: &str, b: &str| (q.to_owned(), b.to_owned());
+        let news = health.note_unpublished(None, vec![t("public.a", "a"), t("public.b", "b")]);
+        assert_eq!(news, ["public.a", "public.b"]);
+        // DDL on `a` checks it again: nothing new to report.
+        let again = health.note_unpublished(Some(&["a".to_owned()]), vec![t("public.a", "a")]);
+        assert!(again.is_empty());
+        assert_eq!(health.unpublished(), 2);
+        // `b` got a primary key: it leaves the list...
+        assert!(
+            health
+                .note_unpublished(Some(&["b".to_owned()]), vec![])
+                .is_empty()
+        );
+        assert_eq!(health.unpublished(), 1);
+        // ...and is reported again if it loses it.
+        let lost = health.note_unpublished(Some(&["b".to_owned()]), vec![t("public.b", "b")]);
+        assert_eq!(lost, ["public.b"]);
+        // A full sync replaces the list.
+        assert!(
+            health
+                .note_unpublished(None, vec![t("public.b", "b")])
+                .is_empty()
+        );
+        assert_eq!(health.unpublished(), 1);
+    }
 
     #[test]
     fn ddl_forgets_what_it_touched_and_moves_the_epoch() {

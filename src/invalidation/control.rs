@@ -120,8 +120,9 @@ WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartitio
 /// What [`sync_publication`] did.
 #[derive(Debug, Default)]
 pub struct Synced {
-    /// Tables left out for lack of a replica identity.
-    pub unpublished: u64,
+    /// Tables it checked and left out for lack of a replica identity:
+    /// (qualified name, bare name).
+    pub unpublished: Vec<(String, String)>,
     /// Bare names of the tables it added.
     pub added: Vec<String>,
 }
@@ -170,8 +171,11 @@ pub async fn sync_publication(
                 add.push(name);
                 added.push(row.get(1));
             }
-            (true, false) => drop.push(name),
-            (false, false) => unpublishable.push(name),
+            (true, false) => {
+                unpublishable.push((name.clone(), row.get(1)));
+                drop.push(name);
+            }
+            (false, false) => unpublishable.push((name, row.get(1))),
             (true, true) => {}
         }
     }
@@ -194,16 +198,8 @@ pub async fn sync_publication(
         ))
         .await?;
     }
-    if !unpublishable.is_empty() || !drop.is_empty() {
-        unpublishable.extend(drop);
-        warn!(
-            publication,
-            tables = %unpublishable.join(", "),
-            "tables without a replica identity (no primary key, identity index or FULL) are not cached"
-        );
-    }
     Ok(Synced {
-        unpublished: unpublishable.len() as u64,
+        unpublished: unpublishable,
         added,
     })
 }

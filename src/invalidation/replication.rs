@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio_postgres::error::SqlState;
 use tokio_util::task::AbortOnDropHandle;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
@@ -97,7 +98,7 @@ impl Streams {
         let ctl = self.upstream.control(database).await?;
         if self.settings.manage_publication {
             let synced = sync_publication(&ctl, &self.settings.publication, None).await?;
-            db.stream.set_unpublished(synced.unpublished);
+            self.note_unpublished(db, None, synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
             let managed = self.settings.manage_publication;
@@ -232,10 +233,22 @@ impl Streams {
         if self.settings.manage_publication && only.as_ref().is_none_or(|o| !o.is_empty()) {
             match sync_publication(ctl, &self.settings.publication, only.as_deref()).await {
                 Ok(synced) => {
-                    db.stream.set_unpublished(synced.unpublished);
+                    self.note_unpublished(db, only.as_deref(), synced.unpublished);
                     // Facts fetched before a table joined the publication
                     // say it cannot be watched.
                     db.catalog.forget(&Ddl::objects(synced.added));
+                }
+                // A table dropped meanwhile, or added by another instance:
+                // the outcome is the intended one.
+                Err(ReplicationError::Control(e))
+                    if e.code().is_some_and(|c| {
+                        *c == SqlState::UNDEFINED_TABLE || *c == SqlState::DUPLICATE_OBJECT
+                    }) =>
+                {
+                    debug!(database = %db.name, error = %server_message(&e), "publication update raced with other DDL");
+                }
+                Err(ReplicationError::Control(e)) => {
+                    warn!(database = %db.name, error = %server_message(&e), "could not update the publication after DDL")
                 }
                 Err(e) => {
                     warn!(database = %db.name, error = %e, "could not update the publication after DDL")
@@ -243,6 +256,35 @@ impl Streams {
             }
         }
         Ok(())
+    }
+}
+
+impl Streams {
+    /// Keeps the count of unpublishable tables, and reports a table once,
+    /// when it becomes one (not after every DDL that checks it again).
+    fn note_unpublished(
+        &self,
+        db: &DbState,
+        checked: Option<&[String]>,
+        found: Vec<(String, String)>,
+    ) {
+        let news = db.stream.note_unpublished(checked, found);
+        if !news.is_empty() {
+            warn!(
+                database = %db.name,
+                tables = %news.join(", "),
+                "tables without a replica identity (no primary key, identity index or FULL) are not cached"
+            );
+        }
+    }
+}
+
+/// A control connection's error with the server's own message and code,
+/// which `tokio_postgres::Error`'s display leaves out ("db error").
+fn server_message(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => e.to_string(),
     }
 }
 
