@@ -138,9 +138,21 @@ pub struct LoginSettings {
 }
 
 impl Server {
-    /// What PostgreSQL would send a client logging in on this connection
-    /// now: AuthenticationOk, the parameters, the key, ReadyForQuery.
-    pub fn login_frames(&self) -> BytesMut {
+    /// The connection for a new session, with what PostgreSQL would send a
+    /// client logging in on it now (AuthenticationOk, the parameters, the
+    /// key, ReadyForQuery) waiting in its read buffer, for the relay to
+    /// handle as it handles a fresh login's.
+    pub fn replay_login(self) -> (FramedStream<BackendStream>, UpstreamAddr) {
+        let login = self.login_frames();
+        let mut stream = self.stream;
+        let buf = stream.buffer_mut();
+        let rest = buf.split();
+        buf.extend_from_slice(&login);
+        buf.extend_from_slice(&rest);
+        (stream, self.addr)
+    }
+
+    fn login_frames(&self) -> BytesMut {
         let mut out = BytesMut::new();
         out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
         self.statuses.replay(&mut out);

@@ -163,14 +163,10 @@ async fn admit(
         None => None,
     };
     let (backend, addr, book) = match parked {
-        Some(mut server) => {
-            let login = server.login_frames();
-            let buf = server.stream.buffer_mut();
-            let rest = buf.split();
-            buf.extend_from_slice(&login);
-            buf.extend_from_slice(&rest);
+        Some(server) => {
             let book = ServerBook::reused(&server);
-            (server.stream, server.addr, book)
+            let (stream, addr) = server.replay_login();
+            (stream, addr, book)
         }
         None => match crate::backend::connect(&app.upstream).await {
             Ok((stream, addr)) => {
