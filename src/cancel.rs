@@ -1,10 +1,14 @@
 //! CancelRequest routing.
 //!
-//! Each client is handed pgcache's own BackendKeyData (a random process id and
-//! secret), never the backend's: a client must not be able to cancel another
-//! proxy session's queries by guessing, and later a session may not be tied to
-//! one backend for its whole life. A CancelRequest arriving on a new
-//! connection is looked up here and sent on to the right backend.
+//! A client is handed the key of the backend it talks to with pgcache's own
+//! secret in place of PostgreSQL's: the process id is the real one, so
+//! `pg_backend_pid()`, BackendKeyData and the pid in a NotificationResponse
+//! agree, and `pg_terminate_backend` on it reaches that client's backend.
+//! The secret is pgcache's, drawn at random per session, so a client cannot
+//! cancel another session's queries by guessing, nor go round pgcache with
+//! the backend's key. A client that is not tied to one backend (a pooled
+//! one) gets a [`ClientPid::Synthetic`] id instead. A CancelRequest arriving
+//! on a new connection is looked up here and sent on to the right backend.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,30 +24,50 @@ pub struct CancelTarget {
     pub backend_secret: Vec<u8>,
 }
 
+/// The process id a client is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientPid {
+    /// The backend's own: the client keeps one backend for its session.
+    Backend,
+    /// A made-up one: the client's backend may change under it.
+    Synthetic,
+}
+
 struct Entry {
     secret: Vec<u8>,
     target: CancelTarget,
 }
 
+/// Registered keys by the process id clients were shown. Two sessions can
+/// be shown the same id (two upstream servers, or a backend's pid reused
+/// before the old session's guard is dropped); their secrets tell them
+/// apart.
 #[derive(Default)]
 pub struct CancelRegistry {
-    entries: Mutex<HashMap<u32, Entry>>,
+    entries: Mutex<HashMap<u32, Vec<Entry>>>,
 }
 
 /// Removes the registration when the session ends.
 pub struct CancelGuard {
     registry: Arc<CancelRegistry>,
     pid: u32,
+    secret: Vec<u8>,
 }
 
 impl Drop for CancelGuard {
     fn drop(&mut self) {
-        self.registry.lock().remove(&self.pid);
+        let mut map = self.registry.lock();
+        if let Some(entries) = map.get_mut(&self.pid) {
+            entries.retain(|e| e.secret != self.secret);
+            if entries.is_empty() {
+                map.remove(&self.pid);
+            }
+        }
     }
 }
 
 impl CancelRegistry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Vec<Entry>>> {
         // A panic while holding this lock cannot leave the map inconsistent.
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -51,28 +75,36 @@ impl CancelRegistry {
     /// Registers a backend and returns the key to hand to the client. The
     /// client's secret has the same length as the backend's (4 bytes in
     /// protocol 3.0, longer in 3.2).
-    pub fn register(self: &Arc<Self>, target: CancelTarget) -> (u32, Vec<u8>, CancelGuard) {
+    pub fn register(
+        self: &Arc<Self>,
+        target: CancelTarget,
+        shown: ClientPid,
+    ) -> (u32, Vec<u8>, CancelGuard) {
         let mut rng = rand::rng();
-        let mut secret = vec![0u8; target.backend_secret.len().max(4)];
-        rng.fill(&mut secret[..]);
         let mut map = self.lock();
-        let pid = loop {
-            // Positive, non-zero, like a real process id.
-            let candidate = rng.random_range(1..=i32::MAX as u32);
-            if !map.contains_key(&candidate) {
-                break candidate;
+        let (pid, secret) = loop {
+            let pid = match shown {
+                ClientPid::Backend => target.backend_pid,
+                // Positive, non-zero, like a real process id.
+                ClientPid::Synthetic => rng.random_range(1..=i32::MAX as u32),
+            };
+            let mut secret = vec![0u8; target.backend_secret.len().max(4)];
+            rng.fill(&mut secret[..]);
+            let taken = map
+                .get(&pid)
+                .is_some_and(|entries| entries.iter().any(|e| e.secret == secret));
+            if !taken {
+                break (pid, secret);
             }
         };
-        map.insert(
-            pid,
-            Entry {
-                secret: secret.clone(),
-                target,
-            },
-        );
+        map.entry(pid).or_default().push(Entry {
+            secret: secret.clone(),
+            target,
+        });
         let guard = CancelGuard {
             registry: Arc::clone(self),
             pid,
+            secret: secret.clone(),
         };
         (pid, secret, guard)
     }
@@ -80,12 +112,19 @@ impl CancelRegistry {
     /// The backend to cancel for a client's key, if the key is valid.
     pub fn lookup(&self, pid: u32, secret: &[u8]) -> Option<CancelTarget> {
         let map = self.lock();
-        let entry = map.get(&pid)?;
-        constant_time_eq(&entry.secret, secret).then(|| entry.target.clone())
+        let entries = map.get(&pid)?;
+        // Every candidate is compared, so the time taken tells nothing.
+        let mut found = None;
+        for entry in entries {
+            if constant_time_eq(&entry.secret, secret) {
+                found = Some(entry.target.clone());
+            }
+        }
+        found
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().values().map(Vec::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -115,7 +154,8 @@ mod tests {
     #[test]
     fn only_the_exact_key_finds_the_backend_and_only_while_registered() {
         let reg = Arc::new(CancelRegistry::default());
-        let (pid, secret, guard) = reg.register(target(77));
+        let (pid, secret, guard) = reg.register(target(77), ClientPid::Synthetic);
+        assert_ne!(pid, 77);
         assert_eq!(secret.len(), 4);
         assert_eq!(reg.lookup(pid, &secret).unwrap().backend_pid, 77);
         let mut wrong = secret.clone();
@@ -130,9 +170,37 @@ mod tests {
     #[test]
     fn keys_are_distinct_per_session() {
         let reg = Arc::new(CancelRegistry::default());
-        let a = reg.register(target(1));
-        let b = reg.register(target(2));
+        let a = reg.register(target(1), ClientPid::Synthetic);
+        let b = reg.register(target(2), ClientPid::Synthetic);
         assert_ne!((a.0, &a.1), (b.0, &b.1));
         assert_eq!(reg.len(), 2);
+    }
+
+    #[test]
+    fn a_backend_pid_shown_twice_is_told_apart_by_the_secret() {
+        let reg = Arc::new(CancelRegistry::default());
+        let (pid_a, secret_a, guard_a) = reg.register(target(42), ClientPid::Backend);
+        let mut other = target(42);
+        other.backend_secret = vec![7, 7, 7, 7];
+        let (pid_b, secret_b, guard_b) = reg.register(other, ClientPid::Backend);
+        assert_eq!((pid_a, pid_b), (42, 42));
+        assert_ne!(
+            secret_a,
+            [9, 9, 9, 9],
+            "the backend's secret is never shown"
+        );
+        assert_eq!(
+            reg.lookup(42, &secret_a).unwrap().backend_secret,
+            [9, 9, 9, 9]
+        );
+        assert_eq!(
+            reg.lookup(42, &secret_b).unwrap().backend_secret,
+            [7, 7, 7, 7]
+        );
+        drop(guard_a);
+        assert!(reg.lookup(42, &secret_a).is_none());
+        assert!(reg.lookup(42, &secret_b).is_some());
+        drop(guard_b);
+        assert!(reg.is_empty());
     }
 }

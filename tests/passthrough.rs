@@ -5,6 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::wire::{read_message, read_until_ready, sqlstate_of};
 use common::*;
 use futures_util::{SinkExt, StreamExt, TryStreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -363,43 +364,7 @@ async fn unreachable_backend_gives_08006_and_pgcache_keeps_serving() {
 
 /// Opens a raw connection, completes a trust login, returns the socket.
 async fn raw_login(proxy: &Proxy, db: &str) -> TcpStream {
-    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(&pgcache::protocol::startup::encode_startup(&[
-        ("user", "postgres"),
-        ("database", db),
-    ]))
-    .await
-    .unwrap();
-    read_until_ready(&mut s).await;
-    s
-}
-
-/// Reads messages until ReadyForQuery; returns (tag, body) of each.
-async fn read_until_ready(s: &mut TcpStream) -> Vec<(u8, Vec<u8>)> {
-    let mut out = Vec::new();
-    loop {
-        let Some(msg) = read_message(s).await else {
-            return out;
-        };
-        let done = msg.0 == b'Z';
-        out.push(msg);
-        if done {
-            return out;
-        }
-    }
-}
-
-async fn read_message(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
-    let mut header = [0u8; 5];
-    s.read_exact(&mut header).await.ok()?;
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-    let mut body = vec![0u8; len - 4];
-    s.read_exact(&mut body).await.ok()?;
-    Some((header[0], body))
-}
-
-fn sqlstate_of(body: &[u8]) -> Option<String> {
-    pgcache::protocol::messages::error_code(body).map(str::to_owned)
+    wire::raw_login(proxy.addr, db).await.0
 }
 
 #[tokio::test]

@@ -29,6 +29,34 @@ pub fn query(sql: &str) -> BytesMut {
     msg
 }
 
+/// Statement and portal name of pgcache's own queries on a client's
+/// connection.
+const HIDDEN: &str = "__pgcache_hidden";
+
+/// pgcache's own query on a client's connection, in the extended protocol
+/// under a statement and portal name of its own: a simple Query would
+/// destroy the client's unnamed statement, which a driver may still Bind
+/// after its next Sync. Answers: CloseComplete, ParseComplete,
+/// BindComplete, rows, CommandComplete, CloseComplete ×2, ReadyForQuery.
+pub fn hidden_query(sql: &str) -> BytesMut {
+    use pgwire::messages::extendedquery::{Bind, Close, Execute, Parse, Sync};
+    let name = || Some(HIDDEN.to_owned());
+    let mut out = BytesMut::with_capacity(sql.len() + 128);
+    // A statement of that name left behind by an interrupted query would
+    // make the Parse fail.
+    encode(&mut out, Close::new(b'S', name()));
+    encode(&mut out, Parse::new(name(), sql.to_owned(), Vec::new()));
+    encode(
+        &mut out,
+        Bind::new(name(), name(), Vec::new(), Vec::new(), Vec::new()),
+    );
+    encode(&mut out, Execute::new(name(), 0));
+    encode(&mut out, Close::new(b'P', name()));
+    encode(&mut out, Close::new(b'S', name()));
+    encode(&mut out, Sync::new());
+    out
+}
+
 /// BackendKeyData with `pid` and a secret of any length (protocol 3.2
 /// allows up to 256 bytes).
 pub fn backend_key_data(pid: u32, secret: &[u8]) -> BytesMut {

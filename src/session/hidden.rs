@@ -134,13 +134,14 @@ where
         prefix
     }
 
-    /// Runs pgcache's own simple query on the idle backend and returns its
-    /// rows as text, or `None` if it failed. Notifications and parameter
+    /// Runs pgcache's own query on the idle backend and returns its rows as
+    /// text, or `None` if it failed. It leaves the client's unnamed
+    /// statement and portal alone ([`messages::hidden_query`]). Notifications and parameter
     /// changes arriving meanwhile go on to the client; notices caused by the
     /// query itself do not.
     async fn hidden_query(&mut self, sql: &str) -> Result<Option<Rows>, SessionError> {
         self.backend
-            .write_all(&messages::query(sql))
+            .write_all(&messages::hidden_query(sql))
             .await
             .map_err(SessionError::BackendIo)?;
         let mut rows = Vec::new();

@@ -19,7 +19,7 @@ use super::transaction::Transaction;
 use crate::App;
 use crate::backend::BackendStream;
 use crate::cache::{DbState, Fill, Publication};
-use crate::cancel::{CancelGuard, CancelTarget};
+use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::pool::marks::marks;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::messages;
@@ -304,7 +304,8 @@ where
         Ok(())
     }
 
-    /// Hands the client pgcache's own cancel key for the backend's.
+    /// Hands the client the backend's process id with pgcache's own secret
+    /// (see [`crate::cancel`]).
     fn register_cancel_key(&mut self, body: &[u8]) -> BytesMut {
         let mut p = 0;
         let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
@@ -314,7 +315,7 @@ where
             backend_secret: body[4..].to_vec(),
         };
         self.backend_key = Some(target.clone());
-        let (pid, secret, guard) = self.app.cancel.register(target);
+        let (pid, secret, guard) = self.app.cancel.register(target, ClientPid::Backend);
         self.cancel = Some(guard);
         messages::backend_key_data(pid, &secret)
     }

@@ -19,6 +19,7 @@ mod proxy;
 mod redis;
 mod relay;
 mod tls;
+pub mod wire;
 
 use std::net::TcpListener as StdListener;
 use std::path::Path;

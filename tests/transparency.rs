@@ -1,0 +1,157 @@
+//! What a client sees through pgcache is what PostgreSQL would show it:
+//! its backend's process id, its unnamed statement kept across pgcache's
+//! own queries, and databases that can be dropped.
+
+mod common;
+
+use std::time::Duration;
+
+use common::wire::*;
+use common::*;
+use tokio::io::AsyncWriteExt;
+
+/// The process id in a login's BackendKeyData.
+fn key_pid(login: &[(u8, Vec<u8>)]) -> u32 {
+    let (_, body) = login
+        .iter()
+        .find(|(tag, _)| *tag == b'K')
+        .expect("BackendKeyData");
+    u32::from_be_bytes(body[..4].try_into().unwrap())
+}
+
+/// The first column of the first DataRow among `messages`, as text.
+fn first_value(messages: &[(u8, Vec<u8>)]) -> String {
+    let (_, row) = messages
+        .iter()
+        .find(|(tag, _)| *tag == b'D')
+        .unwrap_or_else(|| panic!("a row among {}", tags(messages)));
+    let len = i32::from_be_bytes(row[2..6].try_into().unwrap()) as usize;
+    String::from_utf8(row[6..6 + len].to_vec()).unwrap()
+}
+
+async fn simple(s: &mut tokio::net::TcpStream, sql: &str) -> Vec<(u8, Vec<u8>)> {
+    s.write_all(&query(sql)).await.unwrap();
+    read_until_ready(s).await
+}
+
+#[tokio::test]
+async fn the_client_sees_its_backends_real_pid_everywhere() {
+    let db = pg().create_db("realpid");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let (mut s, login) = raw_login(proxy.addr, &db).await;
+    let shown = key_pid(&login);
+    let answer = simple(&mut s, "SELECT pg_backend_pid()").await;
+    assert_eq!(first_value(&answer), shown.to_string(), "pg_backend_pid()");
+    // A notification from the session itself carries the same pid.
+    let answer = simple(&mut s, "LISTEN pid_check; NOTIFY pid_check, 'x'").await;
+    let (_, note) = answer
+        .iter()
+        .find(|(tag, _)| *tag == b'A')
+        .unwrap_or_else(|| panic!("a notification among {}", tags(&answer)));
+    assert_eq!(u32::from_be_bytes(note[..4].try_into().unwrap()), shown);
+    // Ending that pid directly ends this client's session with the server's
+    // own error.
+    let direct = pg().direct(&db).await;
+    let ended: bool = direct
+        .query_one("SELECT pg_terminate_backend($1)", &[&(shown as i32)])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended);
+    let (tag, body) = tokio::time::timeout(Duration::from_secs(10), read_message(&mut s))
+        .await
+        .expect("the session is told in time")
+        .expect("an error before the connection closes");
+    assert_eq!(tag, b'E');
+    assert_eq!(sqlstate_of(&body).as_deref(), Some("57P01"));
+    let message = pgcache::protocol::messages::error_field(&body, b'M').unwrap();
+    assert!(message.contains("administrator command"), "{message}");
+    assert!(
+        read_message(&mut s).await.is_none(),
+        "then the connection closes"
+    );
+}
+
+#[tokio::test]
+async fn a_cancel_with_the_real_pid_but_a_wrong_secret_cancels_nothing() {
+    let db = pg().create_db("pidforge");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let (mut s, login) = raw_login(proxy.addr, &db).await;
+    let pid = key_pid(&login);
+    s.write_all(&query("SELECT pg_sleep(1)::text"))
+        .await
+        .unwrap();
+    let direct = pg().direct(&db).await;
+    eventually(Duration::from_secs(10), "pg_sleep to start", || async {
+        let n: i64 = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'",
+                &[&(pid as i32)],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (n == 1).then_some(())
+    })
+    .await;
+    // PostgreSQL's own secret for that backend would not work either:
+    // only pgcache's does, and a guess is not it.
+    for secret in [[0u8, 0, 0, 0], [1, 2, 3, 4], [255, 255, 255, 255]] {
+        let mut c = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        c.write_all(&pgcache::protocol::startup::encode_cancel(pid, &secret))
+            .await
+            .unwrap();
+        assert!(read_message(&mut c).await.is_none());
+    }
+    let answer = read_until_ready(&mut s).await;
+    assert!(
+        !answer.iter().any(|(tag, _)| *tag == b'E'),
+        "the query finished uncancelled: {}",
+        tags(&answer)
+    );
+}
+
+#[tokio::test]
+async fn pgcaches_own_queries_leave_the_clients_unnamed_statement_alone() {
+    let db = pg().create_db("unnamed");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let setup = proxy.connect(&db).await;
+    setup
+        .batch_execute(
+            "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'one')",
+        )
+        .await
+        .unwrap();
+    proxy.wait_streaming(&db).await;
+    let settings_queries = || proxy.app.metrics.settings_queries.get();
+    // asyncpg's way with a statement it does not keep: Parse the unnamed
+    // statement, Describe it, Sync; later Bind and Execute it. A fresh
+    // session's first cacheable read makes pgcache read the session's
+    // settings on the client's connection, between the two.
+    for round in 0..2 {
+        let (mut s, _) = raw_login(proxy.addr, &db).await;
+        let before = settings_queries();
+        s.write_all(
+            &[
+                parse("", "SELECT v FROM t WHERE id = 1"),
+                describe_statement(""),
+                sync(),
+            ]
+            .concat(),
+        )
+        .await
+        .unwrap();
+        let described = read_until_ready(&mut s).await;
+        assert_eq!(tags(&described), "1tTZ");
+        s.write_all(&[bind(""), execute(), sync()].concat())
+            .await
+            .unwrap();
+        let answer = read_until_ready(&mut s).await;
+        assert_eq!(tags(&answer), "2DCZ", "round {round}: {answer:?}");
+        assert_eq!(first_value(&answer), "one");
+        assert!(
+            settings_queries() > before,
+            "round {round}: pgcache read the settings in between"
+        );
+    }
+}
