@@ -86,12 +86,14 @@ impl App {
         );
         let cache = Arc::new(Cache::new(local, Arc::clone(&metrics)));
         let drain = CancellationToken::new();
+        let pool = Arc::new(ServerPool::new(metrics.pool.clone()));
         let streams = Arc::new(Streams::new(
             Arc::clone(&cache),
             Arc::clone(&upstream),
             config.replication.clone(),
             drain.clone(),
             metrics.invalidations.replication.clone(),
+            Arc::clone(&pool),
         ));
         Ok(Self {
             auth: auth::Authenticator::new(&config.auth, Arc::clone(&upstream)),
@@ -99,7 +101,7 @@ impl App {
             streams,
             upstream,
             cancel: Arc::default(),
-            pool: Arc::new(ServerPool::new(metrics.pool.clone())),
+            pool,
             drain,
             force: CancellationToken::new(),
             metrics,

@@ -274,11 +274,15 @@ enum NotReady {
 }
 
 /// Ready: PostgreSQL accepts connections and, with replication on, every
-/// database's stream is up within its staleness lease.
+/// database pgcache holds has its stream up within its staleness lease (a
+/// database pgcache let go of has no stream until a client uses it again).
 async fn readiness(app: &App) -> Result<(), NotReady> {
     crate::backend::reachable(&app.upstream, Duration::from_secs(1)).await?;
     if app.cache.replication_on() {
         for (name, db) in app.cache.databases.all() {
+            if !db.stream.is_claimed() {
+                continue;
+            }
             match db.stream.freshness() {
                 Ok(()) => {}
                 Err(Unfresh::Down) => return Err(NotReady::Stream(name)),

@@ -155,3 +155,105 @@ async fn pgcaches_own_queries_leave_the_clients_unnamed_statement_alone() {
         );
     }
 }
+
+/// A database pgcache streams, with a table read through pgcache (so the
+/// stream, its control connection and the catalog fetcher are all there),
+/// and every client of it gone.
+async fn used_database(proxy: &Proxy, name: &str) -> String {
+    let db = pg().create_db(name);
+    {
+        let client = proxy.connect(&db).await;
+        client
+            .batch_execute("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1)")
+            .await
+            .unwrap();
+        proxy.wait_streaming(&db).await;
+        client.simple_query("SELECT id FROM t").await.unwrap();
+        assert!(proxy.app.cache.db(&db).stream.slot().is_some());
+    }
+    db
+}
+
+#[tokio::test]
+async fn databases_pgcache_streams_can_be_dropped_renamed_and_copied_through_it() {
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let home = pg().create_db("home");
+    let admin = proxy.connect(&home).await;
+
+    let dropped = used_database(&proxy, "dropme").await;
+    admin
+        .batch_execute(&format!("DROP DATABASE {dropped}"))
+        .await
+        .expect("DROP DATABASE through pgcache");
+
+    // WITH (FORCE) ends a client still connected through pgcache too.
+    let forced = used_database(&proxy, "force").await;
+    let stays = proxy.connect(&forced).await;
+    admin
+        .batch_execute(&format!("DROP DATABASE {forced} WITH (FORCE)"))
+        .await
+        .expect("DROP DATABASE ... WITH (FORCE) through pgcache");
+    assert!(stays.simple_query("SELECT 1").await.is_err());
+
+    let renamed = used_database(&proxy, "rename").await;
+    admin
+        .batch_execute(&format!("ALTER DATABASE {renamed} RENAME TO {renamed}_2"))
+        .await
+        .expect("ALTER DATABASE ... RENAME through pgcache");
+    admin
+        .batch_execute(&format!("ALTER DATABASE {renamed}_2 RENAME TO {renamed}"))
+        .await
+        .unwrap();
+
+    // The template's stream resumes when a client uses it again.
+    admin
+        .batch_execute(&format!(
+            "CREATE DATABASE {renamed}_copy TEMPLATE {renamed}"
+        ))
+        .await
+        .expect("CREATE DATABASE ... TEMPLATE through pgcache");
+    let again = proxy.connect(&renamed).await;
+    let hits = proxy.hits();
+    for _ in 0..3 {
+        assert_eq!(rows(&again, "SELECT id FROM t").await, [[Some("1".into())]]);
+    }
+    assert!(proxy.hits() > hits, "the template is cached again");
+    let copy = proxy.connect(&format!("{renamed}_copy")).await;
+    assert_eq!(rows(&copy, "SELECT id FROM t").await, [[Some("1".into())]]);
+}
+
+#[tokio::test]
+async fn a_database_no_client_uses_is_let_go_and_taken_again_on_use() {
+    let mut config = pg().proxy_config();
+    config.replication.idle_release_secs = 1;
+    let proxy = Proxy::start(config).await;
+    let kept = used_database(&proxy, "idlekept").await;
+    let client = proxy.connect(&kept).await;
+    let dropped = used_database(&proxy, "idledrop").await;
+    for db in [&kept, &dropped] {
+        let state = proxy.app.cache.db(db);
+        eventually(Duration::from_secs(20), "pgcache to let go", || {
+            let released = !state.stream.is_claimed();
+            async move { released.then_some(()) }
+        })
+        .await;
+        assert_eq!(proxy.app.cache.stream_state(&state), "released");
+    }
+    // Dropped directly: nothing of pgcache's is in the way.
+    pg().psql_admin(&format!("DROP DATABASE {dropped}"));
+    // The database still in use gets its stream back at the next read,
+    // which PostgreSQL answers meanwhile.
+    assert_eq!(
+        rows(&client, "SELECT id FROM t").await,
+        [[Some("1".into())]]
+    );
+    proxy.wait_streaming(&kept).await;
+    let hits = proxy.hits();
+    for _ in 0..3 {
+        assert_eq!(
+            rows(&client, "SELECT id FROM t").await,
+            [[Some("1".into())]]
+        );
+    }
+    assert!(proxy.hits() > hits);
+}

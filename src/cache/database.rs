@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::catalog::Catalog;
+use super::hold::Hold;
 use super::shared::confirm::Confirms;
 #[cfg(test)]
 use super::versions::Ddl;
@@ -24,6 +25,7 @@ pub struct DbState {
     pub catalog: Catalog,
     pub stream: StreamHealth,
     pub sync: SharedSync,
+    pub hold: Hold,
     /// This database's lookup counters, resolved once.
     pub metrics: OnceLock<DbMetrics>,
 }
@@ -80,6 +82,10 @@ pub struct StreamHealth {
     /// Tables left out of the publication for lack of a replica identity:
     /// qualified name to bare name.
     unpublished: Mutex<BTreeMap<String, String>>,
+    /// The temporary slot of the running stream.
+    slot: Mutex<Option<String>>,
+    /// Signalled when the stream task ends.
+    ended: tokio::sync::Notify,
 }
 
 impl Default for StreamHealth {
@@ -95,6 +101,8 @@ impl Default for StreamHealth {
             applied_lsn: AtomicU64::new(0),
             starts: AtomicU64::new(0),
             unpublished: Mutex::default(),
+            slot: Mutex::default(),
+            ended: tokio::sync::Notify::new(),
         }
     }
 }
@@ -112,6 +120,40 @@ impl StreamHealth {
     /// True for the one caller that should start this database's stream.
     pub fn claim(&self) -> bool {
         !self.claimed.swap(true, Ordering::AcqRel)
+    }
+
+    /// The stream task ended (pgcache let go of the database): the next
+    /// [`StreamHealth::claim`] starts another.
+    pub fn unclaim(&self) {
+        self.set_slot(None);
+        self.claimed.store(false, Ordering::Release);
+        self.ended.notify_waiters();
+    }
+
+    pub fn is_claimed(&self) -> bool {
+        self.claimed.load(Ordering::Acquire)
+    }
+
+    /// Waits up to `limit` until no stream task runs; true if none does.
+    pub async fn wait_unclaimed(&self, limit: Duration) -> bool {
+        let waiting = async {
+            loop {
+                let ended = self.ended.notified();
+                if !self.is_claimed() {
+                    return;
+                }
+                ended.await;
+            }
+        };
+        tokio::time::timeout(limit, waiting).await.is_ok()
+    }
+
+    pub fn set_slot(&self, slot: Option<String>) {
+        *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = slot;
+    }
+
+    pub fn slot(&self) -> Option<String> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn set_streaming(&self, up: bool) {

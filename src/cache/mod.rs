@@ -22,6 +22,7 @@ pub mod analysis;
 pub mod catalog;
 pub mod database;
 pub mod fill;
+pub mod hold;
 pub mod key;
 pub mod local;
 pub mod shared;
@@ -177,6 +178,8 @@ impl Cache {
             "streaming"
         } else if db.stream.is_streaming() {
             "stale"
+        } else if !db.stream.is_claimed() {
+            "released"
         } else {
             "down"
         }

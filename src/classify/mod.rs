@@ -8,6 +8,7 @@
 //! does not understand is [`Effect::Opaque`]: treated as if it could have
 //! changed anything; DDL also says which names it changed ([`Ddl`]).
 
+pub mod databases;
 mod ddl;
 mod policy;
 mod visitor;

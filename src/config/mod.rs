@@ -147,6 +147,10 @@ pub struct ReplicationConfig {
     /// lease). `max_lag_ms` is its former name.
     #[serde(alias = "max_lag_ms")]
     pub max_staleness_ms: u64,
+    /// pgcache lets go of a database (closes its stream, whose active slot
+    /// blocks `DROP DATABASE`, and its own connections there) when no
+    /// client has used it for this long; 0 keeps hold while pgcache runs.
+    pub idle_release_secs: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -159,6 +163,7 @@ impl Default for ReplicationConfig {
             ddl_event_trigger: true,
             heartbeat_ms: 100,
             max_staleness_ms: 1000,
+            idle_release_secs: 60,
         }
     }
 }

@@ -18,9 +18,14 @@ use super::control::{
 use super::heartbeat::{self, HEARTBEAT_PREFIX, Heartbeats};
 use super::pgoutput::{self, Change};
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
+use crate::cache::hold::Paused;
 use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
+use crate::pool::ServerPool;
 use crate::upstream::{Upstream, UpstreamAddr};
+
+/// How long letting go of a database may take.
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 /// Starts and keeps the replication streams, one per database served.
 pub struct Streams {
@@ -32,6 +37,9 @@ pub struct Streams {
     applied: prometheus::IntCounter,
     /// Names this instance in its heartbeats.
     instance: u64,
+    /// Server connections parked for later clients, which let go of a
+    /// database with the stream.
+    pool: Arc<ServerPool>,
 }
 
 impl Streams {
@@ -41,6 +49,7 @@ impl Streams {
         settings: Settings,
         drain: CancellationToken,
         applied: prometheus::IntCounter,
+        pool: Arc<ServerPool>,
     ) -> Self {
         Self {
             cache,
@@ -49,12 +58,14 @@ impl Streams {
             drain,
             applied,
             instance: rand::random(),
+            pool,
         }
     }
 
     /// Starts the stream of `db` unless it runs already.
     pub fn ensure(self: &Arc<Self>, db: &Arc<DbState>) {
-        if !self.cache.replication_on() || !db.stream.claim() {
+        db.hold.touch();
+        if !self.cache.replication_on() || db.hold.paused() || !db.stream.claim() {
             return;
         }
         let streams = Arc::clone(self);
@@ -69,14 +80,24 @@ impl Streams {
         self.cache.invalidate(db, bumps, &self.applied).send().await;
     }
 
-    /// Keeps the stream of one database running until shutdown.
+    /// Keeps the stream of one database running until shutdown, or until
+    /// pgcache lets go of the database (see [`crate::cache::hold`]).
     async fn run(&self, db: Arc<DbState>) {
+        let hold = db.hold.token();
         let mut backoff = Duration::from_millis(100);
         loop {
             db.stream.set_streaming(false);
             let result = tokio::select! {
                 r = self.stream_once(&db) => r,
                 _ = self.drain.cancelled() => return,
+                _ = hold.cancelled() => break,
+                _ = self.idle(&db) => {
+                    info!(database = %db.name, idle_secs = self.settings.idle_release_secs,
+                        "no client used the database: letting go of it");
+                    db.hold.let_go();
+                    self.pool.evict_database(&db.name);
+                    break;
+                }
             };
             db.stream.set_streaming(false);
             match result {
@@ -88,8 +109,82 @@ impl Streams {
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
                 _ = self.drain.cancelled() => return,
+                _ = hold.cancelled() => break,
             }
             backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+        db.stream.set_streaming(false);
+        db.stream.unclaim();
+        info!(database = %db.name, "replication stream released");
+    }
+
+    /// Returns once no client has used `db` for `idle_release_secs`
+    /// (never if that is 0).
+    async fn idle(&self, db: &DbState) {
+        let limit = Duration::from_secs(self.settings.idle_release_secs);
+        if limit.is_zero() {
+            return std::future::pending().await;
+        }
+        loop {
+            let idle = db.hold.idle_for();
+            if idle >= limit {
+                return;
+            }
+            tokio::time::sleep(limit - idle).await;
+        }
+    }
+
+    /// Lets go of database `name` for a statement that needs it free, and
+    /// waits until PostgreSQL has seen the stream's slot go. The returned
+    /// guard keeps pgcache off the database until dropped. `via` names a
+    /// database to ask about the slot on (the client's own).
+    pub async fn release(&self, name: &str, via: &str) -> Option<Paused> {
+        let db = self.cache.databases.get(name)?;
+        let paused = Paused::new(&db);
+        let slot = db.stream.slot();
+        db.hold.let_go();
+        self.pool.evict_database(name);
+        if !db.stream.wait_unclaimed(RELEASE_WAIT).await {
+            warn!(
+                database = name,
+                "the replication stream did not stop in time"
+            );
+        }
+        if let Some(slot) = slot
+            && let Err(e) = self.wait_slot_gone(&slot, via).await
+        {
+            warn!(database = name, slot, error = %e, "could not see the replication slot go");
+        }
+        info!(
+            database = name,
+            "let go of the database for a statement that needs it free"
+        );
+        Some(paused)
+    }
+
+    /// Waits until the walsender of `slot` has exited: a temporary slot is
+    /// dropped only then, and an active slot makes `DROP DATABASE` fail.
+    async fn wait_slot_gone(&self, slot: &str, via: &str) -> Result<(), ReplicationError> {
+        let ctl = self.upstream.control(via).await?;
+        let gone = async {
+            loop {
+                let rows = ctl
+                    .query(
+                        "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+                        &[&slot],
+                    )
+                    .await?;
+                if rows.is_empty() {
+                    return Ok::<(), ReplicationError>(());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        match tokio::time::timeout(RELEASE_WAIT, gone).await {
+            Ok(result) => result,
+            Err(_) => Err(ReplicationError::Config(
+                "the slot was still there after 5 s".into(),
+            )),
         }
     }
 
@@ -106,6 +201,7 @@ impl Streams {
             install_ddl_trigger(&ctl, database, publication).await;
         }
         let (mut stream, slot) = self.start(database).await?;
+        db.stream.set_slot(Some(slot.clone()));
         let ctl = Arc::new(ctl);
         let beats = Arc::new(Heartbeats::new(self.instance));
         let every = Duration::from_millis(self.settings.heartbeat_ms);

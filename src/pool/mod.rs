@@ -300,6 +300,16 @@ impl ServerPool {
         self.metrics.idle.set(0);
     }
 
+    /// Closes the parked connections to `database`: pgcache lets go of it.
+    pub fn evict_database(&self, database: &str) {
+        let mut idle = self.lock();
+        let before = idle.parked.len();
+        idle.parked.retain(|p| &*p.key.database != database);
+        let n = before - idle.parked.len();
+        self.metrics.closed_evicted.inc_by(n as u64);
+        self.metrics.idle.set(idle.parked.len() as i64);
+    }
+
     /// Records a check's answer; returns since when it has been seen.
     fn saw(&self, answer: &str) -> Instant {
         let mut idle = self.lock();

@@ -20,6 +20,7 @@
 
 mod batch;
 mod capture;
+mod databases;
 mod error;
 mod extended;
 mod hidden;

@@ -49,8 +49,17 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        if self.server.pooling && (frame[0] == fe::QUERY || frame[0] == fe::PARSE) {
-            self.note_marks(marks(&frame[HEADER_LEN..]));
+        if frame[0] == fe::QUERY || frame[0] == fe::SYNC {
+            self.db.hold.touch();
+        }
+        if frame[0] == fe::QUERY || frame[0] == fe::PARSE {
+            let marks = marks(&frame[HEADER_LEN..]);
+            if self.server.pooling {
+                self.note_marks(marks);
+            }
+            if marks.evicts {
+                self.free_databases(&frame).await;
+            }
         }
         match frame[0] {
             fe::QUERY => self.on_query(frame).await,
@@ -294,6 +303,10 @@ where
             return Ok(Err(BypassReason::TempObjects));
         }
         if let Err(reason) = self.app.cache.freshness(&self.db) {
+            if reason == BypassReason::ReplicationDown {
+                // pgcache may have let go of the database: take hold again.
+                self.app.streams.ensure(&self.db);
+            }
             return Ok(Err(reason));
         }
         if !self.pipeline.is_quiet() {

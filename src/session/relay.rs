@@ -18,6 +18,7 @@ use super::reuse::ServerBook;
 use super::transaction::Transaction;
 use crate::App;
 use crate::backend::BackendStream;
+use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::pool::marks::marks;
@@ -59,6 +60,9 @@ pub(super) struct Session<C> {
     pub to_publish: Vec<Publication>,
     /// The backend reported a FATAL error: its close is expected.
     pub backend_fatal: bool,
+    /// Databases pgcache let go of for a statement of this session that
+    /// needs them free, until it is answered.
+    pub(super) paused: Vec<Paused>,
     draining: bool,
     /// The backend's own cancel key, and the registration of ours.
     pub(super) backend_key: Option<CancelTarget>,
@@ -116,6 +120,7 @@ where
             db: Arc::default(),
             to_publish: Vec::new(),
             backend_fatal: false,
+            paused: Vec::new(),
             draining: false,
             backend_key: None,
             cancel: None,

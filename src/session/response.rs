@@ -91,6 +91,10 @@ where
             }
             None => (Bumps::default(), None),
         };
+        if self.pipeline.is_quiet() {
+            // The statements that needed databases free are answered.
+            self.paused.clear();
+        }
         let completion = self.tx.complete(status, effects, result);
         if let Some(private) = &completion.private {
             self.db.apply_local(private);

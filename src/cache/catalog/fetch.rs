@@ -280,17 +280,26 @@ pub struct Fetcher {
 
 impl Fetcher {
     /// Fetches whatever sessions queue, in batches, until shutdown. Its
-    /// connection is opened on first need and again after a failure.
+    /// connection is opened on first need, again after a failure, and
+    /// again after pgcache let go of the database.
     pub async fn run(self) {
         let catalog = &self.db.catalog;
         let mut client: Option<tokio_postgres::Client> = None;
         let mut backoff = Duration::from_millis(100);
+        let mut hold = self.db.hold.token();
         loop {
             let wanted = catalog.take_wanted();
             if wanted.is_empty() {
                 tokio::select! {
                     _ = catalog.wake.notified() => continue,
                     _ = self.drain.cancelled() => return,
+                    // pgcache lets go of the database: the connection
+                    // closes, and opens again on the next need.
+                    _ = hold.cancelled() => {
+                        client = None;
+                        hold = self.db.hold.token();
+                        continue;
+                    }
                 }
             }
             if client.as_ref().is_none_or(|c| c.is_closed()) {
