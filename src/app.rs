@@ -135,6 +135,7 @@ impl App {
         if config.cache.enabled && config.replication.enabled {
             match invalidation::preflight(&app.upstream).await {
                 Ok(()) => app.cache.set_replication(true),
+                Err(e @ ReplicationError::Login(_)) => return Err(e.into()),
                 Err(e) if config.replication.required => return Err(e.into()),
                 Err(e) => warn!(
                     "REPLICATION IS OFF ({e}). Writes made outside pgcache are NOT seen: cached results expire only \

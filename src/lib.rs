@@ -39,6 +39,7 @@ pub mod scram;
 pub mod server;
 pub mod session;
 pub mod tls;
+pub mod uninstall;
 pub mod upstream;
 
 pub use app::{App, StartError};

@@ -1,3 +1,4 @@
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -27,6 +28,21 @@ struct Cli {
     /// Pure pass-through: cache nothing.
     #[arg(long, env = "PGCACHE_NO_CACHE")]
     no_cache: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Remove what pgcache leaves in every database of the server in
+    /// `--upstream` (its publication, the `pgcache` schema and function,
+    /// the event triggers), then exit. Running it again changes nothing.
+    Uninstall {
+        /// Remove them even from databases a pgcache still streams from
+        /// (a running pgcache puts them back when its stream restarts).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,6 +60,9 @@ fn main() -> anyhow::Result<()> {
         no_cache: cli.no_cache,
     };
     let config = Config::load(cli.config.as_deref(), &overrides)?;
+    if let Some(Command::Uninstall { force }) = cli.command {
+        return uninstall(&config, force);
+    }
     let source = (cli.config.clone(), overrides);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -60,6 +79,33 @@ fn main() -> anyhow::Result<()> {
             pgcache::serve(app, listener, shutdown_signal()).await;
             Ok(())
         })
+}
+
+/// `pgcache uninstall`: one line per database; exits non-zero if any was
+/// refused or failed.
+fn uninstall(config: &Config, force: bool) -> anyhow::Result<()> {
+    let upstream =
+        pgcache::upstream::Upstream::new(&config.upstream.url, config.connect_timeout())?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let outcomes = runtime
+        .block_on(pgcache::uninstall::uninstall(
+            &upstream,
+            &config.replication.publication,
+            force,
+        ))
+        .with_context(|| format!("cannot list the databases of {}", upstream.describe()))?;
+    let mut incomplete = 0;
+    let mut out = std::io::stdout().lock();
+    for (db, outcome) in &outcomes {
+        writeln!(out, "{db}: {outcome}")?;
+        if *outcome != pgcache::uninstall::Outcome::Removed {
+            incomplete += 1;
+        }
+    }
+    anyhow::ensure!(incomplete == 0, "{incomplete} database(s) not cleaned");
+    Ok(())
 }
 
 /// SIGHUP re-reads the configuration, as the admin console's RELOAD does.

@@ -125,6 +125,12 @@ impl Upstream {
         Ok(client)
     }
 
+    /// The addresses pgcache tries, for messages.
+    pub fn describe(&self) -> String {
+        let addrs: Vec<String> = self.addrs.iter().map(ToString::to_string).collect();
+        addrs.join(", ")
+    }
+
     /// A name for the PostgreSQL cluster when its system identifier is
     /// unknown.
     pub fn namespace(&self) -> String {

@@ -257,3 +257,65 @@ async fn a_database_no_client_uses_is_let_go_and_taken_again_on_use() {
     }
     assert!(proxy.hits() > hits);
 }
+
+#[tokio::test]
+async fn a_missing_or_wrong_password_for_pgcaches_own_login_stops_start_up_naming_it() {
+    let url = |userinfo: &str| format!("postgres://{userinfo}@127.0.0.1:{}/postgres", pg().port);
+    for (userinfo, expected) in [
+        (SCRAM_USER.to_owned(), "asks for a password"),
+        (
+            format!("{SCRAM_USER}:not-the-password"),
+            "refused pgcache's own login",
+        ),
+    ] {
+        let mut config = pg().proxy_config();
+        config.upstream.url = url(&userinfo);
+        // Not even a cache without replication starts without credentials.
+        config.replication.required = false;
+        let e = match pgcache::App::start(config).await {
+            Ok(_) => panic!("{userinfo}: pgcache started"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(expected), "{userinfo}: {e}");
+        assert!(e.contains("upstream.url"), "{userinfo}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn bypass_reasons_say_what_is_really_going_on() {
+    use pgcache::classify::BypassReason;
+    let (db, proxy, client, _direct) = setup_streaming(
+        "reasons",
+        "CREATE TABLE keyed (id int PRIMARY KEY); CREATE TABLE no_key (id int); \
+         CREATE VIEW v AS SELECT id FROM keyed",
+    )
+    .await;
+    let metrics = &proxy.app.metrics;
+    for (sql, reason) in [
+        ("SELECT id FROM no_key", BypassReason::NotPublished),
+        ("SELECT id FROM v", BypassReason::NotATable),
+    ] {
+        let before = metrics.bypasses(reason);
+        client.simple_query(sql).await.unwrap();
+        assert_eq!(metrics.bypasses(reason), before + 1, "{sql}");
+    }
+    // With no stream up, the same read says that instead: pgcache let go
+    // of the database, idle, and nothing has used it since.
+    let mut config = pg().proxy_config();
+    config.replication.idle_release_secs = 1;
+    let idle = Proxy::start(config).await;
+    let client = connect_dsn(&idle.dsn("postgres", &db)).await.unwrap();
+    let state = idle.app.cache.db(&db);
+    eventually(Duration::from_secs(20), "pgcache to let go", || {
+        let released = !state.stream.is_claimed();
+        async move { released.then_some(()) }
+    })
+    .await;
+    idle.learn(&db, &["no_key"], &[]).await;
+    let before = idle.app.metrics.bypasses(BypassReason::ReplicationDown);
+    client.simple_query("SELECT id FROM no_key").await.unwrap();
+    assert_eq!(
+        idle.app.metrics.bypasses(BypassReason::ReplicationDown),
+        before + 1
+    );
+}

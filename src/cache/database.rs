@@ -364,6 +364,7 @@ mod tests {
             write_hazard: false,
             family: String::new(),
             ttl_ok: true,
+            table: true,
             policy_functions: Vec::new(),
         };
         let mut fetched = super::super::catalog::Fetched::default();

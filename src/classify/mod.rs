@@ -38,6 +38,9 @@ pub enum BypassReason {
     TimeLiteral,
     SystemCatalog,
     NotATable,
+    /// A table replication could watch, missing from the publication: it
+    /// has no replica identity, or DDL has not added it yet.
+    NotPublished,
     UnknownRelation,
     TempObjects,
     InTransactionAfterWrite,
@@ -65,7 +68,7 @@ pub enum BypassReason {
 
 impl BypassReason {
     /// Every reason, in declaration order (`reason as usize` indexes it).
-    pub const ALL: [BypassReason; 27] = [
+    pub const ALL: [BypassReason; 28] = [
         Self::NotSelect,
         Self::MultiStatement,
         Self::ParseError,
@@ -76,6 +79,7 @@ impl BypassReason {
         Self::TimeLiteral,
         Self::SystemCatalog,
         Self::NotATable,
+        Self::NotPublished,
         Self::UnknownRelation,
         Self::TempObjects,
         Self::InTransactionAfterWrite,
@@ -107,6 +111,7 @@ impl BypassReason {
             Self::TimeLiteral => "time_literal",
             Self::SystemCatalog => "system_catalog",
             Self::NotATable => "not_a_table",
+            Self::NotPublished => "not_published",
             Self::UnknownRelation => "unknown_relation",
             Self::TempObjects => "temp_objects",
             Self::InTransactionAfterWrite => "in_transaction_after_write",

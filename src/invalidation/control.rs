@@ -25,18 +25,39 @@ pub async fn preflight(upstream: &Upstream) -> Result<(), ReplicationError> {
                 "TLS to PostgreSQL failed ({e}); check sslmode and sslrootcert in upstream.url"
             )));
         }
+        // The server asked for a password and upstream.url has none.
+        // tokio-postgres has no public error kind for it; its cause reads so.
+        Err(e) if full_message(&e).contains("password missing") => {
+            return Err(ReplicationError::Login(format!(
+                "PostgreSQL asks for a password for user {user:?} and upstream.url has none: pgcache logs in with \
+                 it for its own connections (replication, catalog). Put it in the URL: \
+                 postgres://{user}:PASSWORD@host:port/database"
+            )));
+        }
         Err(e) if e.as_db_error().is_none() => {
-            // PostgreSQL is not up (yet): not a configuration error. Streams
-            // retry, and no database is served from the cache until its own
-            // stream is up.
-            warn!(error = %e, "cannot reach PostgreSQL to check replication now; streams will retry");
+            // PostgreSQL is not up (yet): not a configuration error.
+            warn!(error = %full_message(&e), addr = %upstream.describe(),
+                "cannot reach PostgreSQL; pgcache starts anyway: clients get 08006 until it is up, \
+                 replication streams retry every 0.1-5 s and no database is served from the cache until \
+                 its stream is up, and /readyz answers 503 meanwhile");
             return Ok(());
         }
         Err(e) => {
-            return Err(ReplicationError::Preflight(format!(
-                "cannot log in to PostgreSQL as {user:?} to check replication ({e}); pgcache uses the user \
-                 and password in upstream.url for its own connections"
-            )));
+            let refused = e.as_db_error().is_some_and(|db| {
+                db.code() == &tokio_postgres::error::SqlState::INVALID_PASSWORD
+                    || db.code()
+                        == &tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+            });
+            let message = format!(
+                "PostgreSQL refused pgcache's own login as {user:?} ({}); pgcache uses the user and password \
+                 in upstream.url (postgres://USER:PASSWORD@host:port/database) for its own connections",
+                full_message(&e)
+            );
+            return Err(if refused {
+                ReplicationError::Login(message)
+            } else {
+                ReplicationError::Preflight(message)
+            });
         }
     };
     tokio::spawn(async move {
@@ -66,6 +87,15 @@ pub async fn preflight(upstream: &Upstream) -> Result<(), ReplicationError> {
             "{}; or set replication.required = false to run with TTL-only invalidation",
             problems.join("; ")
         )))
+    }
+}
+
+/// An error with its cause: tokio-postgres's Display leaves the cause out
+/// ("invalid configuration", without "password missing").
+pub fn full_message(e: &tokio_postgres::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
     }
 }
 

@@ -36,6 +36,10 @@ pub use replication::Streams;
 pub enum ReplicationError {
     #[error("replication check failed: {0}")]
     Preflight(String),
+    /// PostgreSQL refused pgcache's own login: no setting fixes that but
+    /// the credentials, so pgcache never starts without them.
+    #[error("{0}")]
+    Login(String),
     #[error("control connection: {0}")]
     Control(#[from] tokio_postgres::Error),
     #[error("replication connection: {0}")]

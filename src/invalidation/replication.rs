@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::control::{
-    ObjectAddress, ddl_names, install_ddl_trigger, sync_publication, wait_visible,
+    ObjectAddress, ddl_names, full_message, install_ddl_trigger, sync_publication, wait_visible,
 };
 use super::heartbeat::{self, HEARTBEAT_PREFIX, Heartbeats};
 use super::pgoutput::{self, Change};
@@ -341,10 +341,10 @@ impl Streams {
                         *c == SqlState::UNDEFINED_TABLE || *c == SqlState::DUPLICATE_OBJECT
                     }) =>
                 {
-                    debug!(database = %db.name, error = %server_message(&e), "publication update raced with other DDL");
+                    debug!(database = %db.name, error = %full_message(&e), "publication update raced with other DDL");
                 }
                 Err(ReplicationError::Control(e)) => {
-                    warn!(database = %db.name, error = %server_message(&e), "could not update the publication after DDL")
+                    warn!(database = %db.name, error = %full_message(&e), "could not update the publication after DDL")
                 }
                 Err(e) => {
                     warn!(database = %db.name, error = %e, "could not update the publication after DDL")
@@ -372,15 +372,6 @@ impl Streams {
                 "tables without a replica identity (no primary key, identity index or FULL) are not cached"
             );
         }
-    }
-}
-
-/// A control connection's error with the server's own message and code,
-/// which `tokio_postgres::Error`'s display leaves out ("db error").
-fn server_message(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
     }
 }
 

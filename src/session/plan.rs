@@ -184,6 +184,8 @@ fn read_of<'c>(
             if !(facts.ttl_ok && ttl_asked) {
                 return Err(if rel.name.starts_with("pg_") {
                     BypassReason::SystemCatalog
+                } else if facts.table {
+                    BypassReason::NotPublished
                 } else {
                     BypassReason::NotATable
                 });
@@ -221,12 +223,14 @@ mod tests {
             ("part_1", true, false, "part"),
             ("v", false, true, "v"),
             ("audited", true, true, "audited"),
+            ("no_key", false, false, "no_key"),
         ] {
             let rel = RelFacts {
                 readable,
                 write_hazard: hazard,
                 family: family.to_owned(),
                 ttl_ok: true,
+                table: name != "v",
                 policy_functions: Vec::new(),
             };
             fetched.rels.insert(name.to_owned(), rel);
@@ -282,6 +286,10 @@ mod tests {
         assert_eq!(
             plan("SELECT * FROM v").read.err(),
             Some(BypassReason::NotATable)
+        );
+        assert_eq!(
+            plan("SELECT * FROM no_key").read.err(),
+            Some(BypassReason::NotPublished)
         );
         assert_eq!(
             plan("SELECT * FROM nope").read.err(),

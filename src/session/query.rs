@@ -294,6 +294,12 @@ where
         in_transaction_ok: bool,
     ) -> Result<Result<u128, BypassReason>, SessionError> {
         if let Err(reason) = &plan.read {
+            // With no stream, no table is published yet: say why.
+            if *reason == BypassReason::NotPublished
+                && let Err(down) = self.app.cache.freshness(&self.db)
+            {
+                return Ok(Err(down));
+            }
             return Ok(Err(*reason));
         }
         if !self.known.policy.database_allowed(self.startup.database()) {

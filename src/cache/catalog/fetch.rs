@@ -72,12 +72,15 @@ pub fn facts_sql(rels: &[&str], funcs: &[&str], publication: Option<&str>) -> St
   pg_catalog.min(CASE WHEN c.relispartition THEN
     (SELECT r.relname FROM pg_catalog.pg_class r WHERE r.oid = pg_catalog.pg_partition_root(c.oid)) END)::text,
   pg_catalog.bool_and(c.relkind IN ('r','p','v','m','f') AND c.relpersistence = 'p'
-    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast'))::text
+    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast'))::text,
+  pg_catalog.bool_and(c.relkind IN ('r','p') AND c.relpersistence = 'p'
+    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')
+    AND NOT (c.relkind = 'r' AND c.relhassubclass))::text
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r','p','v','m','f','S') AND c.relname = ANY ({names})
 GROUP BY c.relname
 UNION ALL
-SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL
+SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL, NULL
 FROM pg_catalog.pg_policy pol JOIN pg_catalog.pg_class c ON c.oid = pol.polrelid
 WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
         ));
@@ -85,7 +88,7 @@ WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
     if !funcs.is_empty() {
         parts.push(format!(
             "SELECT 'f', p.proname::text, pg_catalog.bool_and(p.provolatile = 'i')::text,
-  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text, NULL, NULL
+  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text, NULL, NULL, NULL
 FROM pg_catalog.pg_proc p WHERE p.proname = ANY ({}) GROUP BY p.proname",
             name_array(funcs)
         ));
@@ -117,6 +120,7 @@ impl Parsed {
                             write_hazard: col(3) != Some("false"),
                             family: col(4).unwrap_or(name).to_owned(),
                             ttl_ok: col(5) == Some("true"),
+                            table: col(6) == Some("true"),
                             policy_functions: Vec::new(),
                         },
                     );

@@ -53,6 +53,10 @@ pub struct RelFacts {
     /// schemas, and a table, view, materialized view or foreign table: it
     /// may be cached with a TTL even if replication cannot watch it.
     pub ttl_ok: bool,
+    /// Every relation of this name is a permanent table replication could
+    /// watch: when it is not `readable`, only the publication lacks it
+    /// (no replica identity, or not added yet).
+    pub table: bool,
     /// Functions its row-level security policies call: these facts are
     /// stale when one of them changes.
     pub policy_functions: Vec<String>,
@@ -428,6 +432,7 @@ mod tests {
             write_hazard: false,
             family: family.to_owned(),
             ttl_ok: true,
+            table: true,
             policy_functions: Vec::new(),
         }
     }
