@@ -319,3 +319,64 @@ async fn bypass_reasons_say_what_is_really_going_on() {
         before + 1
     );
 }
+
+#[tokio::test]
+async fn set_unlogged_through_pgcache_works_and_the_table_is_cached_only_while_logged() {
+    use pgcache::classify::BypassReason;
+    let (_db, proxy, client, direct) = setup_streaming(
+        "unlogged",
+        "CREATE SCHEMA s; CREATE TABLE s.t (id int PRIMARY KEY, v text); INSERT INTO s.t VALUES (1, 'a')",
+    )
+    .await;
+    client.batch_execute("SET search_path = s").await.unwrap();
+    let read = "SELECT v FROM t WHERE id = 1";
+    let hits = proxy.hits();
+    for _ in 0..3 {
+        assert_eq!(rows(&client, read).await, [[Some("a".into())]]);
+    }
+    assert!(proxy.hits() > hits, "cached while logged");
+    // Directly, PostgreSQL refuses: the table is in pgcache's publication.
+    let refused = direct.batch_execute("ALTER TABLE s.t SET UNLOGGED").await;
+    let refused = refused.expect_err("a published table cannot be unlogged");
+    assert_eq!(
+        refused.code(),
+        Some(&tokio_postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE)
+    );
+    client
+        .batch_execute("ALTER TABLE t SET UNLOGGED")
+        .await
+        .expect("SET UNLOGGED through pgcache");
+    // Unlogged: replication cannot see its writes, so it is never served.
+    let bypassed = proxy.app.metrics.bypasses(BypassReason::NotPublished);
+    let hits = proxy.hits();
+    for v in ["b", "c"] {
+        direct
+            .execute("UPDATE s.t SET v = $1 WHERE id = 1", &[&v])
+            .await
+            .unwrap();
+        assert_eq!(rows(&client, read).await, [[Some(v.into())]]);
+    }
+    // Once pgcache knows the table again, its reads say why they bypass.
+    eventually(
+        Duration::from_secs(10),
+        "a not_published bypass",
+        || async {
+            rows(&client, read).await;
+            let said = proxy.app.metrics.bypasses(BypassReason::NotPublished) > bypassed;
+            said.then_some(())
+        },
+    )
+    .await;
+    assert_eq!(proxy.hits(), hits, "nothing served while unlogged");
+    // SET LOGGED puts it back in the publication, and in the cache.
+    client
+        .batch_execute("ALTER TABLE t SET LOGGED")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(20), "hits again", || async {
+        let before = proxy.hits();
+        let fresh = rows(&client, read).await == [[Some("c".into())]];
+        (fresh && proxy.hits() > before).then_some(())
+    })
+    .await;
+}

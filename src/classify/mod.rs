@@ -8,9 +8,9 @@
 //! does not understand is [`Effect::Opaque`]: treated as if it could have
 //! changed anything; DDL also says which names it changed ([`Ddl`]).
 
-pub mod databases;
 mod ddl;
 mod policy;
+pub mod prerequisites;
 mod visitor;
 
 use std::collections::BTreeSet;
@@ -38,8 +38,8 @@ pub enum BypassReason {
     TimeLiteral,
     SystemCatalog,
     NotATable,
-    /// A table replication could watch, missing from the publication: it
-    /// has no replica identity, or DDL has not added it yet.
+    /// A table missing from the publication: it has no replica identity,
+    /// is unlogged, or DDL has not added it yet.
     NotPublished,
     UnknownRelation,
     TempObjects,

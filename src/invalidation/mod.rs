@@ -29,7 +29,7 @@ pub mod heartbeat;
 pub mod pgoutput;
 pub mod replication;
 
-pub use control::{cluster_id, preflight};
+pub use control::{cluster_id, full_message, preflight};
 pub use replication::Streams;
 
 #[derive(Debug, thiserror::Error)]

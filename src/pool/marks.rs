@@ -21,6 +21,10 @@ pub struct Marks {
     pub taints: bool,
     /// Parked connections must be closed before the statement runs.
     pub evicts: bool,
+    /// The text names UNLOGGED: not a pool matter, but found by the same
+    /// scan, so the session knows when to look for `SET UNLOGGED`
+    /// ([`crate::classify::prerequisites`]).
+    pub unlogged: bool,
 }
 
 impl Marks {
@@ -38,15 +42,19 @@ pub fn marks(sql: &[u8]) -> Marks {
         let word = &sql[start..end];
         if is(word, b"database") {
             marks.evicts = true;
+        } else if is(word, b"unlogged") {
+            marks.unlogged = true;
         } else {
             marks.taints |= is(word, b"set_config")
                 || is(word, b"temp")
                 || is(word, b"temporary")
                 || is(word, b"pg_temp")
                 || (is(word, b"load") && next_byte(sql, end) == Some(b'\''))
-                || (is(word, b"set") && sets_custom(&mut words));
+                // A look ahead: the words after SET are scanned too
+                // (`SET UNLOGGED`).
+                || (is(word, b"set") && sets_custom(&mut Words { sql, pos: words.pos }));
         }
-        if marks.taints && marks.evicts {
+        if marks.taints && marks.evicts && marks.unlogged {
             break;
         }
     }
@@ -144,5 +152,12 @@ mod tests {
         assert_eq!(m("DROP DATABASE app_test"), (false, true));
         assert_eq!(m("create database x template app"), (false, true));
         assert_eq!(m("ALTER DATABASE x RENAME TO y"), (false, true));
+    }
+
+    #[test]
+    fn unlogged_is_seen_after_set() {
+        assert!(marks(b"ALTER TABLE t SET UNLOGGED").unlogged);
+        assert!(marks(b"alter table t set unlogged, set (fillfactor = 50)").unlogged);
+        assert!(!marks(b"ALTER TABLE t SET LOGGED").unlogged);
     }
 }

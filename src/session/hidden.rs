@@ -139,7 +139,7 @@ where
     /// statement and portal alone ([`messages::hidden_query`]). Notifications and parameter
     /// changes arriving meanwhile go on to the client; notices caused by the
     /// query itself do not.
-    async fn hidden_query(&mut self, sql: &str) -> Result<Option<Rows>, SessionError> {
+    pub(super) async fn hidden_query(&mut self, sql: &str) -> Result<Option<Rows>, SessionError> {
         self.backend
             .write_all(&messages::hidden_query(sql))
             .await

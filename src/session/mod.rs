@@ -20,7 +20,6 @@
 
 mod batch;
 mod capture;
-mod databases;
 mod error;
 mod extended;
 mod hidden;
@@ -29,6 +28,7 @@ mod login;
 mod negotiate;
 mod pipeline;
 mod plan;
+mod prerequisites;
 mod query;
 mod relay;
 mod response;

@@ -57,8 +57,8 @@ where
             if self.server.pooling {
                 self.note_marks(marks);
             }
-            if marks.evicts {
-                self.free_databases(&frame).await;
+            if marks.evicts || marks.unlogged {
+                self.meet_prerequisites(&frame).await?;
             }
         }
         match frame[0] {

@@ -73,7 +73,7 @@ pub fn facts_sql(rels: &[&str], funcs: &[&str], publication: Option<&str>) -> St
     (SELECT r.relname FROM pg_catalog.pg_class r WHERE r.oid = pg_catalog.pg_partition_root(c.oid)) END)::text,
   pg_catalog.bool_and(c.relkind IN ('r','p','v','m','f') AND c.relpersistence = 'p'
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast'))::text,
-  pg_catalog.bool_and(c.relkind IN ('r','p') AND c.relpersistence = 'p'
+  pg_catalog.bool_and(c.relkind IN ('r','p') AND c.relpersistence <> 't'
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')
     AND NOT (c.relkind = 'r' AND c.relhassubclass))::text
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace

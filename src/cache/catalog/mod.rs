@@ -53,9 +53,9 @@ pub struct RelFacts {
     /// schemas, and a table, view, materialized view or foreign table: it
     /// may be cached with a TTL even if replication cannot watch it.
     pub ttl_ok: bool,
-    /// Every relation of this name is a permanent table replication could
-    /// watch: when it is not `readable`, only the publication lacks it
-    /// (no replica identity, or not added yet).
+    /// Every relation of this name is a table replication could watch if
+    /// the publication had it: when it is not `readable`, it lacks a
+    /// replica identity, is unlogged, or DDL has not added it yet.
     pub table: bool,
     /// Functions its row-level security policies call: these facts are
     /// stale when one of them changes.

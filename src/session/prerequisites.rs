@@ -1,0 +1,102 @@
+//! What a client's statement needs of pgcache before it goes out (see
+//! [`crate::classify::prerequisites`]): databases pgcache lets go of (see
+//! [`crate::cache::hold`]), and tables taken out of its publication.
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::{debug, info};
+
+use super::SessionError;
+use super::relay::Session;
+use crate::classify::prerequisites::prerequisites;
+use crate::invalidation::full_message;
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::frontend as fe;
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// For a Query or Parse frame whose text names a database or UNLOGGED.
+    pub(super) async fn meet_prerequisites(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+        if !self.app.cache.replication_on() {
+            return Ok(());
+        }
+        let mut body = &frame[HEADER_LEN..];
+        if frame[0] == fe::PARSE {
+            // The statement's name comes first.
+            let Some(end) = body.iter().position(|b| *b == 0) else {
+                return Ok(());
+            };
+            body = &body[end + 1..];
+        }
+        let text = body.split(|b| *b == 0).next().unwrap_or_default();
+        let Ok(sql) = std::str::from_utf8(text) else {
+            return Ok(());
+        };
+        let needs = prerequisites(sql);
+        for name in needs.free_databases {
+            let via = self.startup.database();
+            if let Some(paused) = self.app.streams.release(&name, via).await {
+                self.paused.push(paused);
+            }
+        }
+        for table in needs.unpublish {
+            self.unpublish(&table).await?;
+        }
+        Ok(())
+    }
+
+    /// Takes `table` out of pgcache's publication: PostgreSQL refuses
+    /// `SET UNLOGGED` for a published table. The name is resolved in the
+    /// client's own session (its search_path) when it is idle; the change
+    /// is made on pgcache's own connection, whose role owns the
+    /// publication. While unlogged the table is not cached (replication
+    /// cannot see it); `SET LOGGED` is DDL, after which the publication
+    /// sync adds it again.
+    async fn unpublish(&mut self, table: &str) -> Result<(), SessionError> {
+        let Some(publication) = self.app.publication() else {
+            return Ok(());
+        };
+        let qualified = if self.backend_idle() {
+            let sql = format!(
+                "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
+                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE c.oid = pg_catalog.to_regclass('{}')",
+                table.replace('\'', "''")
+            );
+            let rows = self.hidden_query(&sql).await?.unwrap_or_default();
+            match rows
+                .into_iter()
+                .next()
+                .and_then(|r| r.into_iter().next().flatten())
+            {
+                Some(name) => name,
+                // No such table: the statement fails on its own.
+                None => return Ok(()),
+            }
+        } else {
+            table.to_owned()
+        };
+        let ctl = match self.app.upstream.control(self.startup.database()).await {
+            Ok(ctl) => ctl,
+            Err(e) => {
+                debug!(error = %full_message(&e), "cannot take a table out of the publication");
+                return Ok(());
+            }
+        };
+        let sql = format!(
+            "ALTER PUBLICATION \"{}\" DROP TABLE {qualified}",
+            publication.replace('"', "\"\"")
+        );
+        match ctl.batch_execute(&sql).await {
+            Ok(()) => {
+                info!(table = %qualified, "took the table out of the publication for SET UNLOGGED")
+            }
+            // Not in the publication: nothing to do.
+            Err(e) => {
+                debug!(table = %qualified, error = %full_message(&e), "publication unchanged")
+            }
+        }
+        Ok(())
+    }
+}
