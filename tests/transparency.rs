@@ -380,3 +380,113 @@ async fn set_unlogged_through_pgcache_works_and_the_table_is_cached_only_while_l
     })
     .await;
 }
+
+/// Sends `frames` and reads the answer up to ReadyForQuery.
+async fn exchange(s: &mut tokio::net::TcpStream, frames: &[Vec<u8>]) -> Vec<(u8, Vec<u8>)> {
+    s.write_all(&frames.concat()).await.unwrap();
+    read_until_ready(s).await
+}
+
+#[tokio::test]
+async fn row_limited_executes_are_answered_as_postgresql_answers_them_and_cached() {
+    let (db, proxy, _client, _direct) = setup_streaming(
+        "rowlimit",
+        "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2), (3)",
+    )
+    .await;
+    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
+    let (mut via, _) = raw_login(proxy.addr, &db).await;
+    let (mut direct, _) = raw_login(direct_addr, &db).await;
+    let one = "SELECT id FROM t WHERE id = 1";
+    let all = "SELECT id FROM t ORDER BY id";
+    // (statement, row limit, whether pgcache can answer it from the cache):
+    // asyncpg's fetchrow is Execute(1). A result is stored once an Execute
+    // completed within its limit; any limit is answered from a whole one.
+    let steps = [
+        (one, 1, false),
+        (one, 1, true),
+        (all, 1, false),
+        (all, 1, false), // suspended at the limit: never whole
+        (all, 3, false), // three rows: whole, stored, shown suspended
+        (all, 1, true),
+        (all, 2, true),
+        (all, 3, true),
+        (all, 4, true),
+        (all, 0, true),
+    ];
+    for (i, (sql, limit, hit)) in steps.into_iter().enumerate() {
+        let frames = [
+            parse("", sql),
+            bind(""),
+            describe_statement(""),
+            execute_limited(limit),
+            sync(),
+        ];
+        // Only what the cache sees change decides: the first Parse of a
+        // text goes out whatever happens.
+        let hits = proxy.hits();
+        let through = exchange(&mut via, &frames).await;
+        let want = exchange(&mut direct, &frames).await;
+        assert_eq!(
+            through,
+            want,
+            "step {i}: {sql} limit {limit}: {} vs {}",
+            tags(&through),
+            tags(&want)
+        );
+        assert_eq!(proxy.hits() > hits, hit, "step {i}: {sql} limit {limit}");
+    }
+}
+
+#[tokio::test]
+async fn a_jdbc_style_fetch_size_cursor_in_a_transaction_reads_every_row() {
+    let (db, proxy, _client, _direct) = setup_streaming(
+        "fetchsize",
+        "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t SELECT generate_series(1, 5)",
+    )
+    .await;
+    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
+    let (mut via, _) = raw_login(proxy.addr, &db).await;
+    let (mut direct, _) = raw_login(direct_addr, &db).await;
+    let portal_bind = frame(
+        b'B',
+        &[cstr("C_1"), cstr("S_1"), vec![0, 0, 0, 0, 0, 0]].concat(),
+    );
+    let portal_execute =
+        |rows: u32| frame(b'E', &[cstr("C_1"), rows.to_be_bytes().to_vec()].concat());
+    let script: Vec<Vec<Vec<u8>>> = vec![
+        vec![query("BEGIN")],
+        vec![
+            parse("S_1", "SELECT id FROM t ORDER BY id"),
+            portal_bind,
+            portal_execute(2),
+            sync(),
+        ],
+        vec![portal_execute(2), sync()],
+        vec![portal_execute(2), sync()],
+        vec![query("COMMIT")],
+    ];
+    for round in 0..2 {
+        for (i, frames) in script.iter().enumerate() {
+            let through = exchange(&mut via, frames).await;
+            let want = exchange(&mut direct, frames).await;
+            assert_eq!(
+                through,
+                want,
+                "round {round}, step {i}: {} vs {}",
+                tags(&through),
+                tags(&want)
+            );
+        }
+        exchange(
+            &mut via,
+            &[frame(b'C', &[b"S".to_vec(), cstr("S_1")].concat()), sync()],
+        )
+        .await;
+        exchange(
+            &mut direct,
+            &[frame(b'C', &[b"S".to_vec(), cstr("S_1")].concat()), sync()],
+        )
+        .await;
+    }
+}

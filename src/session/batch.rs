@@ -30,6 +30,8 @@ pub(super) struct Batch {
     /// The held Execute: its portal, row limit and the plan of the
     /// statement it runs.
     execute: Option<(Bytes, i32, Arc<Plan>)>,
+    /// Where the held Execute frame is in `raw`.
+    execute_at: Option<std::ops::Range<usize>>,
     /// Part of the batch already went to the backend: nothing more is held.
     pub forwarded: bool,
     /// What the batch's statements change, applied at its ReadyForQuery.
@@ -38,10 +40,12 @@ pub(super) struct Batch {
     pub parsed: Vec<Bytes>,
 }
 
-/// The one query of a held batch: its Bind and plan.
+/// The one query of a held batch: its Bind, plan and row limit.
 pub(super) struct SingleQuery {
     bind_frame: Bytes,
     pub plan: Arc<Plan>,
+    /// The Execute's row limit; 0: none.
+    pub row_limit: u32,
 }
 
 impl SingleQuery {
@@ -91,7 +95,14 @@ impl Batch {
 
     pub fn hold_execute(&mut self, portal: Bytes, max_rows: i32, plan: Arc<Plan>, frame: &Bytes) {
         self.execute = Some((portal, max_rows, plan));
+        self.execute_at = Some(self.raw.len()..self.raw.len() + frame.len());
         self.hold(frame);
+    }
+
+    /// Where the held Execute frame is in the frames [`Batch::release`]
+    /// returns.
+    pub fn execute_at(&self) -> Option<std::ops::Range<usize>> {
+        self.execute_at.clone()
     }
 
     fn hold(&mut self, frame: &Bytes) {
@@ -128,6 +139,7 @@ impl Batch {
         self.bind = None;
         self.describe = None;
         self.execute = None;
+        self.execute_at = None;
         self.forwarded = false;
         (
             std::mem::take(&mut self.effects),
@@ -136,10 +148,11 @@ impl Batch {
     }
 
     /// The batch's query, if the batch has the shape drivers send for one:
-    /// `[Parse] Bind [Describe] Execute` on the unnamed portal, unlimited,
-    /// with the Describe naming what the Bind names.
+    /// `[Parse] Bind [Describe] Execute` on the unnamed portal, with the
+    /// Describe naming what the Bind names. A row limit is kept for the
+    /// lookup ([`crate::cache::Request::row_limit`]).
     pub fn single_query(&self) -> Result<SingleQuery, BypassReason> {
-        let (Some(bind_frame), Some((portal, 0, plan))) = (&self.bind, &self.execute) else {
+        let (Some(bind_frame), Some((portal, max_rows, plan))) = (&self.bind, &self.execute) else {
             return Err(BypassReason::UnsupportedShape);
         };
         let (bound_portal, statement) = extended::bind_names(&bind_frame[HEADER_LEN..])
@@ -155,6 +168,8 @@ impl Batch {
         Ok(SingleQuery {
             bind_frame: bind_frame.clone(),
             plan: Arc::clone(plan),
+            // PostgreSQL takes zero or less as no limit.
+            row_limit: (*max_rows).max(0) as u32,
         })
     }
 }
@@ -235,14 +250,15 @@ mod tests {
                 .is_ok()
         );
         assert!(held("", None, 0).single_query().is_ok());
+        assert_eq!(held("", None, 1).single_query().unwrap().row_limit, 1);
+        assert_eq!(held("", None, -1).single_query().unwrap().row_limit, 0);
     }
 
     #[test]
     fn other_shapes_are_forwarded() {
         let named_portal = held("p1", None, 0);
-        let row_limit = held("", None, 1);
         let wrong_describe = held("", Some((fe::TARGET_STATEMENT, "other")), 0);
-        for b in [named_portal, row_limit, wrong_describe] {
+        for b in [named_portal, wrong_describe] {
             assert_eq!(b.single_query().err(), Some(BypassReason::UnsupportedShape));
         }
         assert_eq!(

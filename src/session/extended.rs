@@ -15,6 +15,7 @@ use super::pipeline::{Flow, Inflight};
 use super::plan::Plan;
 use super::query::Answer;
 use super::relay::Session;
+use super::row_limit::{RowCut, set_row_limit};
 use crate::cache::Bumps;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::classify::{BypassReason, is_time_literal_text};
@@ -104,7 +105,7 @@ where
     }
 
     /// Plans the portal's statement (its effects count whether or not the
-    /// batch is held) and holds an unlimited Execute.
+    /// batch is held) and holds the Execute of a cacheable read.
     async fn on_execute(
         &mut self,
         frame: &Bytes,
@@ -126,7 +127,7 @@ where
         self.before_begin(&plan).await?;
         self.batch.effects.merge(&plan.effects);
         self.note_effects(&plan);
-        let hold = holdable && plan.read.is_ok() && max_rows == 0;
+        let hold = holdable && plan.read.is_ok();
         if hold {
             self.batch.hold_execute(portal, max_rows, plan, frame);
         }
@@ -148,11 +149,23 @@ where
         let mut inflight = Inflight::default();
         if self.batch.holds() && !self.batch.forwarded {
             match self.batch_key().await? {
-                Ok((key, plan)) => {
+                Ok((key, plan, row_limit)) => {
                     // The held frames and this Sync: what a refresh sends.
+                    let execute_at = self.batch.execute_at();
                     let mut request = self.batch.release().unwrap_or_default();
                     request.extend_from_slice(&frame);
-                    match self.ask_cache(Ok(key), &plan, started, &request).await? {
+                    // A row-limited Execute goes out with one row more, so
+                    // that a result that fits is whole and can be stored.
+                    if let Some(at) =
+                        execute_at.filter(|_| row_limit > 0 && row_limit < i32::MAX as u32)
+                    {
+                        set_row_limit(&mut request[at], row_limit + 1);
+                        inflight.row_cut = Some(RowCut::new(row_limit));
+                    }
+                    match self
+                        .ask_cache(Ok(key), &plan, started, &request, row_limit)
+                        .await?
+                    {
                         Answer::Served { refreshed } => {
                             // The backend never saw the held Parse: replay it
                             // before anything else it is sent, unless the
@@ -195,7 +208,7 @@ where
     /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
     async fn batch_key(
         &mut self,
-    ) -> Result<Result<(RequestKey, Arc<Plan>), BypassReason>, SessionError> {
+    ) -> Result<Result<(RequestKey, Arc<Plan>, u32), BypassReason>, SessionError> {
         let query = match self.batch.single_query() {
             Ok(q) => q,
             Err(reason) => return Ok(Err(reason)),
@@ -232,6 +245,8 @@ where
         for f in &bind.result_formats {
             k.u64(*f as u64);
         }
-        Ok(Ok((k.finish(), plan)))
+        // The row limit stays out of the key: a result that completed within
+        // one limit is the whole result, for any limit it fits.
+        Ok(Ok((k.finish(), plan, query.row_limit)))
     }
 }

@@ -33,6 +33,7 @@ mod query;
 mod relay;
 mod response;
 mod reuse;
+mod row_limit;
 mod transaction;
 
 use std::net::SocketAddr;

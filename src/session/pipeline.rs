@@ -13,6 +13,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::capture::Capture;
+use super::row_limit::RowCut;
 use crate::cache::Bumps;
 use crate::cache::stats::QueryStats;
 use crate::protocol::frontend as fe;
@@ -33,6 +34,9 @@ pub(super) struct Inflight {
     pub failed: bool,
     /// A miss being timed for its statement's statistics.
     pub timing: Option<(Arc<QueryStats>, Instant)>,
+    /// A row-limited Execute sent with one row more: cut back for the
+    /// client ([`super::row_limit`]).
+    pub row_cut: Option<RowCut>,
 }
 
 impl Inflight {
@@ -64,6 +68,7 @@ impl Default for Inflight {
             parsed: Vec::new(),
             failed: false,
             timing: None,
+            row_cut: None,
         }
     }
 }

@@ -25,6 +25,7 @@ use super::capture::Capture;
 use super::pipeline::{Flow, Inflight};
 use super::plan::Plan;
 use super::relay::Session;
+use super::row_limit::cut_stored;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
@@ -127,7 +128,7 @@ where
             .may_serve(&plan, true)
             .await?
             .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
-        match self.ask_cache(key, &plan, started, &frame).await? {
+        match self.ask_cache(key, &plan, started, &frame, 0).await? {
             Answer::Served { .. } => return Ok(Flow::Continue),
             Answer::Forward(capture) => {
                 if capture.is_some() {
@@ -152,6 +153,7 @@ where
         plan: &Plan,
         started: Instant,
         request: &[u8],
+        row_limit: u32,
     ) -> Result<Answer, SessionError> {
         let key = match key {
             Ok(key) => key,
@@ -174,7 +176,13 @@ where
         };
         match self.app.cache.lookup(&req).await {
             Lookup::Hit { bytes, refresh } => {
-                self.write_hit(&bytes).await?;
+                match (row_limit > 0)
+                    .then(|| cut_stored(&bytes, row_limit))
+                    .flatten()
+                {
+                    Some(cut) => self.write_hit(&cut).await?,
+                    None => self.write_hit(&bytes).await?,
+                }
                 let refreshed = refresh.is_some();
                 if let Some(fill) = refresh {
                     self.forward(request);

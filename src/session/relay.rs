@@ -15,6 +15,7 @@ use super::batch::Batch;
 use super::known::Known;
 use super::pipeline::{Flow, Pipeline};
 use super::reuse::ServerBook;
+use super::row_limit::Cut;
 use super::transaction::Transaction;
 use crate::App;
 use crate::backend::BackendStream;
@@ -234,7 +235,7 @@ where
             .frame_len_at(pos)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
-            let keep = match self.backend.buffered()[pos] {
+            let cut = match self.backend.buffered()[pos] {
                 be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
                     let body = self.backend.buffered()[pos + HEADER_LEN..pos + len].to_vec();
                     let replacement = self.register_cancel_key(&body);
@@ -242,7 +243,7 @@ where
                         .extend_from_slice(&self.backend.buffered()[copied..pos]);
                     self.out.extend_from_slice(&replacement);
                     copied = pos + len;
-                    true
+                    Cut::Keep
                 }
                 be::ERROR_RESPONSE => {
                     let body = &self.backend.buffered()[pos + HEADER_LEN..pos + len];
@@ -261,14 +262,17 @@ where
                         .and_then(|b| TxStatus::from_byte(*b));
                     let keep = self.pipeline.front().is_none_or(|f| f.to_client);
                     self.on_ready_for_query(status.unwrap_or(TxStatus::Idle));
-                    keep
+                    if keep { Cut::Keep } else { Cut::Drop }
                 }
                 _ => self.on_response_frame(pos, len),
             };
-            if !keep {
+            if cut != Cut::Keep {
                 self.out
                     .extend_from_slice(&self.backend.buffered()[copied..pos]);
                 copied = pos + len;
+                if let Cut::Replace(frame) = cut {
+                    self.out.extend_from_slice(frame);
+                }
             }
             pos += len;
         }

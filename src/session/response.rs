@@ -5,6 +5,7 @@
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::relay::Session;
+use super::row_limit::Cut;
 use crate::cache::Bumps;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be};
@@ -14,9 +15,9 @@ where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
     /// A response frame (not ReadyForQuery) for the oldest request in
-    /// flight, at `pos..pos + len` of the backend's buffer. Returns whether
-    /// it goes on to the client.
-    pub(super) fn on_response_frame(&mut self, pos: usize, len: usize) -> bool {
+    /// flight, at `pos..pos + len` of the backend's buffer. Returns what
+    /// the client is sent of it.
+    pub(super) fn on_response_frame(&mut self, pos: usize, len: usize) -> Cut {
         let frame = &self.backend.buffered()[pos..pos + len];
         let tag = frame[0];
         if tag == be::PARAMETER_STATUS {
@@ -29,7 +30,7 @@ where
         }
         let max = self.app.cache.local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {
-            return true;
+            return Cut::Keep;
         };
         if !front.to_client {
             // pgcache's own request: a refresh keeps its answer, nobody
@@ -37,10 +38,14 @@ where
             if let Some(cap) = &mut front.capture {
                 cap.add(frame, max);
             }
-            return matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS);
+            return if matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS) {
+                Cut::Keep
+            } else {
+                Cut::Drop
+            };
         }
         match tag {
-            be::NOTIFICATION => return true,
+            be::NOTIFICATION => return Cut::Keep,
             be::ERROR_RESPONSE => {
                 front.failed = true;
                 self.tx.error();
@@ -51,7 +56,10 @@ where
         if let Some(cap) = &mut front.capture {
             cap.add(frame, max);
         }
-        true
+        match &mut front.row_cut {
+            Some(cut) => cut.frame(tag),
+            None => Cut::Keep,
+        }
     }
 
     /// ReadyForQuery: the oldest request is complete. Applies its effects,
