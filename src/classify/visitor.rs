@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use std::ops::ControlFlow;
 
 use sqlparser::ast::{
-    Expr, FunctionArguments, ObjectName, ObjectNamePart, Query, Select, SetExpr, Statement,
-    TableFactor, Value, Visitor,
+    Expr, ObjectName, ObjectNamePart, Query, Select, SetExpr, Statement, TableFactor, Value,
+    Visitor,
 };
 
 use super::{RelName, SPECIAL_IDENTIFIERS, TIME_LITERALS};
@@ -178,12 +178,15 @@ impl Visitor for Facts {
         match expr {
             Expr::Function(f) => {
                 let name = function_name(&f.name);
-                if matches!(f.args, FunctionArguments::None)
-                    && SPECIAL_IDENTIFIERS.contains(&name.as_str())
-                {
+                // CURRENT_TIMESTAMP, CURRENT_TIME(3) and the like are SQL
+                // keywords, not pg_proc functions: they make a read
+                // uncacheable but write nothing (as an unknown function
+                // would be assumed to).
+                if f.name.0.len() == 1 && SPECIAL_IDENTIFIERS.contains(&name.as_str()) {
                     self.special_identifier = true;
+                } else {
+                    self.functions.insert(name);
                 }
-                self.functions.insert(name);
             }
             Expr::Identifier(ident)
                 if ident.quote_style.is_none()

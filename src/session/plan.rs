@@ -317,6 +317,15 @@ mod tests {
             plan("DELETE FROM audited").effects.epoch,
             "triggers may write elsewhere"
         );
+        // SQL's clock and session keywords are no functions that may write
+        // (pgbench's tpcb script: a whole-database invalidation per write).
+        let stamped =
+            plan("INSERT INTO t VALUES (1, CURRENT_TIMESTAMP, current_date, LOCALTIME(2))");
+        assert!(stamped.writes && !stamped.effects.epoch);
+        assert_eq!(
+            plan("SELECT CURRENT_TIMESTAMP FROM t").read.err(),
+            Some(BypassReason::VolatileFunction)
+        );
         let f = plan("SELECT bump()");
         assert!(
             f.effects.epoch && f.writes && f.settings,
