@@ -490,3 +490,41 @@ async fn a_jdbc_style_fetch_size_cursor_in_a_transaction_reads_every_row() {
         .await;
     }
 }
+
+#[tokio::test]
+async fn a_client_that_hangs_up_while_logging_in_is_closed_as_postgresql_closes_it() {
+    let db = pg().create_db("hangup");
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
+    let startup =
+        pgcache::protocol::startup::encode_startup(&[("user", "postgres"), ("database", &db)]);
+    let terminate = frame(b'X', &[]);
+    // node-postgres ended while connecting writes Terminate first; other
+    // clients write it right after their startup packet.
+    for (name, bytes) in [
+        (
+            "startup, then Terminate",
+            [startup.clone(), terminate.clone()].concat(),
+        ),
+        (
+            "Terminate, then startup",
+            [terminate.clone(), startup.clone()].concat(),
+        ),
+    ] {
+        let mut seen = Vec::new();
+        for addr in [proxy.addr, direct_addr] {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(&bytes).await.unwrap();
+            let mut messages = Vec::new();
+            while let Some((tag, _)) = read_message(&mut s).await {
+                messages.push(tag);
+            }
+            assert!(!messages.contains(&b'E'), "{name}, {addr}: an error");
+            seen.push(messages.last().copied());
+        }
+        assert_eq!(
+            seen[0], seen[1],
+            "{name}: the last message, through pgcache and direct"
+        );
+    }
+}

@@ -71,7 +71,13 @@ impl SessionError {
     /// need not be told (its own connection failed).
     pub fn to_fatal(&self) -> Option<BytesMut> {
         let message = match self {
-            Self::ClientIo(_) | Self::Dropped(_) => return None,
+            // PostgreSQL answers a startup packet of impossible length with
+            // nothing (COMMERROR): it may not be a PostgreSQL client at all,
+            // or one that hung up first (node-postgres sends Terminate
+            // before its startup packet when ended while connecting).
+            Self::ClientIo(_) | Self::Dropped(_) | Self::Startup(StartupError::BadLength(_)) => {
+                return None;
+            }
             Self::BackendIo(e) => format!("connection to upstream server lost: {e}"),
             Self::BackendFrame(e) => format!("connection to upstream server lost: {e}"),
             other => other.to_string(),
@@ -117,6 +123,9 @@ mod tests {
         assert_eq!(full.to_string(), "sorry");
         let startup = SessionError::from(StartupError::BadLength(3));
         assert_eq!(startup.sqlstate(), "08P01");
+        assert!(startup.to_fatal().is_none(), "as PostgreSQL: not a word");
+        let layout = SessionError::from(StartupError::BadLayout("no terminator"));
+        assert_eq!(code_of(&layout).as_deref(), Some("08P01"));
     }
 
     #[test]

@@ -140,6 +140,9 @@ where
         let mut pos = 0;
         while let Some(len) = self.client.frame_len_at(pos)? {
             let frame = &self.client.buffered()[pos..pos + len];
+            // A client that hangs up while logging in (node-postgres ended
+            // while connecting): PostgreSQL closes without a word.
+            self.client_ended |= frame[0] == fe::TERMINATE;
             if frame[0] == fe::PASSWORD && *plus_hidden {
                 *plus_hidden = false;
                 // 'y': "I can bind, the server cannot". PostgreSQL on TLS

@@ -90,6 +90,7 @@ where
                 }
                 self.forward(&frame);
                 Ok(if tag == fe::TERMINATE {
+                    self.client_ended = true;
                     Flow::Close
                 } else {
                     Flow::Continue

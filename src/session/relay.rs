@@ -61,6 +61,8 @@ pub(super) struct Session<C> {
     pub to_publish: Vec<Publication>,
     /// The backend reported a FATAL error: its close is expected.
     pub backend_fatal: bool,
+    /// The client sent Terminate: so is the backend's close that follows.
+    pub(super) client_ended: bool,
     /// Databases pgcache let go of for a statement of this session that
     /// needs them free, until it is answered.
     pub(super) paused: Vec<Paused>,
@@ -121,6 +123,7 @@ where
             db: Arc::default(),
             to_publish: Vec::new(),
             backend_fatal: false,
+            client_ended: false,
             paused: Vec::new(),
             draining: false,
             backend_key: None,
@@ -343,9 +346,12 @@ where
                         if self.server.pooling && (tag == fe::QUERY || tag == fe::PARSE) {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
                             self.note_marks(marks(sql));
-                        } else if tag == fe::TERMINATE && self.hand_back() {
-                            flow = Flow::Close;
-                            break;
+                        } else if tag == fe::TERMINATE {
+                            self.client_ended = true;
+                            if self.hand_back() {
+                                flow = Flow::Close;
+                                break;
+                            }
                         }
                         flow = self.pipeline.note_client_frame(tag);
                         pos += len;
@@ -446,7 +452,7 @@ where
     /// The backend closed or failed: tell the client, unless the backend's
     /// own FATAL error already did.
     pub(super) async fn backend_lost(&mut self, error: Option<std::io::Error>) {
-        if self.backend_fatal {
+        if self.backend_fatal || self.client_ended {
             return;
         }
         let error = error.unwrap_or_else(|| {
