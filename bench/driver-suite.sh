@@ -80,4 +80,7 @@ else
         tail -20 "$RUNDIR/out/pgcache/$(echo "$file" | tr / _).log"
     done
 fi
-grep -E "hits|misses" <(curl -s "http://127.0.0.1:$METRICS_PORT/metrics" 2>/dev/null | grep '^pgcache_cache_lookups_total') || true
+echo "files failing on both routes: $(awk '$2 != 0 {print $1}' "$RUNDIR/direct.results" | tr '\n' ' ')"
+echo "pgcache's lookups during the run:"
+python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+    "http://127.0.0.1:$METRICS_PORT/metrics" | grep '^pgcache_cache_lookups_total' || true

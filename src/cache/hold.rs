@@ -28,8 +28,6 @@ pub struct Hold {
     /// Statements that need the database free and have not finished:
     /// nothing takes hold again meanwhile.
     pauses: AtomicUsize,
-    /// How often pgcache let go of the database.
-    releases: AtomicU64,
 }
 
 impl Default for Hold {
@@ -39,7 +37,6 @@ impl Default for Hold {
             last_use: AtomicU64::new(0),
             token: Mutex::default(),
             pauses: AtomicUsize::new(0),
-            releases: AtomicU64::new(0),
         }
     }
 }
@@ -73,16 +70,11 @@ impl Hold {
     pub fn let_go(&self) {
         let old = std::mem::take(&mut *self.lock());
         old.cancel();
-        self.releases.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Whether a statement that needs the database free is under way.
     pub fn paused(&self) -> bool {
         self.pauses.load(Ordering::Acquire) > 0
-    }
-
-    pub fn releases(&self) -> u64 {
-        self.releases.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, CancellationToken> {
@@ -118,7 +110,6 @@ mod tests {
         hold.let_go();
         assert!(first.is_cancelled());
         assert!(!hold.token().is_cancelled());
-        assert_eq!(hold.releases(), 1);
     }
 
     #[test]

@@ -84,6 +84,12 @@ impl Streams {
     /// pgcache lets go of the database (see [`crate::cache::hold`]).
     async fn run(&self, db: Arc<DbState>) {
         let hold = db.hold.token();
+        // A statement paused the database before it let go: if that was
+        // before this token was taken, the token will not be cancelled.
+        if db.hold.paused() {
+            db.stream.unclaim();
+            return;
+        }
         let mut backoff = Duration::from_millis(100);
         loop {
             db.stream.set_streaming(false);
