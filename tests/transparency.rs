@@ -387,16 +387,23 @@ async fn exchange(s: &mut tokio::net::TcpStream, frames: &[Vec<u8>]) -> Vec<(u8,
     read_until_ready(s).await
 }
 
+/// A database made by `sql`, pgcache streaming it, and two raw sessions
+/// on it: through pgcache and straight to PostgreSQL.
+async fn raw_pair(name: &str, sql: &str) -> (Proxy, tokio::net::TcpStream, tokio::net::TcpStream) {
+    let (db, proxy, _client, _direct) = setup_streaming(name, sql).await;
+    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
+    let (via, _) = raw_login(proxy.addr, &db).await;
+    let (direct, _) = raw_login(direct_addr, &db).await;
+    (proxy, via, direct)
+}
+
 #[tokio::test]
 async fn row_limited_executes_are_answered_as_postgresql_answers_them_and_cached() {
-    let (db, proxy, _client, _direct) = setup_streaming(
+    let (proxy, mut via, mut direct) = raw_pair(
         "rowlimit",
         "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2), (3)",
     )
     .await;
-    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
-    let (mut via, _) = raw_login(proxy.addr, &db).await;
-    let (mut direct, _) = raw_login(direct_addr, &db).await;
     let one = "SELECT id FROM t WHERE id = 1";
     let all = "SELECT id FROM t ORDER BY id";
     // (statement, row limit, whether pgcache can answer it from the cache):
@@ -440,14 +447,11 @@ async fn row_limited_executes_are_answered_as_postgresql_answers_them_and_cached
 
 #[tokio::test]
 async fn a_jdbc_style_fetch_size_cursor_in_a_transaction_reads_every_row() {
-    let (db, proxy, _client, _direct) = setup_streaming(
+    let (_proxy, mut via, mut direct) = raw_pair(
         "fetchsize",
         "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t SELECT generate_series(1, 5)",
     )
     .await;
-    let direct_addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg().port).parse().unwrap();
-    let (mut via, _) = raw_login(proxy.addr, &db).await;
-    let (mut direct, _) = raw_login(direct_addr, &db).await;
     let portal_bind = frame(
         b'B',
         &[cstr("C_1"), cstr("S_1"), vec![0, 0, 0, 0, 0, 0]].concat(),
