@@ -225,6 +225,9 @@ pub fn stats_json(app: &App) -> serde_json::Value {
                 "hits": q.hits,
                 "misses": q.misses,
                 "hit_ratio": if lookups == 0 { 0.0 } else { q.hits as f64 / lookups as f64 },
+                "would_hits": q.would_hits,
+                "would_save_ms": q.would_save_ms,
+                "shadow_mismatches": q.mismatches,
             })
         })
         .collect();
@@ -241,6 +244,12 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             "configured": app.cache.shared().is_some(),
             "up": app.cache.shared().is_some_and(|t| t.is_up()),
             "hits": m.hits_shared.get(),
+        },
+        "shadow": {
+            "on": app.policy().mode == crate::config::CacheMode::Shadow,
+            "match": m.shadow_match.get(),
+            "mismatch": m.shadow_mismatch.get(),
+            "saved_ms": m.shadow_saved.get() * 1e3,
         },
         "databases": databases,
         "statements": statements,

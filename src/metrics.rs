@@ -33,6 +33,12 @@ pub struct Metrics {
     pub refreshes: IntCounter,
     /// Settings queries run on clients' connections.
     pub settings_queries: IntCounter,
+    /// Shadow mode: would-be hits whose stored answer matched PostgreSQL's.
+    pub shadow_match: IntCounter,
+    /// Shadow mode: would-be hits whose stored answer did not.
+    pub shadow_mismatch: IntCounter,
+    /// Shadow mode: backend time the would-be hits would have saved.
+    pub shadow_saved: prometheus::Counter,
     pub client_connections: IntGauge,
     pub backend_connections: IntGauge,
     /// Hits by tier.
@@ -325,6 +331,7 @@ struct Families {
     evictions: IntCounterVec,
     client_bytes: IntCounterVec,
     latency: HistogramVec,
+    shadow: IntCounterVec,
 }
 
 impl Families {
@@ -361,6 +368,12 @@ impl Families {
                 "pgcache_cache_evictions_total",
                 "Local-tier entries removed, by cause (size, expired, replaced, explicit)",
                 &["cause"],
+            ),
+            shadow: r.counter_vec(
+                "pgcache_shadow_hits_total",
+                "Shadow mode (cache.mode = \"shadow\"): would-be hits, forwarded anyway, by whether the stored \
+                 answer matched PostgreSQL's (match, mismatch)",
+                &["result"],
             ),
             client_bytes: r.counter_vec(
                 "pgcache_client_bytes_total",
@@ -442,6 +455,15 @@ impl Metrics {
                 "pgcache_settings_queries_total",
                 "Settings queries pgcache ran on clients' connections (a session's first cacheable \
                  read, and after a settings change; none on a reused connection's first read)",
+            ),
+            shadow_match: by(&f.shadow, "match"),
+            shadow_mismatch: by(&f.shadow, "mismatch"),
+            shadow_saved: r.add(
+                prometheus::Counter::new(
+                    "pgcache_shadow_saved_seconds_total",
+                    "Shadow mode: PostgreSQL's time on the would-be hits, which serving them would have saved",
+                )
+                .expect("valid metric"),
             ),
             client_connections: r.gauge("pgcache_client_connections", "Client connections open"),
             backend_connections: r.gauge(

@@ -334,6 +334,9 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
                 format!("{:.3}", q.mean_miss_ms),
                 q.hit_bytes.to_string(),
                 timestamp(q.last_invalidation_ms),
+                q.would_hits.to_string(),
+                format!("{:.3}", q.would_save_ms),
+                q.mismatches.to_string(),
                 q.text,
             ]
         })
@@ -350,6 +353,9 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
             "mean_miss_ms",
             "hit_bytes",
             "last_invalidation",
+            "would_hits",
+            "would_save_ms",
+            "shadow_mismatches",
             "query",
         ],
         &rows,

@@ -78,6 +78,8 @@ pub struct Request<'a> {
     pub in_transaction: bool,
     pub coalesce_wait: Duration,
     pub started: Instant,
+    /// Shadow mode: a hit is not served ([`Lookup::WouldHit`]).
+    pub shadow: bool,
 }
 
 /// What a lookup found.
@@ -89,6 +91,9 @@ pub enum Lookup {
     Miss(Fill),
     /// Forward it; the cache may not answer it now.
     Bypass(BypassReason),
+    /// Shadow mode: the cache holds this answer, but the request goes to
+    /// PostgreSQL all the same, to be checked against it.
+    WouldHit(Bytes),
 }
 
 /// Where a forwarded read's answer will be stored: the keys made from the
@@ -230,6 +235,9 @@ impl Cache {
             if req.tier.local()
                 && let Some(entry) = self.local.get(local)
             {
+                if req.shadow {
+                    return Lookup::WouldHit(entry.bytes.clone());
+                }
                 self.count_hit(req, entry.bytes.len(), false);
                 let refresh = entry
                     .wants_refresh()
@@ -252,7 +260,8 @@ impl Cache {
                     tier.skipped();
                 }
             }
-            let guard = if waited || req.in_transaction {
+            // Shadow mode never makes a client wait for another's fill.
+            let guard = if waited || req.in_transaction || req.shadow {
                 None
             } else {
                 match self.fills.claim(local) {
@@ -278,6 +287,9 @@ impl Cache {
         if req.tier.local() {
             self.local
                 .insert_aged(local, &entry.payload, req.lifetime, age);
+        }
+        if req.shadow {
+            return Lookup::WouldHit(entry.payload);
         }
         self.count_hit(req, entry.payload.len(), true);
         let refresh = req

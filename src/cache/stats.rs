@@ -24,6 +24,12 @@ pub struct QueryStats {
     miss_ns: AtomicU64,
     /// Bytes of results served from the cache.
     hit_bytes: AtomicU64,
+    /// Shadow mode: would-be hits, the backend time they took (which
+    /// serving them would have saved), and those whose stored answer was
+    /// not PostgreSQL's.
+    would_hits: AtomicU64,
+    would_save_ns: AtomicU64,
+    mismatches: AtomicU64,
     /// What it reads, for "last invalidation": set by the first plan.
     reads: Mutex<Option<Reads>>,
 }
@@ -42,6 +48,10 @@ pub struct QueryRow {
     pub mean_hit_ms: f64,
     pub mean_miss_ms: f64,
     pub hit_bytes: u64,
+    pub would_hits: u64,
+    /// Backend time the would-be hits took, in milliseconds.
+    pub would_save_ms: f64,
+    pub mismatches: u64,
     /// Unix milliseconds of the last invalidation of what it reads; 0 = none.
     pub last_invalidation_ms: u64,
 }
@@ -56,6 +66,16 @@ impl QueryStats {
         self.hit_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
         self.hit_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Shadow mode: a would-be hit PostgreSQL answered in `took`.
+    pub fn would_hit(&self, took: Duration, matched: bool) {
+        self.would_hits.fetch_add(1, Ordering::Relaxed);
+        self.would_save_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if !matched {
+            self.mismatches.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn miss(&self, took: Duration) {
@@ -101,6 +121,9 @@ impl QueryStats {
             mean_hit_ms: mean(&self.hit_ns, hits),
             mean_miss_ms: mean(&self.miss_ns, misses),
             hit_bytes: self.hit_bytes.load(Ordering::Relaxed),
+            would_hits: self.would_hits.load(Ordering::Relaxed),
+            would_save_ms: self.would_save_ns.load(Ordering::Relaxed) as f64 / 1e6,
+            mismatches: self.mismatches.load(Ordering::Relaxed),
             last_invalidation_ms,
         }
     }

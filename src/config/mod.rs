@@ -207,7 +207,8 @@ pub struct CacheConfig {
     pub max_entry_bytes: usize,
     /// Lifetime of an entry; 0 = until evicted or invalidated.
     pub default_ttl_secs: u64,
-    /// `auto`: every safe SELECT; `opt_in`: only hinted ones.
+    /// `auto`: every safe SELECT; `opt_in`: only hinted ones; `shadow`:
+    /// serve nothing, but do and count everything else as `auto` would.
     pub mode: CacheMode,
     /// A hit on an entry older than this refreshes it in the background;
     /// 0 = only when a hint asks (`refresh=`).
@@ -231,6 +232,10 @@ pub enum CacheMode {
     #[default]
     Auto,
     OptIn,
+    /// Every statement goes to PostgreSQL; pgcache classifies, keys and
+    /// fills as in `auto`, and checks each would-be hit against
+    /// PostgreSQL's answer.
+    Shadow,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

@@ -1,28 +1,56 @@
-//! A forwarded read's response, copied for the cache as it is relayed.
+//! A forwarded read's response, copied as it is relayed: to store in the
+//! cache, or (shadow mode) to compare with what the cache would have served.
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
 use crate::cache::Fill;
 use crate::protocol::backend as be;
 
 pub(super) struct Capture {
-    fill: Fill,
+    sink: Sink,
     buf: BytesMut,
     ok: bool,
 }
 
+enum Sink {
+    /// Stored when complete.
+    Fill(Fill),
+    /// Compared with the entry the cache would have served (shadow mode).
+    Compare(Bytes),
+}
+
+/// What a complete capture comes to. Matched at once, never stored: the
+/// size difference of its variants costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Captured {
+    Store(Fill, BytesMut),
+    /// A would-be hit, and whether the stored answer was PostgreSQL's.
+    Compared {
+        matched: bool,
+    },
+}
+
 impl Capture {
     pub fn new(fill: Fill) -> Self {
+        Self::with(Sink::Fill(fill))
+    }
+
+    /// Shadow mode: the answer is checked against `stored`.
+    pub fn compare(stored: Bytes) -> Self {
+        Self::with(Sink::Compare(stored))
+    }
+
+    fn with(sink: Sink) -> Self {
         Self {
-            fill,
+            sink,
             buf: BytesMut::new(),
             ok: true,
         }
     }
 
-    /// Copies one response frame, or gives up on storing the response:
-    /// only RowDescription, DataRow, CommandComplete and the like are
-    /// replayable; anything that reports, notifies or starts a COPY is not.
+    /// Copies one response frame, or gives up on it: only RowDescription,
+    /// DataRow, CommandComplete and the like are replayable; anything that
+    /// reports, notifies or starts a COPY is not.
     pub fn add(&mut self, frame: &[u8], max: usize) {
         let storable = !matches!(
             frame[0],
@@ -44,8 +72,17 @@ impl Capture {
         }
     }
 
-    /// The fill and the response, if it can be stored.
-    pub fn finish(self) -> Option<(Fill, BytesMut)> {
-        self.ok.then_some((self.fill, self.buf))
+    /// What the complete response comes to; `None` if it could not be
+    /// copied whole (then nothing is stored, nor compared).
+    pub fn finish(self) -> Option<Captured> {
+        if !self.ok {
+            return None;
+        }
+        Some(match self.sink {
+            Sink::Fill(fill) => Captured::Store(fill, self.buf),
+            Sink::Compare(stored) => Captured::Compared {
+                matched: stored == self.buf,
+            },
+        })
     }
 }

@@ -29,6 +29,7 @@ use super::row_limit::cut_stored;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
+use crate::config::CacheMode;
 use crate::pool::marks::marks;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, frontend as fe, messages, sqlstate};
@@ -174,6 +175,7 @@ where
             in_transaction: self.tx.status != TxStatus::Idle,
             coalesce_wait: self.known.policy.coalesce_wait,
             started,
+            shadow: self.known.policy.mode == CacheMode::Shadow,
         };
         match self.app.cache.lookup(&req).await {
             Lookup::Hit { bytes, refresh } => {
@@ -194,6 +196,9 @@ where
             }
             Lookup::Miss(fill) => Ok(Answer::Forward(Some(Capture::new(fill)))),
             Lookup::Bypass(_) => Ok(Answer::Forward(None)),
+            // Checked against PostgreSQL's frames as they arrive, before
+            // any row-limit cut for the client.
+            Lookup::WouldHit(stored) => Ok(Answer::Forward(Some(Capture::compare(stored)))),
         }
     }
 

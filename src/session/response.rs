@@ -4,11 +4,15 @@
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use super::capture::Captured;
 use super::relay::Session;
 use super::row_limit::Cut;
 use crate::cache::Bumps;
+use crate::cache::stats::QueryStats;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be};
+use std::time::Duration;
+use tracing::warn;
 
 impl<C> Session<C>
 where
@@ -82,19 +86,30 @@ where
                         self.known.statements.remove(name);
                     }
                 }
-                if let Some((stats, started)) = &done.timing {
-                    let took = started.elapsed();
-                    stats.miss(took);
-                    self.app.metrics.latency_miss.observe(took.as_secs_f64());
-                }
-                let result = done
+                let captured = done
                     .capture
                     .filter(|_| !done.failed)
-                    .and_then(|cap| cap.finish())
-                    .map(|(fill, bytes)| {
+                    .and_then(|cap| cap.finish());
+                let mut result = None;
+                let mut would_hit = None;
+                match captured {
+                    Some(Captured::Store(fill, bytes)) => {
                         let size = bytes.len();
-                        ((fill, bytes), size)
-                    });
+                        result = Some(((fill, bytes), size));
+                    }
+                    Some(Captured::Compared { matched }) => would_hit = Some(matched),
+                    None => {}
+                }
+                if let Some((stats, started)) = &done.timing {
+                    let took = started.elapsed();
+                    match would_hit {
+                        Some(matched) => self.shadow_checked(stats, took, matched),
+                        None => {
+                            stats.miss(took);
+                            self.app.metrics.latency_miss.observe(took.as_secs_f64());
+                        }
+                    }
+                }
                 (done.effects, result)
             }
             None => (Bumps::default(), None),
@@ -112,6 +127,20 @@ where
         }
         for (fill, bytes) in completion.store {
             self.app.cache.store(fill, &bytes);
+        }
+    }
+
+    /// Shadow mode: a would-be hit was forwarded and PostgreSQL answered
+    /// in `took`; `matched` says whether the stored answer was the same.
+    fn shadow_checked(&self, stats: &QueryStats, took: Duration, matched: bool) {
+        stats.would_hit(took, matched);
+        let m = &self.app.metrics;
+        m.shadow_saved.inc_by(took.as_secs_f64());
+        if matched {
+            m.shadow_match.inc();
+        } else {
+            m.shadow_mismatch.inc();
+            warn!(query = %stats.text, "shadow mode: the cache would have served an answer PostgreSQL no longer gives");
         }
     }
 
