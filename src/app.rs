@@ -93,6 +93,7 @@ impl App {
             config.replication.clone(),
             drain.clone(),
             metrics.invalidations.replication.clone(),
+            metrics.invalidations.notify.clone(),
             Arc::clone(&pool),
         ));
         Ok(Self {

@@ -10,6 +10,7 @@
 //! | `/*+ cache ttl=30s */` | entries live at most 30 s (units `ms`, `s`, `m`, `h`; a bare number is seconds); also allows relations replication cannot watch |
 //! | `/*+ cache tier=local\|shared\|both */` | which tiers hold the entry |
 //! | `/*+ cache ttl=60s refresh=50s */` | once an entry is 50 s old, a hit refreshes it in the background |
+//! | `/*+ cache ttl=5m tags=pricing,eu */` | `INVALIDATE TAG pricing` (admin) or `NOTIFY pgcache_invalidate, 'tag:pricing'` drops the entry |
 //!
 //! Comments may stand anywhere a comment may; text in string literals,
 //! quoted identifiers and dollar quotes is never read as a hint. A `/*+`
@@ -46,6 +47,9 @@ pub struct Hints {
     pub ttl: Option<Duration>,
     pub refresh: Option<Duration>,
     pub tier: Tier,
+    /// `tags=a,b`: names an admin command or a NOTIFY can invalidate the
+    /// entry by; sorted, without duplicates.
+    pub tags: Vec<String>,
     /// Hints that were malformed or unknown, as written, with why.
     pub problems: Vec<String>,
 }
@@ -314,6 +318,17 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
                     _ => Err(format!("tier={value}: expected local, shared or both")),
                 }
                 .map(|tier| parsed.tier = tier),
+                "tags" => value
+                    .split(',')
+                    .map(|tag| {
+                        crate::cache::database::valid_tag(tag)
+                            .then(|| tag.to_owned())
+                            .ok_or_else(|| {
+                                format!("tags={value}: a tag is letters, digits, _ - or .")
+                            })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(|tags| parsed.tags = tags),
                 _ => Err(format!("unknown option {key:?}")),
             },
             None => Err(format!("{word:?} is not key=value")),
@@ -337,6 +352,9 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
     }
     hints.ttl = parsed.ttl.or(hints.ttl);
     hints.refresh = parsed.refresh.or(hints.refresh);
+    hints.tags.extend(parsed.tags);
+    hints.tags.sort_unstable();
+    hints.tags.dedup();
     if parsed.tier != Tier::Both {
         hints.tier = parsed.tier;
     }
@@ -476,6 +494,18 @@ mod tests {
         }
         let h = hints("/*+ cache ttl=60s refresh=50s */ SELECT 1");
         assert_eq!(h.refresh, Some(Duration::from_secs(50)));
+    }
+
+    #[test]
+    fn tags_are_sorted_words_and_a_bad_one_is_reported() {
+        let h = scan("/*+ cache ttl=5m tags=pricing,eu,pricing */ SELECT 1").hints;
+        assert_eq!(
+            (h.cache, h.tags.as_slice()),
+            (Some(true), &["eu".to_owned(), "pricing".to_owned()][..])
+        );
+        let bad = scan("/*+ cache tags=a,b;c */ SELECT 1").hints;
+        assert!(bad.tags.is_empty() && bad.cache.is_none());
+        assert_eq!(bad.problems.len(), 1, "{:?}", bad.problems);
     }
 
     #[test]

@@ -135,6 +135,8 @@ pub struct Invalidations {
     pub write: IntCounter,
     pub replication: IntCounter,
     pub admin: IntCounter,
+    /// `NOTIFY pgcache_invalidate` heard from PostgreSQL.
+    pub notify: IntCounter,
     pub peer: IntCounter,
     pub resync: IntCounter,
 }
@@ -361,7 +363,7 @@ impl Families {
             ),
             invalidations: r.counter_vec(
                 "pgcache_invalidations_total",
-                "Invalidations applied, by source (write, replication, admin, peer, resync, ttl)",
+                "Invalidations applied, by source (write, replication, admin, notify, peer, resync, ttl)",
                 &["source"],
             ),
             evictions: r.counter_vec(
@@ -428,6 +430,7 @@ impl Metrics {
                 write: invalidation("write"),
                 replication: invalidation("replication"),
                 admin: invalidation("admin"),
+                notify: invalidation("notify"),
                 peer: invalidation("peer"),
                 resync: invalidation("resync"),
             },

@@ -683,3 +683,89 @@ async fn eventual_consistency_reports_its_window() {
     // would fail.
     assert!(stale > 0, "no read was stale under eventual consistency");
 }
+
+/// Tags (`/*+ cache ttl=... tags=... */`): for what replication cannot see,
+/// invalidated across instances by the admin console and by a NOTIFY sent
+/// straight to PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tags_invalidate_across_instances_from_the_admin_console_and_a_notify() {
+    let db = pg().create_db("shared_tags");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE prices(id int PRIMARY KEY, v int); INSERT INTO prices VALUES (1, 100); \
+         CREATE VIEW eu_prices AS SELECT id, v FROM prices",
+    );
+    let mut with_admin = config(&redis().url());
+    with_admin.admin.password = "tag-admin".to_owned();
+    let a = Proxy::start(with_admin).await;
+    let b = Proxy::start(config(&redis().url())).await;
+    let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
+    shared_ready(&a, &db).await;
+    shared_ready(&b, &db).await;
+    let direct = pg().direct(&db).await;
+    // A view: replication cannot see its changes, so only a TTL lets it be
+    // cached, and only a tag lets it be invalidated sooner.
+    let read = "/*+ cache ttl=10m tags=pricing,eu */ SELECT v FROM eu_prices WHERE id = 1";
+    for (proxy, client) in [(&a, &ca), (&b, &cb)] {
+        let hits = proxy.hits();
+        for _ in 0..3 {
+            assert_eq!(rows(client, read).await, [[Some("100".into())]]);
+        }
+        assert!(proxy.hits() > hits, "cached under its TTL");
+    }
+    let both_read = |want: &'static str| {
+        let (ca, cb) = (&ca, &cb);
+        async move {
+            eventually(Duration::from_secs(10), want, || async {
+                let fresh = rows(ca, read).await == [[Some(want.into())]]
+                    && rows(cb, read).await == [[Some(want.into())]];
+                fresh.then_some(())
+            })
+            .await
+        }
+    };
+
+    // Changed directly: both instances still serve the old value (the TTL)...
+    direct
+        .batch_execute("UPDATE prices SET v = 200")
+        .await
+        .unwrap();
+    assert_eq!(rows(&ca, read).await, [[Some("100".into())]]);
+    assert_eq!(rows(&cb, read).await, [[Some("100".into())]]);
+    // ... until the tag is invalidated on one instance's admin console.
+    let admin = connect_dsn(&format!(
+        "{} password=tag-admin",
+        a.dsn("pgcache", &a.app.config().admin.database)
+    ))
+    .await
+    .expect("admin console");
+    admin.simple_query("INVALIDATE TAG pricing").await.unwrap();
+    both_read("200").await;
+
+    // Or by a NOTIFY from any session on PostgreSQL, naming a tag...
+    direct
+        .batch_execute("UPDATE prices SET v = 300")
+        .await
+        .unwrap();
+    assert_eq!(
+        rows(&cb, read).await,
+        [[Some("200".into())]],
+        "still cached"
+    );
+    direct
+        .batch_execute("NOTIFY pgcache_invalidate, 'tag:eu'")
+        .await
+        .unwrap();
+    both_read("300").await;
+    // ... or the relation itself.
+    direct
+        .batch_execute("UPDATE prices SET v = 400")
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_notify('pgcache_invalidate', 'table:eu_prices')")
+        .await
+        .unwrap();
+    both_read("400").await;
+    assert!(a.app.metrics.invalidations.notify.get() >= 2);
+}

@@ -12,6 +12,7 @@
 //! | `SHOW CONFIG` | the configuration in force, secrets hidden |
 //! | `SHOW VERSION` | pgcache's version |
 //! | `INVALIDATE TABLE name` | bumps the table's version (every database, every instance) |
+//! | `INVALIDATE TAG name` | bumps a tag of `/*+ cache tags=... */` (every database, every instance) |
 //! | `INVALIDATE ALL` | bumps every database's epoch and empties the local tier |
 //! | `RELOAD` | re-reads the configuration and applies what can change live |
 
@@ -197,6 +198,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             &[vec![format!("pgcache {}", env!("CARGO_PKG_VERSION"))]],
         ),
         ["INVALIDATE", "TABLE", _] => invalidate_table(app, words[2], out).await,
+        ["INVALIDATE", "TAG", _] => invalidate_tag(app, words[2], out).await,
         ["INVALIDATE", "ALL"] => invalidate_all(app, out).await,
         ["RELOAD"] => reload(app, out),
         _ => error_response(
@@ -205,7 +207,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             sqlstate::SYNTAX_ERROR,
             &format!(
                 "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
-                 SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE ALL or RELOAD"
+                 SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE TAG name, INVALIDATE ALL or RELOAD"
             ),
         ),
     }
@@ -227,6 +229,30 @@ async fn invalidate_table(app: &App, name: &str, out: &mut BytesMut) {
             .await;
     }
     info!(table = name, "admin: table invalidated");
+    complete(out, "INVALIDATE");
+}
+
+/// `INVALIDATE TAG name`: in every database, on every instance.
+async fn invalidate_tag(app: &App, tag: &str, out: &mut BytesMut) {
+    let tag = tag.trim_matches(['"', '\'']);
+    if !crate::cache::database::valid_tag(tag) {
+        error_response(
+            out,
+            "ERROR",
+            sqlstate::SYNTAX_ERROR,
+            &format!("{tag:?} is not a tag: letters, digits, _ - or ."),
+        );
+        return;
+    }
+    for (_, db) in app.cache.databases.all() {
+        let mut bumps = Bumps::default();
+        bumps.add_family(db.versions.tag(tag));
+        app.cache
+            .invalidate(&db, bumps, &app.metrics.invalidations.admin)
+            .send()
+            .await;
+    }
+    info!(tag, "admin: tag invalidated");
     complete(out, "INVALIDATE");
 }
 

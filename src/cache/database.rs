@@ -43,6 +43,23 @@ impl DbState {
         }
     }
 
+    /// The bumps a user asks for by name (an admin command, or a NOTIFY on
+    /// `pgcache_invalidate`): `tag:NAME` bumps a tag, `table:NAME` (or a
+    /// bare NAME) a table and its partition tree. `None`: not a name.
+    pub fn named_bumps(&self, item: &str) -> Option<Bumps> {
+        let item = item.trim();
+        let mut bumps = Bumps::default();
+        match item.split_once(':') {
+            Some(("tag", tag)) if valid_tag(tag) => bumps.add_family(self.versions.tag(tag)),
+            Some(("table", table)) if !table.is_empty() => {
+                self.relation_families(table, &mut bumps)
+            }
+            None if !item.is_empty() => self.relation_families(item, &mut bumps),
+            _ => return None,
+        }
+        Some(bumps)
+    }
+
     /// The families a replicated change to relation `name` invalidates: its
     /// own, and its partition tree's if the catalog knows it.
     pub fn relation_families(&self, name: &str, bumps: &mut Bumps) {
@@ -53,6 +70,15 @@ impl DbState {
             bumps.add_family(self.versions.family(&facts.family));
         }
     }
+}
+
+/// A tag is a word: letters, digits, `_`, `-`, `.`.
+pub fn valid_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag.len() <= 63
+        && tag
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 /// The replication stream's health, as the stream reports it.
@@ -322,6 +348,25 @@ impl Databases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn named_invalidations_are_tags_or_tables() {
+        let db = DbState::default();
+        let names = |item: &str| {
+            db.named_bumps(item).map(|b| {
+                b.families
+                    .iter()
+                    .map(|f| f.name.to_string())
+                    .collect::<Vec<_>>()
+            })
+        };
+        assert_eq!(names("tag:pricing"), Some(vec!["#tag:pricing".to_owned()]));
+        assert_eq!(names(" table:orders "), Some(vec!["orders".to_owned()]));
+        assert_eq!(names("orders"), Some(vec!["orders".to_owned()]));
+        assert_eq!(names("tag:"), None);
+        assert_eq!(names("tag:a b"), None);
+        assert_eq!(names("color:red"), None);
+    }
 
     #[test]
     fn an_unpublishable_table_is_reported_once_per_change() {

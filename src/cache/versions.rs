@@ -93,6 +93,12 @@ pub struct Versions {
 }
 
 impl Versions {
+    /// The version counter of a tag (`/*+ cache tags=... */`): a family
+    /// like a table's, named so that no unquoted table name can be it.
+    pub fn tag(&self, tag: &str) -> Arc<Family> {
+        self.family(&format!("#tag:{tag}"))
+    }
+
     /// The version counter of a partition tree (or plain table).
     pub fn family(&self, name: &str) -> Arc<Family> {
         let mut map = self.families.lock().unwrap_or_else(|e| e.into_inner());

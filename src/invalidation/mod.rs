@@ -26,6 +26,7 @@
 
 pub mod control;
 pub mod heartbeat;
+pub mod listen;
 pub mod pgoutput;
 pub mod replication;
 

@@ -16,6 +16,7 @@ use super::control::{
     ObjectAddress, ddl_names, full_message, install_ddl_trigger, sync_publication, wait_visible,
 };
 use super::heartbeat::{self, HEARTBEAT_PREFIX, Heartbeats};
+use super::listen::{CHANNEL, listen};
 use super::pgoutput::{self, Change};
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
 use crate::cache::hold::Paused;
@@ -35,6 +36,8 @@ pub struct Streams {
     drain: CancellationToken,
     /// Counts the invalidations the streams apply.
     applied: prometheus::IntCounter,
+    /// Counts those asked for by NOTIFY.
+    notified: prometheus::IntCounter,
     /// Names this instance in its heartbeats.
     instance: u64,
     /// Server connections parked for later clients, which let go of a
@@ -49,6 +52,7 @@ impl Streams {
         settings: Settings,
         drain: CancellationToken,
         applied: prometheus::IntCounter,
+        notified: prometheus::IntCounter,
         pool: Arc<ServerPool>,
     ) -> Self {
         Self {
@@ -57,8 +61,30 @@ impl Streams {
             settings,
             drain,
             applied,
+            notified,
             instance: rand::random(),
             pool,
+        }
+    }
+
+    /// A NOTIFY on [`CHANNEL`]: the tags and tables it names are bumped.
+    async fn notified(&self, db: &Arc<DbState>, payload: &str) {
+        let mut bumps = Bumps::default();
+        for item in payload.split(',') {
+            match db.named_bumps(item) {
+                Some(named) => bumps.merge(&named),
+                None => {
+                    let shown: String = item.chars().take(80).collect();
+                    warn!(database = %db.name, item = shown, "{CHANNEL}: not tag:NAME or table:NAME; ignored");
+                }
+            }
+        }
+        if !bumps.is_empty() {
+            debug!(database = %db.name, payload, "invalidated by NOTIFY");
+            self.cache
+                .invalidate(db, bumps, &self.notified)
+                .send()
+                .await;
         }
     }
 
@@ -216,6 +242,7 @@ impl Streams {
             Arc::clone(&beats),
             every,
         )));
+        let mut listener = listen(&self.upstream, database).await?;
         // Changes made while no stream was running were missed: everything
         // cached for this database is stale, and so may be what this
         // instance knows of the catalog.
@@ -228,6 +255,13 @@ impl Streams {
         loop {
             let event = tokio::select! {
                 event = stream.recv() => event?,
+                payload = listener.payloads.recv() => {
+                    let Some(payload) = payload else {
+                        return Err(ReplicationError::Config(format!("the {CHANNEL} listener's connection ended")));
+                    };
+                    self.notified(db, &payload).await;
+                    continue;
+                }
                 failed = &mut beating => {
                     return Err(match failed {
                         Ok(e) => e,

@@ -89,8 +89,13 @@ impl Plan {
             plan.add_effects(st, facts, versions);
         }
         let mut ttl = hints.ttl;
-        plan.read = read_of(&analyzed.analysis, hints, facts, policy, &mut ttl)
-            .map(|families| families.iter().map(|f| versions.family(f)).collect());
+        plan.read = read_of(&analyzed.analysis, hints, facts, policy, &mut ttl).map(|families| {
+            let tables = families.iter().map(|f| versions.family(f));
+            // A tag is read like a table: bumping it retires the entry.
+            tables
+                .chain(hints.tags.iter().map(|t| versions.tag(t)))
+                .collect()
+        });
         let ttl = ttl.or(policy.default_ttl);
         let refresh = hints
             .refresh
