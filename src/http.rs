@@ -228,6 +228,7 @@ pub fn stats_json(app: &App) -> serde_json::Value {
                 "would_hits": q.would_hits,
                 "would_save_ms": q.would_save_ms,
                 "shadow_mismatches": q.mismatches,
+                "verify_mismatches": q.verify_mismatches,
             })
         })
         .collect();
@@ -250,6 +251,13 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             "match": m.shadow_match.get(),
             "mismatch": m.shadow_mismatch.get(),
             "saved_ms": m.shadow_saved.get() * 1e3,
+        },
+        "verify": {
+            "match": m.verify.matched.get(),
+            "mismatch": m.verify.mismatch.get(),
+            "ttl_expected": m.verify.ttl_expected.get(),
+            "changed": m.verify.changed.get(),
+            "skipped": m.verify.skipped.get(),
         },
         "databases": databases,
         "statements": statements,

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub refreshes: IntCounter,
     /// Settings queries run on clients' connections.
     pub settings_queries: IntCounter,
+    /// The correctness sampler's checks, by outcome.
+    pub verify: VerifyMetrics,
     /// Shadow mode: would-be hits whose stored answer matched PostgreSQL's.
     pub shadow_match: IntCounter,
     /// Shadow mode: would-be hits whose stored answer did not.
@@ -60,6 +62,16 @@ pub struct Metrics {
     pub local_bytes: IntGauge,
     pub shared: SharedMetrics,
     pub pool: PoolMetrics,
+}
+
+/// The correctness sampler's checks ([`crate::cache::sampler`]).
+#[derive(Clone)]
+pub struct VerifyMetrics {
+    pub matched: IntCounter,
+    pub mismatch: IntCounter,
+    pub ttl_expected: IntCounter,
+    pub changed: IntCounter,
+    pub skipped: IntCounter,
 }
 
 /// The server-connection pool ([`crate::pool`]).
@@ -334,6 +346,7 @@ struct Families {
     client_bytes: IntCounterVec,
     latency: HistogramVec,
     shadow: IntCounterVec,
+    verify: IntCounterVec,
 }
 
 impl Families {
@@ -370,6 +383,14 @@ impl Families {
                 "pgcache_cache_evictions_total",
                 "Local-tier entries removed, by cause (size, expired, replaced, explicit)",
                 &["cause"],
+            ),
+            verify: r.counter_vec(
+                "pgcache_verify_total",
+                "Hits the correctness sampler checked against PostgreSQL, by outcome: match, mismatch (the \
+                 entry was wrong and its tables were invalidated), ttl_expected (a relation cached by TTL), \
+                 changed (a change committed between the hit and the check), skipped (over \
+                 cache.verify_max_per_sec, or the stream did not catch up)",
+                &["result"],
             ),
             shadow: r.counter_vec(
                 "pgcache_shadow_hits_total",
@@ -459,6 +480,13 @@ impl Metrics {
                 "Settings queries pgcache ran on clients' connections (a session's first cacheable \
                  read, and after a settings change; none on a reused connection's first read)",
             ),
+            verify: VerifyMetrics {
+                matched: by(&f.verify, "match"),
+                mismatch: by(&f.verify, "mismatch"),
+                ttl_expected: by(&f.verify, "ttl_expected"),
+                changed: by(&f.verify, "changed"),
+                skipped: by(&f.verify, "skipped"),
+            },
             shadow_match: by(&f.shadow, "match"),
             shadow_mismatch: by(&f.shadow, "mismatch"),
             shadow_saved: r.add(

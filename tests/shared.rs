@@ -769,3 +769,101 @@ async fn tags_invalidate_across_instances_from_the_admin_console_and_a_notify() 
     both_read("400").await;
     assert!(a.app.metrics.invalidations.notify.get() >= 2);
 }
+
+/// The correctness sampler catches a wrong entry: one forged in Redis
+/// (valid checksum, key and versions, another row), as a bug in pgcache
+/// could have stored it. The hit is served, checked, found wrong, and its
+/// table invalidated, so the next read is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sampler_catches_a_wrong_entry_and_retires_it() {
+    let db = pg().create_db("shared_verify");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'a')",
+    );
+    let redis = Redis::dedicated();
+    // Both up first: an instance that starts streaming invalidates what was
+    // stored before (it may have missed changes).
+    let a = Proxy::start(config(&redis.url())).await;
+    let mut checking = config(&redis.url());
+    checking.cache.verify_sample_rate = 1.0;
+    let b = Proxy::start(checking).await;
+    let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
+    shared_ready(&a, &db).await;
+    shared_ready(&b, &db).await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    assert_eq!(rows(&ca, read).await, [[Some("a".into())]]);
+    stored(&a, 1).await;
+
+    // Forge the stored row: 'a' becomes 'z', with a checksum to match.
+    let mut conn = redis.client().await;
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut forged = 0;
+    for key in keys {
+        let Ok(value) = redis::cmd("GET")
+            .arg(&key)
+            .query_async::<Vec<u8>>(&mut conn)
+            .await
+        else {
+            continue; // not a string: the versions
+        };
+        if !value.starts_with(b"PGC") {
+            continue;
+        }
+        let entry_key = u128::from_le_bytes(value[12..28].try_into().unwrap());
+        let n = u16::from_le_bytes([value[36], value[37]]) as usize;
+        let versions: Vec<u64> = value[38..38 + n * 8]
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let entry =
+            pgcache::cache::shared::entry::decode(value.clone().into(), entry_key, &versions)
+                .expect("a sound entry");
+        let row = [b'D', 0, 0, 0, 11, 0, 1, 0, 0, 0, 1, b'a'];
+        let at = entry
+            .payload
+            .windows(row.len())
+            .position(|w| w == row)
+            .expect("the row");
+        let mut payload = entry.payload.to_vec();
+        payload[at + row.len() - 1] = b'z';
+        let value =
+            pgcache::cache::shared::entry::encode(entry_key, entry.created_ms, &versions, &payload);
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg(value)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        forged += 1;
+    }
+    assert_eq!(forged, 1);
+
+    // The other instance, checking every hit, serves it from Redis...
+    assert_eq!(
+        rows(&cb, read).await,
+        [[Some("z".into())]],
+        "the forged entry is served"
+    );
+    // ... finds it wrong, and retires it: the next read is PostgreSQL's.
+    let m = b.app.metrics.verify.clone();
+    eventually(Duration::from_secs(10), "the check's verdict", || {
+        let found = m.mismatch.get();
+        async move { (found == 1).then_some(()) }
+    })
+    .await;
+    assert_eq!(rows(&cb, read).await, [[Some("a".into())]]);
+    let statement = b
+        .app
+        .cache
+        .stats
+        .top(100)
+        .into_iter()
+        .find(|q| q.text.contains("FROM t WHERE"))
+        .unwrap();
+    assert_eq!(statement.verify_mismatches, 1);
+}

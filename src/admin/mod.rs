@@ -363,6 +363,7 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
                 q.would_hits.to_string(),
                 format!("{:.3}", q.would_save_ms),
                 q.mismatches.to_string(),
+                q.verify_mismatches.to_string(),
                 q.text,
             ]
         })
@@ -382,6 +383,7 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
             "would_hits",
             "would_save_ms",
             "shadow_mismatches",
+            "verify_mismatches",
             "query",
         ],
         &rows,

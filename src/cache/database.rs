@@ -235,6 +235,12 @@ impl StreamHealth {
             .fetch_max(self.micros(sent), Ordering::AcqRel);
     }
 
+    /// Whether everything committed before `at` has been applied: a
+    /// heartbeat sent after `at` came back.
+    pub fn covers(&self, at: Instant) -> bool {
+        self.fresh_as_of.load(Ordering::Acquire) >= self.micros(at)
+    }
+
     /// How far behind the database the cache may be: the time since the
     /// newest heartbeat back was sent (or since the stream started, before
     /// the first). It grows while the stream stalls.

@@ -25,6 +25,7 @@ pub mod fill;
 pub mod hold;
 pub mod key;
 pub mod local;
+pub mod sampler;
 pub mod shared;
 pub mod stats;
 pub mod versions;
@@ -58,6 +59,8 @@ pub struct Cache {
     fills: Arc<Fills>,
     analyses: analysis::Analyses,
     pub stats: StatsRegistry,
+    /// Which hits the correctness sampler checks.
+    pub sampler: sampler::Sampler,
     metrics: Arc<Metrics>,
     /// Replication streams invalidate (checked at start-up): entries are
     /// served only while their database's stream is current.
@@ -140,6 +143,7 @@ impl Cache {
             fills: Arc::default(),
             analyses: analysis::Analyses::new(10_000),
             stats: StatsRegistry::new(10_000),
+            sampler: sampler::Sampler::default(),
             metrics,
             replication: AtomicBool::new(false),
         }

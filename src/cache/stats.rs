@@ -30,6 +30,8 @@ pub struct QueryStats {
     would_hits: AtomicU64,
     would_save_ns: AtomicU64,
     mismatches: AtomicU64,
+    /// Hits the correctness sampler found wrong.
+    verify_mismatches: AtomicU64,
     /// What it reads, for "last invalidation": set by the first plan.
     reads: Mutex<Option<Reads>>,
 }
@@ -52,6 +54,7 @@ pub struct QueryRow {
     /// Backend time the would-be hits took, in milliseconds.
     pub would_save_ms: f64,
     pub mismatches: u64,
+    pub verify_mismatches: u64,
     /// Unix milliseconds of the last invalidation of what it reads; 0 = none.
     pub last_invalidation_ms: u64,
 }
@@ -76,6 +79,11 @@ impl QueryStats {
         if !matched {
             self.mismatches.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// The correctness sampler found a hit of it wrong.
+    pub fn verify_mismatch(&self) {
+        self.verify_mismatches.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn miss(&self, took: Duration) {
@@ -124,6 +132,7 @@ impl QueryStats {
             would_hits: self.would_hits.load(Ordering::Relaxed),
             would_save_ms: self.would_save_ns.load(Ordering::Relaxed) as f64 / 1e6,
             mismatches: self.mismatches.load(Ordering::Relaxed),
+            verify_mismatches: self.verify_mismatches.load(Ordering::Relaxed),
             last_invalidation_ms,
         }
     }

@@ -216,6 +216,11 @@ pub struct CacheConfig {
     /// How long a miss waits for a concurrent identical one to fill the
     /// cache before going to PostgreSQL itself.
     pub coalesce_wait_ms: u64,
+    /// The share of hits checked against PostgreSQL after they are served
+    /// (0: none). See "Trusting the cache" in the README.
+    pub verify_sample_rate: f64,
+    /// At most this many checks a second, whatever the rate.
+    pub verify_max_per_sec: u32,
     /// Rules per table (by name, as pgcache knows tables: without schema).
     pub tables: Vec<TableRule>,
     /// Caching on or off per role (`current_user`).
@@ -437,6 +442,8 @@ impl Default for CacheConfig {
             mode: CacheMode::Auto,
             refresh_after_secs: 0,
             coalesce_wait_ms: 2000,
+            verify_sample_rate: 0.001,
+            verify_max_per_sec: 10,
             tables: Vec::new(),
             roles: BTreeMap::new(),
             databases: BTreeMap::new(),

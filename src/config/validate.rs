@@ -75,6 +75,12 @@ impl Config {
                 self.cache.max_entry_bytes, self.cache.local.max_bytes
             ));
         }
+        if !(0.0..=1.0).contains(&self.cache.verify_sample_rate) {
+            problems.push(format!(
+                "cache.verify_sample_rate: {} must be between 0 and 1",
+                self.cache.verify_sample_rate
+            ));
+        }
         for (i, rule) in self.cache.tables.iter().enumerate() {
             if rule.name.trim().is_empty() {
                 problems.push(format!("cache.tables[{i}].name: must not be empty"));

@@ -4,6 +4,7 @@
 use bytes::{Bytes, BytesMut};
 
 use crate::cache::Fill;
+use crate::cache::sampler::Check;
 use crate::protocol::backend as be;
 
 pub(super) struct Capture {
@@ -17,6 +18,8 @@ enum Sink {
     Fill(Fill),
     /// Compared with the entry the cache would have served (shadow mode).
     Compare(Bytes),
+    /// A served hit the correctness sampler checks.
+    Verify(Box<Check>),
 }
 
 /// What a complete capture comes to. Matched at once, never stored: the
@@ -28,6 +31,8 @@ pub(super) enum Captured {
     Compared {
         matched: bool,
     },
+    /// PostgreSQL's answer to a sampled hit, to judge.
+    Verified(Box<Check>, BytesMut),
 }
 
 impl Capture {
@@ -38,6 +43,11 @@ impl Capture {
     /// Shadow mode: the answer is checked against `stored`.
     pub fn compare(stored: Bytes) -> Self {
         Self::with(Sink::Compare(stored))
+    }
+
+    /// A served hit, checked against PostgreSQL's answer.
+    pub fn verify(check: Check) -> Self {
+        Self::with(Sink::Verify(Box::new(check)))
     }
 
     fn with(sink: Sink) -> Self {
@@ -83,6 +93,7 @@ impl Capture {
             Sink::Compare(stored) => Captured::Compared {
                 matched: stored == self.buf,
             },
+            Sink::Verify(check) => Captured::Verified(check, self.buf),
         })
     }
 }

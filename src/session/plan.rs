@@ -34,6 +34,9 @@ pub(super) struct Plan {
     pub creates_temp: bool,
     /// It starts a transaction block (`Some(strict)`).
     pub begin_strict: Option<bool>,
+    /// A cacheable read of a relation replication cannot watch (cached by
+    /// TTL): its entries may lag PostgreSQL within their lifetime.
+    pub unwatched: bool,
 }
 
 impl Plan {
@@ -84,18 +87,29 @@ impl Plan {
             writes: false,
             creates_temp: false,
             begin_strict: None,
+            unwatched: false,
         };
         for st in &analyzed.analysis.statements {
             plan.add_effects(st, facts, versions);
         }
         let mut ttl = hints.ttl;
-        plan.read = read_of(&analyzed.analysis, hints, facts, policy, &mut ttl).map(|families| {
+        let mut unwatched = false;
+        plan.read = read_of(
+            &analyzed.analysis,
+            hints,
+            facts,
+            policy,
+            &mut ttl,
+            &mut unwatched,
+        )
+        .map(|families| {
             let tables = families.iter().map(|f| versions.family(f));
             // A tag is read like a table: bumping it retires the entry.
             tables
                 .chain(hints.tags.iter().map(|t| versions.tag(t)))
                 .collect()
         });
+        plan.unwatched = unwatched;
         let ttl = ttl.or(policy.default_ttl);
         let refresh = hints
             .refresh
@@ -159,6 +173,7 @@ fn read_of<'c>(
     known: &'c Facts,
     policy: &Policy,
     ttl: &mut Option<Duration>,
+    unwatched: &mut bool,
 ) -> Result<Vec<&'c str>, BypassReason> {
     let st = analysis.cacheable_select()?;
     if hints.cache == Some(false) {
@@ -195,6 +210,7 @@ fn read_of<'c>(
                     BypassReason::NotATable
                 });
             }
+            *unwatched = true;
         }
         families.push(&facts.family);
     }

@@ -27,6 +27,7 @@ use super::plan::Plan;
 use super::relay::Session;
 use super::row_limit::cut_stored;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::cache::sampler::Check;
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
 use crate::config::CacheMode;
@@ -186,11 +187,26 @@ where
                     Some(cut) => self.write_hit(&cut).await?,
                     None => self.write_hit(&bytes).await?,
                 }
-                let refreshed = refresh.is_some();
-                if let Some(fill) = refresh {
+                // A refresh, or a check of the correctness sampler, sends
+                // the request on as pgcache's own, answered to nobody.
+                let hidden = match refresh {
+                    Some(fill) => Some(Capture::new(fill)),
+                    None if self.tx.status == TxStatus::Idle
+                        && self.app.cache.sampler.draw(
+                            self.known.policy.verify_rate,
+                            self.known.policy.verify_max_per_sec,
+                            &self.app.metrics.verify,
+                        ) =>
+                    {
+                        let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
+                        Some(Capture::verify(check))
+                    }
+                    None => None,
+                };
+                let refreshed = hidden.is_some();
+                if let Some(capture) = hidden {
                     self.forward(request);
-                    self.pipeline
-                        .push_hidden(Inflight::hidden(Some(Capture::new(fill))));
+                    self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
                 }
                 Ok(Answer::Served { refreshed })
             }

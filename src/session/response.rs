@@ -98,6 +98,9 @@ where
                         result = Some(((fill, bytes), size));
                     }
                     Some(Captured::Compared { matched }) => would_hit = Some(matched),
+                    Some(Captured::Verified(check, answer)) => {
+                        check.judge(&self.app.cache, &answer, std::time::Instant::now());
+                    }
                     None => {}
                 }
                 if let Some((stats, started)) = &done.timing {

@@ -1,0 +1,286 @@
+//! Trusting the cache: shadow mode (`cache.mode = "shadow"`: nothing is
+//! served from the cache, yet everything else is done as if it were, and
+//! every would-be hit is checked against PostgreSQL's answer) and the
+//! correctness sampler (served hits checked against PostgreSQL after the
+//! fact).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pgcache::config::CacheMode;
+
+fn shadow_config() -> pgcache::Config {
+    let mut config = pg().proxy_config();
+    config.cache.mode = CacheMode::Shadow;
+    config
+}
+
+/// The statistics of the statement whose text contains `needle`.
+fn stats_of(proxy: &Proxy, needle: &str) -> pgcache::cache::stats::QueryRow {
+    proxy
+        .app
+        .cache
+        .stats
+        .top(100)
+        .into_iter()
+        .find(|q| q.text.contains(needle))
+        .unwrap_or_else(|| panic!("statistics for {needle}"))
+}
+
+#[tokio::test]
+async fn shadow_mode_serves_nothing_yet_counts_and_checks_every_would_be_hit() {
+    let db = pg().create_db("shadow");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'a'), (2, 'b')",
+    );
+    let proxy = Proxy::start(shadow_config()).await;
+    let client = proxy.connect(&db).await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    // The first read fills, the next three would have been hits.
+    for _ in 0..4 {
+        assert_eq!(rows(&client, read).await, [[Some("a".into())]]);
+    }
+    let m = &proxy.app.metrics;
+    assert_eq!(proxy.hits(), 0, "nothing served");
+    assert_eq!((m.shadow_match.get(), m.shadow_mismatch.get()), (3, 0));
+    let q = stats_of(&proxy, "FROM t WHERE");
+    assert_eq!((q.hits, q.misses, q.would_hits, q.mismatches), (0, 1, 3, 0));
+    assert!(q.would_save_ms > 0.0);
+
+    // A would-be hit still goes to PostgreSQL: a lock there holds it up.
+    let locker = lock_table(&db, "t").await;
+    let reader = tokio::spawn({
+        let client = proxy.connect(&db).await;
+        async move { rows(&client, read).await }
+    });
+    let direct = pg().direct(&db).await;
+    eventually(Duration::from_secs(10), "the read to wait for the lock", || async {
+        let waiting: i64 = direct
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE query = $1 AND wait_event_type = 'Lock'",
+                &[&read],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (waiting == 1).then_some(())
+    })
+    .await;
+    locker.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(reader.await.unwrap(), [[Some("a".into())]]);
+    assert_eq!((m.shadow_match.get(), proxy.hits()), (4, 0));
+
+    // A stale entry is caught: a view cached by TTL (replication cannot
+    // watch it) whose table changed.
+    direct
+        .batch_execute("CREATE VIEW tv AS SELECT id, v FROM t")
+        .await
+        .unwrap();
+    proxy.wait_streaming(&db).await;
+    let by_ttl = "/*+ cache ttl=600 */ SELECT v FROM tv WHERE id = 2";
+    assert_eq!(rows(&client, by_ttl).await, [[Some("b".into())]]);
+    direct
+        .batch_execute("UPDATE t SET v = 'B' WHERE id = 2")
+        .await
+        .unwrap();
+    assert_eq!(
+        rows(&client, by_ttl).await,
+        [[Some("B".into())]],
+        "PostgreSQL's answer"
+    );
+    assert_eq!(
+        m.shadow_mismatch.get(),
+        1,
+        "the stored answer was not PostgreSQL's"
+    );
+    assert_eq!(stats_of(&proxy, "FROM tv WHERE").mismatches, 1);
+    assert_eq!(proxy.hits(), 0);
+}
+
+#[tokio::test]
+async fn reload_switches_from_shadow_to_serving_without_a_restart() {
+    let db = pg().create_db("shadowreload");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1)",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pgcache.toml");
+    let base = pg().proxy_config();
+    let write = |mode: &str| {
+        std::fs::write(
+            &file,
+            format!(
+                "[upstream]\nurl = \"{}\"\n[server]\nlisten = \"127.0.0.1:0\"\n[metrics]\nlisten = \"127.0.0.1:0\"\n\
+                 [replication]\nmax_staleness_ms = 5000\n[cache]\nmode = \"{mode}\"\n",
+                base.upstream.url
+            ),
+        )
+        .unwrap()
+    };
+    write("shadow");
+    let config = pgcache::Config::load(Some(&file), &Default::default()).unwrap();
+    let proxy = Proxy::start(config).await;
+    proxy
+        .app
+        .set_config_source(Some(file.clone()), Default::default());
+    let client = proxy.connect(&db).await;
+    let read = "SELECT id FROM t WHERE id = 1";
+    for _ in 0..3 {
+        rows(&client, read).await;
+    }
+    assert_eq!(proxy.hits(), 0);
+    assert_eq!(proxy.app.metrics.shadow_match.get(), 2);
+    write("auto");
+    let restart = proxy.app.reload().expect("reloaded");
+    assert!(restart.is_empty(), "no restart needed: {restart:?}");
+    // The entry the shadow filled is served at once.
+    assert_eq!(rows(&client, read).await, [[Some("1".into())]]);
+    assert_eq!(proxy.hits(), 1);
+}
+
+fn sampler_config() -> pgcache::Config {
+    let mut config = pg().proxy_config();
+    config.cache.verify_sample_rate = 1.0;
+    config.cache.verify_max_per_sec = 1_000_000;
+    config
+}
+
+/// The sampler's outcomes so far: (match, mismatch, ttl_expected, changed,
+/// skipped), once every drawn check has one.
+async fn verdicts(proxy: &Proxy) -> (u64, u64, u64, u64, u64) {
+    let m = proxy.app.metrics.verify.clone();
+    let sampler = &proxy.app.cache.sampler;
+    eventually(Duration::from_secs(20), "every check judged", || {
+        let v = (
+            m.matched.get(),
+            m.mismatch.get(),
+            m.ttl_expected.get(),
+            m.changed.get(),
+            m.skipped.get(),
+        );
+        let judged = v.0 + v.1 + v.2 + v.3 + v.4;
+        let drawn = sampler.drawn();
+        async move { (judged == drawn).then_some(v) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sampler_finds_no_mismatch_under_concurrent_reads_and_writes() {
+    let db = pg().create_db("verify");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE acc (id int PRIMARY KEY, v int); INSERT INTO acc SELECT g, 0 FROM generate_series(1, 20) g",
+    );
+    let proxy = Proxy::start(sampler_config()).await;
+    proxy.connect(&db).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let mut tasks = Vec::new();
+    for reader in 0..3 {
+        let client = proxy.connect(&db).await;
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while std::time::Instant::now() < deadline {
+                let id = (n % 5) as i32 + 1 + reader;
+                client
+                    .query_one("SELECT v FROM acc WHERE id = $1", &[&id])
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+        }));
+    }
+    // Writes through pgcache and straight to PostgreSQL.
+    for through_pgcache in [true, false] {
+        let client = if through_pgcache {
+            proxy.connect(&db).await
+        } else {
+            pg().direct(&db).await
+        };
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0i32;
+            while std::time::Instant::now() < deadline {
+                client
+                    .execute("UPDATE acc SET v = v + 1 WHERE id = $1", &[&(n % 8 + 1)])
+                    .await
+                    .unwrap();
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let (matched, mismatch, ttl_expected, changed, _skipped) = verdicts(&proxy).await;
+    assert!(proxy.hits() > 100, "a workload of hits: {}", proxy.hits());
+    assert!(matched > 100, "hits checked: {matched}");
+    assert_eq!(
+        (mismatch, ttl_expected),
+        (0, 0),
+        "changed meanwhile: {changed}"
+    );
+}
+
+#[tokio::test]
+async fn a_ttl_cached_view_that_lags_its_table_is_reported_as_expected_not_as_an_error() {
+    let db = pg().create_db("verifyttl");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'a'); \
+         CREATE VIEW tv AS SELECT id, v FROM t",
+    );
+    let proxy = Proxy::start(sampler_config()).await;
+    let client = proxy.connect(&db).await;
+    let read = "/*+ cache ttl=600 */ SELECT v FROM tv WHERE id = 1";
+    for _ in 0..2 {
+        assert_eq!(rows(&client, read).await, [[Some("a".into())]]);
+    }
+    assert_eq!(verdicts(&proxy).await, (1, 0, 0, 0, 0));
+    pg().direct(&db)
+        .await
+        .batch_execute("UPDATE t SET v = 'b'")
+        .await
+        .unwrap();
+    // Served from the cache under its TTL, and checked.
+    assert_eq!(rows(&client, read).await, [[Some("a".into())]]);
+    assert_eq!(verdicts(&proxy).await, (1, 0, 1, 0, 0));
+    assert_eq!(stats_of(&proxy, "FROM tv WHERE").verify_mismatches, 0);
+}
+
+#[tokio::test]
+async fn the_sampler_keeps_to_its_budget() {
+    let db = pg().create_db("verifybudget");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1)",
+    );
+    let mut config = sampler_config();
+    config.cache.verify_max_per_sec = 2;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    let started = std::time::Instant::now();
+    for _ in 0..21 {
+        rows(&client, "SELECT id FROM t WHERE id = 1").await;
+    }
+    let seconds = started.elapsed().as_secs() + 1;
+    let (matched, mismatch, _, changed, skipped) = verdicts(&proxy).await;
+    // A statement sent while a check is still in flight on the connection
+    // goes to PostgreSQL (pipelined), so not all of the 20 are hits.
+    let hits = proxy.hits();
+    assert!(hits >= 10, "{hits} hits");
+    assert_eq!(
+        matched + mismatch + changed + skipped,
+        hits,
+        "every hit drawn at rate 1"
+    );
+    assert!(
+        matched + changed <= 2 * (seconds + 1),
+        "{matched} checks in {seconds} s"
+    );
+    assert!(skipped >= hits - 2 * (seconds + 1));
+}
