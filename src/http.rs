@@ -217,6 +217,7 @@ pub fn stats_json(app: &App) -> serde_json::Value {
         .top(20)
         .into_iter()
         .map(|q| {
+            let advice = crate::cache::advice::advise(&q, app.policy().mode);
             let lookups = q.hits + q.misses;
             serde_json::json!({
                 "query_id": format!("{:016x}", q.id),
@@ -229,6 +230,11 @@ pub fn stats_json(app: &App) -> serde_json::Value {
                 "would_save_ms": q.would_save_ms,
                 "shadow_mismatches": q.mismatches,
                 "verify_mismatches": q.verify_mismatches,
+                "backend_ms": q.backend_ms,
+                "invalidations": q.invalidations,
+                "advice": advice.action,
+                "why": advice.why,
+                "hint": advice.hint,
             })
         })
         .collect();

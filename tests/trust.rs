@@ -284,3 +284,51 @@ async fn the_sampler_keeps_to_its_budget() {
     );
     assert!(skipped >= hits - 2 * (seconds + 1));
 }
+
+#[tokio::test]
+async fn advice_for_a_known_workload_names_the_right_statements() {
+    let db = pg().create_db("advice");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE calm (id int PRIMARY KEY, v int); INSERT INTO calm VALUES (1, 1); \
+         CREATE TABLE busy (id int PRIMARY KEY, v int); INSERT INTO busy VALUES (1, 1); \
+         CREATE VIEW calm_view AS SELECT id, v FROM calm",
+    );
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    for _ in 0..20 {
+        rows(&client, "SELECT v FROM calm WHERE id = 1").await;
+        rows(&client, "SELECT v FROM calm_view WHERE id = 1").await;
+        rows(&client, "SELECT v FROM busy WHERE id = 1").await;
+        client
+            .batch_execute("UPDATE busy SET v = v + 1 WHERE id = 1")
+            .await
+            .unwrap();
+        rows(&client, "SELECT v, random() FROM calm WHERE id = 1").await;
+    }
+    let (status, body) = proxy.http_get("/stats.json").await;
+    assert_eq!(status, 200);
+    let stats: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let advice_for = |needle: &str| {
+        let q = stats["statements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["query"].as_str().unwrap().contains(needle))
+            .unwrap_or_else(|| panic!("{needle} in {body}"));
+        (
+            q["advice"].as_str().unwrap().to_owned(),
+            q["hint"].as_str().unwrap().to_owned(),
+        )
+    };
+    assert_eq!(advice_for("SELECT v FROM calm WHERE").0, "cache");
+    assert_eq!(
+        advice_for("FROM busy WHERE"),
+        ("leave".into(), "/*+ nocache */".into())
+    );
+    assert_eq!(
+        advice_for("FROM calm_view"),
+        ("ttl".into(), "/*+ cache ttl=60s */".into())
+    );
+    assert_eq!(advice_for("random()").0, "leave");
+}

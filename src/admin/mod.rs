@@ -344,12 +344,14 @@ fn timestamp(unix_ms: u64) -> String {
 }
 
 fn queries(app: &App, n: usize, out: &mut BytesMut) {
+    let mode = app.policy().mode;
     let rows: Vec<Vec<String>> = app
         .cache
         .stats
         .top(n)
         .into_iter()
         .map(|q| {
+            let advice = crate::cache::advice::advise(&q, mode);
             vec![
                 format!("{:016x}", q.id),
                 q.calls.to_string(),
@@ -364,6 +366,11 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
                 format!("{:.3}", q.would_save_ms),
                 q.mismatches.to_string(),
                 q.verify_mismatches.to_string(),
+                format!("{:.3}", q.backend_ms),
+                q.invalidations.to_string(),
+                advice.action.to_owned(),
+                advice.why,
+                advice.hint.to_owned(),
                 q.text,
             ]
         })
@@ -384,6 +391,11 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
             "would_save_ms",
             "shadow_mismatches",
             "verify_mismatches",
+            "backend_ms",
+            "invalidations",
+            "advice",
+            "why",
+            "hint",
             "query",
         ],
         &rows,

@@ -18,6 +18,7 @@
 //! made from) or a bypass; it hands the fill back to [`Cache::store`], and
 //! its writes to [`Cache::invalidate`]. The session only does the I/O.
 
+pub mod advice;
 pub mod analysis;
 pub mod catalog;
 pub mod database;

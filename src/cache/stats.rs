@@ -5,12 +5,13 @@
 //! The registry is bounded: past its capacity the least used statements
 //! are forgotten.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::database::DbState;
 use super::versions::Family;
+use crate::classify::BypassReason;
 
 #[derive(Default)]
 pub struct QueryStats {
@@ -32,12 +33,26 @@ pub struct QueryStats {
     mismatches: AtomicU64,
     /// Hits the correctness sampler found wrong.
     verify_mismatches: AtomicU64,
+    /// Requests of it the cache could not answer, and why the last one.
+    bypasses: AtomicU64,
+    /// `BypassReason` index + 1; 0: none yet.
+    last_bypass: AtomicU8,
     /// What it reads, for "last invalidation": set by the first plan.
     reads: Mutex<Option<Reads>>,
 }
 
-/// A statement's database and the tables it reads.
-type Reads = (Arc<DbState>, Vec<Arc<Family>>);
+/// A statement's database, the tables it reads, and the sum of their
+/// versions (and the epoch) when it was first planned: how often they were
+/// invalidated since is the sum now less that.
+type Reads = (Arc<DbState>, Vec<Arc<Family>>, u64);
+
+fn version_sum(db: &DbState, families: &[Arc<Family>]) -> u64 {
+    families
+        .iter()
+        .map(|f| f.version.local())
+        .chain([db.versions.epoch.local()])
+        .sum()
+}
 
 /// A snapshot of one statement's numbers.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,6 +70,12 @@ pub struct QueryRow {
     pub would_save_ms: f64,
     pub mismatches: u64,
     pub verify_mismatches: u64,
+    /// PostgreSQL's time on its cacheable reads (misses and would-be hits).
+    pub backend_ms: f64,
+    pub bypasses: u64,
+    pub last_bypass: Option<BypassReason>,
+    /// Invalidations of what it reads since it was first planned.
+    pub invalidations: u64,
     /// Unix milliseconds of the last invalidation of what it reads; 0 = none.
     pub last_invalidation_ms: u64,
 }
@@ -92,10 +113,16 @@ impl QueryStats {
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    pub fn bypassed(&self, reason: BypassReason) {
+        self.bypasses.fetch_add(1, Ordering::Relaxed);
+        self.last_bypass.store(reason as u8 + 1, Ordering::Relaxed);
+    }
+
     pub fn set_reads(&self, db: &Arc<DbState>, families: &[Arc<Family>]) {
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         if reads.is_none() {
-            *reads = Some((Arc::clone(db), families.to_vec()));
+            let base = version_sum(db, families);
+            *reads = Some((Arc::clone(db), families.to_vec(), base));
         }
     }
 
@@ -109,16 +136,21 @@ impl QueryStats {
                 ns.load(Ordering::Relaxed) as f64 / n as f64 / 1e6
             }
         };
-        let last_invalidation_ms = {
+        let (last_invalidation_ms, invalidations) = {
             let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
-            reads.as_ref().map_or(0, |(db, families)| {
-                families
+            reads.as_ref().map_or((0, 0), |(db, families, base)| {
+                let last = families
                     .iter()
                     .map(|f| f.version.last_change_ms())
                     .chain([db.versions.epoch.last_change_ms()])
                     .max()
-                    .unwrap_or(0)
+                    .unwrap_or(0);
+                (last, version_sum(db, families).saturating_sub(*base))
             })
+        };
+        let last_bypass = match self.last_bypass.load(Ordering::Relaxed) {
+            0 => None,
+            n => BypassReason::ALL.get(n as usize - 1).copied(),
         };
         QueryRow {
             id: self.id,
@@ -133,6 +165,12 @@ impl QueryStats {
             would_save_ms: self.would_save_ns.load(Ordering::Relaxed) as f64 / 1e6,
             mismatches: self.mismatches.load(Ordering::Relaxed),
             verify_mismatches: self.verify_mismatches.load(Ordering::Relaxed),
+            backend_ms: (self.miss_ns.load(Ordering::Relaxed)
+                + self.would_save_ns.load(Ordering::Relaxed)) as f64
+                / 1e6,
+            bypasses: self.bypasses.load(Ordering::Relaxed),
+            last_bypass,
+            invalidations,
             last_invalidation_ms,
         }
     }

@@ -235,7 +235,10 @@ where
         }
         let prefix = match self.may_serve(&plan, false).await? {
             Ok(prefix) => prefix,
-            Err(reason) => return Ok(Err(reason)),
+            Err(reason) => {
+                plan.stats.bypassed(reason);
+                return Ok(Err(reason));
+            }
         };
         let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
         k.bytes(self.batch.shape()).bytes(&stmt.param_types);

@@ -162,6 +162,7 @@ where
             Ok(key) => key,
             Err(reason) => {
                 self.app.cache.bypassed(&self.db, reason);
+                plan.stats.bypassed(reason);
                 return Ok(Answer::Forward(None));
             }
         };
@@ -211,7 +212,10 @@ where
                 Ok(Answer::Served { refreshed })
             }
             Lookup::Miss(fill) => Ok(Answer::Forward(Some(Capture::new(fill)))),
-            Lookup::Bypass(_) => Ok(Answer::Forward(None)),
+            Lookup::Bypass(reason) => {
+                plan.stats.bypassed(reason);
+                Ok(Answer::Forward(None))
+            }
             // Checked against PostgreSQL's frames as they arrive, before
             // any row-limit cut for the client.
             Lookup::WouldHit(stored) => Ok(Answer::Forward(Some(Capture::compare(stored)))),
