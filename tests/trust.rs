@@ -17,18 +17,6 @@ fn shadow_config() -> pgcache::Config {
     config
 }
 
-/// The statistics of the statement whose text contains `needle`.
-fn stats_of(proxy: &Proxy, needle: &str) -> pgcache::cache::stats::QueryRow {
-    proxy
-        .app
-        .cache
-        .stats
-        .top(100)
-        .into_iter()
-        .find(|q| q.text.contains(needle))
-        .unwrap_or_else(|| panic!("statistics for {needle}"))
-}
-
 #[tokio::test]
 async fn shadow_mode_serves_nothing_yet_counts_and_checks_every_would_be_hit() {
     let db = pg().create_db("shadow");
@@ -46,7 +34,7 @@ async fn shadow_mode_serves_nothing_yet_counts_and_checks_every_would_be_hit() {
     let m = &proxy.app.metrics;
     assert_eq!(proxy.hits(), 0, "nothing served");
     assert_eq!((m.shadow_match.get(), m.shadow_mismatch.get()), (3, 0));
-    let q = stats_of(&proxy, "FROM t WHERE");
+    let q = proxy.statement("FROM t WHERE");
     assert_eq!((q.hits, q.misses, q.would_hits, q.mismatches), (0, 1, 3, 0));
     assert!(q.would_save_ms > 0.0);
 
@@ -96,7 +84,7 @@ async fn shadow_mode_serves_nothing_yet_counts_and_checks_every_would_be_hit() {
         1,
         "the stored answer was not PostgreSQL's"
     );
-    assert_eq!(stats_of(&proxy, "FROM tv WHERE").mismatches, 1);
+    assert_eq!(proxy.statement("FROM tv WHERE").mismatches, 1);
     assert_eq!(proxy.hits(), 0);
 }
 
@@ -249,7 +237,7 @@ async fn a_ttl_cached_view_that_lags_its_table_is_reported_as_expected_not_as_an
     // Served from the cache under its TTL, and checked.
     assert_eq!(rows(&client, read).await, [[Some("a".into())]]);
     assert_eq!(verdicts(&proxy).await, (1, 0, 1, 0, 0));
-    assert_eq!(stats_of(&proxy, "FROM tv WHERE").verify_mismatches, 0);
+    assert_eq!(proxy.statement("FROM tv WHERE").verify_mismatches, 0);
 }
 
 #[tokio::test]

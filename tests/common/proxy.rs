@@ -72,6 +72,18 @@ impl Proxy {
         self.app.metrics.hits.get()
     }
 
+    /// The statistics of the statement whose normalised text contains
+    /// `needle`.
+    pub fn statement(&self, needle: &str) -> pgcache::cache::stats::QueryRow {
+        self.app
+            .cache
+            .stats
+            .top(100)
+            .into_iter()
+            .find(|q| q.text.contains(needle))
+            .unwrap_or_else(|| panic!("statistics for {needle}"))
+    }
+
     pub fn stores(&self) -> u64 {
         self.app.metrics.stores.get()
     }
