@@ -149,6 +149,8 @@ pub struct Invalidations {
     pub admin: IntCounter,
     /// `NOTIFY pgcache_invalidate` heard from PostgreSQL.
     pub notify: IntCounter,
+    /// Entries the correctness sampler found wrong.
+    pub verify: IntCounter,
     pub peer: IntCounter,
     pub resync: IntCounter,
 }
@@ -376,7 +378,7 @@ impl Families {
             ),
             invalidations: r.counter_vec(
                 "pgcache_invalidations_total",
-                "Invalidations applied, by source (write, replication, admin, notify, peer, resync, ttl)",
+                "Invalidations applied, by source (write, replication, admin, notify, verify, peer, resync, ttl)",
                 &["source"],
             ),
             evictions: r.counter_vec(
@@ -452,6 +454,7 @@ impl Metrics {
                 replication: invalidation("replication"),
                 admin: invalidation("admin"),
                 notify: invalidation("notify"),
+                verify: invalidation("verify"),
                 peer: invalidation("peer"),
                 resync: invalidation("resync"),
             },

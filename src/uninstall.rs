@@ -82,7 +82,7 @@ async fn remove(
     publication: &str,
 ) -> Result<(), tokio_postgres::Error> {
     let client = upstream.control(db).await?;
-    let publication = publication.replace('"', "\"\"");
+    let publication = crate::invalidation::quote_ident(publication);
     // The schema is dropped without CASCADE: anything a user put there
     // stays, and the failure says so.
     client
@@ -92,7 +92,7 @@ async fn remove(
              DROP EVENT TRIGGER IF EXISTS pgcache_ddl_drop;
              DROP FUNCTION IF EXISTS pgcache.announce_ddl();
              DROP SCHEMA IF EXISTS pgcache;
-             DROP PUBLICATION IF EXISTS \"{publication}\";
+             DROP PUBLICATION IF EXISTS {publication};
              COMMIT;"
         ))
         .await

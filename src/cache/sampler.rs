@@ -142,7 +142,7 @@ impl Check {
             bumps.add_family(Arc::clone(f));
         }
         cache
-            .invalidate(&self.db, bumps, &cache.metrics.invalidations.admin)
+            .invalidate(&self.db, bumps, &cache.metrics.invalidations.verify)
             .send()
             .await;
     }

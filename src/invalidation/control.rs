@@ -378,10 +378,10 @@ pub async fn wait_visible(ctl: &tokio_postgres::Client, xid: u32) -> Result<(), 
     }
 }
 
-fn quote_literal(text: &str) -> String {
+pub fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-fn quote_ident(name: &str) -> String {
+pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }

@@ -30,7 +30,7 @@ pub mod listen;
 pub mod pgoutput;
 pub mod replication;
 
-pub use control::{cluster_id, full_message, preflight};
+pub use control::{cluster_id, full_message, preflight, quote_ident, quote_literal};
 pub use replication::Streams;
 
 #[derive(Debug, thiserror::Error)]

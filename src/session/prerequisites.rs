@@ -8,9 +8,9 @@ use tracing::{debug, info};
 use super::SessionError;
 use super::relay::Session;
 use crate::classify::prerequisites::prerequisites;
-use crate::invalidation::full_message;
+use crate::invalidation::{full_message, quote_ident, quote_literal};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::frontend as fe;
+use crate::protocol::{extended, frontend as fe};
 
 impl<C> Session<C>
 where
@@ -21,15 +21,15 @@ where
         if !self.app.cache.replication_on() {
             return Ok(());
         }
-        let mut body = &frame[HEADER_LEN..];
-        if frame[0] == fe::PARSE {
-            // The statement's name comes first.
-            let Some(end) = body.iter().position(|b| *b == 0) else {
-                return Ok(());
-            };
-            body = &body[end + 1..];
-        }
-        let text = body.split(|b| *b == 0).next().unwrap_or_default();
+        let body = &frame[HEADER_LEN..];
+        let text = if frame[0] == fe::PARSE {
+            match extended::parse(body) {
+                Some(p) => p.query,
+                None => return Ok(()),
+            }
+        } else {
+            body.split(|b| *b == 0).next().unwrap_or_default()
+        };
         let Ok(sql) = std::str::from_utf8(text) else {
             return Ok(());
         };
@@ -61,8 +61,8 @@ where
             let sql = format!(
                 "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
                  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-                 WHERE c.oid = pg_catalog.to_regclass('{}')",
-                table.replace('\'', "''")
+                 WHERE c.oid = pg_catalog.to_regclass({})",
+                quote_literal(table)
             );
             let rows = self.hidden_query(&sql).await?.unwrap_or_default();
             match rows
@@ -85,8 +85,8 @@ where
             }
         };
         let sql = format!(
-            "ALTER PUBLICATION \"{}\" DROP TABLE {qualified}",
-            publication.replace('"', "\"\"")
+            "ALTER PUBLICATION {} DROP TABLE {qualified}",
+            quote_ident(&publication)
         );
         match ctl.batch_execute(&sql).await {
             Ok(()) => {

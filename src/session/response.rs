@@ -2,7 +2,10 @@
 //! captures, and each ReadyForQuery completing the oldest request in flight
 //! (its invalidations applied, its result stored).
 
+use std::time::Duration;
+
 use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::warn;
 
 use super::capture::Captured;
 use super::relay::Session;
@@ -11,8 +14,6 @@ use crate::cache::Bumps;
 use crate::cache::stats::QueryStats;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be};
-use std::time::Duration;
-use tracing::warn;
 
 impl<C> Session<C>
 where
