@@ -14,7 +14,7 @@ use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::Fetcher;
 use crate::cache::shared::{Background, SharedTier};
 use crate::cache::{Cache, DbState, LocalCache};
-use crate::config::{self, Config, ConfigError};
+use crate::config::{self, Config, ConfigError, PoolMode};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
 use crate::pool::ServerPool;
@@ -86,7 +86,11 @@ impl App {
         );
         let cache = Arc::new(Cache::new(local, Arc::clone(&metrics)));
         let drain = CancellationToken::new();
-        let pool = Arc::new(ServerPool::new(metrics.pool.clone()));
+        let pooled = crate::pool::transaction::Pools::new(
+            config.pool.default_pool_size,
+            metrics.pooled.clone(),
+        );
+        let pool = Arc::new(ServerPool::new(metrics.pool.clone(), pooled));
         let streams = Arc::new(Streams::new(
             Arc::clone(&cache),
             Arc::clone(&upstream),
@@ -171,7 +175,11 @@ impl App {
                 peers: app.metrics.invalidations.peer.clone(),
             });
         }
-        Ok(Arc::new(app))
+        let app = Arc::new(app);
+        if config.pool.mode == PoolMode::Transaction {
+            tokio::spawn(maintain_pools(Arc::downgrade(&app)));
+        }
+        Ok(app)
     }
 
     /// The configuration in force.
@@ -253,6 +261,22 @@ impl App {
         self.policy_generation.store(generation, Ordering::Release);
         tracing::info!(?restart, "configuration reloaded");
         Ok(restart)
+    }
+}
+
+/// Keeps transaction-mode pools within their idle time and lifetime, and
+/// at `pool.min_pool_size`.
+async fn maintain_pools(app: std::sync::Weak<App>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Some(app) = app.upgrade() else {
+            return;
+        };
+        if app.drain.is_cancelled() {
+            return;
+        }
+        app.pool.pooled.maintain(&app.config().pool, &app.upstream);
     }
 }
 

@@ -33,9 +33,14 @@ pub enum ClientPid {
     Synthetic,
 }
 
+/// The backend a key cancels: fixed for a session that keeps its backend,
+/// moved by a pooled session each time it takes a server connection (and
+/// emptied between them, when there is nothing to cancel).
+type Slot = Arc<Mutex<Option<CancelTarget>>>;
+
 struct Entry {
     secret: Vec<u8>,
-    target: CancelTarget,
+    target: Slot,
 }
 
 /// Registered keys by the process id clients were shown. Two sessions can
@@ -52,6 +57,14 @@ pub struct CancelGuard {
     registry: Arc<CancelRegistry>,
     pid: u32,
     secret: Vec<u8>,
+    target: Slot,
+}
+
+impl CancelGuard {
+    /// A pooled session's key now cancels on `target` (`None`: nothing).
+    pub fn retarget(&self, target: Option<CancelTarget>) {
+        *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;
+    }
 }
 
 impl Drop for CancelGuard {
@@ -80,15 +93,30 @@ impl CancelRegistry {
         target: CancelTarget,
         shown: ClientPid,
     ) -> (u32, Vec<u8>, CancelGuard) {
+        let pid = (shown == ClientPid::Backend).then_some(target.backend_pid);
+        let len = target.backend_secret.len().max(4);
+        self.add(pid, len, Some(target))
+    }
+
+    /// Registers a pooled session, whose key cancels on whichever server
+    /// connection it holds at the time ([`CancelGuard::retarget`]).
+    pub fn register_pooled(self: &Arc<Self>) -> (u32, Vec<u8>, CancelGuard) {
+        self.add(None, 4, None)
+    }
+
+    /// `pid`: the one to show, or `None` for a made-up one.
+    fn add(
+        self: &Arc<Self>,
+        pid: Option<u32>,
+        secret_len: usize,
+        target: Option<CancelTarget>,
+    ) -> (u32, Vec<u8>, CancelGuard) {
         let mut rng = rand::rng();
         let mut map = self.lock();
         let (pid, secret) = loop {
-            let pid = match shown {
-                ClientPid::Backend => target.backend_pid,
-                // Positive, non-zero, like a real process id.
-                ClientPid::Synthetic => rng.random_range(1..=i32::MAX as u32),
-            };
-            let mut secret = vec![0u8; target.backend_secret.len().max(4)];
+            // Positive, non-zero, like a real process id.
+            let pid = pid.unwrap_or_else(|| rng.random_range(1..=i32::MAX as u32));
+            let mut secret = vec![0u8; secret_len];
             rng.fill(&mut secret[..]);
             let taken = map
                 .get(&pid)
@@ -97,14 +125,16 @@ impl CancelRegistry {
                 break (pid, secret);
             }
         };
+        let target = Arc::new(Mutex::new(target));
         map.entry(pid).or_default().push(Entry {
             secret: secret.clone(),
-            target,
+            target: Arc::clone(&target),
         });
         let guard = CancelGuard {
             registry: Arc::clone(self),
             pid,
             secret: secret.clone(),
+            target,
         };
         (pid, secret, guard)
     }
@@ -117,10 +147,11 @@ impl CancelRegistry {
         let mut found = None;
         for entry in entries {
             if constant_time_eq(&entry.secret, secret) {
-                found = Some(entry.target.clone());
+                found = Some(Arc::clone(&entry.target));
             }
         }
-        found
+        let slot = found?;
+        slot.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn len(&self) -> usize {
@@ -202,5 +233,19 @@ mod tests {
         assert!(reg.lookup(42, &secret_b).is_some());
         drop(guard_b);
         assert!(reg.is_empty());
+    }
+
+    #[test]
+    fn a_pooled_key_cancels_on_the_server_it_holds_now() {
+        let reg = Arc::new(CancelRegistry::default());
+        let (pid, secret, guard) = reg.register_pooled();
+        assert!(reg.lookup(pid, &secret).is_none(), "nothing held yet");
+        guard.retarget(Some(target(5)));
+        assert_eq!(reg.lookup(pid, &secret).unwrap().backend_pid, 5);
+        guard.retarget(Some(target(6)));
+        assert_eq!(reg.lookup(pid, &secret).unwrap().backend_pid, 6);
+        guard.retarget(None);
+        assert!(reg.lookup(pid, &secret).is_none());
+        assert_eq!(reg.len(), 1);
     }
 }

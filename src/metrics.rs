@@ -62,6 +62,7 @@ pub struct Metrics {
     pub local_bytes: IntGauge,
     pub shared: SharedMetrics,
     pub pool: PoolMetrics,
+    pub pooled: TransactionPoolMetrics,
 }
 
 /// The correctness sampler's checks ([`crate::cache::sampler`]).
@@ -125,6 +126,97 @@ impl PoolMetrics {
             closed_expired: by(&closed, "expired"),
             closed_evicted: by(&closed, "evicted"),
             closed_tainted: by(&closed, "tainted"),
+        }
+    }
+}
+
+/// Transaction pooling ([`crate::pool::transaction`]).
+#[derive(Clone)]
+pub struct TransactionPoolMetrics {
+    /// Clients waiting for a server connection now.
+    pub waiting: IntGauge,
+    pub wait: Histogram,
+    pub wait_timeouts: IntCounter,
+    pub checkouts: IntCounter,
+    /// Server connections open, held by a client, idle.
+    pub open: IntGauge,
+    pub active: IntGauge,
+    pub idle: IntGauge,
+    pub logins: IntCounter,
+    pub login_failures: IntCounter,
+    pub closed_idle: IntCounter,
+    pub closed_lifetime: IntCounter,
+    pub closed_broken: IntCounter,
+    /// Sessions pinned to one server connection, by why.
+    pub pins: IntCounterVec,
+}
+
+impl TransactionPoolMetrics {
+    fn new(r: &Registrar<'_>) -> Self {
+        let closed = r.counter_vec(
+            "pgcache_pool_server_closed_total",
+            "Transaction-mode server connections closed, by reason: idle past \
+             pool.server_idle_timeout_secs (idle), past pool.server_lifetime_secs (lifetime), \
+             found dead or left in an unknown state (broken)",
+            &["reason"],
+        );
+        let servers = r.add(
+            IntGaugeVec::new(
+                Opts::new(
+                    "pgcache_pool_servers",
+                    "Transaction-mode server connections, by state: held by a client (active), \
+                     idle in the pool (idle), open in all (open)",
+                ),
+                &["state"],
+            )
+            .expect("valid metric"),
+        );
+        let by = |family: &IntCounterVec, label: &str| family.with_label_values(&[label]);
+        Self {
+            waiting: r.gauge(
+                "pgcache_pool_waiting_clients",
+                "Clients waiting for a transaction-mode server connection",
+            ),
+            wait: r.add(
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "pgcache_pool_wait_seconds",
+                        "Time clients waited for a transaction-mode server connection (waits only)",
+                    )
+                    .buckets(
+                        prometheus::exponential_buckets(0.000_1, 4.0, 10).expect("valid buckets"),
+                    ),
+                )
+                .expect("valid metric"),
+            ),
+            wait_timeouts: r.counter(
+                "pgcache_pool_wait_timeouts_total",
+                "Statements failed with 57014 after pool.query_wait_timeout_secs",
+            ),
+            checkouts: r.counter(
+                "pgcache_pool_checkouts_total",
+                "Times a client took a transaction-mode server connection",
+            ),
+            open: servers.with_label_values(&["open"]),
+            active: servers.with_label_values(&["active"]),
+            idle: servers.with_label_values(&["idle"]),
+            logins: r.counter(
+                "pgcache_pool_server_logins_total",
+                "Transaction-mode server connections opened",
+            ),
+            login_failures: r.counter(
+                "pgcache_pool_server_login_failures_total",
+                "Transaction-mode server connections that could not be opened",
+            ),
+            closed_idle: by(&closed, "idle"),
+            closed_lifetime: by(&closed, "lifetime"),
+            closed_broken: by(&closed, "broken"),
+            pins: r.counter_vec(
+                "pgcache_pool_pins_total",
+                "Transaction-mode sessions pinned to one server connection for the rest of the \
+                 session, by the feature that needs it",
+                &["reason"],
+            ),
         }
     }
 }
@@ -521,6 +613,7 @@ impl Metrics {
             ),
             shared: SharedMetrics::new(&r),
             pool: PoolMetrics::new(&r),
+            pooled: TransactionPoolMetrics::new(&r),
             registry,
         }
     }

@@ -55,6 +55,31 @@ pub struct PoolConfig {
     pub server_lifetime_secs: u64,
     /// Time allowed for the reset or check query of a connection.
     pub check_timeout_ms: u64,
+    /// How long a client holds a server connection ([`PoolMode`]).
+    pub mode: PoolMode,
+    /// Transaction mode: server connections per database and user.
+    pub default_pool_size: usize,
+    /// Transaction mode: connections per database and user kept open even
+    /// when idle past `server_idle_timeout_secs`.
+    pub min_pool_size: usize,
+    /// Transaction mode: how long a client waits for a server connection
+    /// before its statement fails with 57014; 0 waits for ever.
+    pub query_wait_timeout_secs: u64,
+    /// Transaction mode: statements kept prepared on each server
+    /// connection; the least recently used is closed past this.
+    pub max_prepared_statements: usize,
+}
+
+/// How long a client holds a server connection.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolMode {
+    /// For its whole session (parked for the next client at its end).
+    #[default]
+    Session,
+    /// Only while a transaction, an unfinished extended-protocol batch, a
+    /// COPY or a pinned session needs one; cache hits need none.
+    Transaction,
 }
 
 impl Default for PoolConfig {
@@ -64,6 +89,11 @@ impl Default for PoolConfig {
             server_idle_timeout_secs: 60,
             server_lifetime_secs: 3600,
             check_timeout_ms: 2_000,
+            mode: PoolMode::Session,
+            default_pool_size: 20,
+            min_pool_size: 0,
+            query_wait_timeout_secs: 120,
+            max_prepared_statements: 200,
         }
     }
 }
@@ -79,6 +109,12 @@ impl PoolConfig {
 
     pub fn check_timeout(&self) -> Duration {
         Duration::from_millis(self.check_timeout_ms)
+    }
+
+    /// `None`: wait for ever.
+    pub fn query_wait_timeout(&self) -> Option<Duration> {
+        (self.query_wait_timeout_secs > 0)
+            .then(|| Duration::from_secs(self.query_wait_timeout_secs))
     }
 }
 

@@ -57,8 +57,23 @@ impl Config {
 
     fn check_pool(&self, problems: &mut Vec<String>) {
         let pool = &self.pool;
-        if pool.max_idle_servers > 0 && pool.server_idle_timeout_secs == 0 {
+        let transaction = pool.mode == super::PoolMode::Transaction;
+        if (pool.max_idle_servers > 0 || transaction) && pool.server_idle_timeout_secs == 0 {
             problems.push("pool.server_idle_timeout_secs: must be above 0".to_owned());
+        }
+        if transaction {
+            if pool.default_pool_size == 0 {
+                problems.push("pool.default_pool_size: must be above 0".to_owned());
+            }
+            if pool.min_pool_size > pool.default_pool_size {
+                problems.push(format!(
+                    "pool.min_pool_size: {} is above pool.default_pool_size ({})",
+                    pool.min_pool_size, pool.default_pool_size
+                ));
+            }
+            if pool.max_prepared_statements == 0 {
+                problems.push("pool.max_prepared_statements: must be above 0".to_owned());
+            }
         }
         if pool.check_timeout_ms == 0 {
             problems.push("pool.check_timeout_ms: must be above 0".to_owned());
@@ -231,6 +246,7 @@ impl Config {
         keep(&mut self.cache.shared, &old.cache.shared, "cache.shared", c);
         keep(&mut self.tls.ssl_mode, &old.tls.ssl_mode, "tls.ssl_mode", c);
         keep(&mut self.auth.mode, &old.auth.mode, "auth.mode", c);
+        keep(&mut self.pool.mode, &old.pool.mode, "pool.mode", c);
         changed
     }
 }

@@ -13,6 +13,45 @@
 //!   names `temp`, `temporary` or `pg_temp` leaves its connection closed;
 //! - `CREATE`/`DROP`/`ALTER DATABASE` fail while other connections use
 //!   the database (or the template): parked connections are closed first.
+//!
+//! In transaction mode the same scan finds what ties a client to one
+//! server connection ([`Pin`]) and what may change its settings.
+
+/// A feature whose state lives in one server connection, so a
+/// transaction-mode client that uses it keeps its connection for the rest
+/// of its session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    /// Temporary tables, views, sequences (and the temp schema).
+    TempObjects,
+    /// `LISTEN`: notifications arrive on the connection that listens.
+    Listen,
+    /// A session-level advisory lock (`pg_advisory_lock` and kin).
+    AdvisoryLock,
+    /// `DECLARE ... WITH HOLD`: the cursor outlives its transaction.
+    HoldCursor,
+    /// SQL-level `PREPARE` (protocol-level statements move with the client).
+    SqlPrepare,
+    /// `LOAD`: a library loaded into the backend.
+    Load,
+    /// PostgreSQL asked this client for a password in passthrough mode:
+    /// pgcache cannot log in for it on another connection.
+    Password,
+}
+
+impl Pin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pin::TempObjects => "temp_objects",
+            Pin::Listen => "listen",
+            Pin::AdvisoryLock => "advisory_lock",
+            Pin::HoldCursor => "hold_cursor",
+            Pin::SqlPrepare => "sql_prepare",
+            Pin::Load => "load",
+            Pin::Password => "password",
+        }
+    }
+}
 
 /// What one statement text asks of the pool.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +64,11 @@ pub struct Marks {
     /// scan, so the session knows when to look for `SET UNLOGGED`
     /// ([`crate::classify::prerequisites`]).
     pub unlogged: bool,
+    /// Transaction mode: what pins the client to its connection.
+    pub pin: Option<Pin>,
+    /// It may change the session's settings (`SET`, `RESET`, `DISCARD`,
+    /// `set_config`): read them again before the connection goes back.
+    pub settings: bool,
 }
 
 impl Marks {
@@ -38,27 +82,73 @@ impl Marks {
 pub fn marks(sql: &[u8]) -> Marks {
     let mut marks = Marks::default();
     let mut words = Words { sql, pos: 0 };
+    let mut previous: &[u8] = b"";
+    // The word starts a statement: the first, or the first after a ';'.
+    let mut first = true;
+    let mut last_end = 0;
     while let Some((start, end)) = words.next() {
         let word = &sql[start..end];
-        if is(word, b"database") {
+        first |= sql[last_end..start].contains(&b';');
+        let pin = if is(word, b"database") {
             marks.evicts = true;
+            None
         } else if is(word, b"unlogged") {
             marks.unlogged = true;
+            None
+        } else if is(word, b"temp") || is(word, b"temporary") || is(word, b"pg_temp") {
+            marks.taints = true;
+            Some(Pin::TempObjects)
+        } else if is(word, b"load") && next_byte(sql, end) == Some(b'\'') {
+            marks.taints = true;
+            Some(Pin::Load)
+        } else if is(word, b"set_config") {
+            marks.taints = true;
+            marks.settings = true;
+            None
+        } else if is(word, b"set") {
+            marks.settings |= first;
+            // A look ahead: the words after SET are scanned too
+            // (`SET UNLOGGED`).
+            marks.taints |= sets_custom(&mut Words {
+                sql,
+                pos: words.pos,
+            });
+            None
+        } else if is(word, b"reset") || is(word, b"discard") {
+            marks.settings |= first;
+            None
+        } else if is(word, b"listen") && first {
+            Some(Pin::Listen)
+        } else if is(word, b"prepare") && first {
+            Some(Pin::SqlPrepare)
+        } else if is(word, b"hold") && is(previous, b"with") {
+            Some(Pin::HoldCursor)
+        } else if is_advisory_lock(word) {
+            Some(Pin::AdvisoryLock)
         } else {
-            marks.taints |= is(word, b"set_config")
-                || is(word, b"temp")
-                || is(word, b"temporary")
-                || is(word, b"pg_temp")
-                || (is(word, b"load") && next_byte(sql, end) == Some(b'\''))
-                // A look ahead: the words after SET are scanned too
-                // (`SET UNLOGGED`).
-                || (is(word, b"set") && sets_custom(&mut Words { sql, pos: words.pos }));
+            None
+        };
+        if marks.pin.is_none() {
+            marks.pin = pin;
         }
-        if marks.taints && marks.evicts && marks.unlogged {
-            break;
-        }
+        previous = word;
+        first = false;
+        last_end = end;
     }
     marks
+}
+
+/// The session-level advisory lock functions (the `_xact_` ones end with
+/// their transaction).
+fn is_advisory_lock(word: &[u8]) -> bool {
+    [
+        &b"pg_advisory_lock"[..],
+        b"pg_advisory_lock_shared",
+        b"pg_try_advisory_lock",
+        b"pg_try_advisory_lock_shared",
+    ]
+    .iter()
+    .any(|f| is(word, f))
 }
 
 /// The first byte after `pos` that is not white space.
@@ -152,6 +242,41 @@ mod tests {
         assert_eq!(m("DROP DATABASE app_test"), (false, true));
         assert_eq!(m("create database x template app"), (false, true));
         assert_eq!(m("ALTER DATABASE x RENAME TO y"), (false, true));
+    }
+
+    #[test]
+    fn what_pins_a_pooled_client() {
+        let pin = |sql: &str| marks(sql.as_bytes()).pin;
+        assert_eq!(pin("CREATE TEMP TABLE t(a int)"), Some(Pin::TempObjects));
+        assert_eq!(pin("LISTEN jobs"), Some(Pin::Listen));
+        assert_eq!(pin("select 1; listen jobs"), Some(Pin::Listen));
+        assert_eq!(pin("SELECT pg_advisory_lock(1)"), Some(Pin::AdvisoryLock));
+        assert_eq!(
+            pin("select pg_try_advisory_lock_shared(1)"),
+            Some(Pin::AdvisoryLock)
+        );
+        assert_eq!(
+            pin("DECLARE c CURSOR WITH HOLD FOR SELECT 1"),
+            Some(Pin::HoldCursor)
+        );
+        assert_eq!(pin("PREPARE q AS SELECT 1"), Some(Pin::SqlPrepare));
+        assert_eq!(pin("LOAD 'auto_explain'"), Some(Pin::Load));
+        assert_eq!(pin("SELECT pg_advisory_xact_lock(1)"), None);
+        assert_eq!(pin("DECLARE c CURSOR WITHOUT HOLD FOR SELECT 1"), None);
+        assert_eq!(pin("SELECT listen, prepare FROM t"), None);
+        assert_eq!(pin("SELECT 1"), None);
+    }
+
+    #[test]
+    fn what_may_change_settings() {
+        let settings = |sql: &str| marks(sql.as_bytes()).settings;
+        assert!(settings("SET TimeZone = 'UTC'"));
+        assert!(settings("select 1; set search_path = x"));
+        assert!(settings("RESET ALL"));
+        assert!(settings("DISCARD ALL"));
+        assert!(settings("SELECT set_config('a.b', '1', false)"));
+        assert!(!settings("UPDATE t SET v = 1"));
+        assert!(!settings("SELECT 1"));
     }
 
     #[test]

@@ -21,6 +21,8 @@
 //! connection reused after pgcache starts is closed for that reason.)
 
 pub mod marks;
+pub mod prepared;
+pub mod transaction;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
@@ -105,10 +107,28 @@ impl Statuses {
         }
     }
 
-    fn replay(&self, out: &mut BytesMut) {
+    pub fn replay(&self, out: &mut BytesMut) {
         for (_, frame) in &self.0 {
             out.extend_from_slice(frame);
         }
+    }
+
+    /// Whether PostgreSQL reported this parameter.
+    pub fn has(&self, name: &str) -> bool {
+        self.0.iter().any(|(n, _)| **n == *name.as_bytes())
+    }
+
+    /// Sets a parameter's value, as if PostgreSQL had reported it.
+    pub fn set(&mut self, name: &str, value: &str) {
+        let len = (4 + name.len() + value.len() + 2) as u32;
+        let mut frame = BytesMut::with_capacity(len as usize + 1);
+        frame.extend_from_slice(&[be::PARAMETER_STATUS]);
+        frame.extend_from_slice(&len.to_be_bytes());
+        frame.extend_from_slice(name.as_bytes());
+        frame.extend_from_slice(&[0]);
+        frame.extend_from_slice(value.as_bytes());
+        frame.extend_from_slice(&[0]);
+        self.note(&frame);
     }
 }
 
@@ -193,13 +213,16 @@ struct Idle {
 pub struct ServerPool {
     idle: Mutex<Idle>,
     metrics: PoolMetrics,
+    /// Transaction mode's pools ([`transaction`]).
+    pub pooled: Arc<transaction::Pools>,
 }
 
 impl ServerPool {
-    pub fn new(metrics: PoolMetrics) -> Self {
+    pub fn new(metrics: PoolMetrics, pooled: transaction::Pools) -> Self {
         Self {
             idle: Mutex::new(Idle::default()),
             metrics,
+            pooled: Arc::new(pooled),
         }
     }
 
@@ -292,6 +315,7 @@ impl ServerPool {
     /// Closes every parked connection, and keeps resets under way from
     /// parking theirs: a statement is about to need the databases free.
     pub fn evict_all(&self) {
+        self.pooled.evict(None);
         let mut idle = self.lock();
         idle.epoch += 1;
         let n = idle.parked.len();
@@ -302,6 +326,7 @@ impl ServerPool {
 
     /// Closes the parked connections to `database`: pgcache lets go of it.
     pub fn evict_database(&self, database: &str) {
+        self.pooled.evict(Some(database));
         let mut idle = self.lock();
         let before = idle.parked.len();
         idle.parked.retain(|p| &*p.key.database != database);

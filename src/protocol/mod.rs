@@ -57,6 +57,11 @@ pub mod backend {
     pub const COPY_DATA: u8 = b'd';
     pub const COPY_DONE: u8 = b'c';
     pub const PORTAL_SUSPENDED: u8 = b's';
+    pub const PARSE_COMPLETE: u8 = b'1';
+    pub const BIND_COMPLETE: u8 = b'2';
+    pub const CLOSE_COMPLETE: u8 = b'3';
+    pub const NO_DATA: u8 = b'n';
+    pub const EMPTY_QUERY_RESPONSE: u8 = b'I';
 }
 
 /// Transaction status carried by ReadyForQuery.

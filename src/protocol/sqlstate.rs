@@ -13,6 +13,9 @@ pub const TOO_MANY_CONNECTIONS: &str = "53300";
 pub const ADMIN_SHUTDOWN: &str = "57P01";
 /// `server.client_idle_timeout_secs`, as PostgreSQL's idle_session_timeout.
 pub const IDLE_SESSION_TIMEOUT: &str = "57P05";
+/// No pooled server connection became free within
+/// `pool.query_wait_timeout_secs`.
+pub const QUERY_CANCELED: &str = "57014";
 /// `server.idle_in_transaction_timeout_secs`, as PostgreSQL's own.
 pub const IDLE_IN_TRANSACTION_TIMEOUT: &str = "25P03";
 /// A login pgcache refuses (TLS required, a refused SCRAM relay, a user

@@ -35,6 +35,13 @@ pub enum SessionError {
     /// pgcache refuses the session (limits, TLS, authentication, timeouts).
     #[error("{message}")]
     Refused { code: &'static str, message: String },
+    /// Transaction mode: no server connection could be had.
+    #[error(transparent)]
+    Pool(#[from] crate::pool::transaction::PoolError),
+    /// PostgreSQL refused what pgcache did for the client (applying its
+    /// startup parameters): PostgreSQL's own code and message.
+    #[error("{message}")]
+    Server { code: String, message: String },
 }
 
 impl SessionError {
@@ -55,7 +62,7 @@ impl SessionError {
         ))
     }
 
-    pub fn sqlstate(&self) -> &'static str {
+    pub fn sqlstate(&self) -> &str {
         match self {
             Self::ClientIo(_) | Self::BackendIo(_) | Self::BackendFrame(_) | Self::Connect(_) => {
                 sqlstate::CONNECTION_FAILURE
@@ -64,6 +71,21 @@ impl SessionError {
                 sqlstate::PROTOCOL_VIOLATION
             }
             Self::Refused { code, .. } => code,
+            Self::Pool(e) => e.sqlstate(),
+            Self::Server { code, .. } => code,
+        }
+    }
+
+    /// PostgreSQL's ErrorResponse frame as a [`SessionError::Server`].
+    pub fn from_server_error(frame: &[u8]) -> Self {
+        let body = &frame[crate::protocol::codec::HEADER_LEN.min(frame.len())..];
+        Self::Server {
+            code: messages::error_code(body)
+                .unwrap_or(sqlstate::CONNECTION_FAILURE)
+                .to_owned(),
+            message: messages::error_field(body, b'M')
+                .unwrap_or("PostgreSQL refused the session's settings")
+                .to_owned(),
         }
     }
 

@@ -134,18 +134,39 @@ where
         prefix
     }
 
-    /// Runs pgcache's own query on the idle backend and returns its rows as
-    /// text, or `None` if it failed. It leaves the client's unnamed
-    /// statement and portal alone ([`messages::hidden_query`]). Notifications and parameter
-    /// changes arriving meanwhile go on to the client; notices caused by the
-    /// query itself do not.
+    /// Runs pgcache's own query on the idle backend (taking one from the
+    /// pool in transaction mode) and returns its rows as text, or `None` if
+    /// it failed. It leaves the client's unnamed statement and portal alone
+    /// ([`messages::hidden_query`]).
     pub(super) async fn hidden_query(&mut self, sql: &str) -> Result<Option<Rows>, SessionError> {
+        match self.attach(false).await {
+            Ok(()) => {}
+            Err(SessionError::Pool(e)) => {
+                // No connection: the statement goes on without the
+                // answer, and fails at once with the same error.
+                self.link.no_connection = Some(e);
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(self.run_hidden(&messages::hidden_query(sql)).await?.ok())
+    }
+
+    /// Sends `request` (ending in one Sync or one simple Query) on the idle
+    /// backend and reads its answer: the rows as text, or PostgreSQL's
+    /// ErrorResponse (`None` when the rows could not be read).
+    /// Notifications and parameter changes arriving meanwhile go on to the
+    /// client; notices caused by the query itself do not.
+    pub(super) async fn run_hidden(
+        &mut self,
+        request: &[u8],
+    ) -> Result<Result<Rows, Option<bytes::BytesMut>>, SessionError> {
         self.backend
-            .write_all(&messages::hidden_query(sql))
+            .write_all(request)
             .await
             .map_err(SessionError::BackendIo)?;
         let mut rows = Vec::new();
-        let mut failed = false;
+        let mut failed = None;
         loop {
             let frame = match self.backend.read_frame().await {
                 Ok(Some(frame)) => frame,
@@ -162,14 +183,20 @@ where
             match frame[0] {
                 be::DATA_ROW => match extended::data_row(body) {
                     Some(row) => rows.push(row),
-                    None => failed = true,
+                    None => failed = Some(None),
                 },
-                be::ERROR_RESPONSE => failed = true,
+                be::ERROR_RESPONSE => {
+                    self.backend_fatal |= messages::is_fatal(body);
+                    failed = Some(Some(frame));
+                }
                 be::READY_FOR_QUERY => {
                     if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
                         self.tx.status = status;
                     }
-                    return Ok((!failed).then_some(rows));
+                    return Ok(match failed {
+                        None => Ok(rows),
+                        Some(error) => Err(error),
+                    });
                 }
                 be::NOTIFICATION | be::PARAMETER_STATUS => {
                     if frame[0] == be::PARAMETER_STATUS {

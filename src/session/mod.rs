@@ -24,6 +24,7 @@ mod error;
 mod extended;
 mod hidden;
 mod known;
+mod link;
 mod login;
 mod negotiate;
 mod pipeline;
@@ -45,13 +46,14 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::App;
 use crate::auth;
-use crate::config::{AuthMode, SslMode};
+use crate::config::{AuthMode, PoolMode, SslMode};
 use crate::pool::PoolKey;
 use crate::protocol::sqlstate;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
 use crate::tls::ClientStream;
 pub use error::SessionError;
+use link::{ClientState, Link};
 use negotiate::Negotiated;
 use relay::Session;
 use reuse::ServerBook;
@@ -153,6 +155,9 @@ async fn admit(
         Ok(secret) => secret,
         Err(e) => return Err((client, e)),
     };
+    if config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some() {
+        return admit_pooled(app, client, negotiated, secret).await;
+    }
     let checked_by_pgcache = secret.is_some();
     let pool = &config.pool;
     let key = (pool.max_idle_servers > 0)
@@ -187,6 +192,7 @@ async fn admit(
         backend,
         addr,
         book,
+        Link::session(),
         negotiated.startup,
     );
     match session.run(&negotiated.raw, secret).instrument(span).await {
@@ -202,6 +208,67 @@ async fn admit(
     {
         app.pool.give_back(&app.config().pool, key, server);
     }
+    Ok(())
+}
+
+/// Transaction mode: the session takes server connections from the pool
+/// of its database and user. A client pgcache can log in for (it checked
+/// its password, or PostgreSQL trusts the pool's clients) takes none to
+/// log in; any other logs in on a connection of its own first, relayed,
+/// which teaches the pool whether PostgreSQL trusts its clients.
+async fn admit_pooled(
+    app: &Arc<App>,
+    client: FramedStream<ClientStream>,
+    negotiated: Negotiated,
+    secret: Option<ClientSecret>,
+) -> Result<(), (FramedStream<ClientStream>, SessionError)> {
+    let startup = &negotiated.startup;
+    let state = match ClientState::from_startup(startup) {
+        Ok(state) => state,
+        Err(message) => {
+            let e = SessionError::refused(sqlstate::FEATURE_NOT_SUPPORTED, message);
+            return Err((client, e));
+        }
+    };
+    let pool = app.pool.pooled.pool(startup.database(), startup.user());
+    if let Some(secret) = &secret {
+        pool.learn_secret(secret.clone());
+    }
+    let mut learning = match pool.can_log_in() {
+        true => None,
+        false => Some(Arc::clone(&pool.learning).lock_owned().await),
+    };
+    let (backend, addr) = if pool.can_log_in() {
+        learning = None;
+        (link::detached(), app.upstream.addrs[0].clone())
+    } else {
+        match crate::backend::connect(&app.upstream).await {
+            Ok((stream, addr)) => {
+                let buf = BytesMut::with_capacity(READ_CHUNK);
+                (
+                    FramedStream::new(stream, buf, relay::MAX_BACKEND_FRAME),
+                    addr,
+                )
+            }
+            Err(e) => return Err((client, e.into())),
+        }
+    };
+    let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
+    let mut session = Session::new(
+        Arc::clone(app),
+        client,
+        backend,
+        addr,
+        ServerBook::new(false),
+        Link::pooled(pool, state, learning),
+        negotiated.startup,
+    );
+    match session.run(&negotiated.raw, None).instrument(span).await {
+        Ok(()) => debug!("session closed"),
+        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
+        Err(e) => info!(error = %e, "session ended"),
+    }
+    session.release_at_end();
     Ok(())
 }
 

@@ -140,6 +140,21 @@ impl Pipeline {
         self.inflight.push_back(request);
     }
 
+    /// Queues a request of pgcache's own ahead of every queued one: its
+    /// frames go out first (a pooled connection's settings).
+    pub fn push_front(&mut self, request: Inflight) {
+        self.inflight.push_front(request);
+    }
+
+    /// Forgets every request not sent yet (none has reached the backend):
+    /// the ones the client is owed an answer for, with the statements
+    /// they defined.
+    pub fn drop_unsent(&mut self) -> Vec<Inflight> {
+        self.to_backend.clear();
+        self.unsynced = false;
+        self.inflight.drain(..).filter(|r| r.to_client).collect()
+    }
+
     /// Bookkeeping for a client frame forwarded as is: requests that will
     /// be answered with ReadyForQuery, and the extended-protocol sync state.
     pub fn note_client_frame(&mut self, tag: u8) -> Flow {

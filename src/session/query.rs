@@ -57,7 +57,7 @@ where
         }
         if frame[0] == fe::QUERY || frame[0] == fe::PARSE {
             let marks = marks(&frame[HEADER_LEN..]);
-            if self.server.pooling {
+            if self.server.pooling || self.link.is_pooled() {
                 self.note_marks(marks);
             }
             if marks.evicts || marks.unlogged {
@@ -82,6 +82,11 @@ where
                 Ok(Flow::Continue)
             }
             fe::TERMINATE if self.hand_back() => Ok(Flow::Close),
+            fe::TERMINATE if self.link.is_pooled() => {
+                // The connection, if any, goes back to the pool.
+                self.client_ended = true;
+                Ok(Flow::Close)
+            }
             tag => {
                 if tag == fe::FLUSH {
                     self.release_batch();

@@ -13,6 +13,7 @@ use tracing::info;
 use super::SessionError;
 use super::batch::Batch;
 use super::known::Known;
+use super::link::Link;
 use super::pipeline::{Flow, Pipeline};
 use super::reuse::ServerBook;
 use super::row_limit::Cut;
@@ -23,6 +24,7 @@ use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::pool::marks::marks;
+use crate::pool::prepared::Reply;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
@@ -44,6 +46,9 @@ pub(super) struct Session<C> {
     pub(super) backend_addr: UpstreamAddr,
     /// What decides whether the backend connection outlives the session.
     pub(super) server: ServerBook,
+    /// Transaction mode: where server connections come from, and what of
+    /// the client's state goes with it from one to the next.
+    pub(super) link: Link,
     /// Staging for client writes that pgcache assembles or rewrites.
     pub out: BytesMut,
     pub startup: Startup,
@@ -69,7 +74,7 @@ pub(super) struct Session<C> {
     draining: bool,
     /// The backend's own cancel key, and the registration of ours.
     pub(super) backend_key: Option<CancelTarget>,
-    cancel: Option<CancelGuard>,
+    pub(super) cancel: Option<CancelGuard>,
     _gauge: ConnectionGauge,
 }
 
@@ -103,9 +108,11 @@ where
         backend: FramedStream<BackendStream>,
         backend_addr: UpstreamAddr,
         server: ServerBook,
+        link: Link,
         startup: Startup,
     ) -> Self {
         Self {
+            link,
             caching: app.config().cache.enabled,
             known: Known::new(app.policy()),
             _gauge: ConnectionGauge::new(&app),
@@ -144,8 +151,22 @@ where
     ) -> Result<(), SessionError> {
         let logged_in = if self.server.reused {
             Ok(Flow::Continue) // its login frames are replayed by the relay
+        } else if self.link.is_pooled() && !self.attached() {
+            // pgcache logs in for the client on pooled connections.
+            self.greet().await.map(|()| Flow::Continue)
         } else {
-            self.log_in(startup_raw, secret).await
+            let flow = self.log_in(startup_raw, secret).await;
+            if let Some(pool) = &self.link.pool
+                && matches!(flow, Ok(Flow::Continue))
+            {
+                if self.server.trusted {
+                    pool.learn_trusted();
+                } else {
+                    self.pin(crate::pool::marks::Pin::Password);
+                }
+            }
+            self.link.learning = None;
+            flow
         };
         let result = match logged_in {
             Ok(Flow::Continue) => self.relay().await,
@@ -238,6 +259,24 @@ where
             .frame_len_at(pos)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
+            if self.link.is_pooled() {
+                let tag = self.backend.buffered()[pos];
+                let (reply, answers) = self.link.on_server_frame(tag);
+                if !answers.is_empty() {
+                    // pgcache's answers in the server's place come next.
+                    let buf = self.backend.buffer_mut();
+                    let tail = buf.split_off(pos + len);
+                    buf.extend_from_slice(&answers);
+                    buf.extend_from_slice(&tail);
+                }
+                if reply == Reply::Drop {
+                    self.out
+                        .extend_from_slice(&self.backend.buffered()[copied..pos]);
+                    copied = pos + len;
+                    pos += len;
+                    continue;
+                }
+            }
             let cut = match self.backend.buffered()[pos] {
                 be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
                     let body = self.backend.buffered()[pos + HEADER_LEN..pos + len].to_vec();
@@ -287,6 +326,7 @@ where
         if self.draining {
             return Ok(self.close_if_drained().await);
         }
+        self.detach_if_idle().await?;
         Ok(Flow::Continue)
     }
 
@@ -327,6 +367,14 @@ where
             backend_secret: body[4..].to_vec(),
         };
         self.backend_key = Some(target.clone());
+        if self.link.is_pooled() {
+            // The connection the client logged in on, for now: the client
+            // gets a key of pgcache's that follows it to the next one.
+            let (pid, secret, guard) = self.app.cancel.register_pooled();
+            guard.retarget(Some(target));
+            self.cancel = Some(guard);
+            return messages::backend_key_data(pid, &secret);
+        }
         let (pid, secret, guard) = self.app.cancel.register(target, ClientPid::Backend);
         self.cancel = Some(guard);
         messages::backend_key_data(pid, &secret)
@@ -343,12 +391,17 @@ where
                 match self.client.frame_len_at(pos) {
                     Ok(Some(len)) => {
                         let tag = self.client.buffered()[pos];
-                        if self.server.pooling && (tag == fe::QUERY || tag == fe::PARSE) {
+                        let pooled = self.link.is_pooled();
+                        if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE)
+                        {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
-                            self.note_marks(marks(sql));
+                            let marks = marks(sql);
+                            self.note_marks(marks);
+                        } else if tag == fe::FUNCTION_CALL {
+                            self.link.state_dirty = true;
                         } else if tag == fe::TERMINATE {
                             self.client_ended = true;
-                            if self.hand_back() {
+                            if self.hand_back() || pooled {
                                 flow = Flow::Close;
                                 break;
                             }
@@ -364,9 +417,19 @@ where
                 }
             }
             if pos > 0 {
-                let r = self.backend.write_all(&self.client.buffered()[..pos]).await;
-                self.client.consume(pos);
-                r.map_err(SessionError::BackendIo)?;
+                if self.link.is_pooled() {
+                    // Staged for translation, and to fail together with
+                    // the requests they make if no connection comes.
+                    self.pipeline
+                        .to_backend
+                        .extend_from_slice(&self.client.buffered()[..pos]);
+                    self.client.consume(pos);
+                    self.flush_backend().await?;
+                } else {
+                    let r = self.backend.write_all(&self.client.buffered()[..pos]).await;
+                    self.client.consume(pos);
+                    r.map_err(SessionError::BackendIo)?;
+                }
             }
             if let Some(e) = violation {
                 return Err(e.into());
@@ -386,6 +449,10 @@ where
             self.flush_backend().await?;
         }
         self.client.shrink_if_empty();
+        if flow == Flow::Continue {
+            // Only pgcache's own queries may have needed a connection.
+            self.detach_if_idle().await?;
+        }
         Ok(flow)
     }
 
@@ -399,8 +466,38 @@ where
         r.map_err(SessionError::ClientIo)
     }
 
-    /// Writes the queued client frames to the backend.
+    /// Writes the queued client frames to the backend, taking a pooled
+    /// connection first if the session holds none.
     async fn flush_backend(&mut self) -> Result<(), SessionError> {
+        if !self.pipeline.to_backend.is_empty() && !self.attached() {
+            match self.attach(true).await {
+                Ok(()) => {}
+                Err(SessionError::Pool(e)) if !self.pipeline.unsynced => {
+                    return self.fail_unsent(&e).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if self.link.is_pooled() && !self.pipeline.to_backend.is_empty() {
+            let queued = std::mem::take(&mut self.pipeline.to_backend);
+            let max = self.app.config().pool.max_prepared_statements;
+            let mut out = BytesMut::with_capacity(queued.len() + 64);
+            let answers = self.link.translate(&queued, max, &mut out);
+            self.pipeline.to_backend = queued;
+            self.pipeline.to_backend.clear();
+            let r = self.backend.write_all(&out).await;
+            r.map_err(SessionError::BackendIo)?;
+            if !answers.is_empty() {
+                // Nothing was owed before them: as if they had arrived.
+                let buf = self.backend.buffer_mut();
+                let at = complete_frames(buf);
+                let tail = buf.split_off(at);
+                buf.extend_from_slice(&answers);
+                buf.extend_from_slice(&tail);
+                Box::pin(self.on_backend_data()).await?;
+            }
+            return Ok(());
+        }
         let queued = &mut self.pipeline.to_backend;
         if !queued.is_empty() {
             let r = self.backend.write_all(queued).await;
@@ -411,6 +508,28 @@ where
             r.map_err(SessionError::BackendIo)?;
         }
         Ok(())
+    }
+
+    /// Transaction mode, when no connection could be had: each request
+    /// the client is owed an answer for fails with the pool's error, and
+    /// the session goes on.
+    async fn fail_unsent(
+        &mut self,
+        error: &crate::pool::transaction::PoolError,
+    ) -> Result<(), SessionError> {
+        tracing::info!(code = error.sqlstate(), "{error}");
+        let mut out = BytesMut::new();
+        for request in self.pipeline.drop_unsent() {
+            for name in &request.parsed {
+                self.known.statements.remove(name);
+            }
+            messages::error_response(&mut out, "ERROR", error.sqlstate(), &error.to_string());
+            out.extend_from_slice(&messages::ready_for_query(self.tx.status));
+        }
+        self.client
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ClientIo)
     }
 
     async fn close_if_drained(&mut self) -> Flow {
@@ -429,7 +548,7 @@ where
     /// Terminate for the backend, and a lingering close so that the client
     /// reads the error instead of a connection reset.
     async fn close_with(&mut self, error: &SessionError) {
-        let _ = self.backend.write_all(&messages::TERMINATE).await;
+        self.end_backend().await;
         let Some(msg) = error.to_fatal() else {
             return;
         };
@@ -487,8 +606,32 @@ where
                 });
             }
         }
-        let _ = self.backend.write_all(&messages::TERMINATE).await;
+        self.end_backend().await;
     }
+
+    /// The session ends: its backend is told, unless it is a pooled
+    /// connection that goes back to its pool ([`Self::release_at_end`]).
+    async fn end_backend(&mut self) {
+        if self.link.lease().is_some() && self.backend_idle() && self.link.pinned.is_none() {
+            return;
+        }
+        let _ = self.backend.write_all(&messages::TERMINATE).await;
+        self.drop_backend();
+    }
+}
+
+/// Where the complete frames of a buffer end.
+fn complete_frames(buf: &[u8]) -> usize {
+    let mut pos = 0;
+    while pos + HEADER_LEN <= buf.len() {
+        let len = 1 + u32::from_be_bytes([buf[pos + 1], buf[pos + 2], buf[pos + 3], buf[pos + 4]])
+            as usize;
+        if pos + len > buf.len() {
+            break;
+        }
+        pos += len;
+    }
+    pos
 }
 
 /// `server.client_idle_timeout_secs` and

@@ -26,10 +26,14 @@ where
         let frame = &self.backend.buffered()[pos..pos + len];
         let tag = frame[0];
         if tag == be::PARAMETER_STATUS {
-            // The ones before the first ReadyForQuery are the login's own.
-            if self.ready {
+            // The ones before the first ReadyForQuery are the login's own,
+            // and pgcache's own requests (a pooled connection taking the
+            // client's settings) change nothing of the client's.
+            let own = self.pipeline.front().is_some_and(|f| !f.to_client);
+            if self.ready && !own {
                 self.known.prefix = None;
                 self.server.login_state = false;
+                self.link.state_dirty = true;
             }
             self.server.statuses.note(frame);
         }

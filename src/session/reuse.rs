@@ -82,6 +82,12 @@ where
         if marks.evicts {
             self.app.pool.evict_all();
         }
+        if self.link.is_pooled() {
+            self.link.state_dirty |= marks.settings;
+            if let Some(why) = marks.pin {
+                self.pin(why);
+            }
+        }
     }
 
     /// At the client's Terminate: true if the connection is kept for the
@@ -100,6 +106,7 @@ where
     pub(super) fn settings_may_have_changed(&mut self) {
         self.known.prefix = None;
         self.server.login_state = false;
+        self.link.state_dirty = true;
     }
 
     /// The backend connection, if this session handed it back clean.

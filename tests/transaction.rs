@@ -1,0 +1,356 @@
+//! Transaction pooling (`pool.mode = "transaction"`): clients share a few
+//! server connections, hold one only while they need it, keep their own
+//! settings and prepared statements, and are pinned where a feature lives
+//! in one backend. Real PostgreSQL, real tokio-postgres clients.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use pgcache::config::{Config, PoolMode};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn config(pg: &Pg, size: usize) -> Config {
+    let mut config = pg.proxy_config();
+    config.pool.mode = PoolMode::Transaction;
+    config.pool.default_pool_size = size;
+    config.server.max_client_connections = 1200;
+    config
+}
+
+fn checkouts(proxy: &Proxy) -> u64 {
+    proxy.app.metrics.pooled.checkouts.get()
+}
+
+async fn sqlstate_of(client: &tokio_postgres::Client, sql: &str) -> String {
+    let e = client.batch_execute(sql).await.expect_err("an error");
+    e.code().expect("a server error").code().to_owned()
+}
+
+#[tokio::test]
+async fn a_thousand_clients_share_ten_server_connections() {
+    let pg = pg();
+    let db = pg.create_db("tx_thousand");
+    let direct = pg.direct(&db).await;
+    direct
+        .batch_execute(
+            "CREATE TABLE counters(id int PRIMARY KEY, n int NOT NULL); \
+             INSERT INTO counters SELECT g, 0 FROM generate_series(0, 9) g",
+        )
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 10)).await;
+    let dsn = proxy.dsn("postgres", &db);
+    let mut tasks = Vec::new();
+    for i in 0..1000i32 {
+        let dsn = dsn.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = connect_dsn(&dsn).await.expect("connects through pgcache");
+            client
+                .batch_execute(&format!(
+                    "BEGIN; UPDATE counters SET n = n + 1 WHERE id = {}; COMMIT",
+                    i % 10
+                ))
+                .await
+                .unwrap();
+            // A prepared statement, bound in a later batch: it may run on
+            // another server connection than the one it was parsed on.
+            let row = client.query_one("SELECT $1::int * 2", &[&i]).await.unwrap();
+            assert_eq!(row.get::<_, i32>(0), i * 2);
+            client
+        }));
+    }
+    let mut clients = Vec::new();
+    for t in tasks {
+        clients.push(t.await.unwrap());
+    }
+    let total = scalar(&direct, "SELECT sum(n) FROM counters").await;
+    assert_eq!(
+        total.as_deref(),
+        Some("1000"),
+        "every transaction committed"
+    );
+    let pooled = &proxy.app.metrics.pooled;
+    assert!(
+        pooled.open.get() <= 10,
+        "{} server connections open for a pool of 10",
+        pooled.open.get()
+    );
+    let servers = scalar(
+        &direct,
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' \
+             AND backend_type = 'client backend' AND pid <> pg_backend_pid() \
+             AND query NOT ILIKE '%pg_catalog.pg_class%'"
+        ),
+    )
+    .await
+    .unwrap();
+    // pgcache's own: the replication stream, its control and listening
+    // connections, the catalog fetcher.
+    assert!(
+        servers.parse::<i64>().unwrap() <= 14,
+        "{servers} backends for 1000 clients (10 pooled, and pgcache's own)"
+    );
+    assert_eq!(clients.len(), 1000, "all clients still connected");
+}
+
+#[tokio::test]
+async fn settings_stay_with_their_client_on_a_shared_connection() {
+    let pg = pg();
+    let db = pg.create_db("tx_settings");
+    let direct = pg.direct(&db).await;
+    direct
+        .batch_execute(
+            "CREATE SCHEMA a; CREATE SCHEMA b; \
+             CREATE TABLE a.t(v text); INSERT INTO a.t VALUES ('from a'); \
+             CREATE TABLE b.t(v text); INSERT INTO b.t VALUES ('from b')",
+        )
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 1)).await;
+    let tokyo = proxy.connect(&db).await;
+    let utc = proxy.connect(&db).await;
+    proxy.wait_streaming(&db).await;
+    tokyo
+        .batch_execute("SET TimeZone = 'Asia/Tokyo'; SET search_path = a")
+        .await
+        .unwrap();
+    utc.batch_execute("SET TimeZone = 'UTC'; SET search_path = b")
+        .await
+        .unwrap();
+    let time = "SELECT '2020-01-01 00:00:00+00'::timestamptz::text";
+    for _ in 0..3 {
+        assert_eq!(
+            scalar(&tokyo, time).await.as_deref(),
+            Some("2020-01-01 09:00:00+09")
+        );
+        assert_eq!(
+            scalar(&utc, time).await.as_deref(),
+            Some("2020-01-01 00:00:00+00")
+        );
+        assert_eq!(
+            scalar(&tokyo, "SELECT v FROM t").await.as_deref(),
+            Some("from a")
+        );
+        assert_eq!(
+            scalar(&utc, "SELECT v FROM t").await.as_deref(),
+            Some("from b")
+        );
+        assert_eq!(
+            scalar(&tokyo, "SHOW TimeZone").await.as_deref(),
+            Some("Asia/Tokyo")
+        );
+    }
+    assert_eq!(
+        scalar(&tokyo, "SELECT pg_backend_pid()").await,
+        scalar(&utc, "SELECT pg_backend_pid()").await,
+        "both ran on the pool's one connection"
+    );
+    assert!(
+        proxy.hits() > 0,
+        "the reads were cached, each under its client's settings"
+    );
+    // RESET goes back to the server's default for this client only.
+    tokyo.batch_execute("RESET TimeZone").await.unwrap();
+    let default = scalar(&direct, "SHOW TimeZone").await;
+    assert_eq!(scalar(&tokyo, "SHOW TimeZone").await, default);
+    assert_eq!(scalar(&utc, "SHOW TimeZone").await.as_deref(), Some("UTC"));
+}
+
+#[tokio::test]
+async fn cache_hits_take_no_server_connection() {
+    let pg = pg();
+    let db = pg.create_db("tx_hits");
+    pg.direct(&db)
+        .await
+        .batch_execute(
+            "CREATE TABLE items(id int PRIMARY KEY, name text); \
+             INSERT INTO items VALUES (1, 'one')",
+        )
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let warm = proxy.connect(&db).await;
+    proxy.wait_streaming(&db).await;
+    let read = "SELECT name FROM items WHERE id = 1";
+    eventually(WAIT, "the read to be cached", || async {
+        let before = proxy.hits();
+        scalar(&warm, read).await;
+        (proxy.hits() > before).then_some(())
+    })
+    .await;
+    let client = proxy.connect(&db).await;
+    scalar(&client, read).await; // its settings are read once
+    let (taken, hits) = (checkouts(&proxy), proxy.hits());
+    for _ in 0..20 {
+        assert_eq!(scalar(&client, read).await.as_deref(), Some("one"));
+    }
+    assert_eq!(proxy.hits(), hits + 20);
+    assert_eq!(checkouts(&proxy), taken, "no hit took a server connection");
+}
+
+#[tokio::test]
+async fn a_client_that_waits_too_long_gets_57014_and_goes_on() {
+    let pg = pg();
+    let db = pg.create_db("tx_wait");
+    let mut config = config(pg, 1);
+    config.pool.query_wait_timeout_secs = 1;
+    let proxy = Proxy::start(config).await;
+    let holder = proxy.connect(&db).await;
+    holder.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let waiter = proxy.connect(&db).await;
+    assert_eq!(sqlstate_of(&waiter, "SELECT 1").await, "57014");
+    assert_eq!(proxy.app.metrics.pooled.wait_timeouts.get(), 1);
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(scalar(&waiter, "SELECT 2").await.as_deref(), Some("2"));
+}
+
+#[tokio::test]
+async fn features_that_live_in_one_backend_pin_their_client() {
+    let pg = pg();
+    let db = pg.create_db("tx_pins");
+    let proxy = Proxy::start(config(pg, 3)).await;
+    let temp = proxy.connect(&db).await;
+    let locker = proxy.connect(&db).await;
+    let other = proxy.connect(&db).await;
+    temp.batch_execute("CREATE TEMP TABLE scratch(a int); INSERT INTO scratch VALUES (1)")
+        .await
+        .unwrap();
+    let pid = scalar(&temp, "SELECT pg_backend_pid()").await;
+    // Another client holds the pool's other connection meanwhile.
+    other.batch_execute("BEGIN").await.unwrap();
+    for _ in 0..3 {
+        temp.batch_execute("INSERT INTO scratch VALUES (2)")
+            .await
+            .unwrap();
+        assert_eq!(scalar(&temp, "SELECT pg_backend_pid()").await, pid);
+    }
+    assert_eq!(
+        scalar(&temp, "SELECT count(*) FROM scratch")
+            .await
+            .as_deref(),
+        Some("4")
+    );
+    other.batch_execute("COMMIT").await.unwrap();
+    // A session-level advisory lock is released on the backend that took it.
+    assert_eq!(
+        scalar(&locker, "SELECT pg_advisory_lock(7)::text")
+            .await
+            .as_deref(),
+        Some("")
+    );
+    other.batch_execute("SELECT 1").await.unwrap();
+    assert_eq!(
+        scalar(&locker, "SELECT pg_advisory_unlock(7)::text")
+            .await
+            .as_deref(),
+        Some("true")
+    );
+    let pins = &proxy.app.metrics.pooled.pins;
+    assert_eq!(pins.with_label_values(&["temp_objects"]).get(), 1);
+    assert_eq!(pins.with_label_values(&["advisory_lock"]).get(), 1);
+}
+
+#[tokio::test]
+async fn cancel_reaches_the_connection_in_use() {
+    let pg = pg();
+    let db = pg.create_db("tx_cancel");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let client = proxy.connect(&db).await;
+    let token = client.cancel_token();
+    let sleeping = tokio::spawn(async move {
+        let e = client
+            .batch_execute("SELECT pg_sleep(30)")
+            .await
+            .unwrap_err();
+        e.code().map(|c| c.code().to_owned())
+    });
+    // The cancel goes out once the sleep holds a connection.
+    eventually(WAIT, "the query to be running", || async {
+        (proxy.app.metrics.pooled.active.get() > 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    token.cancel_query(tokio_postgres::NoTls).await.unwrap();
+    let code = tokio::time::timeout(WAIT, sleeping).await.unwrap().unwrap();
+    assert_eq!(code.as_deref(), Some("57014"));
+}
+
+#[tokio::test]
+async fn a_client_killed_mid_transaction_frees_its_connection() {
+    let pg = pg();
+    let db = pg.create_db("tx_killed");
+    let direct = pg.direct(&db).await;
+    direct
+        .batch_execute("CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 0)")
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 1)).await;
+    let (client, connection) =
+        tokio_postgres::connect(&proxy.dsn("postgres", &db), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let task = tokio::spawn(connection);
+    client
+        .batch_execute("BEGIN; UPDATE t SET v = 1 WHERE id = 1")
+        .await
+        .unwrap();
+    task.abort(); // the socket closes without a word
+    let next = proxy.connect(&db).await;
+    next.batch_execute("UPDATE t SET v = 2 WHERE id = 1")
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&direct, "SELECT v FROM t").await.as_deref(),
+        Some("2")
+    );
+    assert_eq!(
+        scalar(
+            &next,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid'"
+        )
+        .await
+        .as_deref(),
+        Some("0")
+    );
+}
+
+#[tokio::test]
+async fn terminated_pool_connections_are_replaced() {
+    let pg = pg();
+    let db = pg.create_db("tx_terminated");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let client = proxy.connect(&db).await;
+    let before = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
+    let direct = pg.direct(&db).await;
+    let pids: Vec<u32> = proxy
+        .app
+        .pool
+        .pooled
+        .all()
+        .iter()
+        .flat_map(|p| p.idle_servers())
+        .map(|(_, pid, ..)| pid)
+        .collect();
+    assert!(!pids.is_empty(), "an idle pooled connection");
+    for pid in &pids {
+        direct
+            .batch_execute(&format!("SELECT pg_terminate_backend({pid})"))
+            .await
+            .unwrap();
+    }
+    eventually(WAIT, "the backends to be gone", || async {
+        let left = scalar(
+            &direct,
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {before}"),
+        )
+        .await;
+        (left.as_deref() == Some("0")).then_some(())
+    })
+    .await;
+    let after = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
+    assert_ne!(before, after, "a new connection serves the client");
+}
