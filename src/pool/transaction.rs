@@ -480,15 +480,9 @@ fn io_error(e: std::io::Error) -> PoolError {
 }
 
 fn server_error(frame: &[u8]) -> PoolError {
-    let body = &frame[HEADER_LEN.min(frame.len())..];
-    PoolError::Server {
-        code: messages::error_code(body)
-            .unwrap_or(sqlstate::CONNECTION_FAILURE)
-            .to_owned(),
-        message: messages::error_field(body, b'M')
-            .unwrap_or("PostgreSQL refused the login")
-            .to_owned(),
-    }
+    let fallback = (sqlstate::CONNECTION_FAILURE, "PostgreSQL refused the login");
+    let (code, message) = messages::error_parts(frame, fallback);
+    PoolError::Server { code, message }
 }
 
 /// Reads a login from AuthenticationOk to the first ReadyForQuery: the

@@ -106,6 +106,16 @@ pub fn fatal(code: &str, message: &str) -> BytesMut {
     out
 }
 
+/// The SQLSTATE and message of an ErrorResponse frame (header included),
+/// with `fallback` for what it lacks.
+pub fn error_parts(frame: &[u8], fallback: (&str, &str)) -> (String, String) {
+    let body = &frame[HEADER_LEN.min(frame.len())..];
+    (
+        error_code(body).unwrap_or(fallback.0).to_owned(),
+        error_field(body, b'M').unwrap_or(fallback.1).to_owned(),
+    )
+}
+
 /// Reads the SQLSTATE (`C` field) of an ErrorResponse or NoticeResponse body.
 pub fn error_code(body: &[u8]) -> Option<&str> {
     error_field(body, b'C')

@@ -78,15 +78,12 @@ impl SessionError {
 
     /// PostgreSQL's ErrorResponse frame as a [`SessionError::Server`].
     pub fn from_server_error(frame: &[u8]) -> Self {
-        let body = &frame[crate::protocol::codec::HEADER_LEN.min(frame.len())..];
-        Self::Server {
-            code: messages::error_code(body)
-                .unwrap_or(sqlstate::CONNECTION_FAILURE)
-                .to_owned(),
-            message: messages::error_field(body, b'M')
-                .unwrap_or("PostgreSQL refused the session's settings")
-                .to_owned(),
-        }
+        let fallback = (
+            sqlstate::CONNECTION_FAILURE,
+            "PostgreSQL refused the session's settings",
+        );
+        let (code, message) = messages::error_parts(frame, fallback);
+        Self::Server { code, message }
     }
 
     /// The FATAL ErrorResponse for the client, or `None` when it cannot or

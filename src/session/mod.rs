@@ -185,7 +185,6 @@ async fn admit(
             Err(e) => return Err((client, e.into())),
         },
     };
-    let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
     let mut session = Session::new(
         Arc::clone(app),
         client,
@@ -195,11 +194,7 @@ async fn admit(
         Link::session(),
         negotiated.startup,
     );
-    match session.run(&negotiated.raw, secret).instrument(span).await {
-        Ok(()) => debug!("session closed"),
-        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
-        Err(e) => info!(error = %e, "session ended"),
-    }
+    run(&mut session, &negotiated.raw, secret).await;
     // A connection PostgreSQL asked a password for is kept only for
     // clients pgcache authenticates itself.
     if let Some(key) = key
@@ -209,6 +204,21 @@ async fn admit(
         app.pool.give_back(&app.config().pool, key, server);
     }
     Ok(())
+}
+
+/// Runs a session to its end, in a span naming its user and database.
+async fn run(
+    session: &mut Session<ClientStream>,
+    startup_raw: &[u8],
+    secret: Option<ClientSecret>,
+) {
+    let startup = &session.startup;
+    let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
+    match session.run(startup_raw, secret).instrument(span).await {
+        Ok(()) => debug!("session closed"),
+        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
+        Err(e) => info!(error = %e, "session ended"),
+    }
 }
 
 /// Transaction mode: the session takes server connections from the pool
@@ -253,7 +263,6 @@ async fn admit_pooled(
             Err(e) => return Err((client, e.into())),
         }
     };
-    let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
     let mut session = Session::new(
         Arc::clone(app),
         client,
@@ -263,11 +272,7 @@ async fn admit_pooled(
         Link::pooled(pool, state, learning),
         negotiated.startup,
     );
-    match session.run(&negotiated.raw, None).instrument(span).await {
-        Ok(()) => debug!("session closed"),
-        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
-        Err(e) => info!(error = %e, "session ended"),
-    }
+    run(&mut session, &negotiated.raw, None).await;
     session.release_at_end();
     Ok(())
 }
