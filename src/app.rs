@@ -30,6 +30,8 @@ pub struct App {
     pub cancel: Arc<cancel::CancelRegistry>,
     /// Server connections parked between sessions.
     pub pool: Arc<ServerPool>,
+    /// Every client session, for `SHOW CLIENTS` and `SHOW POOLS`.
+    pub clients: Arc<crate::pool::clients::Clients>,
     /// Shutdown requested: sessions close once idle.
     pub drain: CancellationToken,
     /// Shutdown timeout expired: sessions close now.
@@ -106,6 +108,7 @@ impl App {
             streams,
             upstream,
             cancel: Arc::default(),
+            clients: Arc::default(),
             pool,
             drain,
             force: CancellationToken::new(),

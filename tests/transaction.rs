@@ -332,8 +332,9 @@ async fn terminated_pool_connections_are_replaced() {
         .pooled
         .all()
         .iter()
-        .flat_map(|p| p.idle_servers())
-        .map(|(_, pid, ..)| pid)
+        .flat_map(|p| p.servers())
+        .filter(|s| !s.active)
+        .map(|s| s.pid)
         .collect();
     assert!(!pids.is_empty(), "an idle pooled connection");
     for pid in &pids {
@@ -353,4 +354,68 @@ async fn terminated_pool_connections_are_replaced() {
     .await;
     let after = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
     assert_ne!(before, after, "a new connection serves the client");
+}
+
+#[tokio::test]
+async fn the_admin_console_shows_pools_clients_and_servers() {
+    let pg = pg();
+    let db = pg.create_db("tx_show");
+    let mut config = config(pg, 1);
+    config.admin.password = "admin-secret".to_owned();
+    let proxy = Proxy::start(config).await;
+    let holder = proxy.connect(&db).await;
+    let idle = proxy.connect(&db).await;
+    holder.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let waiter = proxy.connect(&db).await;
+    let waiting = tokio::spawn(async move { waiter.batch_execute("SELECT 1").await });
+    let admin = connect_dsn(&format!(
+        "host=127.0.0.1 port={} user=pgcache password=admin-secret dbname=pgcache",
+        proxy.addr.port()
+    ))
+    .await
+    .unwrap();
+    let show = |sql: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .simple_query(sql)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(r) => Some(
+                        (0..r.len())
+                            .map(|i| r.get(i).unwrap_or_default().to_owned())
+                            .collect::<Vec<_>>(),
+                    ),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let pool = eventually(WAIT, "a waiting client", || async {
+        let rows = show("SHOW POOLS").await;
+        rows.into_iter().find(|r| r[0] == db && r[3] == "1")
+    })
+    .await;
+    // database, user, cl_active, cl_waiting, cl_idle, sv_active, sv_idle, sv_open
+    assert_eq!(&pool[2..8], ["1", "1", "1", "1", "0", "1"], "{pool:?}");
+    assert_eq!(pool[12], "transaction");
+    let clients = show("SHOW CLIENTS").await;
+    let states: Vec<&str> = clients
+        .iter()
+        .filter(|r| r[2] == db)
+        .map(|r| r[3].as_str())
+        .collect();
+    assert_eq!(states, ["active", "idle", "waiting"]);
+    let holder_id = &clients
+        .iter()
+        .find(|r| r[2] == db && r[3] == "active")
+        .unwrap()[10];
+    let servers = show("SHOW SERVERS").await;
+    let server = servers.iter().find(|r| r[2] == db).unwrap();
+    assert_eq!((server[3].as_str(), &server[9]), ("active", holder_id));
+    holder.batch_execute("COMMIT").await.unwrap();
+    waiting.await.unwrap().unwrap();
+    drop(idle);
 }

@@ -9,12 +9,17 @@
 //! | `SHOW QUERIES [n]` | the top `n` (20) statements by calls, by normalised text |
 //! | `SHOW TABLES` | per table: versions, invalidations, entries, publication state |
 //! | `SHOW REPLICATION` | per database: stream state, lag, LSN |
+//! | `SHOW POOLS` | per database and user: clients by state, server connections, waits |
+//! | `SHOW CLIENTS` | every client session: state, the server connection it holds, pin |
+//! | `SHOW SERVERS` | transaction mode's server connections, held and idle |
 //! | `SHOW CONFIG` | the configuration in force, secrets hidden |
 //! | `SHOW VERSION` | pgcache's version |
 //! | `INVALIDATE TABLE name` | bumps the table's version (every database, every instance) |
 //! | `INVALIDATE TAG name` | bumps a tag of `/*+ cache tags=... */` (every database, every instance) |
 //! | `INVALIDATE ALL` | bumps every database's epoch and empties the local tier |
 //! | `RELOAD` | re-reads the configuration and applies what can change live |
+
+mod pools;
 
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -191,6 +196,9 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
         },
         ["SHOW", "TABLES"] => tables(app, out),
         ["SHOW", "REPLICATION"] => replication(app, out),
+        ["SHOW", "POOLS"] => pools::pools(app, out),
+        ["SHOW", "CLIENTS"] => pools::clients(app, out),
+        ["SHOW", "SERVERS"] => pools::servers(app, out),
         ["SHOW", "CONFIG"] => table(out, &["key", "value"], &config_rows(app)),
         ["SHOW", "VERSION"] => table(
             out,
@@ -207,7 +215,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             sqlstate::SYNTAX_ERROR,
             &format!(
                 "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
-                 SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE TAG name, INVALIDATE ALL or RELOAD"
+                 SHOW POOLS, SHOW CLIENTS, SHOW SERVERS, SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE TAG name, INVALIDATE ALL or RELOAD"
             ),
         ),
     }

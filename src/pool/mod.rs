@@ -20,6 +20,7 @@
 //! its login shows as a new answer first seen after it. (The first
 //! connection reused after pgcache starts is closed for that reason.)
 
+pub mod clients;
 pub mod marks;
 pub mod prepared;
 pub mod transaction;

@@ -111,17 +111,43 @@ struct Idle {
     stream: FramedStream<BackendStream>,
 }
 
+/// A connection held by a client, as `SHOW SERVERS` shows it.
+struct Held {
+    pid: u32,
+    addr: String,
+    born: Instant,
+    since: Instant,
+    client: u64,
+    prepared: usize,
+}
+
 /// One pool's books, under its lock.
 #[derive(Default)]
 struct Books {
     /// Idle connections, most recently used last.
     idle: Vec<Idle>,
+    /// Connections held by clients, by id.
+    held: HashMap<u64, Held>,
     /// Connections open: idle, held by a client, or logging in.
     open: usize,
     credentials: Credentials,
     /// The ParameterStatus frames of the latest login: what a client
     /// admitted without a login of its own is told.
     statuses: Option<Statuses>,
+}
+
+/// What `SHOW SERVERS` tells of a connection.
+pub struct ServerRow {
+    pub id: u64,
+    pub pid: u32,
+    pub addr: String,
+    pub active: bool,
+    pub age: Duration,
+    /// Since it was taken (active) or given back (idle).
+    pub since: Duration,
+    /// The client holding it (0: none).
+    pub client: u64,
+    pub prepared: usize,
 }
 
 /// What `SHOW POOLS` tells of a pool.
@@ -179,6 +205,8 @@ impl Lease {
         let mut server = self.server.take().expect("given back once");
         let pool = Arc::clone(&self.pool);
         if server.born.elapsed() > lifetime {
+            pool.lock().held.remove(&server.id);
+            pool.metrics.active.dec();
             pool.metrics.closed_lifetime.inc();
             pool.closed();
             return;
@@ -186,13 +214,16 @@ impl Lease {
         server.idle_since = Instant::now();
         pool.metrics.active.dec();
         pool.metrics.idle.inc();
-        pool.lock().idle.push(Idle { server, stream });
+        let mut books = pool.lock();
+        books.held.remove(&server.id);
+        books.idle.push(Idle { server, stream });
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.server.is_some() {
+        if let Some(server) = &self.server {
+            self.pool.lock().held.remove(&server.id);
             self.pool.metrics.active.dec();
             self.pool.metrics.closed_broken.inc();
             self.pool.closed();
@@ -243,6 +274,7 @@ impl Pool {
         upstream: &Upstream,
         wait: Option<Duration>,
         next_id: &AtomicU64,
+        client: u64,
     ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
         let permit = match Arc::clone(&self.slots).try_acquire_owned() {
             Ok(permit) => permit,
@@ -257,6 +289,7 @@ impl Pool {
             self.metrics.idle.dec();
             if alive(&mut idle.stream) {
                 self.metrics.active.inc();
+                self.held(&idle.server, client);
                 let lease = Lease {
                     server: Some(idle.server),
                     pool: Arc::clone(self),
@@ -276,6 +309,7 @@ impl Pool {
             Ok((server, stream)) => {
                 self.metrics.active.inc();
                 self.metrics.logins.inc();
+                self.held(&server, client);
                 let lease = Lease {
                     server: Some(server),
                     pool: Arc::clone(self),
@@ -289,6 +323,18 @@ impl Pool {
                 Err(e)
             }
         }
+    }
+
+    fn held(&self, server: &Pooled, client: u64) {
+        let held = Held {
+            pid: server.key.backend_pid,
+            addr: server.addr.to_string(),
+            born: server.born,
+            since: Instant::now(),
+            client,
+            prepared: server.prepared.len(),
+        };
+        self.lock().held.insert(server.id, held);
     }
 
     async fn wait_for_slot(
@@ -435,7 +481,7 @@ impl Pool {
             database: self.id.database.to_string(),
             user: self.id.user.to_string(),
             waiting: self.waiting.load(Ordering::Relaxed),
-            active: books.open - books.idle.len(),
+            active: books.held.len(),
             idle: books.idle.len(),
             open: books.open,
             checkouts: self.checkouts.load(Ordering::Relaxed),
@@ -444,23 +490,38 @@ impl Pool {
         }
     }
 
-    /// `SHOW SERVERS` rows of the idle connections: (id, pid, addr, age, idle for).
-    pub fn idle_servers(&self) -> Vec<(u64, u32, String, Duration, Duration)> {
-        self.lock()
-            .idle
+    /// `SHOW SERVERS` rows: held connections, then idle ones.
+    pub fn servers(&self) -> Vec<ServerRow> {
+        let books = self.lock();
+        let mut rows: Vec<ServerRow> = books
+            .held
             .iter()
-            .map(|i| {
-                let s = &i.server;
-                let idle_for = s.idle_since.elapsed();
-                (
-                    s.id,
-                    s.key.backend_pid,
-                    s.addr.to_string(),
-                    s.born.elapsed(),
-                    idle_for,
-                )
+            .map(|(id, h)| ServerRow {
+                id: *id,
+                pid: h.pid,
+                addr: h.addr.clone(),
+                active: true,
+                age: h.born.elapsed(),
+                since: h.since.elapsed(),
+                client: h.client,
+                prepared: h.prepared,
             })
-            .collect()
+            .collect();
+        rows.sort_by_key(|r| r.id);
+        rows.extend(books.idle.iter().map(|i| {
+            let s = &i.server;
+            ServerRow {
+                id: s.id,
+                pid: s.key.backend_pid,
+                addr: s.addr.to_string(),
+                active: false,
+                age: s.born.elapsed(),
+                since: s.idle_since.elapsed(),
+                client: 0,
+                prepared: s.prepared.len(),
+            }
+        }));
+        rows
     }
 }
 
@@ -576,13 +637,16 @@ impl Pools {
         Arc::clone(pool)
     }
 
+    /// A connection of `pool` for client `client` (0: pgcache itself).
     pub async fn checkout(
         &self,
         pool: &Arc<Pool>,
         upstream: &Upstream,
         wait: Option<Duration>,
+        client: u64,
     ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
-        pool.checkout(upstream, wait, &self.next_server_id).await
+        pool.checkout(upstream, wait, &self.next_server_id, client)
+            .await
     }
 
     pub fn all(&self) -> Vec<Arc<Pool>> {
@@ -602,7 +666,7 @@ impl Pools {
                 let upstream = Arc::clone(upstream);
                 let lifetime = config.server_lifetime();
                 tokio::spawn(async move {
-                    if let Ok((lease, stream)) = pools.checkout(&pool, &upstream, None).await {
+                    if let Ok((lease, stream)) = pools.checkout(&pool, &upstream, None, 0).await {
                         lease.give_back(stream, lifetime);
                     }
                 });

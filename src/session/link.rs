@@ -23,6 +23,7 @@ use super::pipeline::Inflight;
 use super::relay::Session;
 use crate::backend::BackendStream;
 use crate::invalidation::control::quote_literal;
+use crate::pool::clients::Activity;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Reply, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool, PoolError};
@@ -294,14 +295,30 @@ where
         }
         let wait = self.app.config().pool.query_wait_timeout();
         tracing::trace!(status = ?self.tx.status, "taking a server connection");
-        let (mut lease, stream) = self
+        let client = self.entry.as_ref().map(|e| Arc::clone(&e.client));
+        if let Some(client) = &client {
+            client.set(Activity::Waiting);
+        }
+        let id = client.as_ref().map_or(0, |c| c.id);
+        let taken = self
             .app
             .pool
             .pooled
-            .checkout(&pool, &self.app.upstream, wait)
-            .await
-            .map_err(SessionError::Pool)?;
+            .checkout(&pool, &self.app.upstream, wait, id)
+            .await;
+        let (mut lease, stream) = match taken {
+            Ok(taken) => taken,
+            Err(e) => {
+                if let Some(client) = &client {
+                    client.set(Activity::Idle);
+                }
+                return Err(SessionError::Pool(e));
+            }
+        };
         let server = lease.server();
+        if let Some(client) = &client {
+            client.hold(server.id, server.key.backend_pid);
+        }
         self.backend = stream;
         self.backend_addr = server.addr.clone();
         self.backend_key = Some(server.key.clone());
@@ -386,11 +403,19 @@ where
                 self.link.own_statements.clear();
             }
         }
+        self.detached_now();
+        Ok(())
+    }
+
+    /// The session holds no connection any more.
+    fn detached_now(&mut self) {
         self.backend_key = None;
         if let Some(cancel) = &self.cancel {
             cancel.retarget(None);
         }
-        Ok(())
+        if let Some(entry) = &self.entry {
+            entry.client.hold(0, 0);
+        }
     }
 
     /// Closes the held connection: it is in a state no other client may
@@ -399,10 +424,7 @@ where
         self.link.lease = None;
         self.link.translator.clear_owed();
         self.backend = detached();
-        self.backend_key = None;
-        if let Some(cancel) = &self.cancel {
-            cancel.retarget(None);
-        }
+        self.detached_now();
     }
 
     /// At the session's end: an idle pooled connection goes back to the
@@ -446,6 +468,9 @@ where
             .with_label_values(&[why.as_str()])
             .inc();
         self.link.pinned = Some(why);
+        if let Some(entry) = &self.entry {
+            entry.client.pin(why.as_str());
+        }
     }
 
     /// Transaction mode, for a client pgcache can log in for: what

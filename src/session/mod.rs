@@ -48,6 +48,7 @@ use crate::App;
 use crate::auth;
 use crate::config::{AuthMode, PoolMode, SslMode};
 use crate::pool::PoolKey;
+use crate::pool::clients::{Arrival, ClientEntry};
 use crate::protocol::sqlstate;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
@@ -106,7 +107,7 @@ pub async fn serve(
     });
     drop(starting);
     let result = match negotiated {
-        Ok(Some(negotiated)) => admit(&app, client, negotiated, &limit).await,
+        Ok(Some(negotiated)) => admit(&app, client, negotiated, &limit, peer).await,
         Ok(None) => return, // a cancel request, or the client went away
         Err(e) => Err((client, e)),
     };
@@ -130,6 +131,7 @@ async fn admit(
     mut client: FramedStream<ClientStream>,
     negotiated: Negotiated,
     limit: &Arc<tokio::sync::Semaphore>,
+    peer: SocketAddr,
 ) -> Result<(), (FramedStream<ClientStream>, SessionError)> {
     let config = app.config();
     if app.tls.mode == SslMode::Require && !client.get_ref().is_tls() {
@@ -155,8 +157,15 @@ async fn admit(
         Ok(secret) => secret,
         Err(e) => return Err((client, e)),
     };
+    let entry = app.clients.register(Arrival {
+        user: startup.user(),
+        database: startup.database(),
+        addr: peer,
+        tls: client.get_ref().is_tls(),
+        application_name: startup.param("application_name").unwrap_or_default(),
+    });
     if config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some() {
-        return admit_pooled(app, client, negotiated, secret).await;
+        return admit_pooled(app, client, negotiated, secret, entry).await;
     }
     let checked_by_pgcache = secret.is_some();
     let pool = &config.pool;
@@ -194,6 +203,7 @@ async fn admit(
         Link::session(),
         negotiated.startup,
     );
+    session.entry = Some(entry);
     run(&mut session, &negotiated.raw, secret).await;
     // A connection PostgreSQL asked a password for is kept only for
     // clients pgcache authenticates itself.
@@ -231,6 +241,7 @@ async fn admit_pooled(
     client: FramedStream<ClientStream>,
     negotiated: Negotiated,
     secret: Option<ClientSecret>,
+    entry: ClientEntry,
 ) -> Result<(), (FramedStream<ClientStream>, SessionError)> {
     let startup = &negotiated.startup;
     let state = match ClientState::from_startup(startup) {
@@ -272,6 +283,7 @@ async fn admit_pooled(
         Link::pooled(pool, state, learning),
         negotiated.startup,
     );
+    session.entry = Some(entry);
     run(&mut session, &negotiated.raw, None).await;
     session.release_at_end();
     Ok(())

@@ -75,6 +75,8 @@ pub(super) struct Session<C> {
     /// The backend's own cancel key, and the registration of ours.
     pub(super) backend_key: Option<CancelTarget>,
     pub(super) cancel: Option<CancelGuard>,
+    /// The session's line in `SHOW CLIENTS`.
+    pub(super) entry: Option<crate::pool::clients::ClientEntry>,
     _gauge: ConnectionGauge,
 }
 
@@ -135,6 +137,7 @@ where
             draining: false,
             backend_key: None,
             cancel: None,
+            entry: None,
         }
     }
 
@@ -374,6 +377,9 @@ where
             guard.retarget(Some(target));
             self.cancel = Some(guard);
             return messages::backend_key_data(pid, &secret);
+        }
+        if let Some(entry) = &self.entry {
+            entry.client.own(backend_pid);
         }
         let (pid, secret, guard) = self.app.cancel.register(target, ClientPid::Backend);
         self.cancel = Some(guard);

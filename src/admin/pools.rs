@@ -1,0 +1,220 @@
+//! `SHOW POOLS`, `SHOW CLIENTS` and `SHOW SERVERS`, with PgBouncer's
+//! columns where they apply.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::BytesMut;
+
+use super::{table, timestamp};
+use crate::App;
+use crate::config::PoolMode;
+use crate::pool::clients::Activity;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn ago(d: Duration) -> u64 {
+    now_ms().saturating_sub(d.as_millis() as u64)
+}
+
+fn mode(app: &App) -> &'static str {
+    match app.config().pool.mode {
+        PoolMode::Session => "session",
+        PoolMode::Transaction => "transaction",
+    }
+}
+
+/// Per database and user: clients by state, server connections, waits.
+pub(super) fn pools(app: &App, out: &mut BytesMut) {
+    #[derive(Default)]
+    struct Row {
+        active: usize,
+        waiting: usize,
+        idle: usize,
+        oldest_wait_ms: u64,
+        sv_active: usize,
+        sv_idle: usize,
+        sv_open: usize,
+        checkouts: u64,
+        avg_wait_us: u64,
+    }
+    let now = now_ms();
+    let mut rows: BTreeMap<(String, String), Row> = BTreeMap::new();
+    for client in app.clients.all() {
+        let row = rows
+            .entry((client.database.clone(), client.user.clone()))
+            .or_default();
+        match client.state() {
+            Activity::Active => row.active += 1,
+            Activity::Idle => row.idle += 1,
+            Activity::Waiting => {
+                row.waiting += 1;
+                row.oldest_wait_ms = row
+                    .oldest_wait_ms
+                    .max(now.saturating_sub(client.since_ms()));
+            }
+        }
+    }
+    for pool in app.pool.pooled.all() {
+        let p = pool.row();
+        let row = rows.entry((p.database, p.user)).or_default();
+        row.sv_active = p.active;
+        row.sv_idle = p.idle;
+        row.sv_open = p.open;
+        row.checkouts = p.checkouts;
+        row.avg_wait_us = p.wait_us / p.checkouts.max(1);
+    }
+    let mode = mode(app);
+    let rows: Vec<Vec<String>> = rows
+        .into_iter()
+        .map(|((database, user), r)| {
+            vec![
+                database,
+                user,
+                r.active.to_string(),
+                r.waiting.to_string(),
+                r.idle.to_string(),
+                r.sv_active.to_string(),
+                r.sv_idle.to_string(),
+                r.sv_open.to_string(),
+                r.checkouts.to_string(),
+                (r.oldest_wait_ms / 1000).to_string(),
+                ((r.oldest_wait_ms % 1000) * 1000).to_string(),
+                r.avg_wait_us.to_string(),
+                mode.to_owned(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "database",
+            "user",
+            "cl_active",
+            "cl_waiting",
+            "cl_idle",
+            "sv_active",
+            "sv_idle",
+            "sv_open",
+            "checkouts",
+            "maxwait",
+            "maxwait_us",
+            "avg_wait_us",
+            "pool_mode",
+        ],
+        &rows,
+    );
+}
+
+pub(super) fn clients(app: &App, out: &mut BytesMut) {
+    let now = now_ms();
+    let rows: Vec<Vec<String>> = app
+        .clients
+        .all()
+        .iter()
+        .map(|c| {
+            let state = c.state();
+            let waited = match state {
+                Activity::Waiting => now.saturating_sub(c.since_ms()),
+                _ => 0,
+            };
+            let (server, pid) = c.server();
+            vec![
+                "C".to_owned(),
+                c.user.clone(),
+                c.database.clone(),
+                state.as_str().to_owned(),
+                c.addr.ip().to_string(),
+                c.addr.port().to_string(),
+                timestamp(c.connected_ms),
+                timestamp(c.since_ms()),
+                (waited / 1000).to_string(),
+                ((waited % 1000) * 1000).to_string(),
+                c.id.to_string(),
+                if server == 0 {
+                    String::new()
+                } else {
+                    server.to_string()
+                },
+                if pid == 0 {
+                    String::new()
+                } else {
+                    pid.to_string()
+                },
+                c.tls.to_string(),
+                c.application_name.clone(),
+                c.pinned().to_owned(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "type",
+            "user",
+            "database",
+            "state",
+            "addr",
+            "port",
+            "connect_time",
+            "request_time",
+            "wait",
+            "wait_us",
+            "id",
+            "link",
+            "remote_pid",
+            "tls",
+            "application_name",
+            "pinned",
+        ],
+        &rows,
+    );
+}
+
+/// Transaction mode's server connections, held and idle.
+pub(super) fn servers(app: &App, out: &mut BytesMut) {
+    let mut rows = Vec::new();
+    for pool in app.pool.pooled.all() {
+        for s in pool.servers() {
+            rows.push(vec![
+                "S".to_owned(),
+                pool.id.user.to_string(),
+                pool.id.database.to_string(),
+                if s.active { "active" } else { "idle" }.to_owned(),
+                s.addr,
+                timestamp(ago(s.age)),
+                timestamp(ago(s.since)),
+                s.id.to_string(),
+                s.pid.to_string(),
+                if s.client == 0 {
+                    String::new()
+                } else {
+                    s.client.to_string()
+                },
+                s.prepared.to_string(),
+            ]);
+        }
+    }
+    table(
+        out,
+        &[
+            "type",
+            "user",
+            "database",
+            "state",
+            "addr",
+            "connect_time",
+            "request_time",
+            "id",
+            "remote_pid",
+            "link",
+            "prepared_statements",
+        ],
+        &rows,
+    );
+}
