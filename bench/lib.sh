@@ -39,7 +39,7 @@ start_postgres() {
     [ "$(id -u)" -eq 0 ] && chown postgres: "$RUNDIR" "$RUNDIR/sock"
     as_pg "$PGBIN/initdb" -D "$RUNDIR/pgdata" -U postgres --auth=trust -E UTF8 --locale=C --no-sync >/dev/null
     as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/pgdata" -l "$RUNDIR/pg.log" -w start -o \
-        "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c shared_buffers=256MB -c fsync=off" >/dev/null
+        "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=${PG_MAX_CONNECTIONS:-300} -c shared_buffers=256MB -c fsync=off" >/dev/null
     export PGHOST=127.0.0.1 PGUSER=postgres
 }
 
@@ -72,6 +72,9 @@ start_pgbouncer() {
     mkdir -p "$RUNDIR/pgbouncer"
     sed -e "s#@RUNDIR@#$RUNDIR#g" -e "s/55432/$PGPORT/" -e "s/56432/$BOUNCER_PORT/" -e "s/^bench = .*/* = host=127.0.0.1 port=$PGPORT/" \
         -e "s/^ignore_startup_parameters = .*/ignore_startup_parameters = ${BOUNCER_IGNORE:-extra_float_digits}/" \
+        -e "s/^pool_mode = .*/pool_mode = ${BOUNCER_MODE:-session}/" \
+        -e "s/^max_client_conn = .*/max_client_conn = ${BOUNCER_MAX_CLIENTS:-200}/" \
+        -e "s/^default_pool_size = .*/default_pool_size = ${BOUNCER_POOL_SIZE:-32}/" \
         "$ROOT/../shared/anchors/pgbouncer-session.ini" >"$RUNDIR/pgbouncer.ini" 2>/dev/null || cat >"$RUNDIR/pgbouncer.ini" <<INI
 [databases]
 * = host=127.0.0.1 port=$PGPORT
@@ -83,9 +86,9 @@ logfile = $RUNDIR/pgbouncer/pgbouncer.log
 pidfile = $RUNDIR/pgbouncer/pgbouncer.pid
 auth_type = trust
 auth_file = $RUNDIR/userlist.txt
-pool_mode = session
-max_client_conn = 200
-default_pool_size = 32
+pool_mode = ${BOUNCER_MODE:-session}
+max_client_conn = ${BOUNCER_MAX_CLIENTS:-200}
+default_pool_size = ${BOUNCER_POOL_SIZE:-32}
 server_reset_query = DISCARD ALL
 ignore_startup_parameters = ${BOUNCER_IGNORE:-extra_float_digits}
 INI
