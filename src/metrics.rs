@@ -147,6 +147,7 @@ pub struct TransactionPoolMetrics {
     pub closed_idle: IntCounter,
     pub closed_lifetime: IntCounter,
     pub closed_broken: IntCounter,
+    pub closed_stale: IntCounter,
     /// Sessions pinned to one server connection, by why.
     pub pins: IntCounterVec,
 }
@@ -157,7 +158,8 @@ impl TransactionPoolMetrics {
             "pgcache_pool_server_closed_total",
             "Transaction-mode server connections closed, by reason: idle past \
              pool.server_idle_timeout_secs (idle), past pool.server_lifetime_secs (lifetime), \
-             found dead or left in an unknown state (broken)",
+             found dead or left in an unknown state (broken), logged in under role or database \
+             settings that changed since (stale)",
             &["reason"],
         );
         let servers = r.add(
@@ -211,6 +213,7 @@ impl TransactionPoolMetrics {
             closed_idle: by(&closed, "idle"),
             closed_lifetime: by(&closed, "lifetime"),
             closed_broken: by(&closed, "broken"),
+            closed_stale: by(&closed, "stale"),
             pins: r.counter_vec(
                 "pgcache_pool_pins_total",
                 "Transaction-mode sessions pinned to one server connection for the rest of the \

@@ -419,3 +419,52 @@ async fn the_admin_console_shows_pools_clients_and_servers() {
     waiting.await.unwrap().unwrap();
     drop(idle);
 }
+
+#[tokio::test]
+async fn connections_older_than_a_role_setting_are_not_reused() {
+    let pg = pg();
+    let db = pg.create_db("tx_role_setting");
+    let role = format!("tx_role_{}", rand_suffix());
+    let direct = pg.direct(&db).await;
+    direct
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let dsn = proxy.dsn(&role, &db);
+    let first = connect_dsn(&dsn).await.unwrap();
+    let before = scalar(&first, "SHOW work_mem").await;
+    direct
+        .batch_execute(&format!("ALTER ROLE {role} SET work_mem = '7MB'"))
+        .await
+        .unwrap();
+    // The old connection is held: the next client needs a new one, which
+    // logs in under the new setting.
+    first.batch_execute("BEGIN").await.unwrap();
+    let second = connect_dsn(&dsn).await.unwrap();
+    assert_eq!(
+        scalar(&second, "SHOW work_mem").await.as_deref(),
+        Some("7MB")
+    );
+    assert_eq!(
+        scalar(&first, "SHOW work_mem").await,
+        before,
+        "its transaction's connection"
+    );
+    first.batch_execute("COMMIT").await.unwrap();
+    let stale = proxy.app.metrics.pooled.closed_stale.get();
+    assert!(
+        stale >= 1,
+        "the older connection was closed, not given back"
+    );
+    for client in [&first, &second] {
+        assert_eq!(
+            scalar(client, "SHOW work_mem").await.as_deref(),
+            Some("7MB")
+        );
+    }
+    direct
+        .batch_execute(&format!("ALTER ROLE {role} RESET work_mem"))
+        .await
+        .unwrap();
+}

@@ -46,7 +46,7 @@ use crate::upstream::UpstreamAddr;
 /// small, and reading all of it costs less than finding the rows that
 /// apply), and when the configuration (pg_hba.conf among it) was last
 /// loaded. Measured with pgbench: about twice a `SELECT 1`.
-const CHECK: &str = "SELECT 0::oid, 0::oid, NULL::text[], pg_catalog.pg_conf_load_time() \
+pub(crate) const CHECK: &str = "SELECT 0::oid, 0::oid, NULL::text[], pg_catalog.pg_conf_load_time() \
      UNION ALL SELECT s.setdatabase, s.setrole, s.setconfig, NULL FROM pg_catalog.pg_db_role_setting s";
 
 /// How often parked connections past their idle time are closed.

@@ -35,7 +35,7 @@ use crate::metrics::TransactionPoolMetrics;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::startup::encode_startup;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
-use crate::protocol::{backend as be, messages, sqlstate};
+use crate::protocol::{backend as be, extended, messages, sqlstate};
 use crate::scram::ClientSecret;
 use crate::upstream::{Upstream, UpstreamAddr};
 
@@ -99,9 +99,11 @@ pub struct Pooled {
     pub born: Instant,
     /// When it last went back to the pool.
     pub idle_since: Instant,
-    /// The client session state it was last given ([`ClientState`]'s
-    /// id); 0: as it logged in.
+    /// The client session state it was last given (the session's
+    /// `ClientState` id); 0: as it logged in.
     pub state: u64,
+    /// The pool generation it logged in under.
+    pub generation: u64,
     /// Statements prepared on it, under pgcache's names.
     pub prepared: super::prepared::ServerStatements,
 }
@@ -134,7 +136,24 @@ struct Books {
     /// The ParameterStatus frames of the latest login: what a client
     /// admitted without a login of its own is told.
     statuses: Option<Statuses>,
+    /// The answer of [`super::CHECK`] (role and database settings, the
+    /// configuration's load time) at the latest login, and how many
+    /// times it changed: connections that logged in under another answer
+    /// start in other settings, and are closed rather than reused.
+    seen: Option<Box<str>>,
+    generation: u64,
+    /// Session settings read on this pool's connections, by the client
+    /// state applied and the policy generation they were read under, for
+    /// the pool generation they were read in: clients in the same state
+    /// have the same settings.
+    settings: HashMap<(u64, u64), (u64, SettingsRow)>,
 }
+
+/// One answer of a session's settings query, as text.
+pub type SettingsRow = Vec<Option<String>>;
+
+/// Settings rows kept per pool at most.
+const MAX_SETTINGS: usize = 1024;
 
 /// What `SHOW SERVERS` tells of a connection.
 pub struct ServerRow {
@@ -213,9 +232,16 @@ impl Lease {
         }
         server.idle_since = Instant::now();
         pool.metrics.active.dec();
-        pool.metrics.idle.inc();
         let mut books = pool.lock();
         books.held.remove(&server.id);
+        if server.generation != books.generation {
+            // Logged in under settings that changed since.
+            drop(books);
+            pool.metrics.closed_stale.inc();
+            pool.closed();
+            return;
+        }
+        pool.metrics.idle.inc();
         books.idle.push(Idle { server, stream });
     }
 }
@@ -265,6 +291,50 @@ impl Pool {
     /// The parameters of the latest login, if any connection logged in.
     pub fn statuses(&self) -> Option<Statuses> {
         self.lock().statuses.clone()
+    }
+
+    /// Changes each time a new connection logs in under other role or
+    /// database settings (or a reloaded configuration).
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// The settings read before for clients in `state`, under policy
+    /// generation `policy`, if read in the current pool generation.
+    pub fn settings(&self, state: u64, policy: u64) -> Option<SettingsRow> {
+        let books = self.lock();
+        match books.settings.get(&(state, policy)) {
+            Some((generation, row)) if *generation == books.generation => Some(row.clone()),
+            _ => None,
+        }
+    }
+
+    pub fn remember_settings(&self, state: u64, policy: u64, generation: u64, row: SettingsRow) {
+        let mut books = self.lock();
+        if books.settings.len() >= MAX_SETTINGS {
+            books.settings.clear();
+        }
+        books.settings.insert((state, policy), (generation, row));
+    }
+
+    /// Records the check's answer at a login; returns the generation the
+    /// connection belongs to.
+    fn saw(&self, answer: Box<str>) -> u64 {
+        let mut books = self.lock();
+        if books.seen.as_deref() != Some(&*answer) {
+            if books.seen.is_some() {
+                books.generation += 1;
+                books.settings.clear();
+                let n = books.idle.len();
+                books.idle.clear();
+                books.open -= n;
+                self.metrics.open.sub(n as i64);
+                self.metrics.idle.sub(n as i64);
+                self.metrics.closed_stale.inc_by(n as u64);
+            }
+            books.seen = Some(answer);
+        }
+        books.generation
     }
 
     /// A server connection for a client: an idle one, or a new one, once a
@@ -398,9 +468,10 @@ impl Pool {
                 }
             }
             let (key, statuses) = read_login(&mut stream, &addr).await?;
-            Ok::<_, PoolError>((addr, key, statuses, stream))
+            let answer = check(&mut stream).await?;
+            Ok::<_, PoolError>((addr, key, statuses, answer, stream))
         };
-        let (addr, key, statuses, stream) =
+        let (addr, key, statuses, answer, stream) =
             match tokio::time::timeout(upstream.connect_timeout, login).await {
                 Ok(Ok(done)) => done,
                 Ok(Err(e)) => {
@@ -417,6 +488,7 @@ impl Pool {
                     ));
                 }
             };
+        let generation = self.saw(answer);
         self.lock().statuses = Some(statuses);
         let now = Instant::now();
         let server = Pooled {
@@ -426,6 +498,7 @@ impl Pool {
             born: now,
             idle_since: now,
             state: 0,
+            generation,
             prepared: Default::default(),
         };
         Ok((server, stream))
@@ -586,6 +659,39 @@ async fn read_login(
                 let key = key
                     .ok_or_else(|| PoolError::Login("PostgreSQL sent no BackendKeyData".into()))?;
                 return Ok((key, statuses));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Runs [`super::CHECK`] on a new connection: its answer as one text.
+async fn check(stream: &mut FramedStream<BackendStream>) -> Result<Box<str>, PoolError> {
+    stream
+        .write_all(&messages::query(super::CHECK))
+        .await
+        .map_err(io_error)?;
+    let mut answer = String::new();
+    let mut failed = None;
+    loop {
+        let frame = match stream.read_frame().await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return Err(PoolError::Login("PostgreSQL closed the connection".into())),
+            Err(e) => return Err(PoolError::Login(e.to_string())),
+        };
+        match frame[0] {
+            be::DATA_ROW => {
+                for value in extended::data_row(&frame[HEADER_LEN..]).unwrap_or_default() {
+                    answer.push_str(value.as_deref().unwrap_or("\\N"));
+                    answer.push('\n');
+                }
+            }
+            be::ERROR_RESPONSE => failed = Some(server_error(&frame)),
+            be::READY_FOR_QUERY => {
+                return match failed {
+                    Some(e) => Err(e),
+                    None => Ok(answer.into()),
+                };
             }
             _ => {}
         }

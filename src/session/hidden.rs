@@ -75,14 +75,31 @@ where
         &mut self,
     ) -> Result<Result<u128, BypassReason>, SessionError> {
         let (generation, policy_settings) = self.db.catalog.policy_settings();
+        // Transaction mode: settings read under other login settings of
+        // the pool's connections are out of date.
+        let pool = self.link.pool.clone();
+        let pool_generation = pool.as_ref().map(|p| p.generation());
+        if pool_generation != self.link.prefix_generation {
+            self.known.prefix = None;
+        }
         if let Some((prefix, g)) = self.known.prefix
             && g == generation
         {
             return Ok(Ok(prefix));
         }
+        // Transaction mode: clients in the same state have the same
+        // settings, read once per pool.
+        let state = (!self.link.state_dirty).then_some(self.link.state.id);
+        if let (Some(pool), Some(state)) = (&pool, state)
+            && let Some(row) = pool.settings(state, generation)
+        {
+            self.link.prefix_generation = pool_generation;
+            return Ok(Ok(self.adopt_settings(&row, generation)));
+        }
         // A reused connection still in its login state is in the state an
         // earlier session read at login: no need to read it again.
-        if self.server.login_state
+        if pool.is_none()
+            && self.server.login_state
             && let Some(login) = self.server.login_settings.clone()
             && login.generation == generation
         {
@@ -109,6 +126,16 @@ where
             return Ok(Err(BypassReason::SettingsUnknown));
         };
         let prefix = self.adopt_settings(&row, generation);
+        if let Some(pool) = &pool {
+            // The generation of the connection the settings were read on.
+            let read_in = self.link.lease().map(|l| l.server().generation);
+            self.link.prefix_generation = read_in;
+            if let (Some(state), Some(read_in)) = (state, read_in)
+                && !self.link.state_dirty
+            {
+                pool.remember_settings(state, generation, read_in, row.clone());
+            }
+        }
         if self.server.login_state {
             // What a client logging in on this connection starts with.
             self.server.login_settings = Some(LoginSettings { generation, row });

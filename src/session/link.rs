@@ -193,6 +193,8 @@ pub(super) struct Link {
     /// Why pgcache's own query for the statement under way found no
     /// connection: the statement fails with it rather than wait again.
     pub no_connection: Option<PoolError>,
+    /// The pool generation the session's settings were read in.
+    pub prefix_generation: Option<u64>,
 }
 
 impl Link {
@@ -209,6 +211,7 @@ impl Link {
             own_statements: ServerStatements::default(),
             learning: None,
             no_connection: None,
+            prefix_generation: None,
         }
     }
 
