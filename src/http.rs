@@ -265,8 +265,28 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             "changed": m.verify.changed.get(),
             "skipped": m.verify.skipped.get(),
         },
+        "pool": pool_json(app),
         "databases": databases,
         "statements": statements,
+    })
+}
+
+/// Client sessions and transaction-mode server connections.
+fn pool_json(app: &App) -> serde_json::Value {
+    use crate::pool::clients::Activity;
+    let clients = app.clients.all();
+    let count = |a: Activity| clients.iter().filter(|c| c.state() == a).count();
+    let m = &app.metrics.pooled;
+    serde_json::json!({
+        "mode": match app.config().pool.mode {
+            crate::config::PoolMode::Session => "session",
+            crate::config::PoolMode::Transaction => "transaction",
+        },
+        "clients": { "active": count(Activity::Active), "waiting": count(Activity::Waiting), "idle": count(Activity::Idle) },
+        "servers": { "active": m.active.get(), "idle": m.idle.get(), "open": m.open.get() },
+        "checkouts": m.checkouts.get(),
+        "wait_timeouts": m.wait_timeouts.get(),
+        "pins": clients.iter().filter(|c| !c.pinned().is_empty()).count(),
     })
 }
 

@@ -214,12 +214,19 @@ impl TransactionPoolMetrics {
             closed_lifetime: by(&closed, "lifetime"),
             closed_broken: by(&closed, "broken"),
             closed_stale: by(&closed, "stale"),
-            pins: r.counter_vec(
-                "pgcache_pool_pins_total",
-                "Transaction-mode sessions pinned to one server connection for the rest of the \
-                 session, by the feature that needs it",
-                &["reason"],
-            ),
+            pins: {
+                let pins = r.counter_vec(
+                    "pgcache_pool_pins_total",
+                    "Transaction-mode sessions pinned to one server connection for the rest of the \
+                     session, by the feature that needs it",
+                    &["reason"],
+                );
+                // Every reason is exported from the start, at 0.
+                for pin in crate::pool::marks::Pin::ALL {
+                    pins.with_label_values(&[pin.as_str()]);
+                }
+                pins
+            },
         }
     }
 }

@@ -146,6 +146,15 @@ async fn the_live_page_draws_its_chart_and_matches_the_metrics_in_chromium() {
     }
     assert_eq!(text_of("hit-ratio"), "0.500");
     assert_eq!(text_of("shared-state"), "up");
+    let clients = &stats["pool"]["clients"];
+    assert_eq!(
+        text_of("clients"),
+        format!(
+            "{} / {} / {}",
+            clients["active"], clients["waiting"], clients["idle"]
+        )
+    );
+    assert_eq!(text_of("servers"), "session mode");
 
     // The chart: one point per refresh, drawn as an SVG polyline.
     let line = &dom[dom.find("id=\"ratio-line\"").expect("the chart's line")..];

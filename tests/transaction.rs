@@ -412,6 +412,12 @@ async fn the_admin_console_shows_pools_clients_and_servers() {
         .iter()
         .find(|r| r[2] == db && r[3] == "active")
         .unwrap()[10];
+    let (_, json) = proxy.http_get("/stats.json").await;
+    let stats: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let pool_json = &stats["pool"];
+    assert_eq!(pool_json["mode"], "transaction");
+    assert_eq!(pool_json["clients"]["waiting"], 1, "{pool_json}");
+    assert_eq!(pool_json["servers"]["active"], 1, "{pool_json}");
     let servers = show("SHOW SERVERS").await;
     let server = servers.iter().find(|r| r[2] == db).unwrap();
     assert_eq!((server[3].as_str(), &server[9]), ("active", holder_id));

@@ -40,6 +40,16 @@ pub enum Pin {
 }
 
 impl Pin {
+    pub const ALL: [Pin; 7] = [
+        Pin::TempObjects,
+        Pin::Listen,
+        Pin::AdvisoryLock,
+        Pin::HoldCursor,
+        Pin::SqlPrepare,
+        Pin::Load,
+        Pin::Password,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Pin::TempObjects => "temp_objects",
