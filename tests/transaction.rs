@@ -474,3 +474,47 @@ async fn connections_older_than_a_role_setting_are_not_reused() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn sampled_hits_are_checked_on_a_pool_connection_off_the_clients_path() {
+    let pg = pg();
+    let db = pg.create_db("tx_sampler");
+    pg.direct(&db)
+        .await
+        .batch_execute(
+            "CREATE TABLE items(id int PRIMARY KEY, name text); \
+             INSERT INTO items VALUES (1, 'one')",
+        )
+        .await
+        .unwrap();
+    let mut config = config(pg, 2);
+    config.cache.verify_sample_rate = 1.0;
+    config.cache.verify_max_per_sec = 1000;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    proxy.wait_streaming(&db).await;
+    let read = "SELECT name FROM items WHERE id = $1";
+    eventually(WAIT, "the read to be cached", || async {
+        let before = proxy.hits();
+        client.query_one(read, &[&1i32]).await.unwrap();
+        (proxy.hits() > before).then_some(())
+    })
+    .await;
+    let statement = client.prepare(read).await.unwrap();
+    let hits = proxy.hits();
+    // Twenty reads pipelined on one connection: a check sent on the
+    // client's own connection would make the reads behind it bypass the
+    // cache (`pipelined`).
+    let reads = (0..20).map(|_| client.query_one(&statement, &[&1i32]));
+    for row in futures_util::future::join_all(reads).await {
+        assert_eq!(row.unwrap().get::<_, &str>(0), "one");
+    }
+    // Checked off its path, every read was a hit.
+    assert_eq!(proxy.hits(), hits + 20);
+    let verify = &proxy.app.metrics.verify;
+    eventually(WAIT, "the checks to be judged", || async {
+        (verify.matched.get() >= 20).then_some(())
+    })
+    .await;
+    assert_eq!(verify.mismatch.get(), 0);
+}

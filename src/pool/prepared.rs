@@ -149,6 +149,16 @@ pub struct Translator {
 }
 
 impl Translator {
+    /// A translator for one request of pgcache's own on the client's
+    /// behalf: the client's statements, nothing owed.
+    pub fn for_request(&self) -> Translator {
+        Translator {
+            statements: self.statements.clone(),
+            unnamed: self.unnamed.clone(),
+            ..Translator::default()
+        }
+    }
+
     /// Nothing is owed: the connection may change.
     pub fn is_idle(&self) -> bool {
         self.expect.is_empty()

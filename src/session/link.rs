@@ -106,7 +106,7 @@ impl ClientState {
 
     /// Puts a pooled connection in this state: its login state, then each
     /// setting. One implicit transaction: a failure changes nothing.
-    fn apply_sql(&self) -> String {
+    pub(super) fn apply_sql(&self) -> String {
         let mut sql = String::from("SET SESSION AUTHORIZATION DEFAULT; RESET ROLE; RESET ALL");
         if !self.settings.is_empty() {
             sql.push_str("; SELECT FROM (VALUES ");

@@ -27,6 +27,7 @@ mod known;
 mod link;
 mod login;
 mod negotiate;
+mod offload;
 mod pipeline;
 mod plan;
 mod prerequisites;

@@ -209,11 +209,20 @@ where
                     }
                     None => None,
                 };
-                let refreshed = hidden.is_some();
-                if let Some(capture) = hidden {
-                    self.forward(request);
-                    self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
-                }
+                let refreshed = match hidden {
+                    // Transaction mode: on a connection of the pool, off
+                    // the client's path (its statements stay its own).
+                    Some(capture) if self.can_offload() => {
+                        self.offload(request, capture);
+                        false
+                    }
+                    Some(capture) => {
+                        self.forward(request);
+                        self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
+                        true
+                    }
+                    None => false,
+                };
                 Ok(Answer::Served { refreshed })
             }
             Lookup::Miss(fill) => Ok(Answer::Forward(Some(Capture::new(fill)))),
