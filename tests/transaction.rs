@@ -518,3 +518,87 @@ async fn sampled_hits_are_checked_on_a_pool_connection_off_the_clients_path() {
     .await;
     assert_eq!(verify.mismatch.get(), 0);
 }
+
+#[tokio::test]
+async fn listen_hold_cursors_and_sql_prepare_pin_their_client() {
+    use futures_util::StreamExt;
+    let pg = pg();
+    let db = pg.create_db("tx_more_pins");
+    let proxy = Proxy::start(config(pg, 3)).await;
+    let (listener, mut connection) =
+        tokio_postgres::connect(&proxy.dsn("postgres", &db), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let (tx, mut notifications) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = tx.send(n.payload().to_owned());
+            }
+        }
+    });
+    listener.batch_execute("LISTEN jobs").await.unwrap();
+    let cursor = proxy.connect(&db).await;
+    cursor
+        .batch_execute("DECLARE c CURSOR WITH HOLD FOR SELECT generate_series(1, 3)")
+        .await
+        .unwrap();
+    let prepared = proxy.connect(&db).await;
+    prepared
+        .batch_execute("PREPARE q AS SELECT 42")
+        .await
+        .unwrap();
+    // Three pinned clients now hold the pool's three connections.
+    pg.direct(&db)
+        .await
+        .batch_execute("NOTIFY jobs, 'first'")
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(WAIT, notifications.recv())
+        .await
+        .unwrap();
+    assert_eq!(got.as_deref(), Some("first"));
+    for want in ["1", "2", "3"] {
+        assert_eq!(
+            scalar(&cursor, "FETCH 1 FROM c").await.as_deref(),
+            Some(want)
+        );
+    }
+    assert_eq!(scalar(&prepared, "EXECUTE q").await.as_deref(), Some("42"));
+    let pins = &proxy.app.metrics.pooled.pins;
+    for reason in ["listen", "hold_cursor", "sql_prepare"] {
+        assert_eq!(pins.with_label_values(&[reason]).get(), 1, "{reason}");
+    }
+    assert_eq!(
+        proxy.app.metrics.pooled.idle.get(),
+        0,
+        "each pinned client keeps its connection"
+    );
+}
+
+#[tokio::test]
+async fn clients_outlive_a_server_restart() {
+    let pg = Pg::dedicated();
+    let db = pg.create_db("tx_restart");
+    let mut config = config(&pg, 2);
+    // No replication stream: a fast shutdown would wait for it
+    // (wal_sender_timeout); the pool is what is under test.
+    config.replication.enabled = false;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    let before = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
+    pg.stop();
+    pg.restart();
+    // The client held no connection across the restart: its next
+    // statement takes a new one.
+    let after = eventually(WAIT, "a statement after the restart", || async {
+        let answer = client.simple_query("SELECT pg_backend_pid()::text").await;
+        answer.ok()?.into_iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+    })
+    .await;
+    assert_ne!(before, after);
+}
