@@ -174,16 +174,7 @@ impl Translator {
         max_prepared: usize,
         out: &mut BytesMut,
     ) -> BytesMut {
-        let mut pos = 0;
-        while pos + HEADER_LEN <= frames.len() {
-            let len = 1 + u32::from_be_bytes([
-                frames[pos + 1],
-                frames[pos + 2],
-                frames[pos + 3],
-                frames[pos + 4],
-            ]) as usize;
-            let frame = &frames[pos..(pos + len).min(frames.len())];
-            pos += len;
+        for frame in crate::protocol::codec::frames(frames) {
             self.message(frame, server, max_prepared, out);
         }
         self.leading_synthetic()

@@ -54,6 +54,19 @@ pub fn missing_bytes(buf: &[u8]) -> usize {
 
 /// Reads a NUL-terminated string starting at `*pos`, advancing past the NUL.
 /// Returns `None` if there is no terminator.
+/// The complete frames at the start of `buf` (a trusted buffer: the
+/// lengths were checked when it was read), in order.
+pub fn frames(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut pos = 0;
+    std::iter::from_fn(move || {
+        let header = buf.get(pos..pos + HEADER_LEN)?;
+        let len = 1 + u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+        let frame = buf.get(pos..pos + len)?;
+        pos += len;
+        Some(frame)
+    })
+}
+
 pub fn read_cstr<'a>(buf: &'a [u8], pos: &mut usize) -> Option<&'a [u8]> {
     let rest = buf.get(*pos..)?;
     let end = rest.iter().position(|&b| b == 0)?;
@@ -70,6 +83,16 @@ pub fn read_i32(buf: &[u8], pos: &mut usize) -> Option<i32> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn frames_stop_before_an_incomplete_one() {
+        let buf = [
+            b'1', 0, 0, 0, 4, b'Z', 0, 0, 0, 5, b'I', b'D', 0, 0, 0, 9, 1,
+        ];
+        let found: Vec<&[u8]> = frames(&buf).collect();
+        assert_eq!(found, [&buf[..5], &buf[5..11]]);
+    }
+
     use super::*;
 
     fn frame(tag: u8, body: &[u8]) -> Vec<u8> {

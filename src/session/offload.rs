@@ -19,7 +19,7 @@ use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::prepared::{Reply, Translator};
 use crate::pool::transaction::Pool;
-use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::codec::{HEADER_LEN, frames};
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{backend as be, messages};
 
@@ -94,7 +94,7 @@ impl Job {
             config.pool.max_prepared_statements,
             &mut out,
         );
-        for_each_frame(&now, |f| capture.add(f, max_entry));
+        frames(&now).for_each(|f| capture.add(f, max_entry));
         stream.write_all(&out).await.map_err(|_| "write")?;
         let idle = loop {
             let frame = match stream.read_frame().await {
@@ -110,7 +110,7 @@ impl Job {
             if reply == Reply::Pass {
                 capture.add(&frame, max_entry);
             }
-            for_each_frame(&after, |f| capture.add(f, max_entry));
+            frames(&after).for_each(|f| capture.add(f, max_entry));
         };
         let done = Instant::now();
         if idle && self.translator.is_idle() {
@@ -137,19 +137,5 @@ async fn read_to_ready(stream: &mut FramedStream<BackendStream>) -> Result<bool,
             },
             _ => return Err("the server connection was lost"),
         }
-    }
-}
-
-fn for_each_frame(frames: &[u8], mut f: impl FnMut(&[u8])) {
-    let mut pos = 0;
-    while pos + HEADER_LEN <= frames.len() {
-        let len = 1 + u32::from_be_bytes([
-            frames[pos + 1],
-            frames[pos + 2],
-            frames[pos + 3],
-            frames[pos + 4],
-        ]) as usize;
-        f(&frames[pos..(pos + len).min(frames.len())]);
-        pos += len;
     }
 }

@@ -628,16 +628,7 @@ where
 
 /// Where the complete frames of a buffer end.
 fn complete_frames(buf: &[u8]) -> usize {
-    let mut pos = 0;
-    while pos + HEADER_LEN <= buf.len() {
-        let len = 1 + u32::from_be_bytes([buf[pos + 1], buf[pos + 2], buf[pos + 3], buf[pos + 4]])
-            as usize;
-        if pos + len > buf.len() {
-            break;
-        }
-        pos += len;
-    }
-    pos
+    crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
 }
 
 /// `server.client_idle_timeout_secs` and
