@@ -450,7 +450,14 @@ where
                 let stream = std::mem::replace(&mut self.backend, detached());
                 lease.give_back(stream, self.app.config().pool.server_lifetime());
             }
-            _ => self.drop_backend(),
+            _ => {
+                // Closed, with a word, so PostgreSQL does not log a lost client.
+                let mut stream = std::mem::replace(&mut self.backend, detached());
+                tokio::spawn(async move {
+                    let _ = stream.write_all(&messages::TERMINATE).await;
+                });
+                self.drop_backend();
+            }
         }
     }
 
