@@ -8,6 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -20,7 +21,7 @@ use crate::protocol::{backend as be, extended, frontend as fe, messages};
 pub struct ServerStatements {
     used: HashMap<u128, u64>,
     tick: u64,
-    /// The content hash of its unnamed statement, if pgcache knows it.
+    /// Which Parse made its unnamed statement, if pgcache knows it.
     unnamed: Option<u128>,
 }
 
@@ -78,9 +79,14 @@ pub fn server_name(hash: u128) -> String {
     format!("__pgcache_{hash:032x}")
 }
 
-/// A client's statement: its content hash and the Parse that prepares it
-/// under pgcache's name (or unnamed).
+/// Numbers unnamed Parses. Only an identity source: shared by instances
+/// in one process, it still never hands out a number twice.
+static UNNAMED: AtomicU64 = AtomicU64::new(1);
+
+/// A client's statement and the Parse that prepares it under pgcache's
+/// name (or unnamed).
 struct Prepared {
+    /// Its content hash; for an unnamed one, the number of its Parse.
     hash: u128,
     parse: Bytes,
 }
@@ -280,17 +286,20 @@ impl Translator {
         let Some(p) = extended::parse(body) else {
             return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
         };
+        if p.name.is_empty() {
+            // Unnamed statements are not shared: a token tells this Parse
+            // apart, with no hash of its text on every query.
+            let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
+            self.unnamed = Some(Arc::new(Prepared {
+                hash: token,
+                parse: Bytes::copy_from_slice(frame),
+            }));
+            server.unnamed = Some(token);
+            return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
+        }
         let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
         content.bytes(p.query).bytes(p.param_types);
         let hash = content.finish().0;
-        if p.name.is_empty() {
-            self.unnamed = Some(Arc::new(Prepared {
-                hash,
-                parse: Bytes::copy_from_slice(frame),
-            }));
-            server.unnamed = Some(hash);
-            return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
-        }
         let name = Bytes::copy_from_slice(p.name);
         if self.statements.contains_key(&name) {
             let mut error = BytesMut::new();

@@ -94,6 +94,8 @@ pub struct Pooled {
     /// Numbered per instance, for `SHOW SERVERS`.
     pub id: u64,
     pub addr: UpstreamAddr,
+    /// `addr` as `SHOW SERVERS` shows it, made once.
+    shown: Arc<str>,
     /// The backend's own cancel key.
     pub key: CancelTarget,
     pub born: Instant,
@@ -116,7 +118,7 @@ struct Idle {
 /// A connection held by a client, as `SHOW SERVERS` shows it.
 struct Held {
     pid: u32,
-    addr: String,
+    addr: Arc<str>,
     born: Instant,
     since: Instant,
     client: u64,
@@ -141,7 +143,6 @@ struct Books {
     /// times it changed: connections that logged in under another answer
     /// start in other settings, and are closed rather than reused.
     seen: Option<Box<str>>,
-    generation: u64,
     /// Session settings read on this pool's connections, by the client
     /// state applied and the policy generation they were read under, for
     /// the pool generation they were read in: clients in the same state
@@ -179,11 +180,14 @@ pub struct PoolRow {
     pub open: usize,
     pub checkouts: u64,
     pub wait_us: u64,
-    pub max_wait_us: u64,
 }
 
 pub struct Pool {
     pub id: PoolId,
+    /// How many times the login settings changed ([`Books::seen`]);
+    /// written under the books' lock, read without it on every
+    /// cacheable read.
+    generation: AtomicU64,
     /// Held by the client whose relayed login teaches the pool how to log
     /// in: the clients arriving meanwhile wait for the lesson instead of
     /// each opening a connection of its own.
@@ -193,7 +197,6 @@ pub struct Pool {
     waiting: AtomicUsize,
     checkouts: AtomicU64,
     wait_us: AtomicU64,
-    max_wait_us: AtomicU64,
     metrics: TransactionPoolMetrics,
 }
 
@@ -214,10 +217,6 @@ impl Lease {
         self.server.as_mut().expect("present until given back")
     }
 
-    pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
-    }
-
     /// Returns the connection, idle and clean, to its pool; one past its
     /// lifetime is closed instead.
     pub fn give_back(mut self, stream: FramedStream<BackendStream>, lifetime: Duration) {
@@ -234,7 +233,7 @@ impl Lease {
         pool.metrics.active.dec();
         let mut books = pool.lock();
         books.held.remove(&server.id);
-        if server.generation != books.generation {
+        if server.generation != pool.generation() {
             // Logged in under settings that changed since.
             drop(books);
             pool.metrics.closed_stale.inc();
@@ -296,7 +295,7 @@ impl Pool {
     /// Changes each time a new connection logs in under other role or
     /// database settings (or a reloaded configuration).
     pub fn generation(&self) -> u64 {
-        self.lock().generation
+        self.generation.load(Ordering::Acquire)
     }
 
     /// The settings read before for clients in `state`, under policy
@@ -304,7 +303,7 @@ impl Pool {
     pub fn settings(&self, state: u64, policy: u64) -> Option<SettingsRow> {
         let books = self.lock();
         match books.settings.get(&(state, policy)) {
-            Some((generation, row)) if *generation == books.generation => Some(row.clone()),
+            Some((generation, row)) if *generation == self.generation() => Some(row.clone()),
             _ => None,
         }
     }
@@ -323,7 +322,7 @@ impl Pool {
         let mut books = self.lock();
         if books.seen.as_deref() != Some(&*answer) {
             if books.seen.is_some() {
-                books.generation += 1;
+                self.generation.fetch_add(1, Ordering::AcqRel);
                 books.settings.clear();
                 let n = books.idle.len();
                 books.idle.clear();
@@ -334,7 +333,7 @@ impl Pool {
             }
             books.seen = Some(answer);
         }
-        books.generation
+        self.generation()
     }
 
     /// A server connection for a client: an idle one, or a new one, once a
@@ -398,7 +397,7 @@ impl Pool {
     fn held(&self, server: &Pooled, client: u64) {
         let held = Held {
             pid: server.key.backend_pid,
-            addr: server.addr.to_string(),
+            addr: Arc::clone(&server.shown),
             born: server.born,
             since: Instant::now(),
             client,
@@ -424,7 +423,6 @@ impl Pool {
         let waited = started.elapsed();
         let us = waited.as_micros() as u64;
         self.wait_us.fetch_add(us, Ordering::Relaxed);
-        self.max_wait_us.fetch_max(us, Ordering::Relaxed);
         self.metrics.wait.observe(waited.as_secs_f64());
         match result {
             // The semaphore is never closed.
@@ -493,6 +491,7 @@ impl Pool {
         let now = Instant::now();
         let server = Pooled {
             id: next_id.fetch_add(1, Ordering::Relaxed) + 1,
+            shown: addr.to_string().into(),
             addr,
             key,
             born: now,
@@ -559,7 +558,6 @@ impl Pool {
             open: books.open,
             checkouts: self.checkouts.load(Ordering::Relaxed),
             wait_us: self.wait_us.load(Ordering::Relaxed),
-            max_wait_us: self.max_wait_us.load(Ordering::Relaxed),
         }
     }
 
@@ -572,7 +570,7 @@ impl Pool {
             .map(|(id, h)| ServerRow {
                 id: *id,
                 pid: h.pid,
-                addr: h.addr.clone(),
+                addr: h.addr.to_string(),
                 active: true,
                 age: h.born.elapsed(),
                 since: h.since.elapsed(),
@@ -586,7 +584,7 @@ impl Pool {
             ServerRow {
                 id: s.id,
                 pid: s.key.backend_pid,
-                addr: s.addr.to_string(),
+                addr: s.shown.to_string(),
                 active: false,
                 age: s.born.elapsed(),
                 since: s.idle_since.elapsed(),
@@ -731,12 +729,12 @@ impl Pools {
             Arc::new(Pool {
                 id,
                 learning: Arc::default(),
+                generation: AtomicU64::new(0),
                 slots: Arc::new(Semaphore::new(self.size)),
                 books: Mutex::default(),
                 waiting: AtomicUsize::new(0),
                 checkouts: AtomicU64::new(0),
                 wait_us: AtomicU64::new(0),
-                max_wait_us: AtomicU64::new(0),
                 metrics: self.metrics.clone(),
             })
         });

@@ -195,6 +195,8 @@ pub(super) struct Link {
     pub no_connection: Option<PoolError>,
     /// The pool generation the session's settings were read in.
     pub prefix_generation: Option<u64>,
+    /// The translated frames of one flush.
+    pub scratch: BytesMut,
 }
 
 impl Link {
@@ -212,6 +214,7 @@ impl Link {
             learning: None,
             no_connection: None,
             prefix_generation: None,
+            scratch: BytesMut::new(),
         }
     }
 

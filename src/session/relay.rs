@@ -487,11 +487,14 @@ where
         if self.link.is_pooled() && !self.pipeline.to_backend.is_empty() {
             let queued = std::mem::take(&mut self.pipeline.to_backend);
             let max = self.app.config().pool.max_prepared_statements;
-            let mut out = BytesMut::with_capacity(queued.len() + 64);
+            // Both buffers keep their memory from one flush to the next.
+            let mut out = std::mem::take(&mut self.link.scratch);
             let answers = self.link.translate(&queued, max, &mut out);
             self.pipeline.to_backend = queued;
             self.pipeline.to_backend.clear();
             let r = self.backend.write_all(&out).await;
+            out.clear();
+            self.link.scratch = out;
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
                 // Nothing was owed before them: as if they had arrived.
