@@ -6,11 +6,13 @@
 #   shadow    the same workload through pgcache in shadow mode
 #             (cache.mode = "shadow": everything forwarded, every would-be hit
 #             checked) vs --no-cache
-# Runs are interleaved and each is the best of two, to damp the shared
-# machine's noise. Targets: sampler >= 0.98x, shadow >= 0.95x.
-#   bench/trust.sh [SECONDS-PER-RUN]   (default 10)
+# Runs are interleaved in ROUNDS rounds (default 3), each contender keeping
+# its best, to damp the shared machine's noise. Targets: sampler >= 0.98x,
+# shadow >= 0.95x.
+#   [ROUNDS=N] bench/trust.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
+ROUNDS=${ROUNDS:-3}
 
 build_pgcache
 start_postgres
@@ -33,17 +35,22 @@ SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
 SQL
 
 printf '%-22s %12s %12s %8s\n' workload baseline measured ratio
+declare -A PORT=([off]=$OFF_PORT [sampled]=$DEFAULT_PORT [nocache]=$NOCACHE_PORT [shadow]=$SHADOW_PORT)
 for mode in simple prepared; do
     args=(-f "$RUNDIR/hotkey.sql" -c 8 -j 2 -T "$DURATION")
     for port in "$OFF_PORT" "$DEFAULT_PORT" "$SHADOW_PORT"; do
         tps "$port" "$mode" -f "$RUNDIR/hotkey.sql" -c 8 -j 2 -T 2 >/dev/null # warm
     done
-    off=$(best2 tps "$OFF_PORT" "$mode" "${args[@]}")
-    sampled=$(best2 tps "$DEFAULT_PORT" "$mode" "${args[@]}")
-    nocache=$(best2 tps "$NOCACHE_PORT" "$mode" "${args[@]}")
-    shadow=$(best2 tps "$SHADOW_PORT" "$mode" "${args[@]}")
-    printf '%-22s %12.0f %12.0f %8s\n' "sampler ($mode)" "$off" "$sampled" "$(ratio "$sampled" "$off")"
-    printf '%-22s %12.0f %12.0f %8s\n' "shadow ($mode)" "$nocache" "$shadow" "$(ratio "$shadow" "$nocache")"
+    # Each round runs every contender once, in turn; each keeps its best.
+    declare -A BEST=([off]=0 [sampled]=0 [nocache]=0 [shadow]=0)
+    for _ in $(seq "$ROUNDS"); do
+        for name in off sampled nocache shadow; do
+            t=$(tps "${PORT[$name]}" "$mode" "${args[@]}")
+            BEST[$name]=$(python3 -c "print(max($t, ${BEST[$name]}))")
+        done
+    done
+    printf '%-22s %12.0f %12.0f %8s\n' "sampler ($mode)" "${BEST[off]}" "${BEST[sampled]}" "$(ratio "${BEST[sampled]}" "${BEST[off]}")"
+    printf '%-22s %12.0f %12.0f %8s\n' "shadow ($mode)" "${BEST[nocache]}" "${BEST[shadow]}" "$(ratio "${BEST[shadow]}" "${BEST[nocache]}")"
 done
 metrics() { # METRICS-PORT PATTERN
     python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \

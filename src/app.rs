@@ -14,7 +14,7 @@ use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::Fetcher;
 use crate::cache::shared::{Background, SharedTier};
 use crate::cache::{Cache, DbState, LocalCache};
-use crate::config::{self, Config, ConfigError, PoolMode};
+use crate::config::{self, Config, ConfigError};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
 use crate::pool::ServerPool;
@@ -179,9 +179,8 @@ impl App {
             });
         }
         let app = Arc::new(app);
-        if config.pool.mode == PoolMode::Transaction {
-            tokio::spawn(maintain_pools(Arc::downgrade(&app)));
-        }
+        // Session mode has pools too: pgcache's own requests for hits.
+        tokio::spawn(maintain_pools(Arc::downgrade(&app)));
         Ok(app)
     }
 

@@ -215,6 +215,62 @@ async fn the_sampler_finds_no_mismatch_under_concurrent_reads_and_writes() {
 }
 
 #[tokio::test]
+async fn session_mode_checks_hits_on_a_pool_connection_in_the_clients_settings() {
+    let db = pg().create_db("verifyoffpath");
+    pg().psql_db(
+        &db,
+        "CREATE SCHEMA other; \
+         CREATE TABLE items (id int PRIMARY KEY, name text, at timestamptz); \
+         CREATE TABLE other.items (id int PRIMARY KEY, name text, at timestamptz); \
+         INSERT INTO items VALUES (1, 'public', '2026-01-01 00:00+00'); \
+         INSERT INTO other.items VALUES (1, 'other', '2026-01-01 00:00+00')",
+    );
+    let proxy = Proxy::start(sampler_config()).await;
+    let client = proxy.connect(&db).await;
+    proxy.wait_streaming(&db).await;
+    // Both change the answer: a check run in the pool connection's own
+    // settings would find a mismatch.
+    client
+        .batch_execute("SET search_path = other; SET TimeZone = 'Asia/Tokyo'")
+        .await
+        .unwrap();
+    let read = client
+        .prepare("SELECT name, at::text FROM items WHERE id = $1")
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(20), "the read to be cached", || async {
+        let before = proxy.hits();
+        client.query_one(&read, &[&1i32]).await.unwrap();
+        (proxy.hits() > before).then_some(())
+    })
+    .await;
+    let hits = proxy.hits();
+    // Twenty reads pipelined on one connection: a check sent on the
+    // client's own connection would make the reads behind it bypass the
+    // cache (`pipelined`).
+    let reads = (0..20).map(|_| client.query_one(&read, &[&1i32]));
+    for row in futures_util::future::join_all(reads).await {
+        let row = row.unwrap();
+        assert_eq!(row.get::<_, &str>(0), "other");
+        assert_eq!(row.get::<_, &str>(1), "2026-01-01 09:00:00+09");
+    }
+    assert_eq!(proxy.hits(), hits + 20, "every pipelined read a hit");
+    let (matched, mismatch, ttl_expected, _, skipped) = verdicts(&proxy).await;
+    assert_eq!((mismatch, ttl_expected, skipped), (0, 0, 0));
+    assert!(matched >= 20, "{matched} checks matched");
+    // On a connection of the pool of the client's database and user.
+    let pool = proxy
+        .app
+        .pool
+        .pooled
+        .all()
+        .into_iter()
+        .find(|p| p.row().database == db)
+        .expect("a pool for the checks");
+    assert!(pool.row().checkouts >= 20);
+}
+
+#[tokio::test]
 async fn a_ttl_cached_view_that_lags_its_table_is_reported_as_expected_not_as_an_error() {
     let db = pg().create_db("verifyttl");
     pg().psql_db(

@@ -28,7 +28,7 @@ pub fn sql_hash(sql: &[u8]) -> u128 {
 pub fn session_prefix<'a>(
     database: &str,
     startup: impl Iterator<Item = (&'a str, &'a str)>,
-    settings: &[Option<String>],
+    settings: impl IntoIterator<Item = &'a Option<String>>,
 ) -> u128 {
     let mut h = Xxh3::new();
     h.update(&[KEY_FORMAT]);

@@ -91,6 +91,32 @@ struct Prepared {
     parse: Bytes,
 }
 
+impl Prepared {
+    /// The Parse of a named statement under pgcache's name.
+    fn named(query: &[u8], param_types: &[u8]) -> Arc<Self> {
+        let hash = content_hash(query, param_types);
+        let mut parse = BytesMut::new();
+        let name = server_name(hash);
+        frame_of(
+            &mut parse,
+            fe::PARSE,
+            &[name.as_bytes(), &[0], query, &[0], param_types],
+        );
+        Arc::new(Self {
+            hash,
+            parse: parse.freeze(),
+        })
+    }
+}
+
+/// A named statement's identity on every server connection: its text and
+/// parameter types.
+fn content_hash(query: &[u8], param_types: &[u8]) -> u128 {
+    let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
+    content.bytes(query).bytes(param_types);
+    content.finish().0
+}
+
 /// What the server answers a message with, as far as the translation
 /// needs to know where each answer ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -297,9 +323,6 @@ impl Translator {
             server.unnamed = Some(token);
             return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
         }
-        let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
-        content.bytes(p.query).bytes(p.param_types);
-        let hash = content.finish().0;
         let name = Bytes::copy_from_slice(p.name);
         if self.statements.contains_key(&name) {
             let mut error = BytesMut::new();
@@ -312,14 +335,8 @@ impl Translator {
             self.skipping = true;
             return;
         }
-        let server_name = server_name(hash);
-        let mut parse = BytesMut::new();
-        let rest = &body[p.name.len() + 1..];
-        frame_of(&mut parse, fe::PARSE, &[server_name.as_bytes(), &[0], rest]);
-        let prepared = Arc::new(Prepared {
-            hash,
-            parse: parse.freeze(),
-        });
+        let prepared = Prepared::named(p.query, p.param_types);
+        let hash = prepared.hash;
         self.statements.insert(name.clone(), Arc::clone(&prepared));
         if server.touch(hash) {
             self.answer(&[be::PARSE_COMPLETE, 0, 0, 0, 4]);
@@ -333,6 +350,25 @@ impl Translator {
             &parse,
             Kind::One(be::PARSE_COMPLETE),
             Some((hash, Some(name))),
+        );
+    }
+
+    /// Statement `name` as the client defined it elsewhere (on the
+    /// connection it holds in session mode), prepared where a message
+    /// names it.
+    pub fn define(&mut self, name: &[u8], query: &[u8], param_types: &[u8]) {
+        if name.is_empty() {
+            let mut parse = BytesMut::new();
+            frame_of(&mut parse, fe::PARSE, &[&[0], query, &[0], param_types]);
+            self.unnamed = Some(Arc::new(Prepared {
+                hash: u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed)),
+                parse: parse.freeze(),
+            }));
+            return;
+        }
+        self.statements.insert(
+            Bytes::copy_from_slice(name),
+            Prepared::named(query, param_types),
         );
     }
 

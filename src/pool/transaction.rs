@@ -30,7 +30,7 @@ use super::Statuses;
 use crate::auth::{self, AUTH_OK, LoginError};
 use crate::backend::{BackendError, BackendStream};
 use crate::cancel::CancelTarget;
-use crate::config::PoolConfig;
+use crate::config::{PoolConfig, PoolMode};
 use crate::metrics::TransactionPoolMetrics;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::startup::encode_startup;
@@ -759,12 +759,16 @@ impl Pools {
         pools
     }
 
-    /// Closes idle connections past their time, and opens connections up
-    /// to `min_pool_size` where pgcache can log in.
+    /// Closes idle connections past their time, and in transaction mode
+    /// opens connections up to `min_pool_size` where pgcache can log in.
     pub fn maintain(self: &Arc<Self>, config: &PoolConfig, upstream: &Arc<Upstream>) {
+        let min = match config.mode {
+            PoolMode::Transaction => config.min_pool_size,
+            PoolMode::Session => 0,
+        };
         for pool in self.all() {
             pool.reap(config);
-            for _ in 0..pool.missing(config.min_pool_size) {
+            for _ in 0..pool.missing(min) {
                 let pools = Arc::clone(self);
                 let pool = Arc::clone(&pool);
                 let upstream = Arc::clone(upstream);

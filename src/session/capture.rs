@@ -50,6 +50,11 @@ impl Capture {
         Self::with(Sink::Verify(Box::new(check)))
     }
 
+    /// A check of the correctness sampler.
+    pub fn is_check(&self) -> bool {
+        matches!(self.sink, Sink::Verify(_))
+    }
+
     fn with(sink: Sink) -> Self {
         Self {
             sink,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
+use super::link::ClientState;
 use super::relay::Session;
 use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::{Lookup, Rows};
@@ -17,6 +18,14 @@ use crate::classify::BypassReason;
 use crate::pool::LoginSettings;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be, extended, messages};
+
+/// Columns of the settings query that are the session's own settings, as
+/// [`ClientState`] reads them: `current_setting('role')`, and the settings
+/// set at startup or by the session as a JSON object. Left out of the key
+/// prefix, which hashes every setting already (and never
+/// `application_name`).
+const ROLE_COLUMN: usize = 4;
+const OWN_SETTINGS_COLUMN: usize = 5;
 
 impl<C> Session<C>
 where
@@ -109,15 +118,21 @@ where
             return Ok(Err(BypassReason::SettingsUnknown));
         }
         let mut sql = String::from(
-            "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), \
-             (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
-              FROM pg_catalog.pg_settings WHERE name <> 'application_name')",
+            "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), s.everything, \
+             pg_catalog.current_setting('role'), s.own_settings",
         );
         for name in policy_settings.iter() {
             sql.push_str(", pg_catalog.current_setting('");
             sql.push_str(&name.replace('\'', "''"));
             sql.push_str("', true)");
         }
+        sql.push_str(
+            " FROM (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
+               FILTER (WHERE name <> 'application_name') AS everything, \
+             pg_catalog.json_object_agg(name, setting) FILTER (WHERE source IN ('client', 'session') \
+               AND name NOT IN ('session_authorization', 'role')) AS own_settings \
+             FROM pg_catalog.pg_settings) s",
+        );
         self.app.metrics.settings_queries.inc();
         let Some(rows) = self.hidden_query(&sql).await? else {
             return Ok(Err(BypassReason::SettingsUnknown));
@@ -156,8 +171,24 @@ where
             .params
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()));
-        let prefix = key::session_prefix(self.startup.database(), params, row);
+        let hashed = row
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != ROLE_COLUMN && *i != OWN_SETTINGS_COLUMN)
+            .map(|(_, value)| value);
+        let prefix = key::session_prefix(self.startup.database(), params, hashed);
         self.known.prefix = Some((prefix, generation));
+        if !self.link.is_pooled() {
+            // Session mode: what pgcache's own requests for this session's
+            // hits run in, on a connection of their own.
+            let cell = |i: usize| row.get(i).and_then(|v| v.as_deref());
+            self.link.state = ClientState::read(
+                self.startup.user(),
+                cell(1),
+                cell(ROLE_COLUMN),
+                cell(OWN_SETTINGS_COLUMN),
+            );
+        }
         prefix
     }
 

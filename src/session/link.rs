@@ -11,6 +11,7 @@
 //! connection it changed goes back. A feature whose state lives in one
 //! backend ([`Pin`]) keeps the client on its connection for good.
 
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -86,15 +87,35 @@ impl ClientState {
         Self { settings, id }
     }
 
-    /// The settings read back with [`CAPTURE`], leaving out what equals a
-    /// connection's login state.
+    /// The settings read back with [`CAPTURE`].
     fn captured(rows: Vec<Vec<Option<String>>>, user: &str) -> Self {
-        let settings = rows
+        let pairs = rows.into_iter().filter_map(|row| {
+            let mut row = row.into_iter();
+            Some((row.next()??, row.next()??))
+        });
+        Self::of_session(pairs, user)
+    }
+
+    /// Session mode: the state the settings query read (its session user,
+    /// `role`, and the settings from startup or `SET` as a JSON object).
+    pub(super) fn read(
+        user: &str,
+        session_user: Option<&str>,
+        role: Option<&str>,
+        own: Option<&str>,
+    ) -> Self {
+        let identity = [("session_authorization", session_user), ("role", role)]
             .into_iter()
-            .filter_map(|row| {
-                let mut row = row.into_iter();
-                Some((row.next()??, row.next()??))
-            })
+            .filter_map(|(name, value)| Some((name.to_owned(), value?.to_owned())));
+        let own = own
+            .and_then(|json| serde_json::from_str::<HashMap<String, String>>(json).ok())
+            .unwrap_or_default();
+        Self::of_session(identity.chain(own), user)
+    }
+
+    /// A session's settings, leaving out what equals a login as `user`.
+    fn of_session(settings: impl Iterator<Item = (String, String)>, user: &str) -> Self {
+        let settings = settings
             .filter(|(name, value)| match name.as_str() {
                 "session_authorization" => value != user,
                 "role" => value != "none",
@@ -170,6 +191,9 @@ fn command_line_options(options: &str) -> Result<Vec<(String, String)>, String> 
 pub(super) struct Link {
     /// Transaction mode: the pool of the session's database and user.
     pub pool: Option<Arc<Pool>>,
+    /// Session mode: the pool of the session's database and user that
+    /// pgcache's own requests for its hits run on, off its connection.
+    pub checks: Option<Arc<Pool>>,
     /// The pooled connection held now; its stream is the session's
     /// backend. `None` while attached means the connection the client
     /// logged in on, which no pool owns (passthrough authentication).
@@ -204,6 +228,7 @@ impl Link {
     pub fn session() -> Self {
         Self {
             pool: None,
+            checks: None,
             lease: None,
             pinned: None,
             state: ClientState::default(),

@@ -195,13 +195,21 @@ async fn admit(
             Err(e) => return Err((client, e.into())),
         },
     };
+    let mut link = Link::session();
+    if config.cache.enabled && (key.is_some() || PoolKey::of(startup).is_some()) {
+        let checks = app.pool.pooled.pool(startup.database(), startup.user());
+        if let Some(secret) = &secret {
+            checks.learn_secret(secret.clone());
+        }
+        link.checks = Some(checks);
+    }
     let mut session = Session::new(
         Arc::clone(app),
         client,
         backend,
         addr,
         book,
-        Link::session(),
+        link,
         negotiated.startup,
     );
     session.entry = Some(entry);

@@ -1,9 +1,11 @@
-//! Transaction mode: pgcache's own requests for a served hit (a
-//! refresh-ahead, a check of the correctness sampler) run off the client's
-//! path, on a connection of the client's pool put in the client's state,
-//! so that the client's next statement neither waits for them nor
-//! bypasses the cache because of them. The request is the client's own
-//! frames, translated with a copy of its statements.
+//! pgcache's own requests for a served hit (a refresh-ahead, a check of
+//! the correctness sampler) run off the client's path, on a connection of
+//! the pool of the client's database and user put in the client's
+//! settings, so that the client's next statement neither waits for them
+//! nor bypasses the cache because of them. The request is the client's own
+//! frames, translated with its statements: in transaction mode a copy of
+//! its translator's, in session mode those it prepared on its own
+//! connection.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,36 +23,91 @@ use crate::pool::prepared::{Reply, Translator};
 use crate::pool::transaction::Pool;
 use crate::protocol::codec::{HEADER_LEN, frames};
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{backend as be, messages};
+use crate::protocol::{backend as be, extended, frontend as fe, messages};
 
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Whether a request for a served hit can run off the client's path:
-    /// in transaction mode, while pgcache knows the client's settings.
-    pub(super) fn can_offload(&self) -> bool {
-        self.link.is_pooled() && !self.link.state_dirty
-    }
-
     /// Runs `request` (frames ending in Sync, or a Query) for `capture` on
-    /// a connection of the session's pool, in a task of its own.
-    pub(super) fn offload(&self, request: &[u8], capture: Capture) {
-        let Some(pool) = self.link.pool.clone() else {
-            return;
+    /// a connection of the session's pool, in a task of its own. Gives the
+    /// capture back when that cannot be done: pgcache does not know the
+    /// client's settings or a statement the request names, or cannot log
+    /// in for the client (passthrough authentication with a password).
+    pub(super) fn offload(&self, request: &[u8], capture: Capture) -> Option<Capture> {
+        let (pool, translator) = match (&self.link.pool, &self.link.checks) {
+            (Some(pool), _) if !self.link.state_dirty => {
+                (Arc::clone(pool), self.link.translator.for_request())
+            }
+            // Session mode: the settings were read with the hit's key.
+            (None, Some(pool)) if self.known.prefix.is_some() && pool.can_log_in() => {
+                match self.statements_for(request) {
+                    Some(translator) => (Arc::clone(pool), translator),
+                    None => return Some(capture),
+                }
+            }
+            _ => return Some(capture),
         };
         let job = Job {
             app: Arc::clone(&self.app),
             pool,
-            translator: self.link.translator.for_request(),
+            translator,
             state: self.link.state.clone(),
             request: request.to_vec(),
         };
         tokio::spawn(async move {
-            if let Err(why) = job.run(capture).await {
-                debug!(why, "request for a served hit dropped");
+            let app = Arc::clone(&job.app);
+            let mut capture = capture;
+            let is_check = capture.is_check();
+            let answered = match job.run(&mut capture).await {
+                Ok(done) => capture.finish().map(|captured| (captured, done)),
+                Err(why) => {
+                    debug!(why, "request for a served hit dropped");
+                    None
+                }
+            };
+            match answered {
+                Some((Captured::Store(fill, bytes), _)) => app.cache.store(fill, &bytes),
+                Some((Captured::Verified(check, answer), done)) => {
+                    check.judge(&app.cache, &answer, done)
+                }
+                Some((Captured::Compared { .. }, _)) => {}
+                // Every drawn check gets a verdict.
+                None if is_check => app.metrics.verify.skipped.inc(),
+                None => {}
             }
         });
+        None
+    }
+
+    /// Session mode: a translator that knows the statements `request`
+    /// names but does not prepare, as the client prepared them on its own
+    /// connection; `None` if one is unknown to pgcache.
+    fn statements_for(&self, request: &[u8]) -> Option<Translator> {
+        let mut translator = Translator::default();
+        let mut seen: Vec<&[u8]> = Vec::new();
+        for frame in frames(request) {
+            let body = &frame[HEADER_LEN..];
+            let name = match frame[0] {
+                fe::PARSE => {
+                    seen.push(extended::parse(body)?.name);
+                    continue;
+                }
+                fe::BIND => extended::bind_names(body)?.1,
+                fe::DESCRIBE => match extended::target(body)? {
+                    (fe::TARGET_STATEMENT, name) => name,
+                    _ => continue,
+                },
+                _ => continue,
+            };
+            if seen.contains(&name) {
+                continue;
+            }
+            let statement = self.known.statements.get(name)?;
+            translator.define(name, &statement.sql, &statement.param_types);
+            seen.push(name);
+        }
+        Some(translator)
     }
 }
 
@@ -63,7 +120,8 @@ struct Job {
 }
 
 impl Job {
-    async fn run(mut self, mut capture: Capture) -> Result<(), &'static str> {
+    /// Copies the answer into `capture`; returns when it was complete.
+    async fn run(mut self, capture: &mut Capture) -> Result<Instant, &'static str> {
         let app = Arc::clone(&self.app);
         let config = app.config();
         let (mut lease, mut stream) = app
@@ -116,12 +174,7 @@ impl Job {
         if idle && self.translator.is_idle() {
             lease.give_back(stream, config.pool.server_lifetime());
         }
-        match capture.finish() {
-            Some(Captured::Store(fill, bytes)) => app.cache.store(fill, &bytes),
-            Some(Captured::Verified(check, answer)) => check.judge(&app.cache, &answer, done),
-            Some(Captured::Compared { .. }) | None => {}
-        }
-        Ok(())
+        Ok(done)
     }
 }
 

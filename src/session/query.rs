@@ -193,8 +193,8 @@ where
                     Some(cut) => self.write_hit(&cut).await?,
                     None => self.write_hit(&bytes).await?,
                 }
-                // A refresh, or a check of the correctness sampler, sends
-                // the request on as pgcache's own, answered to nobody.
+                // A refresh, or a check of the correctness sampler: the
+                // request again, as pgcache's own.
                 let hidden = match refresh {
                     Some(fill) => Some(Capture::new(fill)),
                     None if self.tx.status == TxStatus::Idle
@@ -209,13 +209,9 @@ where
                     }
                     None => None,
                 };
-                let refreshed = match hidden {
-                    // Transaction mode: on a connection of the pool, off
-                    // the client's path (its statements stay its own).
-                    Some(capture) if self.can_offload() => {
-                        self.offload(request, capture);
-                        false
-                    }
+                // Off the client's path where pgcache can; else on its
+                // connection, answered to nobody.
+                let refreshed = match hidden.and_then(|c| self.offload(request, c)) {
                     Some(capture) => {
                         self.forward(request);
                         self.pipeline.push_hidden(Inflight::hidden(Some(capture)));

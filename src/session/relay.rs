@@ -171,6 +171,12 @@ where
             self.link.learning = None;
             flow
         };
+        if let Some(checks) = &self.link.checks
+            && matches!(logged_in, Ok(Flow::Continue))
+            && self.server.trusted
+        {
+            checks.learn_trusted();
+        }
         let result = match logged_in {
             Ok(Flow::Continue) => self.relay().await,
             other => other.map(|_| ()),
