@@ -38,6 +38,7 @@ pub mod protocol;
 pub mod scram;
 pub mod server;
 pub mod session;
+pub mod shutdown;
 pub mod tls;
 pub mod uninstall;
 pub mod upstream;

@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::shutdown::Stage;
 use crate::{App, Config, session};
 
 /// Serves clients on `listener` until `shutdown` completes, then stops
@@ -77,6 +78,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         "shutting down: closing idle sessions, waiting for busy ones"
     );
     app.drain.cancel();
+    app.clients.raise(Stage::Drain);
     sessions.close();
     if tokio::time::timeout(config.shutdown_timeout(), sessions.wait())
         .await
@@ -87,6 +89,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
             "shutdown timeout reached: closing remaining sessions"
         );
         app.force.cancel();
+        app.clients.raise(Stage::Force);
         sessions.wait().await;
     }
     info!("pgcache stopped");

@@ -52,7 +52,9 @@ const ENTRY_OVERHEAD: usize = 360;
 
 pub struct LocalCache {
     /// `None`: no local tier (`cache.local.max_bytes = 0`), Redis only.
-    inner: Option<moka::sync::Cache<u128, Arc<CachedResponse>>>,
+    /// Keyed by digests, hashed with foldhash: SipHash of each key was a
+    /// tenth of a lookup.
+    inner: Option<moka::sync::Cache<u128, Arc<CachedResponse>, foldhash::fast::RandomState>>,
     max_entry_bytes: usize,
 }
 
@@ -96,7 +98,7 @@ impl LocalCache {
             });
         }
         Self {
-            inner: Some(builder.build()),
+            inner: Some(builder.build_with_hasher(foldhash::fast::RandomState::default())),
             max_entry_bytes,
         }
     }

@@ -420,13 +420,24 @@ fn cacheable_of(stmt: &Statement, facts: &Facts, info: &StatementInfo) -> Result
 /// Whether a text-format parameter value is one of PostgreSQL's special
 /// time inputs ('now', 'today'...): its meaning changes with the clock.
 pub fn is_time_literal_text(value: &[u8]) -> bool {
-    std::str::from_utf8(value)
-        .map(|s| {
-            TIME_LITERALS
-                .iter()
-                .any(|t| s.trim().eq_ignore_ascii_case(t))
-        })
-        .unwrap_or(false)
+    let matches = |text: &[u8]| {
+        TIME_LITERALS
+            .iter()
+            .any(|t| text.eq_ignore_ascii_case(t.as_bytes()))
+    };
+    if !value.is_ascii() {
+        // Unicode's white space too, which a server encoding's locale may
+        // call space.
+        return std::str::from_utf8(value).is_ok_and(|s| matches(s.trim().as_bytes()));
+    }
+    // C's isspace, as PostgreSQL's date/time input skips it.
+    let space = |b: &u8| b.is_ascii_whitespace() || *b == 0x0b;
+    let start = value.iter().position(|b| !space(b)).unwrap_or(value.len());
+    let end = value
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |e| e + 1);
+    matches(&value[start..end])
 }
 
 #[cfg(test)]
@@ -643,6 +654,11 @@ mod tests {
     #[test]
     fn time_literal_parameters_are_spotted() {
         assert!(is_time_literal_text(b" NOW "));
+        assert!(is_time_literal_text(b"\x0b\ttoday\r\n"));
+        assert!(is_time_literal_text("\u{a0}yesterday".as_bytes()));
+        assert!(!is_time_literal_text(b""));
+        assert!(!is_time_literal_text(b"  "));
+        assert!(!is_time_literal_text(b"nowhere"));
         assert!(is_time_literal_text(b"tomorrow"));
         assert!(!is_time_literal_text(b"2024-01-01"));
         assert!(!is_time_literal_text(&[0xff, 0xfe]));

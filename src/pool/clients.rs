@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::shutdown::{Shutdown, Stage};
+
 /// What a client is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -62,6 +64,8 @@ pub struct Client {
     server_pid: AtomicU32,
     /// Why the session keeps its connection for good ("" if it does not).
     pinned: Mutex<&'static str>,
+    /// pgcache shutting down, as the session hears it.
+    pub shutdown: Shutdown,
 }
 
 impl Client {
@@ -158,6 +162,7 @@ impl Clients {
             server: AtomicU64::new(0),
             server_pid: AtomicU32::new(0),
             pinned: Mutex::new(""),
+            shutdown: Shutdown::default(),
         });
         self.lock().insert(client.id, Arc::clone(&client));
         ClientEntry {
@@ -167,6 +172,14 @@ impl Clients {
     }
 
     /// Every session now, oldest first.
+    /// Tells every session that shutting down reached `stage`. A session
+    /// registered after this looks at the app's tokens when it starts.
+    pub fn raise(&self, stage: Stage) {
+        for client in self.lock().values() {
+            client.shutdown.raise(stage);
+        }
+    }
+
     pub fn all(&self) -> Vec<Arc<Client>> {
         let mut all: Vec<_> = self.lock().values().cloned().collect();
         all.sort_by_key(|c| c.id);

@@ -5,6 +5,8 @@
 //! lossily (see the README's design notes). Every reader here returns `None`
 //! on a short or malformed body instead.
 
+use smallvec::SmallVec;
+
 use super::codec::{read_cstr, read_i32};
 
 fn read_i16(buf: &[u8], pos: &mut usize) -> Option<i16> {
@@ -42,12 +44,16 @@ pub struct Bind<'a> {
     pub portal: &'a [u8],
     pub statement: &'a [u8],
     /// One format code per parameter (0 text, 1 binary), normalised.
-    pub param_formats: Vec<i16>,
+    pub param_formats: SmallVec<[i16; INLINE]>,
     /// Parameter values; `None` is SQL NULL.
-    pub params: Vec<Option<&'a [u8]>>,
+    pub params: SmallVec<[Option<&'a [u8]>; INLINE]>,
     /// Result format codes, normalised: one code when all are the same.
-    pub result_formats: Vec<i16>,
+    pub result_formats: SmallVec<[i16; INLINE]>,
 }
+
+/// Parameters and formats kept inline: a Bind is decoded for every cached
+/// statement, and most have a few parameters.
+const INLINE: usize = 8;
 
 /// Only the portal and statement names of a Bind: what the session needs for
 /// every Bind, without decoding (and allocating for) its parameters.
@@ -63,7 +69,7 @@ pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
     let portal = read_cstr(body, &mut pos)?;
     let statement = read_cstr(body, &mut pos)?;
     let nfmt = read_i16(body, &mut pos)?;
-    let mut formats = Vec::with_capacity(nfmt.max(0) as usize);
+    let mut formats = SmallVec::<[i16; INLINE]>::new();
     for _ in 0..nfmt {
         formats.push(read_i16(body, &mut pos)?);
     }
@@ -71,7 +77,7 @@ pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
     if nfmt < 0 || nparams < 0 || (nfmt > 1 && nfmt != nparams) {
         return None;
     }
-    let mut params = Vec::with_capacity(nparams as usize);
+    let mut params = SmallVec::new();
     for _ in 0..nparams {
         let len = read_i32(body, &mut pos)?;
         if len == -1 {
@@ -85,7 +91,7 @@ pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
         }
     }
     let nres = read_i16(body, &mut pos)?;
-    let mut result_formats = Vec::with_capacity(nres.max(0) as usize);
+    let mut result_formats = SmallVec::<[i16; INLINE]>::new();
     for _ in 0..nres {
         result_formats.push(read_i16(body, &mut pos)?);
     }
@@ -93,8 +99,8 @@ pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
         return None;
     }
     let param_formats = match formats.len() {
-        0 => vec![0; params.len()],
-        1 => vec![formats[0]; params.len()],
+        0 => smallvec::smallvec![0; params.len()],
+        1 => smallvec::smallvec![formats[0]; params.len()],
         _ => formats,
     };
     if result_formats.windows(2).all(|w| w[0] == w[1]) {
@@ -180,16 +186,19 @@ mod tests {
         assert_eq!(b.portal, b"portal");
         assert_eq!(b.statement, b"stmt");
         assert_eq!(bind_names(&body), Some((&b"portal"[..], &b"stmt"[..])));
-        assert_eq!(b.param_formats, vec![1, 1, 1]);
-        assert_eq!(b.params, vec![Some(&b"ab"[..]), None, Some(&b""[..])]);
-        assert_eq!(b.result_formats, vec![1]);
+        assert_eq!(b.param_formats.as_slice(), [1, 1, 1]);
+        assert_eq!(
+            b.params.as_slice(),
+            [Some(&b"ab"[..]), None, Some(&b""[..])]
+        );
+        assert_eq!(b.result_formats.as_slice(), [1]);
         let body2 = bind_body(&[], &[Some(b"x")], &[]);
         let b2 = bind(&body2).unwrap();
-        assert_eq!(b2.param_formats, vec![0]);
-        assert_eq!(b2.result_formats, vec![0]);
+        assert_eq!(b2.param_formats.as_slice(), [0]);
+        assert_eq!(b2.result_formats.as_slice(), [0]);
         let body3 = bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]);
         let b3 = bind(&body3).unwrap();
-        assert_eq!(b3.result_formats, vec![0, 1]);
+        assert_eq!(b3.result_formats.as_slice(), [0, 1]);
     }
 
     #[test]

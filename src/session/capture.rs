@@ -16,8 +16,14 @@ pub(super) struct Capture {
 enum Sink {
     /// Stored when complete.
     Fill(Fill),
-    /// Compared with the entry the cache would have served (shadow mode).
-    Compare(Bytes),
+    /// Compared with the entry the cache would have served (shadow mode),
+    /// frame by frame as it arrives, never copied: `at` bytes of `stored`
+    /// were compared, and were the same if `same`.
+    Compare {
+        stored: Bytes,
+        at: usize,
+        same: bool,
+    },
     /// A served hit the correctness sampler checks.
     Verify(Box<Check>),
 }
@@ -42,7 +48,11 @@ impl Capture {
 
     /// Shadow mode: the answer is checked against `stored`.
     pub fn compare(stored: Bytes) -> Self {
-        Self::with(Sink::Compare(stored))
+        Self::with(Sink::Compare {
+            stored,
+            at: 0,
+            same: true,
+        })
     }
 
     /// A served hit, checked against PostgreSQL's answer.
@@ -56,9 +66,16 @@ impl Capture {
     }
 
     fn with(sink: Sink) -> Self {
+        // Room for a small answer (or the one expected) at once: growing
+        // frame by frame reallocates on nearly every read.
+        let room = match &sink {
+            Sink::Fill(_) => 512,
+            Sink::Compare { .. } => 0,
+            Sink::Verify(check) => check.served.len(),
+        };
         Self {
             sink,
-            buf: BytesMut::new(),
+            buf: BytesMut::with_capacity(room),
             ok: true,
         }
     }
@@ -79,6 +96,12 @@ impl Capture {
                 | be::COPY_DATA
                 | be::COPY_DONE
         );
+        if let Sink::Compare { stored, at, same } = &mut self.sink {
+            self.ok &= storable;
+            *same = *same && stored.get(*at..*at + frame.len()) == Some(frame);
+            *at += frame.len();
+            return;
+        }
         if self.ok && storable && self.buf.len() + frame.len() <= max {
             self.buf.extend_from_slice(frame);
         } else if self.ok {
@@ -95,8 +118,8 @@ impl Capture {
         }
         Some(match self.sink {
             Sink::Fill(fill) => Captured::Store(fill, self.buf),
-            Sink::Compare(stored) => Captured::Compared {
-                matched: stored == self.buf,
+            Sink::Compare { stored, at, same } => Captured::Compared {
+                matched: same && at == stored.len(),
             },
             Sink::Verify(check) => Captured::Verified(check, self.buf),
         })

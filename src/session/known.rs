@@ -2,7 +2,7 @@
 //! prefix), its role, its prepared statements and portals, and the plans of
 //! the statement texts it ran.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -11,6 +11,10 @@ use super::plan::Plan;
 use crate::policy::Policy;
 
 const MAX_PLANS: usize = 4096;
+
+/// Looked up on every statement: foldhash, not SipHash (its keys are the
+/// session's own, or digests).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 fn current(plan: Option<&Arc<Plan>>, generation: u64, policy_generation: u64) -> Option<Arc<Plan>> {
     plan.filter(|p| p.generation == generation && p.policy_generation == policy_generation)
@@ -53,10 +57,10 @@ impl Known {
             policy,
             role: None,
             warned: HashSet::new(),
-            plans: HashMap::new(),
-            shape_plans: HashMap::new(),
-            statements: HashMap::new(),
-            portals: HashMap::new(),
+            plans: HashMap::default(),
+            shape_plans: HashMap::default(),
+            statements: HashMap::default(),
+            portals: HashMap::default(),
             unsent_parses: Vec::new(),
         }
     }

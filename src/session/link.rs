@@ -326,11 +326,9 @@ where
         }
         let wait = self.app.config().pool.query_wait_timeout();
         tracing::trace!(status = ?self.tx.status, "taking a server connection");
-        let client = self.entry.as_ref().map(|e| Arc::clone(&e.client));
-        if let Some(client) = &client {
-            client.set(Activity::Waiting);
-        }
-        let id = client.as_ref().map_or(0, |c| c.id);
+        let client = Arc::clone(&self.entry.client);
+        client.set(Activity::Waiting);
+        let id = client.id;
         let taken = self
             .app
             .pool
@@ -340,16 +338,12 @@ where
         let (mut lease, stream) = match taken {
             Ok(taken) => taken,
             Err(e) => {
-                if let Some(client) = &client {
-                    client.set(Activity::Idle);
-                }
+                client.set(Activity::Idle);
                 return Err(SessionError::Pool(e));
             }
         };
         let server = lease.server();
-        if let Some(client) = &client {
-            client.hold(server.id, server.key.backend_pid);
-        }
+        client.hold(server.id, server.key.backend_pid);
         self.backend = stream;
         self.backend_addr = server.addr.clone();
         self.backend_key = Some(server.key.clone());
@@ -444,9 +438,7 @@ where
         if let Some(cancel) = &self.cancel {
             cancel.retarget(None);
         }
-        if let Some(entry) = &self.entry {
-            entry.client.hold(0, 0);
-        }
+        self.entry.client.hold(0, 0);
     }
 
     /// Closes the held connection: it is in a state no other client may
@@ -506,9 +498,7 @@ where
             .with_label_values(&[why.as_str()])
             .inc();
         self.link.pinned = Some(why);
-        if let Some(entry) = &self.entry {
-            entry.client.pin(why.as_str());
-        }
+        self.entry.client.pin(why.as_str());
     }
 
     /// Transaction mode, for a client pgcache can log in for: what

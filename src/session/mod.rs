@@ -206,13 +206,12 @@ async fn admit(
     let mut session = Session::new(
         Arc::clone(app),
         client,
-        backend,
-        addr,
+        (backend, addr),
         book,
         link,
         negotiated.startup,
+        entry,
     );
-    session.entry = Some(entry);
     run(&mut session, &negotiated.raw, secret).await;
     // A connection PostgreSQL asked a password for is kept only for
     // clients pgcache authenticates itself.
@@ -286,13 +285,12 @@ async fn admit_pooled(
     let mut session = Session::new(
         Arc::clone(app),
         client,
-        backend,
-        addr,
+        (backend, addr),
         ServerBook::new(false),
         Link::pooled(pool, state, learning),
         negotiated.startup,
+        entry,
     );
-    session.entry = Some(entry);
     run(&mut session, &negotiated.raw, None).await;
     session.release_at_end();
     Ok(())

@@ -23,6 +23,7 @@ use crate::backend::BackendStream;
 use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
+use crate::pool::clients::ClientEntry;
 use crate::pool::marks::marks;
 use crate::pool::prepared::Reply;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
@@ -31,6 +32,7 @@ use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
 use crate::scram::ClientSecret;
+use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -76,7 +78,7 @@ pub(super) struct Session<C> {
     pub(super) backend_key: Option<CancelTarget>,
     pub(super) cancel: Option<CancelGuard>,
     /// The session's line in `SHOW CLIENTS`.
-    pub(super) entry: Option<crate::pool::clients::ClientEntry>,
+    pub(super) entry: ClientEntry,
     _gauge: ConnectionGauge,
 }
 
@@ -102,16 +104,17 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// A session on `backend`: a new connection to log in, or a parked one
-    /// whose login frames are in its read buffer (`server` says which).
+    /// A session on `backend` (and its address): a new connection to log
+    /// in, or a parked one whose login frames are in its read buffer
+    /// (`server` says which).
     pub fn new(
         app: Arc<App>,
         client: FramedStream<C>,
-        backend: FramedStream<BackendStream>,
-        backend_addr: UpstreamAddr,
+        (backend, backend_addr): (FramedStream<BackendStream>, UpstreamAddr),
         server: ServerBook,
         link: Link,
         startup: Startup,
+        entry: ClientEntry,
     ) -> Self {
         Self {
             link,
@@ -137,7 +140,7 @@ where
             draining: false,
             backend_key: None,
             cancel: None,
-            entry: None,
+            entry,
         }
     }
 
@@ -207,8 +210,16 @@ where
         if !self.client.buffered().is_empty() && self.on_client_data().await? == Flow::Close {
             return Ok(());
         }
-        let drain = self.app.drain.clone();
-        let force = self.app.force.clone();
+        // Shutting down reaches a registered session through its entry
+        // ([`crate::shutdown`]); one that registered after it began sees
+        // the app's tokens here.
+        let client = Arc::clone(&self.entry.client);
+        let shutdown = &client.shutdown;
+        if self.app.force.is_cancelled() {
+            shutdown.raise(Stage::Force);
+        } else if self.app.drain.is_cancelled() {
+            shutdown.raise(Stage::Drain);
+        }
         let timeouts = IdleTimeouts::new(&self.app.config().server);
         let mut last_activity = tokio::time::Instant::now();
         loop {
@@ -217,7 +228,7 @@ where
             let deadline = timeouts.deadline(waiting, self.tx.status, last_activity);
             let flow = tokio::select! {
                 biased;
-                _ = force.cancelled() => {
+                _ = shutdown.wait(Stage::Force) => {
                     let e = SessionError::refused(
                         sqlstate::ADMIN_SHUTDOWN,
                         "terminating connection: pgcache shutdown timeout reached",
@@ -237,7 +248,7 @@ where
                     }
                     Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)) }
                 },
-                _ = drain.cancelled(), if !self.draining => {
+                _ = shutdown.wait(Stage::Drain), if !self.draining => {
                     self.draining = true;
                     self.close_if_drained().await
                 }
@@ -384,9 +395,7 @@ where
             self.cancel = Some(guard);
             return messages::backend_key_data(pid, &secret);
         }
-        if let Some(entry) = &self.entry {
-            entry.client.own(backend_pid);
-        }
+        self.entry.client.own(backend_pid);
         let (pid, secret, guard) = self.app.cancel.register(target, ClientPid::Backend);
         self.cancel = Some(guard);
         messages::backend_key_data(pid, &secret)
