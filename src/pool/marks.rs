@@ -91,15 +91,28 @@ impl Marks {
 /// positive only costs one reuse) word by word.
 pub fn marks(sql: &[u8]) -> Marks {
     let mut marks = Marks::default();
-    let mut words = Words { sql, pos: 0 };
     let mut previous: &[u8] = b"";
     // The word starts a statement: the first, or the first after a ';'.
     let mut first = true;
-    let mut last_end = 0;
-    while let Some((start, end)) = words.next() {
+    let mut pos = 0;
+    // One pass over the bytes: this runs on every Query and Parse.
+    while pos < sql.len() {
+        if !WORD_BYTE[usize::from(sql[pos])] {
+            first |= sql[pos] == b';';
+            pos += 1;
+            continue;
+        }
+        let start = pos;
+        while pos < sql.len() && WORD_BYTE[usize::from(sql[pos])] {
+            pos += 1;
+        }
+        let end = pos;
         let word = &sql[start..end];
-        first |= sql[last_end..start].contains(&b';');
-        let pin = if is(word, b"database") {
+        // Every word below starts with one of these: most words of a
+        // statement are let go after one look.
+        let pin = if !b"dhlprstu".contains(&word[0].to_ascii_lowercase()) {
+            None
+        } else if is(word, b"database") {
             marks.evicts = true;
             None
         } else if is(word, b"unlogged") {
@@ -119,10 +132,7 @@ pub fn marks(sql: &[u8]) -> Marks {
             marks.settings |= first;
             // A look ahead: the words after SET are scanned too
             // (`SET UNLOGGED`).
-            marks.taints |= sets_custom(&mut Words {
-                sql,
-                pos: words.pos,
-            });
+            marks.taints |= sets_custom(&mut Words { sql, pos });
             None
         } else if is(word, b"reset") || is(word, b"discard") {
             marks.settings |= first;
@@ -143,7 +153,6 @@ pub fn marks(sql: &[u8]) -> Marks {
         }
         previous = word;
         first = false;
-        last_end = end;
     }
     marks
 }
@@ -199,20 +208,35 @@ impl Iterator for Words<'_> {
     type Item = (usize, usize);
 
     fn next(&mut self) -> Option<(usize, usize)> {
-        let word_byte = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80;
-        while self.pos < self.sql.len() && !word_byte(self.sql[self.pos]) {
-            self.pos += 1;
-        }
+        let word_byte = |b: &u8| WORD_BYTE[usize::from(*b)];
+        self.pos += self.sql[self.pos..]
+            .iter()
+            .take_while(|b| !word_byte(b))
+            .count();
         if self.pos == self.sql.len() {
             return None;
         }
         let start = self.pos;
-        while self.pos < self.sql.len() && word_byte(self.sql[self.pos]) {
-            self.pos += 1;
-        }
+        self.pos += self.sql[self.pos..]
+            .iter()
+            .take_while(|b| word_byte(b))
+            .count();
         Some((start, self.pos))
     }
 }
+
+/// Bytes of identifier-like words: letters, digits, `_`, `$`, and any
+/// byte of a multibyte character.
+const WORD_BYTE: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || c == b'_' || c == b'$' || c >= 0x80;
+        b += 1;
+    }
+    table
+};
 
 #[cfg(test)]
 mod tests {

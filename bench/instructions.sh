@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# pgcache's own instructions per transaction, counted by callgrind: unlike
+# throughput on a shared 2-core machine, the count is the same from run to
+# run, so a few percent of difference is visible. Each route runs pgcache
+# under valgrind, warms it with 2,000 transactions, then counts 10,000
+# (4 clients, hot-key select-only, 1,000 keys):
+#   no-cache    --no-cache (frames relayed in bulk)
+#   shadow      cache.mode = "shadow" (the whole caching path on every
+#               statement, every answer compared with the would-be hit)
+#   cache       the default mode (nearly all hits), sampler off
+#   sampler     the default mode with the sampler at its default rate
+# and prints the ratios that bench/trust.sh targets (shadow / no-cache,
+# sampler / cache), in instructions.
+#   bench/instructions.sh [simple|prepared ...]   (default: both)
+source "$(dirname "$0")/lib.sh"
+if [ $# -gt 0 ]; then MODES=("$@"); else MODES=(simple prepared); fi
+command -v valgrind >/dev/null || apt_install valgrind
+
+build_pgcache
+start_postgres
+init_bench_db
+cat >"$RUNDIR/hotkey.sql" <<'SQL'
+\set aid random(1, 1000)
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+SQL
+printf '[cache]\nmode = "shadow"\n' >"$RUNDIR/shadow.toml"
+printf '[cache]\nverify_sample_rate = 0\n' >"$RUNDIR/cache.toml"
+printf '[cache]\nverify_sample_rate = 0.001\n' >"$RUNDIR/sampler.toml"
+
+# count ROUTE MODE FLAGS...: instructions per transaction.
+count() {
+    local route=$1 mode=$2; shift 2
+    local port metrics out="$RUNDIR/callgrind.$route.$mode"
+    port=$(free_port); metrics=$(free_port)
+    RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" "$PGCACHE_BIN" \
+        --listen "127.0.0.1:$port" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
+        --metrics "127.0.0.1:$metrics" "$@" >"$RUNDIR/valgrind.$route.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do
+        "$PGBIN/psql" -X -h 127.0.0.1 -p "$port" -U postgres -d bench -Atc 'SELECT 1' >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    bench_run() {
+        "$PGBIN/pgbench" -h 127.0.0.1 -p "$port" -U postgres -n -M "$mode" -f "$RUNDIR/hotkey.sql" \
+            -c 4 -j 2 -t "$1" bench >"$RUNDIR/pgbench.out" 2>&1 || { cat "$RUNDIR/pgbench.out" >&2; return 1; }
+    }
+    bench_run 500
+    callgrind_control -z "$pid" >/dev/null
+    bench_run 2500
+    callgrind_control -d "$pid" >/dev/null
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    callgrind_annotate "$out.1" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print int($1 / 10000)}'
+}
+
+printf '%-10s %12s %12s %12s %12s %10s %10s\n' mode no-cache shadow cache sampler shadow/nc sampler/c
+for mode in "${MODES[@]}"; do
+    nc=$(count no-cache "$mode" --no-cache)
+    shadow=$(count shadow "$mode" --config "$RUNDIR/shadow.toml")
+    cache=$(count cache "$mode" --config "$RUNDIR/cache.toml")
+    sampler=$(count sampler "$mode" --config "$RUNDIR/sampler.toml")
+    printf '%-10s %12s %12s %12s %12s %10s %10s\n' "$mode" "$nc" "$shadow" "$cache" "$sampler" \
+        "$(ratio "$shadow" "$nc")" "$(ratio "$sampler" "$cache")"
+done
