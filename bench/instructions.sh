@@ -45,9 +45,9 @@ count() {
             -c 4 -j 2 -t "$1" bench >"$RUNDIR/pgbench.out" 2>&1 || { cat "$RUNDIR/pgbench.out" >&2; return 1; }
     }
     bench_run 500
-    callgrind_control -z "$pid" >/dev/null
+    callgrind_control -z "$pid" >/dev/null 2>&1
     bench_run 2500
-    callgrind_control -d "$pid" >/dev/null
+    callgrind_control -d "$pid" >/dev/null 2>&1
     kill "$pid"; wait "$pid" 2>/dev/null || true
     callgrind_annotate "$out.1" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print int($1 / 10000)}'
 }
