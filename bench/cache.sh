@@ -17,10 +17,7 @@ start_pgcache "$PGCACHE_PORT"
 PGCACHE_PID=${PIDS[-1]}
 if start_pgpool 2>/dev/null; then HAVE_PGPOOL=1; else HAVE_PGPOOL=0; echo "Pgpool-II unavailable: its column is skipped" >&2; fi
 
-cat >"$RUNDIR/hotkey.sql" <<'SQL'
-\set aid random(1, 1000)
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-SQL
+hotkey_sql 1000
 echo 'SELECT bid, sum(abalance) FROM pgbench_accounts GROUP BY bid;' >"$RUNDIR/aggregate.sql"
 
 # latency PORT MODE: average latency in ms with one client.

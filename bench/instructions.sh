@@ -19,10 +19,7 @@ command -v valgrind >/dev/null || apt_install valgrind
 build_pgcache
 start_postgres
 init_bench_db
-cat >"$RUNDIR/hotkey.sql" <<'SQL'
-\set aid random(1, 1000)
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-SQL
+hotkey_sql 1000
 printf '[cache]\nmode = "shadow"\n' >"$RUNDIR/shadow.toml"
 printf '[cache]\nverify_sample_rate = 0\n' >"$RUNDIR/cache.toml"
 printf '[cache]\nverify_sample_rate = 0.001\n' >"$RUNDIR/sampler.toml"

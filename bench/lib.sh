@@ -49,6 +49,13 @@ init_bench_db() {
     "$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -i -s 10 -q bench >/dev/null 2>&1
 }
 
+# hotkey_sql KEYS: $RUNDIR/hotkey.sql, a pgbench script reading one of the
+# first KEYS accounts by primary key.
+hotkey_sql() {
+    printf '\\set aid random(1, %d)\nSELECT abalance FROM pgbench_accounts WHERE aid = :aid;\n' "$1" \
+        >"$RUNDIR/hotkey.sql"
+}
+
 build_pgcache() {
     (cd "$ROOT" && cargo build --release --locked -q)
     PGCACHE_BIN="$ROOT/target/release/pgcache"

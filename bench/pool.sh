@@ -28,10 +28,7 @@ OFF_PORT=$(free_port); start_pgcache "$OFF_PORT" --config "$TX" --no-cache
 ON_PORT=$(free_port);  start_pgcache "$ON_PORT" --config "$TX"
 BOUNCER_MODE=transaction BOUNCER_POOL_SIZE=$POOL BOUNCER_MAX_CLIENTS=2000 start_pgbouncer
 
-cat >"$RUNDIR/hotkey.sql" <<'SQL'
-\set aid random(1, 100)
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-SQL
+hotkey_sql 100
 
 # Server backends of the bench database, sampled during a run.
 peak_backends() {

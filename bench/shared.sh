@@ -52,10 +52,7 @@ for pair in "$A_PORT:$A_METRICS" "$B_PORT:$B_METRICS" "$C_PORT:$C_METRICS"; do
     done
 done
 
-cat >"$RUNDIR/hotkey.sql" <<'SQL'
-\set aid random(1, 1000)
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-SQL
+hotkey_sql 1000
 echo 'SELECT bid, sum(abalance) FROM pgbench_accounts GROUP BY bid;' >"$RUNDIR/aggregate.sql"
 # Every one of the 1,000 keys, once, to fill Redis through A.
 python3 -c "

@@ -29,10 +29,7 @@ NOCACHE_PORT=$(free_port); start_pgcache "$NOCACHE_PORT" --no-cache
 SHADOW_PORT=$(free_port);  start_pgcache "$SHADOW_PORT" --config "$(config shadow '[cache]' 'mode = "shadow"')"
 SHADOW_METRICS=$METRICS_PORT
 
-cat >"$RUNDIR/hotkey.sql" <<'SQL'
-\set aid random(1, 1000)
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-SQL
+hotkey_sql 1000
 
 printf '%-22s %12s %12s %8s\n' workload baseline measured ratio
 declare -A PORT=([off]=$OFF_PORT [sampled]=$DEFAULT_PORT [nocache]=$NOCACHE_PORT [shadow]=$SHADOW_PORT)
