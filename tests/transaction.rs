@@ -160,10 +160,9 @@ async fn settings_stay_with_their_client_on_a_shared_connection() {
     assert_eq!(scalar(&utc, "SHOW TimeZone").await.as_deref(), Some("UTC"));
 }
 
-#[tokio::test]
-async fn cache_hits_take_no_server_connection() {
-    let pg = pg();
-    let db = pg.create_db("tx_hits");
+/// A new database with a table `items` holding (1, 'one').
+async fn items_db(pg: &Pg, name: &str) -> String {
+    let db = pg.create_db(name);
     pg.direct(&db)
         .await
         .batch_execute(
@@ -172,6 +171,13 @@ async fn cache_hits_take_no_server_connection() {
         )
         .await
         .unwrap();
+    db
+}
+
+#[tokio::test]
+async fn cache_hits_take_no_server_connection() {
+    let pg = pg();
+    let db = items_db(pg, "tx_hits").await;
     let proxy = Proxy::start(config(pg, 2)).await;
     let warm = proxy.connect(&db).await;
     proxy.wait_streaming(&db).await;
@@ -478,15 +484,7 @@ async fn connections_older_than_a_role_setting_are_not_reused() {
 #[tokio::test]
 async fn sampled_hits_are_checked_on_a_pool_connection_off_the_clients_path() {
     let pg = pg();
-    let db = pg.create_db("tx_sampler");
-    pg.direct(&db)
-        .await
-        .batch_execute(
-            "CREATE TABLE items(id int PRIMARY KEY, name text); \
-             INSERT INTO items VALUES (1, 'one')",
-        )
-        .await
-        .unwrap();
+    let db = items_db(pg, "tx_sampler").await;
     let mut config = config(pg, 2);
     config.cache.verify_sample_rate = 1.0;
     config.cache.verify_max_per_sec = 1000;

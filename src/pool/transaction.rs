@@ -619,6 +619,15 @@ fn server_error(frame: &[u8]) -> PoolError {
 
 /// Reads a login from AuthenticationOk to the first ReadyForQuery: the
 /// backend's key and the parameters it reported.
+/// The next frame of a connection logging in.
+async fn login_frame(stream: &mut FramedStream<BackendStream>) -> Result<BytesMut, PoolError> {
+    match stream.read_frame().await {
+        Ok(Some(frame)) => Ok(frame),
+        Ok(None) => Err(PoolError::Login("PostgreSQL closed the connection".into())),
+        Err(e) => Err(PoolError::Login(e.to_string())),
+    }
+}
+
 async fn read_login(
     stream: &mut FramedStream<BackendStream>,
     addr: &UpstreamAddr,
@@ -626,11 +635,7 @@ async fn read_login(
     let mut statuses = Statuses::default();
     let mut key = None;
     loop {
-        let frame = match stream.read_frame().await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return Err(PoolError::Login("PostgreSQL closed the connection".into())),
-            Err(e) => return Err(PoolError::Login(e.to_string())),
-        };
+        let frame = login_frame(stream).await?;
         let body = &frame[HEADER_LEN..];
         match frame[0] {
             be::AUTHENTICATION => {
@@ -672,11 +677,7 @@ async fn check(stream: &mut FramedStream<BackendStream>) -> Result<Box<str>, Poo
     let mut answer = String::new();
     let mut failed = None;
     loop {
-        let frame = match stream.read_frame().await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return Err(PoolError::Login("PostgreSQL closed the connection".into())),
-            Err(e) => return Err(PoolError::Login(e.to_string())),
-        };
+        let frame = login_frame(stream).await?;
         match frame[0] {
             be::DATA_ROW => {
                 for value in extended::data_row(&frame[HEADER_LEN..]).unwrap_or_default() {
