@@ -141,16 +141,19 @@ impl Proxy {
         self.learn_all(db).await;
     }
 
-    /// Waits until the database's replication stream is up and a
-    /// heartbeat has come back through it (the cache is served only then).
+    /// Waits until the database's replication stream is up and has applied
+    /// every change committed before this call: the cache is served only
+    /// then, and an invalidation still in flight would otherwise evict a
+    /// result the test stores next.
     pub async fn wait_stream(&self, db: &str) {
         if self.app.cache.replication_on() {
             let state = self.app.cache.db(db);
+            let now = std::time::Instant::now();
             eventually(
                 Duration::from_secs(20),
                 "a current replication stream",
                 || {
-                    let up = state.stream.is_current();
+                    let up = state.stream.is_current() && state.stream.covers(now);
                     async move { up.then_some(()) }
                 },
             )
