@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A driver's own test suite, run directly against PostgreSQL and through
-# pgcache (cache on) in one run: node-postgres's integration tests, one file
-# at a time as its Makefile runs them. Prints per route the test files and
-# tests that passed, and every file whose outcome differs.
+# pgcache (cache on; session mode and transaction pooling) in one run:
+# node-postgres's integration tests, one file at a time as its Makefile
+# runs them. Prints per route the test files and tests that passed, and
+# every file whose outcome differs from the direct run.
 #
 #   NODE_POSTGRES_SRC=/path/to/node-postgres bench/driver-suite.sh
 #
@@ -45,11 +46,17 @@ start_postgres
 build_pgcache
 PROXY_PORT=$(free_port)
 start_pgcache "$PROXY_PORT"
+PROXY_METRICS=$METRICS_PORT
+# The same with transaction pooling: statements prepared once per server
+# connection, settings carried from client to connection, pins.
+printf '[pool]\nmode = "transaction"\ndefault_pool_size = 10\n' >"$RUNDIR/transaction.toml"
+TX_PORT=$(free_port)
+start_pgcache "$TX_PORT" --config "$RUNDIR/transaction.toml"
+TX_METRICS=$METRICS_PORT
 
 # run_suite LABEL PORT: each test file's exit status and ticks, per line.
 run_suite() {
     local label=$1 port=$2 db="driver_$1"
-    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "$db"
     mkdir -p "$RUNDIR/out/$label"
     (cd "$DRIVER" && find test/integration -name '*-tests.js' | sort) | while read -r file; do
         local log="$RUNDIR/out/$label/$(echo "$file" | tr / _).log" status=0
@@ -59,28 +66,38 @@ run_suite() {
     done >"$RUNDIR/$label.results"
 }
 
+# Every database is made before any suite runs: a suite's psql connects to
+# template1, and a pooler's idle connection there (pgcache's as
+# PgBouncer's) would make a later CREATE DATABASE, sent directly, fail.
+for route in direct pgcache transaction; do
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "driver_$route"
+done
 run_suite direct "$PGPORT"
 run_suite pgcache "$PROXY_PORT"
+run_suite transaction "$TX_PORT"
 
 summary() {
     awk '{ files++; if ($2 == 0) ok++; ticks += $3 } END {
-        printf "%-8s %d/%d test files pass, %d tests pass\n", label, ok, files, ticks }' label="$1" "$RUNDIR/$1.results"
+        printf "%-12s %d/%d test files pass, %d tests pass\n", label, ok, files, ticks }' label="$1" "$RUNDIR/$1.results"
 }
+outcomes() { awk '{print $1, ($2 == 0 ? "pass" : "FAIL"), $3}' "$RUNDIR/$1.results"; }
 echo "node-postgres $(cd "$DRIVER" && node -p 'require("./package.json").version') integration tests (PostgreSQL $("$PGBIN/postgres" --version | awk '{print $3}'))"
-summary direct
-summary pgcache
-if diff <(awk '{print $1, ($2 == 0 ? "pass" : "FAIL"), $3}' "$RUNDIR/direct.results") \
-        <(awk '{print $1, ($2 == 0 ? "pass" : "FAIL"), $3}' "$RUNDIR/pgcache.results") >"$RUNDIR/differ.txt"; then
-    echo "no file differs"
-else
-    echo "files that differ (< direct, > through pgcache):"
-    cat "$RUNDIR/differ.txt"
-    for file in $(grep '^>' "$RUNDIR/differ.txt" | awk '$3 == "FAIL" {print $2}'); do
-        echo "--- $file through pgcache:"
-        tail -20 "$RUNDIR/out/pgcache/$(echo "$file" | tr / _).log"
-    done
-fi
+for route in direct pgcache transaction; do summary "$route"; done
+for route in pgcache transaction; do
+    if diff <(outcomes direct) <(outcomes "$route") >"$RUNDIR/differ-$route.txt"; then
+        echo "$route: no file differs"
+    else
+        echo "$route: files that differ (< direct, > through pgcache):"
+        cat "$RUNDIR/differ-$route.txt"
+        for file in $(grep '^>' "$RUNDIR/differ-$route.txt" | awk '$3 == "FAIL" {print $2}'); do
+            echo "--- $file through $route:"
+            tail -20 "$RUNDIR/out/$route/$(echo "$file" | tr / _).log"
+        done
+    fi
+done
 echo "files failing on both routes: $(awk '$2 != 0 {print $1}' "$RUNDIR/direct.results" | tr '\n' ' ')"
-echo "pgcache's lookups during the run:"
-python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
-    "http://127.0.0.1:$METRICS_PORT/metrics" | grep '^pgcache_cache_lookups_total' || true
+for route in pgcache:$PROXY_METRICS transaction:$TX_METRICS; do
+    echo "${route%%:*}'s lookups during the run:"
+    python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        "http://127.0.0.1:${route#*:}/metrics" | grep -E '^pgcache_(cache_lookups_total|pool_pins_total)' || true
+done

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # PostgreSQL's own regression suite (pg_regress), in one run: directly,
 # through PgBouncer (session mode), through pgcache with caching on and
-# through pgcache --no-cache (and with caching on but replication off, to
-# tell the stream's share). Prints each run's wall time, its ratio to the
-# direct run, and the tests that failed on a route but not directly.
+# through pgcache --no-cache, with caching on but replication off (to tell
+# the stream's share) and in transaction pooling mode with caching on.
+# Prints each run's wall time, its ratio to the direct run, and the tests
+# that failed on a route but not directly.
 #   REGRESS_SRC=.../src/test/regress bench/regress.sh [parallel|serial|both]
 #   (ROUTES="cache no-cache" runs only those routes besides direct)
 # REGRESS_SRC is src/test/regress of a PostgreSQL source tree of the
@@ -35,6 +36,13 @@ printf '[replication]\nenabled = false\n' >"$RUNDIR/norepl.toml"
 NOREPL_PORT=$(free_port)
 start_pgcache "$NOREPL_PORT" --config "$RUNDIR/norepl.toml"
 NOREPL_PID=$PGCACHE_PID
+# Transaction pooling with caching on: what pins, what moves between
+# connections, and what is tracked per client must leave every test's
+# answers as they are directly.
+printf '[pool]\nmode = "transaction"\ndefault_pool_size = 20\n' >"$RUNDIR/transaction.toml"
+TX_PORT=$(free_port)
+start_pgcache "$TX_PORT" --config "$RUNDIR/transaction.toml"
+TX_PID=$PGCACHE_PID
 BOUNCER_PID=$(cat "$RUNDIR/pgbouncer/pgbouncer.pid")
 POSTMASTER_PID=$(head -1 "$RUNDIR/pgdata/postmaster.pid")
 
@@ -85,11 +93,12 @@ for schedule in parallel serial; do
     [ "$SCHEDULES" = both ] || [ "$SCHEDULES" = "$schedule" ] || continue
     direct=""
     for route in direct:"$PGPORT":0 pgbouncer:"$BOUNCER_PORT":"$BOUNCER_PID" cache:"$CACHE_PORT":"$CACHE_PID" \
-        no-cache:"$PASS_PORT":"$PASS_PID" cache-norepl:"$NOREPL_PORT":"$NOREPL_PID"; do
+        no-cache:"$PASS_PORT":"$PASS_PID" cache-norepl:"$NOREPL_PORT":"$NOREPL_PID" \
+        transaction:"$TX_PORT":"$TX_PID"; do
         IFS=: read -r route port pid <<<"$route"
         name="${schedule}_$route"
         # ROUTES="direct cache" runs only those (direct always runs).
-        case " direct ${ROUTES:-direct pgbouncer cache no-cache cache-norepl} " in
+        case " direct ${ROUTES:-direct pgbouncer cache no-cache cache-norepl transaction} " in
             *" $route "*) ;;
             *) continue ;;
         esac

@@ -36,7 +36,7 @@ pub enum ClientPid {
 /// The backend a key cancels: fixed for a session that keeps its backend,
 /// moved by a pooled session each time it takes a server connection (and
 /// emptied between them, when there is nothing to cancel).
-type Slot = Arc<Mutex<Option<CancelTarget>>>;
+type Slot = Arc<Mutex<Option<Arc<CancelTarget>>>>;
 
 struct Entry {
     secret: Vec<u8>,
@@ -62,7 +62,7 @@ pub struct CancelGuard {
 
 impl CancelGuard {
     /// A pooled session's key now cancels on `target` (`None`: nothing).
-    pub fn retarget(&self, target: Option<CancelTarget>) {
+    pub fn retarget(&self, target: Option<Arc<CancelTarget>>) {
         *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;
     }
 }
@@ -95,7 +95,7 @@ impl CancelRegistry {
     ) -> (u32, Vec<u8>, CancelGuard) {
         let pid = (shown == ClientPid::Backend).then_some(target.backend_pid);
         let len = target.backend_secret.len().max(4);
-        self.add(pid, len, Some(target))
+        self.add(pid, len, Some(Arc::new(target)))
     }
 
     /// Registers a pooled session, whose key cancels on whichever server
@@ -109,7 +109,7 @@ impl CancelRegistry {
         self: &Arc<Self>,
         pid: Option<u32>,
         secret_len: usize,
-        target: Option<CancelTarget>,
+        target: Option<Arc<CancelTarget>>,
     ) -> (u32, Vec<u8>, CancelGuard) {
         let mut rng = rand::rng();
         let mut map = self.lock();
@@ -140,7 +140,7 @@ impl CancelRegistry {
     }
 
     /// The backend to cancel for a client's key, if the key is valid.
-    pub fn lookup(&self, pid: u32, secret: &[u8]) -> Option<CancelTarget> {
+    pub fn lookup(&self, pid: u32, secret: &[u8]) -> Option<Arc<CancelTarget>> {
         let map = self.lock();
         let entries = map.get(&pid)?;
         // Every candidate is compared, so the time taken tells nothing.
@@ -240,9 +240,9 @@ mod tests {
         let reg = Arc::new(CancelRegistry::default());
         let (pid, secret, guard) = reg.register_pooled();
         assert!(reg.lookup(pid, &secret).is_none(), "nothing held yet");
-        guard.retarget(Some(target(5)));
+        guard.retarget(Some(Arc::new(target(5))));
         assert_eq!(reg.lookup(pid, &secret).unwrap().backend_pid, 5);
-        guard.retarget(Some(target(6)));
+        guard.retarget(Some(Arc::new(target(6))));
         assert_eq!(reg.lookup(pid, &secret).unwrap().backend_pid, 6);
         guard.retarget(None);
         assert!(reg.lookup(pid, &secret).is_none());

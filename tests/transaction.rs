@@ -144,11 +144,15 @@ async fn settings_stay_with_their_client_on_a_shared_connection() {
             Some("Asia/Tokyo")
         );
     }
-    assert_eq!(
-        scalar(&tokyo, "SELECT pg_backend_pid()").await,
-        scalar(&utc, "SELECT pg_backend_pid()").await,
-        "both ran on the pool's one connection"
-    );
+    let servers: usize = proxy
+        .app
+        .pool
+        .pooled
+        .all()
+        .iter()
+        .map(|p| p.servers().len())
+        .sum();
+    assert_eq!(servers, 1, "both ran on the pool's one connection");
     assert!(
         proxy.hits() > 0,
         "the reads were cached, each under its client's settings"
@@ -158,6 +162,67 @@ async fn settings_stay_with_their_client_on_a_shared_connection() {
     let default = scalar(&direct, "SHOW TimeZone").await;
     assert_eq!(scalar(&tokyo, "SHOW TimeZone").await, default);
     assert_eq!(scalar(&utc, "SHOW TimeZone").await.as_deref(), Some("UTC"));
+}
+
+#[tokio::test]
+async fn a_reset_startup_parameter_goes_back_to_the_clients_value() {
+    let pg = pg();
+    let db = pg.create_db("tx_reset");
+    let proxy = Proxy::start(config(pg, 1)).await;
+    let connect = || async {
+        let mut config: tokio_postgres::Config = proxy.dsn("postgres", &db).parse().unwrap();
+        config.options("-c DateStyle=Postgres,MDY");
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    let client = connect().await;
+    // Another client of the pool's one connection, with the server's
+    // default.
+    let other = proxy.connect(&db).await;
+    let style = "SHOW DateStyle";
+    assert_eq!(
+        scalar(&client, style).await.as_deref(),
+        Some("Postgres, MDY")
+    );
+    for reset in [
+        "RESET DateStyle",
+        "SET DateStyle TO DEFAULT",
+        "RESET ALL",
+        "DISCARD ALL",
+    ] {
+        client
+            .batch_execute("SET DateStyle = 'German'")
+            .await
+            .unwrap();
+        assert_eq!(scalar(&other, style).await.as_deref(), Some("ISO, MDY"));
+        assert_eq!(scalar(&client, style).await.as_deref(), Some("German, DMY"));
+        client.batch_execute(reset).await.unwrap();
+        // The same connection at once, and after another client had it.
+        assert_eq!(
+            scalar(&client, style).await.as_deref(),
+            Some("Postgres, MDY"),
+            "after {reset}"
+        );
+        assert_eq!(scalar(&other, style).await.as_deref(), Some("ISO, MDY"));
+        assert_eq!(
+            scalar(&client, style).await.as_deref(),
+            Some("Postgres, MDY"),
+            "after {reset} and another client"
+        );
+    }
+    // A pinned client keeps its connection, and its startup value too.
+    let pinned = connect().await;
+    drop(other);
+    pinned
+        .batch_execute("CREATE TEMP TABLE scratch(a int); SET DateStyle = 'SQL'")
+        .await
+        .unwrap();
+    pinned.batch_execute("RESET DateStyle").await.unwrap();
+    assert_eq!(
+        scalar(&pinned, style).await.as_deref(),
+        Some("Postgres, MDY")
+    );
 }
 
 /// A new database with a table `items` holding (1, 'one').
@@ -316,7 +381,8 @@ async fn a_client_killed_mid_transaction_frees_its_connection() {
     assert_eq!(
         scalar(
             &next,
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid'"
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.locktype = 'transactionid' AND a.datname = current_database()"
         )
         .await
         .as_deref(),
@@ -330,36 +396,84 @@ async fn terminated_pool_connections_are_replaced() {
     let db = pg.create_db("tx_terminated");
     let proxy = Proxy::start(config(pg, 2)).await;
     let client = proxy.connect(&db).await;
-    let before = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
-    let direct = pg.direct(&db).await;
-    let pids: Vec<u32> = proxy
-        .app
-        .pool
-        .pooled
-        .all()
-        .iter()
-        .flat_map(|p| p.servers())
-        .filter(|s| !s.active)
-        .map(|s| s.pid)
-        .collect();
+    client.batch_execute("SELECT 1").await.unwrap();
+    let idle_pids = || -> Vec<u32> {
+        proxy
+            .app
+            .pool
+            .pooled
+            .all()
+            .iter()
+            .flat_map(|p| p.servers())
+            .filter(|s| !s.active)
+            .map(|s| s.pid)
+            .collect()
+    };
+    let pids = idle_pids();
     assert!(!pids.is_empty(), "an idle pooled connection");
-    for pid in &pids {
-        direct
-            .batch_execute(&format!("SELECT pg_terminate_backend({pid})"))
-            .await
-            .unwrap();
-    }
+    let direct = pg.direct(&db).await;
+    let listed = pids
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    direct
+        .batch_execute(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid IN ({listed})"
+        ))
+        .await
+        .unwrap();
     eventually(WAIT, "the backends to be gone", || async {
         let left = scalar(
             &direct,
-            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {before}"),
+            &format!("SELECT count(*) FROM pg_stat_activity WHERE pid IN ({listed})"),
         )
         .await;
         (left.as_deref() == Some("0")).then_some(())
     })
     .await;
-    let after = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
-    assert_ne!(before, after, "a new connection serves the client");
+    assert_eq!(scalar(&client, "SELECT 2").await.as_deref(), Some("2"));
+    let now = idle_pids();
+    assert!(!now.is_empty(), "a new connection served the client");
+    assert!(
+        now.iter().all(|pid| !pids.contains(pid)),
+        "{now:?} are new, not {pids:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_learned_its_backend_pid_keeps_that_backend() {
+    let pg = pg();
+    let db = pg.create_db("tx_backend_pid");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let (client, connection) =
+        tokio_postgres::connect(&proxy.dsn("postgres", &db), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let connection = tokio::spawn(connection);
+    let pid = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
+    let other = proxy.connect(&db).await;
+    other.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        scalar(&client, "SELECT pg_backend_pid()").await.as_deref(),
+        Some(pid.as_str()),
+        "the same backend while another client holds the other connection"
+    );
+    other.batch_execute("COMMIT").await.unwrap();
+    let pins = &proxy.app.metrics.pooled.pins;
+    assert_eq!(pins.with_label_values(&["backend_pid"]).get(), 1);
+    // As directly, terminating that backend ends the client's session
+    // (node-postgres's test of its issue 130 does this).
+    other
+        .batch_execute(&format!("SELECT pg_terminate_backend({pid})"))
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(WAIT, connection)
+        .await
+        .expect("the session ends")
+        .unwrap();
+    let error = ended.expect_err("the session ends with an error");
+    assert_eq!(error.code().map(|c| c.code()), Some("57P01"), "{error}");
 }
 
 #[tokio::test]
@@ -585,13 +699,16 @@ async fn clients_outlive_a_server_restart() {
     config.replication.enabled = false;
     let proxy = Proxy::start(config).await;
     let client = proxy.connect(&db).await;
-    let before = scalar(&client, "SELECT pg_backend_pid()").await.unwrap();
+    // (Not pg_backend_pid(), which would pin the client to a backend the
+    // restart ends.)
+    let started = "SELECT pg_postmaster_start_time()::text";
+    let before = scalar(&client, started).await.unwrap();
     pg.stop();
     pg.restart();
     // The client held no connection across the restart: its next
     // statement takes a new one.
     let after = eventually(WAIT, "a statement after the restart", || async {
-        let answer = client.simple_query("SELECT pg_backend_pid()::text").await;
+        let answer = client.simple_query(started).await;
         answer.ok()?.into_iter().find_map(|m| match m {
             tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
             _ => None,

@@ -37,10 +37,14 @@ pub enum Pin {
     /// PostgreSQL asked this client for a password in passthrough mode:
     /// pgcache cannot log in for it on another connection.
     Password,
+    /// `pg_backend_pid()`: the client learned a backend's process id, to
+    /// find itself in `pg_stat_activity` or to signal it; the id stays
+    /// its own, as it would be directly.
+    BackendPid,
 }
 
 impl Pin {
-    pub const ALL: [Pin; 7] = [
+    pub const ALL: [Pin; 8] = [
         Pin::TempObjects,
         Pin::Listen,
         Pin::AdvisoryLock,
@@ -48,6 +52,7 @@ impl Pin {
         Pin::SqlPrepare,
         Pin::Load,
         Pin::Password,
+        Pin::BackendPid,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -59,6 +64,7 @@ impl Pin {
             Pin::SqlPrepare => "sql_prepare",
             Pin::Load => "load",
             Pin::Password => "password",
+            Pin::BackendPid => "backend_pid",
         }
     }
 }
@@ -145,6 +151,8 @@ pub fn marks(sql: &[u8]) -> Marks {
             Some(Pin::HoldCursor)
         } else if is_advisory_lock(word) {
             Some(Pin::AdvisoryLock)
+        } else if is(word, b"pg_backend_pid") {
+            Some(Pin::BackendPid)
         } else {
             None
         };
@@ -295,6 +303,7 @@ mod tests {
         );
         assert_eq!(pin("PREPARE q AS SELECT 1"), Some(Pin::SqlPrepare));
         assert_eq!(pin("LOAD 'auto_explain'"), Some(Pin::Load));
+        assert_eq!(pin("SELECT pg_backend_pid()"), Some(Pin::BackendPid));
         assert_eq!(pin("SELECT pg_advisory_xact_lock(1)"), None);
         assert_eq!(pin("DECLARE c CURSOR WITHOUT HOLD FOR SELECT 1"), None);
         assert_eq!(pin("SELECT listen, prepare FROM t"), None);

@@ -94,8 +94,10 @@ impl PoolKey {
 /// The latest ParameterStatus frame of each parameter, in the order
 /// PostgreSQL first reported them: what a reused connection's client is
 /// told at login.
+/// Names and frames are shared, not copied, when a login's statuses are
+/// handed to each client of a pool.
 #[derive(Debug, Default, Clone)]
-pub struct Statuses(Vec<(Box<[u8]>, Bytes)>);
+pub struct Statuses(Vec<(Bytes, Bytes)>);
 
 impl Statuses {
     /// Notes a ParameterStatus frame (header included).
@@ -104,7 +106,9 @@ impl Statuses {
         let name = body.split(|b| *b == 0).next().unwrap_or_default();
         match self.0.iter_mut().find(|(n, _)| **n == *name) {
             Some((_, f)) => *f = Bytes::copy_from_slice(frame),
-            None => self.0.push((name.into(), Bytes::copy_from_slice(frame))),
+            None => self
+                .0
+                .push((Bytes::copy_from_slice(name), Bytes::copy_from_slice(frame))),
         }
     }
 

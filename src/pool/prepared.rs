@@ -19,7 +19,8 @@ use crate::protocol::{backend as be, extended, frontend as fe, messages};
 /// when each was last used.
 #[derive(Default)]
 pub struct ServerStatements {
-    used: HashMap<u128, u64>,
+    /// Looked up at every Bind: a fast hash.
+    used: HashMap<u128, u64, foldhash::fast::RandomState>,
     tick: u64,
     /// Which Parse made its unnamed statement, if pgcache knows it.
     unnamed: Option<u128>,
@@ -74,9 +75,24 @@ impl ServerStatements {
     }
 }
 
-/// pgcache's name for a statement on server connections.
-pub fn server_name(hash: u128) -> String {
-    format!("__pgcache_{hash:032x}")
+/// pgcache's name for a statement on server connections,
+/// `__pgcache_<hash in 32 hex digits>`: made for every Bind, so on the stack.
+pub struct ServerName([u8; 42]);
+
+impl ServerName {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+pub fn server_name(hash: u128) -> ServerName {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut name = [0u8; 42];
+    name[..10].copy_from_slice(b"__pgcache_");
+    for (i, digit) in name[10..].iter_mut().enumerate() {
+        *digit = HEX[((hash >> (4 * (31 - i))) & 0xf) as usize];
+    }
+    ServerName(name)
 }
 
 /// Numbers unnamed Parses. Only an identity source: shared by instances
@@ -232,8 +248,7 @@ impl Translator {
             fe::PARSE => self.parse(frame, server, max, out),
             fe::BIND => match extended::bind_names(body) {
                 Some((_, statement)) => {
-                    let statement = Bytes::copy_from_slice(statement);
-                    self.with_statement(&statement, server, max, out, |name, out| {
+                    self.with_statement(statement, server, max, out, |name, out| {
                         let (portal, _) = extended::bind_names(body).expect("read above");
                         let rest = &body[portal.len() + 1 + statement.len() + 1..];
                         frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
@@ -244,8 +259,7 @@ impl Translator {
             },
             fe::DESCRIBE => match extended::target(body) {
                 Some((fe::TARGET_STATEMENT, name)) => {
-                    let name = Bytes::copy_from_slice(name);
-                    self.with_statement(&name, server, max, out, |server_name, out| {
+                    self.with_statement(name, server, max, out, |server_name, out| {
                         frame_of(
                             out,
                             fe::DESCRIBE,
@@ -376,7 +390,7 @@ impl Translator {
     /// first preparing it on the server if it is not there.
     fn with_statement(
         &mut self,
-        name: &Bytes,
+        name: &[u8],
         server: &mut ServerStatements,
         max: usize,
         out: &mut BytesMut,
@@ -565,9 +579,16 @@ impl Translator {
 /// (`DEALLOCATE`, `DISCARD ALL`/`PLANS`... are scanned for cheaply; a false
 /// positive only costs a re-prepare).
 fn deallocates(sql: &[u8]) -> bool {
-    let lower = sql.to_ascii_lowercase();
-    let has = |w: &[u8]| lower.windows(w.len()).any(|x| x == w);
-    has(b"deallocate") || has(b"discard")
+    // Every simple Query passes here: no copy, and only a 'd' is looked at
+    // further.
+    let at = |i: usize, word: &[u8]| {
+        sql.get(i..i + word.len())
+            .is_some_and(|w| w.eq_ignore_ascii_case(word))
+    };
+    // `b | 0x20` is `d` for `d` and `D` only.
+    sql.iter()
+        .enumerate()
+        .any(|(i, &b)| b | 0x20 == b'd' && (at(i, b"deallocate") || at(i, b"discard")))
 }
 
 /// Writes one message of `parts`.
@@ -583,6 +604,37 @@ fn frame_of(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_names_are_the_hash_in_hex() {
+        for hash in [
+            0u128,
+            1,
+            0xdead_beef,
+            u128::MAX,
+            0x0123_4567_89ab_cdef << 64,
+        ] {
+            assert_eq!(
+                server_name(hash).as_bytes(),
+                format!("__pgcache_{hash:032x}").as_bytes()
+            );
+        }
+    }
+
+    #[test]
+    fn texts_that_may_deallocate_are_spotted_in_any_case() {
+        for sql in [
+            "DEALLOCATE ALL",
+            "deallocate q",
+            "SELECT 1; Discard All",
+            "discard plans",
+        ] {
+            assert!(deallocates(sql.as_bytes()), "{sql}");
+        }
+        for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
+            assert!(!deallocates(sql.as_bytes()), "{sql}");
+        }
+    }
 
     #[test]
     fn the_least_recently_used_goes_first() {

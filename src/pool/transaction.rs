@@ -96,8 +96,9 @@ pub struct Pooled {
     pub addr: UpstreamAddr,
     /// `addr` as `SHOW SERVERS` shows it, made once.
     shown: Arc<str>,
-    /// The backend's own cancel key.
-    pub key: CancelTarget,
+    /// The backend's own cancel key, shared with the session holding it
+    /// (taken at every checkout: not copied).
+    pub key: Arc<CancelTarget>,
     pub born: Instant,
     /// When it last went back to the pool.
     pub idle_since: Instant,
@@ -125,13 +126,27 @@ struct Held {
     prepared: usize,
 }
 
+impl Held {
+    fn new(server: &Pooled, client: u64) -> Self {
+        Self {
+            pid: server.key.backend_pid,
+            addr: Arc::clone(&server.shown),
+            born: server.born,
+            since: Instant::now(),
+            client,
+            prepared: server.prepared.len(),
+        }
+    }
+}
+
 /// One pool's books, under its lock.
 #[derive(Default)]
 struct Books {
     /// Idle connections, most recently used last.
     idle: Vec<Idle>,
-    /// Connections held by clients, by id.
-    held: HashMap<u64, Held>,
+    /// Connections held by clients, by id (an entry in and out at every
+    /// checkout: a fast hash).
+    held: HashMap<u64, Held, foldhash::fast::RandomState>,
     /// Connections open: idle, held by a client, or logging in.
     open: usize,
     credentials: Credentials,
@@ -222,14 +237,15 @@ impl Lease {
     pub fn give_back(mut self, stream: FramedStream<BackendStream>, lifetime: Duration) {
         let mut server = self.server.take().expect("given back once");
         let pool = Arc::clone(&self.pool);
-        if server.born.elapsed() > lifetime {
+        let now = Instant::now();
+        if now.saturating_duration_since(server.born) > lifetime {
             pool.lock().held.remove(&server.id);
             pool.metrics.active.dec();
             pool.metrics.closed_lifetime.inc();
             pool.closed();
             return;
         }
-        server.idle_since = Instant::now();
+        server.idle_since = now;
         pool.metrics.active.dec();
         let mut books = pool.lock();
         books.held.remove(&server.id);
@@ -352,13 +368,18 @@ impl Pool {
         self.checkouts.fetch_add(1, Ordering::Relaxed);
         self.metrics.checkouts.inc();
         loop {
-            let Some(mut idle) = self.lock().idle.pop() else {
+            let mut books = self.lock();
+            let Some(mut idle) = books.idle.pop() else {
                 break;
             };
             self.metrics.idle.dec();
+            // A poll that does not wait: it may be made under the lock.
             if alive(&mut idle.stream) {
+                books
+                    .held
+                    .insert(idle.server.id, Held::new(&idle.server, client));
+                drop(books);
                 self.metrics.active.inc();
-                self.held(&idle.server, client);
                 let lease = Lease {
                     server: Some(idle.server),
                     pool: Arc::clone(self),
@@ -366,6 +387,7 @@ impl Pool {
                 };
                 return Ok((lease, idle.stream));
             }
+            drop(books);
             // Closed while idle (a restart, pg_terminate_backend).
             self.metrics.closed_broken.inc();
             self.closed();
@@ -395,15 +417,9 @@ impl Pool {
     }
 
     fn held(&self, server: &Pooled, client: u64) {
-        let held = Held {
-            pid: server.key.backend_pid,
-            addr: Arc::clone(&server.shown),
-            born: server.born,
-            since: Instant::now(),
-            client,
-            prepared: server.prepared.len(),
-        };
-        self.lock().held.insert(server.id, held);
+        self.lock()
+            .held
+            .insert(server.id, Held::new(server, client));
     }
 
     async fn wait_for_slot(
@@ -493,7 +509,7 @@ impl Pool {
             id: next_id.fetch_add(1, Ordering::Relaxed) + 1,
             shown: addr.to_string().into(),
             addr,
-            key,
+            key: Arc::new(key),
             born: now,
             idle_since: now,
             state: 0,

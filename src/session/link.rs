@@ -87,13 +87,32 @@ impl ClientState {
         Self { settings, id }
     }
 
-    /// The settings read back with [`CAPTURE`].
-    fn captured(rows: Vec<Vec<Option<String>>>, user: &str) -> Self {
-        let pairs = rows.into_iter().filter_map(|row| {
-            let mut row = row.into_iter();
-            Some((row.next()??, row.next()??))
-        });
-        Self::of_session(pairs, user)
+    /// The settings read back with [`CAPTURE`], with the startup
+    /// parameters among `startup` that the session no longer has, which
+    /// are returned too. Directly, `RESET` (or `RESET ALL`, `DISCARD ALL`,
+    /// `SET ... TO DEFAULT`) takes a startup parameter back to the value
+    /// the client logged in with; a pooled connection, which logged in
+    /// without it, goes back to the server's default, so pgcache sets it
+    /// again.
+    fn captured(
+        rows: Vec<Vec<Option<String>>>,
+        user: &str,
+        startup: &[(String, String)],
+    ) -> (Self, Vec<(String, String)>) {
+        let pairs: Vec<(String, String)> = rows
+            .into_iter()
+            .filter_map(|row| {
+                let mut row = row.into_iter();
+                Some((row.next()??, row.next()??))
+            })
+            .collect();
+        let reset: Vec<(String, String)> = startup
+            .iter()
+            .filter(|(name, _)| !pairs.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)))
+            .cloned()
+            .collect();
+        let state = Self::of_session(pairs.into_iter().chain(reset.iter().cloned()), user);
+        (state, reset)
     }
 
     /// Session mode: the state the settings query read (its session user,
@@ -130,21 +149,28 @@ impl ClientState {
     pub(super) fn apply_sql(&self) -> String {
         let mut sql = String::from("SET SESSION AUTHORIZATION DEFAULT; RESET ROLE; RESET ALL");
         if !self.settings.is_empty() {
-            sql.push_str("; SELECT FROM (VALUES ");
-            for (i, (name, value)) in self.settings.iter().enumerate() {
-                if i > 0 {
-                    sql.push_str(", ");
-                }
-                sql.push('(');
-                sql.push_str(&quote_literal(name));
-                sql.push_str(", ");
-                sql.push_str(&quote_literal(value));
-                sql.push(')');
-            }
-            sql.push_str(") AS s(n, v), LATERAL pg_catalog.set_config(s.n, s.v, false)");
+            sql.push_str("; ");
+            sql.push_str(&set_config_sql(&self.settings));
         }
         sql
     }
+}
+
+/// One statement that sets each of `settings` for the session.
+fn set_config_sql(settings: &[(String, String)]) -> String {
+    let mut sql = String::from("SELECT FROM (VALUES ");
+    for (i, (name, value)) in settings.iter().enumerate() {
+        if i > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('(');
+        sql.push_str(&quote_literal(name));
+        sql.push_str(", ");
+        sql.push_str(&quote_literal(value));
+        sql.push(')');
+    }
+    sql.push_str(") AS s(n, v), LATERAL pg_catalog.set_config(s.n, s.v, false)");
+    sql
 }
 
 /// `-c name=value` and `--name=value` pairs of a startup `options` value,
@@ -187,6 +213,19 @@ fn command_line_options(options: &str) -> Result<Vec<(String, String)>, String> 
     Ok(pairs)
 }
 
+/// The pool settings a pooled session needs at every checkout, read from
+/// the configuration once per RELOAD rather than once per transaction:
+/// the configuration's lock and reference count are shared by every
+/// session, on every core.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Knobs {
+    /// The policy generation they were read in (0: not yet read).
+    generation: u64,
+    pub wait: Option<std::time::Duration>,
+    pub lifetime: std::time::Duration,
+    pub max_prepared: usize,
+}
+
 /// Where a session's server connections come from.
 pub(super) struct Link {
     /// Transaction mode: the pool of the session's database and user.
@@ -201,6 +240,9 @@ pub(super) struct Link {
     /// Why the session keeps its connection for good.
     pub pinned: Option<Pin>,
     pub state: ClientState,
+    /// The client's startup parameters (and `options`' settings): what a
+    /// `RESET` of one goes back to.
+    startup: Vec<(String, String)>,
     /// The session's settings may have changed on the connection it holds.
     pub state_dirty: bool,
     /// The state was applied once (and so checked, as PostgreSQL checks
@@ -221,6 +263,7 @@ pub(super) struct Link {
     pub prefix_generation: Option<u64>,
     /// The translated frames of one flush.
     pub scratch: BytesMut,
+    knobs: Knobs,
 }
 
 impl Link {
@@ -232,6 +275,7 @@ impl Link {
             lease: None,
             pinned: None,
             state: ClientState::default(),
+            startup: Vec::new(),
             state_dirty: false,
             state_checked: true,
             translator: Translator::default(),
@@ -240,6 +284,7 @@ impl Link {
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
+            knobs: Knobs::default(),
         }
     }
 
@@ -250,6 +295,7 @@ impl Link {
     ) -> Self {
         Self {
             pool: Some(pool),
+            startup: state.settings.clone(),
             state,
             learning,
             state_checked: false,
@@ -266,10 +312,7 @@ impl Link {
     }
 
     fn server_statements(&mut self) -> &mut ServerStatements {
-        match &mut self.lease {
-            Some(lease) => &mut lease.server_mut().prepared,
-            None => &mut self.own_statements,
-        }
+        statements_of(&mut self.lease, &mut self.own_statements)
     }
 
     /// The client's frames for the connection it holds, into `out`; returns
@@ -280,19 +323,28 @@ impl Link {
         max_prepared: usize,
         out: &mut BytesMut,
     ) -> BytesMut {
-        let mut translator = std::mem::take(&mut self.translator);
-        let now = translator.translate(frames, self.server_statements(), max_prepared, out);
-        self.translator = translator;
-        now
+        let server = statements_of(&mut self.lease, &mut self.own_statements);
+        self.translator.translate(frames, server, max_prepared, out)
     }
 
     /// One server frame: whether the client gets it, and pgcache's answers
     /// to insert after it.
     pub fn on_server_frame(&mut self, tag: u8) -> (Reply, BytesMut) {
-        let mut translator = std::mem::take(&mut self.translator);
-        let reply = translator.on_frame(tag, self.server_statements());
-        self.translator = translator;
-        reply
+        let server = statements_of(&mut self.lease, &mut self.own_statements);
+        self.translator.on_frame(tag, server)
+    }
+}
+
+/// The statements of the connection a session holds: a field apart from
+/// its translator, so both are borrowed at once (every frame goes through
+/// the two).
+fn statements_of<'a>(
+    lease: &'a mut Option<Lease>,
+    own: &'a mut ServerStatements,
+) -> &'a mut ServerStatements {
+    match lease {
+        Some(lease) => &mut lease.server_mut().prepared,
+        None => own,
     }
 }
 
@@ -305,6 +357,21 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    /// [`Knobs`], read again after a RELOAD.
+    pub(super) fn knobs(&mut self) -> Knobs {
+        let generation = self.app.policy_generation();
+        if self.link.knobs.generation != generation {
+            let config = self.app.config();
+            self.link.knobs = Knobs {
+                generation,
+                wait: config.pool.query_wait_timeout(),
+                lifetime: config.pool.server_lifetime(),
+                max_prepared: config.pool.max_prepared_statements,
+            };
+        }
+        self.link.knobs
+    }
+
     pub(super) fn attached(&self) -> bool {
         !matches!(self.backend.get_ref(), BackendStream::Detached)
     }
@@ -324,7 +391,7 @@ where
         if let Some(e) = self.link.no_connection.take() {
             return Err(SessionError::Pool(e));
         }
-        let wait = self.app.config().pool.query_wait_timeout();
+        let wait = self.knobs().wait;
         tracing::trace!(status = ?self.tx.status, "taking a server connection");
         let client = Arc::clone(&self.entry.client);
         client.set(Activity::Waiting);
@@ -345,7 +412,10 @@ where
         let server = lease.server();
         client.hold(server.id, server.key.backend_pid);
         self.backend = stream;
-        self.backend_addr = server.addr.clone();
+        // One address for the whole pool: copied once, not per checkout.
+        if self.backend_addr != server.addr {
+            self.backend_addr = server.addr.clone();
+        }
         self.backend_key = Some(server.key.clone());
         if let Some(cancel) = &self.cancel {
             cancel.retarget(self.backend_key.clone());
@@ -386,7 +456,6 @@ where
     /// idle, reading its settings first if they may have changed.
     pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
         if !self.link.is_pooled()
-            || self.link.pinned.is_some()
             || !self.attached()
             || !self.backend_idle()
             || self.batch.holds()
@@ -397,30 +466,23 @@ where
             return Ok(());
         }
         if self.link.state_dirty {
-            let user = self.startup.user().to_owned();
-            match self.run_hidden(&messages::hidden_query(CAPTURE)).await? {
-                Ok(rows) => {
-                    self.link.state = ClientState::captured(rows, &user);
-                    self.link.state_dirty = false;
-                    debug!(settings = ?self.link.state.settings, "session settings read back");
-                }
-                Err(_) => {
-                    // Unreadable: the connection is closed, not given back.
-                    self.drop_backend();
-                    return Ok(());
-                }
-            }
-            if let Some(lease) = &mut self.link.lease {
-                lease.server_mut().state = self.link.state.id;
+            if !self.settle_settings().await? {
+                // Unreadable: the connection is closed, not given back.
+                self.drop_backend();
+                return Ok(());
             }
             if !self.backend_idle() || !self.backend.buffered().is_empty() {
                 return Ok(());
             }
         }
+        if self.link.pinned.is_some() {
+            return Ok(());
+        }
         tracing::trace!(status = ?self.tx.status, "giving the server connection back");
+        let lifetime = self.knobs().lifetime;
         let stream = std::mem::replace(&mut self.backend, detached());
         match self.link.lease.take() {
-            Some(lease) => lease.give_back(stream, self.app.config().pool.server_lifetime()),
+            Some(lease) => lease.give_back(stream, lifetime),
             None => {
                 // The connection the client logged in on: not the pool's.
                 let mut stream = stream;
@@ -430,6 +492,31 @@ where
         }
         self.detached_now();
         Ok(())
+    }
+
+    /// Reads back the settings the session changed, and sets again the
+    /// startup parameters it reset ([`ClientState::captured`]); false if
+    /// the connection is in a state pgcache cannot tell.
+    async fn settle_settings(&mut self) -> Result<bool, SessionError> {
+        let user = self.startup.user().to_owned();
+        let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
+            return Ok(false);
+        };
+        let (state, reset) = ClientState::captured(rows, &user, &self.link.startup);
+        if !reset.is_empty() {
+            debug!(?reset, "startup parameters set again after a reset");
+            let again = messages::hidden_query(&set_config_sql(&reset));
+            if self.run_hidden(&again).await?.is_err() {
+                return Ok(false);
+            }
+        }
+        self.link.state = state;
+        self.link.state_dirty = false;
+        debug!(settings = ?self.link.state.settings, "session settings read back");
+        if let Some(lease) = &mut self.link.lease {
+            lease.server_mut().state = self.link.state.id;
+        }
+        Ok(true)
     }
 
     /// The session holds no connection any more.
@@ -467,8 +554,9 @@ where
                 if self.link.state_dirty {
                     lease.server_mut().state = UNKNOWN_STATE;
                 }
+                let lifetime = self.knobs().lifetime;
                 let stream = std::mem::replace(&mut self.backend, detached());
-                lease.give_back(stream, self.app.config().pool.server_lifetime());
+                lease.give_back(stream, lifetime);
             }
             _ => {
                 // Closed, with a word, so PostgreSQL does not log a lost client.
@@ -523,9 +611,11 @@ where
         self.cancel = Some(guard);
         let mut out = BytesMut::new();
         out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
-        let mut shown = statuses.clone();
+        // The client's own values where it gave them (a name reported
+        // once is only ever replaced).
+        let mut shown = statuses;
         for (name, value) in &self.startup.params {
-            if statuses.has(name) {
+            if shown.has(name) {
                 shown.set(name, value);
             }
         }
@@ -578,14 +668,16 @@ mod tests {
     #[test]
     fn captured_settings_leave_out_the_login_identity_and_apply_in_order() {
         let row = |n: &str, v: &str| vec![Some(n.to_owned()), Some(v.to_owned())];
-        let state = ClientState::captured(
+        let (state, reset) = ClientState::captured(
             vec![
                 row("session_authorization", "app"),
                 row("role", "reader"),
                 row("TimeZone", "Europe/Paris"),
             ],
             "app",
+            &[],
         );
+        assert!(reset.is_empty());
         assert_eq!(
             state.settings,
             vec![
@@ -596,7 +688,40 @@ mod tests {
         let sql = state.apply_sql();
         assert!(sql.starts_with("SET SESSION AUTHORIZATION DEFAULT; RESET ROLE; RESET ALL; "));
         assert!(sql.contains("('role', 'reader'), ('TimeZone', 'Europe/Paris')"));
-        let none = ClientState::captured(vec![row("role", "none")], "app");
+        let (none, _) = ClientState::captured(vec![row("role", "none")], "app", &[]);
         assert_eq!(none.id, 0);
+    }
+
+    #[test]
+    fn a_reset_startup_parameter_goes_back_to_its_startup_value() {
+        let row = |n: &str, v: &str| vec![Some(n.to_owned()), Some(v.to_owned())];
+        let startup = [
+            ("datestyle".to_owned(), "Postgres, MDY".to_owned()),
+            ("timezone".to_owned(), "PST8PDT".to_owned()),
+        ];
+        // `RESET datestyle`: TimeZone is still the client's, DateStyle is
+        // the server's default.
+        let (state, reset) =
+            ClientState::captured(vec![row("TimeZone", "PST8PDT")], "app", &startup);
+        assert_eq!(reset, vec![startup[0].clone()]);
+        assert_eq!(
+            state.settings,
+            vec![
+                ("TimeZone".into(), "PST8PDT".into()),
+                ("datestyle".into(), "Postgres, MDY".into())
+            ]
+        );
+        assert!(
+            set_config_sql(&reset).contains("('datestyle', 'Postgres, MDY')"),
+            "{}",
+            set_config_sql(&reset)
+        );
+        // Changed, not reset: nothing to set again.
+        let (_, reset) = ClientState::captured(
+            vec![row("DateStyle", "ISO, DMY"), row("TimeZone", "UTC")],
+            "app",
+            &startup,
+        );
+        assert!(reset.is_empty());
     }
 }

@@ -150,9 +150,9 @@ async fn forward_cancel(app: &App, pid: u32, secret: &[u8]) {
         addr,
         backend_pid,
         backend_secret,
-    } = target;
+    } = &*target;
     if let Err(e) =
-        crate::backend::send_cancel(&app.upstream, &addr, backend_pid, &backend_secret).await
+        crate::backend::send_cancel(&app.upstream, addr, *backend_pid, backend_secret).await
     {
         warn!(error = %e, "could not forward cancel request");
     }

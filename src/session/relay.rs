@@ -75,7 +75,7 @@ pub(super) struct Session<C> {
     pub(super) paused: Vec<Paused>,
     draining: bool,
     /// The backend's own cancel key, and the registration of ours.
-    pub(super) backend_key: Option<CancelTarget>,
+    pub(super) backend_key: Option<Arc<CancelTarget>>,
     pub(super) cancel: Option<CancelGuard>,
     /// The session's line in `SHOW CLIENTS`.
     pub(super) entry: ClientEntry,
@@ -381,12 +381,12 @@ where
     fn register_cancel_key(&mut self, body: &[u8]) -> BytesMut {
         let mut p = 0;
         let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
-        let target = CancelTarget {
+        let target = Arc::new(CancelTarget {
             addr: self.backend_addr.clone(),
             backend_pid,
             backend_secret: body[4..].to_vec(),
-        };
-        self.backend_key = Some(target.clone());
+        });
+        self.backend_key = Some(Arc::clone(&target));
         if self.link.is_pooled() {
             // The connection the client logged in on, for now: the client
             // gets a key of pgcache's that follows it to the next one.
@@ -396,7 +396,10 @@ where
             return messages::backend_key_data(pid, &secret);
         }
         self.entry.client.own(backend_pid);
-        let (pid, secret, guard) = self.app.cancel.register(target, ClientPid::Backend);
+        let (pid, secret, guard) = self
+            .app
+            .cancel
+            .register((*target).clone(), ClientPid::Backend);
         self.cancel = Some(guard);
         messages::backend_key_data(pid, &secret)
     }
@@ -501,7 +504,7 @@ where
         }
         if self.link.is_pooled() && !self.pipeline.to_backend.is_empty() {
             let queued = std::mem::take(&mut self.pipeline.to_backend);
-            let max = self.app.config().pool.max_prepared_statements;
+            let max = self.knobs().max_prepared;
             // Both buffers keep their memory from one flush to the next.
             let mut out = std::mem::take(&mut self.link.scratch);
             let answers = self.link.translate(&queued, max, &mut out);
