@@ -15,7 +15,7 @@ use std::sync::Arc;
 use super::versions::{Family, Version};
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
-const KEY_FORMAT: u8 = 1;
+const KEY_FORMAT: u8 = 2;
 
 pub const SIMPLE: u8 = b'Q';
 pub const EXTENDED: u8 = b'X';
@@ -24,11 +24,23 @@ pub fn sql_hash(sql: &[u8]) -> u128 {
     xxh3_128(sql)
 }
 
-/// Hashes the session's identity: computed when its settings are read.
+/// Digests a session's settings as the server reported them. Taken once
+/// per answer and kept with it: the answer spells out every setting, and
+/// hashing it was most of what a new session's first key cost.
+pub fn settings_digest<'a>(settings: impl IntoIterator<Item = &'a Option<String>>) -> u128 {
+    let mut h = Xxh3::new();
+    for s in settings {
+        put_opt(&mut h, s.as_deref().map(str::as_bytes));
+    }
+    h.digest128()
+}
+
+/// Hashes the session's identity: computed when its settings are read
+/// (`settings`: their [`settings_digest`]).
 pub fn session_prefix<'a>(
     database: &str,
     startup: impl Iterator<Item = (&'a str, &'a str)>,
-    settings: impl IntoIterator<Item = &'a Option<String>>,
+    settings: u128,
 ) -> u128 {
     let mut h = Xxh3::new();
     h.update(&[KEY_FORMAT]);
@@ -40,9 +52,7 @@ pub fn session_prefix<'a>(
         put(&mut h, v.as_bytes());
     }
     h.update(&[0xff]);
-    for s in settings {
-        put_opt(&mut h, s.as_deref().map(str::as_bytes));
-    }
+    h.update(&settings.to_le_bytes());
     h.digest128()
 }
 
@@ -134,7 +144,7 @@ mod tests {
         session_prefix(
             db,
             [("user", user), ("application_name", "x")].into_iter(),
-            &s,
+            settings_digest(&s),
         )
     }
 
@@ -148,7 +158,7 @@ mod tests {
         let only_app_name = session_prefix(
             "db",
             [("user", "alice"), ("application_name", "other")].into_iter(),
-            &[Some("TimeZone=UTC".into())],
+            settings_digest(&[Some("TimeZone=UTC".into())]),
         );
         assert_eq!(
             base, only_app_name,

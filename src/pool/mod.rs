@@ -159,7 +159,7 @@ pub struct Server {
 #[derive(Debug, Clone)]
 pub struct LoginSettings {
     pub generation: u64,
-    pub row: Vec<Option<String>>,
+    pub row: std::sync::Arc<crate::pool::transaction::SettingsRow>,
 }
 
 impl Server {

@@ -162,11 +162,20 @@ struct Books {
     /// state applied and the policy generation they were read under, for
     /// the pool generation they were read in: clients in the same state
     /// have the same settings.
-    settings: HashMap<(u64, u64), (u64, SettingsRow)>,
+    settings: HashMap<(u64, u64), (u64, Arc<SettingsRow>)>,
 }
 
 /// One answer of a session's settings query, as text.
-pub type SettingsRow = Vec<Option<String>>;
+/// A settings query's answer. It spells out every setting (kilobytes), so
+/// it is shared by the clients that log in in a known state, and digested
+/// once for their cache keys.
+#[derive(Debug)]
+pub struct SettingsRow {
+    pub cells: Vec<Option<String>>,
+    /// [`crate::cache::key::settings_digest`] of the cells that go into
+    /// the cache key.
+    pub digest: u128,
+}
 
 /// Settings rows kept per pool at most.
 const MAX_SETTINGS: usize = 1024;
@@ -316,15 +325,21 @@ impl Pool {
 
     /// The settings read before for clients in `state`, under policy
     /// generation `policy`, if read in the current pool generation.
-    pub fn settings(&self, state: u64, policy: u64) -> Option<SettingsRow> {
+    pub fn settings(&self, state: u64, policy: u64) -> Option<Arc<SettingsRow>> {
         let books = self.lock();
         match books.settings.get(&(state, policy)) {
-            Some((generation, row)) if *generation == self.generation() => Some(row.clone()),
+            Some((generation, row)) if *generation == self.generation() => Some(Arc::clone(row)),
             _ => None,
         }
     }
 
-    pub fn remember_settings(&self, state: u64, policy: u64, generation: u64, row: SettingsRow) {
+    pub fn remember_settings(
+        &self,
+        state: u64,
+        policy: u64,
+        generation: u64,
+        row: Arc<SettingsRow>,
+    ) {
         let mut books = self.lock();
         if books.settings.len() >= MAX_SETTINGS {
             books.settings.clear();

@@ -16,6 +16,7 @@ use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::cache::key;
 use crate::classify::BypassReason;
 use crate::pool::LoginSettings;
+use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be, extended, messages};
 
@@ -26,6 +27,20 @@ use crate::protocol::{TxStatus, backend as be, extended, messages};
 /// `application_name`).
 const ROLE_COLUMN: usize = 4;
 const OWN_SETTINGS_COLUMN: usize = 5;
+
+/// The settings query's answer, with the digest of the columns that go into
+/// the cache key: not the role (the key has `current_user`) nor the
+/// client's own settings (every setting is there already).
+fn settings_row(cells: Vec<Option<String>>) -> Arc<SettingsRow> {
+    let digest = key::settings_digest(
+        cells
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != ROLE_COLUMN && *i != OWN_SETTINGS_COLUMN)
+            .map(|(_, value)| value),
+    );
+    Arc::new(SettingsRow { cells, digest })
+}
 
 impl<C> Session<C>
 where
@@ -137,7 +152,7 @@ where
         let Some(rows) = self.hidden_query(&sql).await? else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
-        let Some(row) = rows.into_iter().next() else {
+        let Some(row) = rows.into_iter().next().map(settings_row) else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
         let prefix = self.adopt_settings(&row, generation);
@@ -148,7 +163,7 @@ where
             if let (Some(state), Some(read_in)) = (state, read_in)
                 && !self.link.state_dirty
             {
-                pool.remember_settings(state, generation, read_in, row.clone());
+                pool.remember_settings(state, generation, read_in, Arc::clone(&row));
             }
         }
         if self.server.login_state {
@@ -160,7 +175,9 @@ where
 
     /// Takes the settings query's answer as the session's: its role,
     /// default isolation and cache-key prefix.
-    fn adopt_settings(&mut self, row: &[Option<String>], generation: u64) -> u128 {
+    fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
+        let digest = row.digest;
+        let row = &row.cells;
         self.known.role = row.first().cloned().flatten();
         self.tx.default_strict = !matches!(
             row.get(2).and_then(|v| v.as_deref()),
@@ -171,12 +188,7 @@ where
             .params
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()));
-        let hashed = row
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != ROLE_COLUMN && *i != OWN_SETTINGS_COLUMN)
-            .map(|(_, value)| value);
-        let prefix = key::session_prefix(self.startup.database(), params, hashed);
+        let prefix = key::session_prefix(self.startup.database(), params, digest);
         self.known.prefix = Some((prefix, generation));
         if !self.link.is_pooled() {
             // Session mode: what pgcache's own requests for this session's
