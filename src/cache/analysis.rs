@@ -52,30 +52,28 @@ impl Analyses {
 
     /// The analysis of `sql` (hash `hash`), parsed once per shape.
     pub fn get(&self, hash: u128, sql: &[u8], stats: &StatsRegistry) -> Arc<Analyzed> {
+        self.finish(self.scan(hash, sql), sql, stats)
+    }
+
+    /// The first half of [`Analyses::get`]: the text's hints, normalised
+    /// text and plan key. A session that planned another text of the same
+    /// shape needs no more, and a new literal in a known statement (every
+    /// statement of a workload with literal keys) stops here.
+    pub fn scan(&self, hash: u128, sql: &[u8]) -> Scanned {
         if let Some(a) = self.texts.get(&hash) {
-            return a;
+            return Scanned::Analyzed(a);
         }
-        let (analysis, scan) = match std::str::from_utf8(sql) {
-            Ok(text) if sql.len() <= MAX_ANALYZED_SQL => {
-                let scan = hints::scan(text);
-                let analysis = if scan.shape_exact {
-                    let shape = xxh3_128(scan.normalized.as_bytes());
-                    self.shapes
-                        .get_with(shape, || Arc::new(classify::analyze(text)))
-                } else {
-                    Arc::new(classify::analyze(text))
-                };
-                (analysis, scan)
-            }
+        let parsable = sql.len() <= MAX_ANALYZED_SQL && std::str::from_utf8(sql).is_ok();
+        let scan = match std::str::from_utf8(sql) {
+            Ok(text) if parsable => hints::scan(text),
             _ => {
                 // Too long, or not UTF-8: its hints come from the start of
                 // the text, which stands for no other text.
                 let mut scan = hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)]));
                 scan.shape_exact = false;
-                (Arc::new(opaque_analysis()), scan)
+                scan
             }
         };
-        let stats = stats.get(&scan.normalized);
         let plan_key = if scan.shape_exact {
             let mut key = Xxh3::new();
             key.update(scan.normalized.as_bytes());
@@ -84,6 +82,36 @@ impl Analyses {
         } else {
             hash
         };
+        Scanned::Text {
+            hash,
+            scan,
+            plan_key,
+            parsable,
+        }
+    }
+
+    /// The second half of [`Analyses::get`]: the parse, shared by the
+    /// texts of a shape, and the statement's statistics.
+    pub fn finish(&self, scanned: Scanned, sql: &[u8], stats: &StatsRegistry) -> Arc<Analyzed> {
+        let (hash, scan, plan_key, parsable) = match scanned {
+            Scanned::Analyzed(a) => return a,
+            Scanned::Text {
+                hash,
+                scan,
+                plan_key,
+                parsable,
+            } => (hash, scan, plan_key, parsable),
+        };
+        let analysis = match std::str::from_utf8(sql) {
+            Ok(text) if parsable && scan.shape_exact => {
+                let shape = xxh3_128(scan.normalized.as_bytes());
+                self.shapes
+                    .get_with(shape, || Arc::new(classify::analyze(text)))
+            }
+            Ok(text) if parsable => Arc::new(classify::analyze(text)),
+            _ => Arc::new(opaque_analysis()),
+        };
+        let stats = stats.get(&scan.normalized);
         let analyzed = Arc::new(Analyzed {
             analysis,
             scan,
@@ -94,6 +122,35 @@ impl Analyses {
             self.texts.insert(hash, Arc::clone(&analyzed));
         }
         analyzed
+    }
+}
+
+/// A text as [`Analyses::scan`] left it.
+pub enum Scanned {
+    /// Memoised whole: a text that is its own shape, seen before.
+    Analyzed(Arc<Analyzed>),
+    Text {
+        hash: u128,
+        scan: Scan,
+        plan_key: u128,
+        /// Short enough and UTF-8: parsed, not taken as opaque.
+        parsable: bool,
+    },
+}
+
+impl Scanned {
+    pub fn scan(&self) -> &Scan {
+        match self {
+            Scanned::Analyzed(a) => &a.scan,
+            Scanned::Text { scan, .. } => scan,
+        }
+    }
+
+    pub fn plan_key(&self) -> u128 {
+        match self {
+            Scanned::Analyzed(a) => a.plan_key,
+            Scanned::Text { plan_key, .. } => *plan_key,
+        }
     }
 }
 
@@ -137,6 +194,27 @@ mod tests {
         assert_ne!(one.plan_key, two.plan_key, "other hints, another plan");
         let three = get(&a, "SELECT v FROM t WHERE k = 3");
         assert_eq!(one.plan_key, three.plan_key);
+    }
+
+    #[test]
+    fn a_scan_alone_gives_the_plan_key_of_the_whole_analysis() {
+        let a = Analyses::new(100);
+        let now = "SELECT * FROM t WHERE ts < 'now'";
+        for sql in [
+            "SELECT v FROM t WHERE k = 1",
+            "/*+ cache ttl=5s */ SELECT v FROM t WHERE k = 2",
+            now,
+        ] {
+            let hash = xxhash_rust::xxh3::xxh3_128(sql.as_bytes());
+            let scanned = a.scan(hash, sql.as_bytes());
+            assert!(matches!(scanned, Scanned::Text { .. }), "{sql}");
+            let key = scanned.plan_key();
+            let whole = a.finish(scanned, sql.as_bytes(), &StatsRegistry::new(10));
+            assert_eq!(key, whole.plan_key, "{sql}");
+        }
+        // A text that is its own shape is memoised whole once analysed.
+        let hash = xxhash_rust::xxh3::xxh3_128(now.as_bytes());
+        assert!(matches!(a.scan(hash, now.as_bytes()), Scanned::Analyzed(_)));
     }
 
     #[test]

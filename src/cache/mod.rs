@@ -204,6 +204,16 @@ impl Cache {
         self.analyses.get(hash, sql, &self.stats)
     }
 
+    /// [`Analyses::scan`]: the cheap half of [`Cache::analysis`].
+    pub fn scan(&self, hash: u128, sql: &[u8]) -> analysis::Scanned {
+        self.analyses.scan(hash, sql)
+    }
+
+    /// [`Analyses::finish`]: the rest of [`Cache::analysis`].
+    pub fn analyzed(&self, scanned: analysis::Scanned, sql: &[u8]) -> Arc<Analyzed> {
+        self.analyses.finish(scanned, sql, &self.stats)
+    }
+
     pub fn db_metrics<'a>(&self, db: &'a DbState) -> &'a DbMetrics {
         db.metrics.get_or_init(|| self.metrics.database(&db.name))
     }

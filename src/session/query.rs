@@ -242,17 +242,20 @@ where
         if self.known.policy.generation != policy_generation {
             self.known.policy = self.app.policy();
         }
-        let analysis = self.app.cache.analysis(hash, sql);
-        if !analysis.scan.hints.problems.is_empty() {
-            self.warn_hints(hash, &analysis.scan.hints.problems).await?;
+        let scanned = self.app.cache.scan(hash, sql);
+        if !scanned.scan().hints.problems.is_empty() {
+            self.warn_hints(hash, &scanned.scan().hints.problems)
+                .await?;
         }
-        let shared = self
+        let plan_key = scanned.plan_key();
+        if let Some(plan) = self
             .known
-            .shape_plan(analysis.plan_key, generation, policy_generation);
-        if let Some(plan) = shared {
-            self.known.remember_plan(hash, analysis.plan_key, &plan);
+            .shape_plan(plan_key, generation, policy_generation)
+        {
+            self.known.remember_plan(hash, plan_key, &plan);
             return Ok(plan);
         }
+        let analysis = self.app.cache.analyzed(scanned, sql);
         let (rels, funcs) = Plan::names(&analysis);
         let facts = self.facts(&rels, &funcs).await?;
         let plan = Arc::new(Plan::new(
