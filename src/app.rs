@@ -37,6 +37,8 @@ pub struct App {
     /// Shutdown timeout expired: sessions close now.
     pub force: CancellationToken,
     pub cache: Arc<Cache>,
+    /// Statement plans, shared by the sessions of each database.
+    pub plans: crate::session::SharedPlans,
     pub streams: Arc<Streams>,
     pub metrics: Arc<Metrics>,
     /// Bound by [`App::start`], served by [`crate::serve`].
@@ -105,6 +107,7 @@ impl App {
         Ok(Self {
             auth: auth::Authenticator::new(&config.auth, Arc::clone(&upstream)),
             cache,
+            plans: Default::default(),
             streams,
             upstream,
             cancel: Arc::default(),

@@ -57,6 +57,7 @@ use crate::tls::ClientStream;
 pub use error::SessionError;
 use link::{ClientState, Link};
 use negotiate::Negotiated;
+pub use plan::SharedPlans;
 use relay::Session;
 use reuse::ServerBook;
 

@@ -1,12 +1,14 @@
 //! What a statement text means for the cache, given the facts known of the
 //! names it references and the policy: worked out once per statement shape
-//! and session (memoised until facts are forgotten or the policy changes),
+//! and database (memoised until facts are forgotten or the policy changes),
 //! by pure functions.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::cache::catalog::Facts;
+use crate::cache::database::DbState;
 use crate::cache::stats::QueryStats;
 use crate::cache::versions::Versions;
 use crate::cache::{Analyzed, Bumps, Family, Lifetime};
@@ -37,6 +39,57 @@ pub(super) struct Plan {
     /// A cacheable read of a relation replication cannot watch (cached by
     /// TTL): its entries may lag PostgreSQL within their lifetime.
     pub unwatched: bool,
+}
+
+/// Bounds [`SharedPlans`]: past it the memo starts again.
+const MAX_SHARED_PLANS: usize = 16 * 1024;
+
+/// The database state's address, and the plan key.
+type SharedKey = (usize, u128);
+
+/// The plan, and the database state it was made for.
+type SharedPlan = (Weak<DbState>, Arc<Plan>);
+
+/// Plans shared by every session, by database and plan key. A session's
+/// first statement of a shape takes the plan another session made rather
+/// than gathering the shape's facts and planning it again: a client that
+/// connects for each transaction would otherwise do that for every
+/// statement. Each session still keeps its own memo in front of this one,
+/// which it reads without a lock.
+#[derive(Default)]
+pub struct SharedPlans {
+    /// Keyed by the database state's address. The weak reference tells a
+    /// dropped state (whose address another may take) from a live one.
+    plans: Mutex<HashMap<SharedKey, SharedPlan, foldhash::fast::RandomState>>,
+}
+
+impl SharedPlans {
+    pub(super) fn get(
+        &self,
+        db: &Arc<DbState>,
+        plan_key: u128,
+        generation: u64,
+        policy_generation: u64,
+    ) -> Option<Arc<Plan>> {
+        let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let (owner, plan) = plans.get(&(Arc::as_ptr(db) as usize, plan_key))?;
+        (owner.strong_count() > 0
+            && plan.generation == generation
+            && plan.policy_generation == policy_generation)
+            .then(|| Arc::clone(plan))
+    }
+
+    /// Keeps a plan made from complete facts.
+    pub(super) fn put(&self, db: &Arc<DbState>, plan_key: u128, plan: &Arc<Plan>) {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        if plans.len() >= MAX_SHARED_PLANS {
+            plans.clear();
+        }
+        plans.insert(
+            (Arc::as_ptr(db) as usize, plan_key),
+            (Arc::downgrade(db), Arc::clone(plan)),
+        );
+    }
 }
 
 impl Plan {
@@ -288,6 +341,30 @@ mod tests {
             .iter()
             .map(|f| f.name.to_string())
             .collect()
+    }
+
+    #[test]
+    fn a_shared_plan_is_the_same_databases_under_the_same_generations() {
+        let shared = SharedPlans::default();
+        let db = Arc::new(DbState::default());
+        let other = Arc::new(DbState::default());
+        let p = Arc::new(plan("SELECT * FROM t"));
+        shared.put(&db, 7, &p);
+        let got = shared.get(&db, 7, 3, 1).expect("kept");
+        assert!(Arc::ptr_eq(&got, &p));
+        assert!(shared.get(&db, 8, 3, 1).is_none(), "another shape");
+        assert!(shared.get(&other, 7, 3, 1).is_none(), "another database");
+        assert!(shared.get(&db, 7, 4, 1).is_none(), "facts changed since");
+        assert!(shared.get(&db, 7, 3, 2).is_none(), "policy reloaded since");
+        // A state made where a dropped one was does not inherit its plans.
+        let dropped = Arc::downgrade(&db);
+        drop(db);
+        shared
+            .plans
+            .lock()
+            .unwrap()
+            .insert((Arc::as_ptr(&other) as usize, 7), (dropped, Arc::clone(&p)));
+        assert!(shared.get(&other, 7, 3, 1).is_none());
     }
 
     #[test]

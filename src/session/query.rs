@@ -255,6 +255,14 @@ where
             self.known.remember_plan(hash, plan_key, &plan);
             return Ok(plan);
         }
+        let shared = self
+            .app
+            .plans
+            .get(&self.db, plan_key, generation, policy_generation);
+        if let Some(plan) = shared {
+            self.known.remember_plan(hash, plan_key, &plan);
+            return Ok(plan);
+        }
         let analysis = self.app.cache.analyzed(scanned, sql);
         let (rels, funcs) = Plan::names(&analysis);
         let facts = self.facts(&rels, &funcs).await?;
@@ -272,6 +280,7 @@ where
         // they are known.
         if facts.complete() {
             self.known.remember_plan(hash, analysis.plan_key, &plan);
+            self.app.plans.put(&self.db, analysis.plan_key, &plan);
         }
         Ok(plan)
     }
