@@ -87,7 +87,12 @@ pub fn scan(sql: &str) -> Scan {
         b: sql.as_bytes(),
         i: 0,
         space: false,
-        out: Scan::default(),
+        out: Scan {
+            // The normalised text is at most as long as the statement's:
+            // one allocation rather than one per doubling.
+            normalized: String::with_capacity(sql.len().min(MAX_NORMALIZED + 1)),
+            ..Scan::default()
+        },
     };
     while lexer.i < lexer.b.len() {
         lexer.token();
