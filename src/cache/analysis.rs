@@ -38,15 +38,24 @@ pub const MAX_ANALYZED_SQL: usize = 64 * 1024;
 /// memo of every distinct text (say, point selects with literal keys)
 /// would churn: inserting and evicting in moka cost more than the lexer.
 pub struct Analyses {
-    texts: moka::sync::Cache<u128, Arc<Analyzed>>,
-    shapes: moka::sync::Cache<u128, Arc<Analysis>>,
+    texts: Memo<Analyzed>,
+    shapes: Memo<Analysis>,
+}
+
+/// Keyed by digests: foldhash, not SipHash, which was a tenth of a lookup.
+type Memo<T> = moka::sync::Cache<u128, Arc<T>, foldhash::fast::RandomState>;
+
+fn memo<T: Send + Sync + 'static>(capacity: u64) -> Memo<T> {
+    moka::sync::Cache::builder()
+        .max_capacity(capacity)
+        .build_with_hasher(foldhash::fast::RandomState::default())
 }
 
 impl Analyses {
     pub fn new(capacity: u64) -> Self {
         Self {
-            texts: moka::sync::Cache::new(capacity),
-            shapes: moka::sync::Cache::new(capacity),
+            texts: memo(capacity),
+            shapes: memo(capacity),
         }
     }
 
@@ -60,13 +69,13 @@ impl Analyses {
     /// shape needs no more, and a new literal in a known statement (every
     /// statement of a workload with literal keys) stops here.
     pub fn scan(&self, hash: u128, sql: &[u8]) -> Scanned {
-        if let Some(a) = self.texts.get(&hash) {
-            return Scanned::Analyzed(a);
-        }
-        let parsable = sql.len() <= MAX_ANALYZED_SQL && std::str::from_utf8(sql).is_ok();
-        let scan = match std::str::from_utf8(sql) {
-            Ok(text) if parsable => hints::scan(text),
-            _ => {
+        let text = std::str::from_utf8(sql)
+            .ok()
+            .filter(|_| sql.len() <= MAX_ANALYZED_SQL);
+        let parsable = text.is_some();
+        let scan = match text {
+            Some(text) => hints::scan(text),
+            None => {
                 // Too long, or not UTF-8: its hints come from the start of
                 // the text, which stands for no other text.
                 let mut scan = hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)]));
@@ -74,12 +83,17 @@ impl Analyses {
                 scan
             }
         };
+        // Only a text that is its own shape is memoised whole: the lexer
+        // says which, so the memo is not searched for every other text.
         let plan_key = if scan.shape_exact {
             let mut key = Xxh3::new();
             key.update(scan.normalized.as_bytes());
             scan.hints.hash(&mut key);
             key.digest128()
         } else {
+            if let Some(a) = self.texts.get(&hash) {
+                return Scanned::Analyzed(a);
+            }
             hash
         };
         Scanned::Text {

@@ -2,12 +2,18 @@
 //! instead of all going to PostgreSQL.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 
-/// Misses being filled now, by local key.
+use tokio::sync::watch;
+
+/// Misses being filled now, by local key. Most fills have no one waiting
+/// for them: the channel that wakes waiters is made by the first waiter,
+/// so an uncontended miss allocates nothing here. Keyed by digests:
+/// foldhash, not SipHash.
 #[derive(Default)]
 pub struct Fills {
-    filling: Mutex<HashMap<u128, tokio::sync::watch::Sender<()>>>,
+    filling: Mutex<HashMap<u128, Option<watch::Sender<()>>, foldhash::fast::RandomState>>,
 }
 
 /// Held by the one session filling a key; dropping it (after the store, or
@@ -28,27 +34,42 @@ pub enum Claim {
     /// Fill it; others wait for this guard to drop.
     Fill(FillGuard),
     /// Someone is filling it: wait until `changed()` fails (they finished).
-    Wait(tokio::sync::watch::Receiver<()>),
+    Wait(watch::Receiver<()>),
 }
 
 impl Fills {
     pub fn claim(self: &Arc<Self>, key: u128) -> Claim {
         let mut map = self.filling.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = map.get(&key) {
-            return Claim::Wait(tx.subscribe());
+        match map.entry(key) {
+            Entry::Occupied(mut filling) => {
+                let waiters = filling
+                    .get_mut()
+                    .get_or_insert_with(|| watch::channel(()).0);
+                Claim::Wait(waiters.subscribe())
+            }
+            Entry::Vacant(free) => {
+                free.insert(None);
+                Claim::Fill(self.guard(key))
+            }
         }
-        map.insert(key, tokio::sync::watch::channel(()).0);
-        Claim::Fill(FillGuard {
-            fills: Arc::clone(self),
-            key,
-        })
     }
 
     /// Claims `key` only if nobody fills it now.
     pub fn try_claim(self: &Arc<Self>, key: u128) -> Option<FillGuard> {
-        match self.claim(key) {
-            Claim::Fill(guard) => Some(guard),
-            Claim::Wait(_) => None,
+        let mut map = self.filling.lock().unwrap_or_else(|e| e.into_inner());
+        match map.entry(key) {
+            Entry::Occupied(_) => None,
+            Entry::Vacant(free) => {
+                free.insert(None);
+                Some(self.guard(key))
+            }
+        }
+    }
+
+    fn guard(self: &Arc<Self>, key: u128) -> FillGuard {
+        FillGuard {
+            fills: Arc::clone(self),
+            key,
         }
     }
 }
@@ -71,5 +92,20 @@ mod tests {
         drop(guard);
         assert!(waiting.changed().await.is_err(), "the filler finished");
         assert!(fills.try_claim(7).is_some());
+    }
+
+    #[tokio::test]
+    async fn every_waiter_of_a_fill_wakes_when_it_ends() {
+        let fills = Arc::new(Fills::default());
+        let Some(guard) = fills.try_claim(3) else {
+            panic!("a free key is claimed");
+        };
+        let (Claim::Wait(mut first), Claim::Wait(mut second)) = (fills.claim(3), fills.claim(3))
+        else {
+            panic!("later claims wait");
+        };
+        drop(guard);
+        assert!(first.changed().await.is_err());
+        assert!(second.changed().await.is_err());
     }
 }

@@ -50,6 +50,10 @@ use shared::{Pending, SharedTier};
 use stats::{QueryStats, StatsRegistry};
 pub use versions::{Bumps, Ddl, Family, Version, unix_ms};
 
+/// The version counters a cacheable read depends on: its tables and tags.
+/// Shared by the plan, its fills and its sampler checks.
+pub type Reads = Arc<[Arc<Family>]>;
+
 /// Everything cache-related shared by the sessions of one pgcache.
 pub struct Cache {
     pub local: LocalCache,
@@ -73,7 +77,7 @@ pub struct Request<'a> {
     pub db: &'a Arc<DbState>,
     pub key: RequestKey,
     /// The versions of the tables it reads.
-    pub reads: &'a [Arc<Family>],
+    pub reads: &'a Reads,
     pub tier: Tier,
     pub lifetime: Lifetime,
     pub stats: &'a QueryStats,
@@ -110,7 +114,7 @@ pub struct Fill {
     shared: Option<(u128, Vec<u64>)>,
     lifetime: Lifetime,
     /// What the result read, for the per-table entry counts.
-    reads: Vec<Arc<Family>>,
+    reads: Reads,
     /// Concurrent misses of this key wait until it is dropped.
     _guard: Option<FillGuard>,
 }
@@ -364,7 +368,7 @@ impl Cache {
         if let (Some(tier), Some((key, versions))) = (self.shared(), &fill.shared) {
             tier.put(*key, versions, bytes, fill.lifetime.ttl);
         }
-        for f in &fill.reads {
+        for f in fill.reads.iter() {
             f.version.note_entry();
         }
     }
@@ -405,7 +409,7 @@ impl Fill {
             local: req.tier.local().then_some(local),
             shared,
             lifetime: req.lifetime,
-            reads: req.reads.to_vec(),
+            reads: Arc::clone(req.reads),
             _guard: guard,
         }
     }

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tracing::warn;
 
-use super::Cache;
 use super::database::DbState;
 use super::stats::QueryStats;
 use super::versions::{Bumps, Family};
+use super::{Cache, Reads};
 use crate::metrics::VerifyMetrics;
 
 /// Decides which hits are checked: a draw at the rate, within a budget per
@@ -72,7 +72,7 @@ pub struct Check {
     pub stats: Arc<QueryStats>,
     /// What the cache served (the stored entry).
     pub served: Bytes,
-    pub reads: Vec<Arc<Family>>,
+    pub reads: Reads,
     /// The epoch and the versions of `reads` the hit was served under.
     pub versions: Vec<u64>,
     /// It reads a relation cached by TTL.
@@ -84,14 +84,14 @@ impl Check {
         db: &Arc<DbState>,
         stats: &Arc<QueryStats>,
         served: Bytes,
-        reads: &[Arc<Family>],
+        reads: &Reads,
         unwatched: bool,
     ) -> Self {
         Self {
             db: Arc::clone(db),
             stats: Arc::clone(stats),
             served,
-            reads: reads.to_vec(),
+            reads: Arc::clone(reads),
             versions: versions(db, reads),
             unwatched,
         }
@@ -138,7 +138,7 @@ impl Check {
         warn!(query = %self.stats.text, database = %self.db.name, ?tables, versions = ?self.versions,
             "the cache served an answer PostgreSQL did not give: its tables are invalidated");
         let mut bumps = Bumps::default();
-        for f in &self.reads {
+        for f in self.reads.iter() {
             bumps.add_family(Arc::clone(f));
         }
         cache

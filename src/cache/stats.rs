@@ -177,13 +177,16 @@ impl QueryStats {
 }
 
 pub struct StatsRegistry {
-    by_id: moka::sync::Cache<u64, Arc<QueryStats>>,
+    /// Keyed by digests: foldhash, not SipHash.
+    by_id: moka::sync::Cache<u64, Arc<QueryStats>, foldhash::fast::RandomState>,
 }
 
 impl StatsRegistry {
     pub fn new(capacity: u64) -> Self {
         Self {
-            by_id: moka::sync::Cache::new(capacity),
+            by_id: moka::sync::Cache::builder()
+                .max_capacity(capacity)
+                .build_with_hasher(foldhash::fast::RandomState::default()),
         }
     }
 

@@ -11,7 +11,7 @@ use crate::cache::catalog::Facts;
 use crate::cache::database::DbState;
 use crate::cache::stats::QueryStats;
 use crate::cache::versions::Versions;
-use crate::cache::{Analyzed, Bumps, Family, Lifetime};
+use crate::cache::{Analyzed, Bumps, Lifetime, Reads};
 use crate::classify::{Analysis, BypassReason, Ddl, Effect, StatementInfo};
 use crate::config::CacheMode;
 use crate::hints::{Hints, Tier};
@@ -26,7 +26,7 @@ pub(super) struct Plan {
     pub tier: Tier,
     pub stats: Arc<QueryStats>,
     /// For a cacheable single SELECT: the version counters of its tables.
-    pub read: Result<Vec<Arc<Family>>, BypassReason>,
+    pub read: Result<Reads, BypassReason>,
     /// Invalidations it causes when it completes.
     pub effects: Bumps,
     /// It may change the session's settings.

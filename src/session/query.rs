@@ -163,15 +163,15 @@ where
         request: &[u8],
         row_limit: u32,
     ) -> Result<Answer, SessionError> {
-        let key = match key {
-            Ok(key) => key,
-            Err(reason) => {
+        // A key is only made for a cacheable read, which has its reads.
+        let (key, reads) = match (key, plan.read.as_ref().map_err(|r| *r)) {
+            (Ok(key), Ok(reads)) => (key, reads),
+            (Err(reason), _) | (_, Err(reason)) => {
                 self.app.cache.bypassed(&self.db, reason);
                 plan.stats.bypassed(reason);
                 return Ok(Answer::Forward(None));
             }
         };
-        let reads = plan.read.as_deref().unwrap_or_default();
         let req = Request {
             db: &self.db,
             key,

@@ -8,6 +8,8 @@
 //!   the transaction wrote and only at READ COMMITTED; its result is stored
 //!   only if the transaction commits (`R` is what is held until then).
 
+use smallvec::SmallVec;
+
 use crate::cache::Bumps;
 use crate::classify::BypassReason;
 use crate::protocol::TxStatus;
@@ -33,14 +35,16 @@ pub(super) struct Transaction<R> {
     last_was_commit: bool,
 }
 
-/// What a completed request means for the cache.
+/// What a completed request means for the cache. Made for every request:
+/// inline room for the common case (a statement's own bumps, or the end
+/// of a transaction's; one result) so it allocates nothing.
 pub(super) struct Completion<R> {
     /// Bumps visible to every session now: invalidate (and publish).
-    pub visible: Vec<Bumps>,
+    pub visible: SmallVec<[Bumps; 2]>,
     /// Bumps visible to this session only: apply locally.
     pub private: Option<Bumps>,
     /// Results to store now.
-    pub store: Vec<R>,
+    pub store: SmallVec<[R; 1]>,
 }
 
 impl<R> Default for Transaction<R> {
@@ -101,9 +105,9 @@ impl<R> Transaction<R> {
     ) -> Completion<R> {
         let previous = std::mem::replace(&mut self.status, status);
         let mut done = Completion {
-            visible: Vec::new(),
+            visible: SmallVec::new(),
             private: None,
-            store: Vec::new(),
+            store: SmallVec::new(),
         };
         if !effects.is_empty() {
             if status == TxStatus::Idle {
@@ -163,7 +167,7 @@ mod tests {
         let done = tx.complete(TxStatus::Idle, write_to(&v, "t"), Some(("r", 1)));
         assert_eq!(done.visible.len(), 1);
         assert!(done.private.is_none());
-        assert_eq!(done.store, vec!["r"]);
+        assert_eq!(done.store.as_slice(), ["r"]);
     }
 
     #[test]
@@ -192,7 +196,7 @@ mod tests {
         tx.command_complete(b"COMMIT\0");
         let commit = tx.complete(TxStatus::Idle, Bumps::default(), None);
         assert_eq!(commit.visible.len(), 1, "the write, now visible");
-        assert_eq!(commit.store, vec!["read"]);
+        assert_eq!(commit.store.as_slice(), ["read"]);
         assert!(
             tx.reads_may_use_cache().is_ok(),
             "a new transaction starts clean"
@@ -236,6 +240,6 @@ mod tests {
         tx.complete(TxStatus::InTransaction, Bumps::default(), Some((2, 1)));
         tx.command_complete(b"COMMIT\0");
         let end = tx.complete(TxStatus::Idle, Bumps::default(), None);
-        assert_eq!(end.store, vec![1], "past the byte bound, not held");
+        assert_eq!(end.store.as_slice(), [1], "past the byte bound, not held");
     }
 }
