@@ -203,17 +203,12 @@ impl Cache {
         self.databases.get_or_add(name)
     }
 
-    /// The analysis of `sql` (hash `hash`), parsed once per text.
-    pub fn analysis(&self, hash: u128, sql: &[u8]) -> Arc<Analyzed> {
-        self.analyses.get(hash, sql, &self.stats)
-    }
-
-    /// [`Analyses::scan`]: the cheap half of [`Cache::analysis`].
+    /// [`Analyses::scan`]: the cheap half of a statement's analysis.
     pub fn scan(&self, hash: u128, sql: &[u8]) -> analysis::Scanned {
         self.analyses.scan(hash, sql)
     }
 
-    /// [`Analyses::finish`]: the rest of [`Cache::analysis`].
+    /// [`Analyses::finish`]: the rest of it, parsed once per shape.
     pub fn analyzed(&self, scanned: analysis::Scanned, sql: &[u8]) -> Arc<Analyzed> {
         self.analyses.finish(scanned, sql, &self.stats)
     }

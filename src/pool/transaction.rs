@@ -165,8 +165,7 @@ struct Books {
     settings: HashMap<(u64, u64), (u64, Arc<SettingsRow>)>,
 }
 
-/// One answer of a session's settings query, as text.
-/// A settings query's answer. It spells out every setting (kilobytes), so
+/// A settings query's answer, as text. It spells out every setting (kilobytes), so
 /// it is shared by the clients that log in in a known state, and digested
 /// once for their cache keys.
 #[derive(Debug)]

@@ -247,19 +247,18 @@ where
             self.warn_hints(hash, &scanned.scan().hints.problems)
                 .await?;
         }
+        // Another text of this shape, planned by this session or by
+        // another session of the database.
         let plan_key = scanned.plan_key();
-        if let Some(plan) = self
+        let known = self
             .known
             .shape_plan(plan_key, generation, policy_generation)
-        {
-            self.known.remember_plan(hash, plan_key, &plan);
-            return Ok(plan);
-        }
-        let shared = self
-            .app
-            .plans
-            .get(&self.db, plan_key, generation, policy_generation);
-        if let Some(plan) = shared {
+            .or_else(|| {
+                self.app
+                    .plans
+                    .get(&self.db, plan_key, generation, policy_generation)
+            });
+        if let Some(plan) = known {
             self.known.remember_plan(hash, plan_key, &plan);
             return Ok(plan);
         }
