@@ -97,6 +97,29 @@ async fn a_thousand_clients_share_ten_server_connections() {
     assert_eq!(clients.len(), 1000, "all clients still connected");
 }
 
+/// Found by pgbench -c 8 against a fresh pgcache: the clients that
+/// arrive while the first one logs in are greeted on a pool connection
+/// whose settings are set for them first, and the ParameterStatus of
+/// that SET must not reach a client before its AuthenticationOk.
+#[tokio::test]
+async fn a_crowd_arriving_at_once_is_greeted_in_protocol_order() {
+    let pg = pg();
+    let db = pg.create_db("tx_crowd");
+    let proxy = Proxy::start(config(pg, 4)).await;
+    let dsn = format!("{} application_name=crowd", proxy.dsn("postgres", &db));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let dsn = dsn.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = connect_dsn(&dsn).await.expect("logs in through pgcache");
+            scalar(&client, "SELECT current_setting('application_name')").await
+        }));
+    }
+    for task in tasks {
+        assert_eq!(task.await.unwrap().as_deref(), Some("crowd"));
+    }
+}
+
 #[tokio::test]
 async fn settings_stay_with_their_client_on_a_shared_connection() {
     let pg = pg();

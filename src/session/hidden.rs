@@ -272,6 +272,14 @@ where
                     if frame[0] == be::PARAMETER_STATUS {
                         self.server.statuses.note(&frame);
                     }
+                    // Before the client's first ReadyForQuery, pgcache is
+                    // still greeting it (transaction mode, a pool
+                    // connection set up for it): a ParameterStatus now
+                    // would come before its AuthenticationOk, and the
+                    // greeting reports the parameters itself.
+                    if !self.ready {
+                        continue;
+                    }
                     self.client
                         .write_all(&frame)
                         .await
