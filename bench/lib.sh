@@ -73,8 +73,12 @@ start_pgcache() {
     wait_port "$port"
 }
 
+# $PGBOUNCER names another PgBouncer binary (Debian's is 1.18; prepared
+# statements in transaction mode need 1.21+). BOUNCER_PREPARED is left 1
+# when the one started has them.
 start_pgbouncer() {
-    command -v pgbouncer >/dev/null || apt_install pgbouncer
+    local bin=${PGBOUNCER:-pgbouncer} version
+    [ -n "${PGBOUNCER:-}" ] || command -v pgbouncer >/dev/null || apt_install pgbouncer
     BOUNCER_PORT=$(free_port)
     mkdir -p "$RUNDIR/pgbouncer"
     sed -e "s#@RUNDIR@#$RUNDIR#g" -e "s/55432/$PGPORT/" -e "s/56432/$BOUNCER_PORT/" -e "s/^bench = .*/* = host=127.0.0.1 port=$PGPORT/" \
@@ -99,9 +103,15 @@ default_pool_size = ${BOUNCER_POOL_SIZE:-32}
 server_reset_query = DISCARD ALL
 ignore_startup_parameters = ${BOUNCER_IGNORE:-extra_float_digits}
 INI
+    version=$("$bin" --version | sed -n 's/^PgBouncer \([0-9]*\.[0-9]*\).*/\1/p')
+    BOUNCER_PREPARED=0
+    if [ "$(printf '%s\n' 1.21 "$version" | sort -V | head -1)" = 1.21 ]; then
+        echo 'max_prepared_statements = 200' >>"$RUNDIR/pgbouncer.ini"
+        BOUNCER_PREPARED=1
+    fi
     echo '"postgres" ""' >"$RUNDIR/userlist.txt"
     [ "$(id -u)" -eq 0 ] && chown -R postgres: "$RUNDIR/pgbouncer" "$RUNDIR/userlist.txt" "$RUNDIR/pgbouncer.ini"
-    as_pg pgbouncer -d "$RUNDIR/pgbouncer.ini" >"$RUNDIR/pgbouncer/stdout.log" 2>&1
+    as_pg "$bin" -d "$RUNDIR/pgbouncer.ini" >"$RUNDIR/pgbouncer/stdout.log" 2>&1
     wait_port "$BOUNCER_PORT"
 }
 

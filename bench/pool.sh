@@ -8,8 +8,9 @@
 # Ratios are to PgBouncer (the hot-key run: to direct). Each figure is the
 # best of two interleaved runs, to damp the shared machine's noise. The
 # Debian PgBouncer (1.18) has no prepared statements in transaction mode:
-# its prepared row says n/a.
-#   bench/pool.sh [SECONDS-PER-RUN]   (default 10)
+# its prepared row says n/a and pgcache's are to direct, unless $PGBOUNCER
+# names a PgBouncer 1.21+ (max_prepared_statements = 200).
+#   [PGBOUNCER=path/to/pgbouncer] bench/pool.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 POOL=8
@@ -51,7 +52,7 @@ for mode in simple extended prepared; do
     direct=$(best2 tps "$PGPORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
     off=$(best2 tps "$OFF_PORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
     on=$(best2 tps "$ON_PORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
-    if [ "$mode" = prepared ]; then
+    if [ "$mode" = prepared ] && [ "$BOUNCER_PREPARED" = 0 ]; then
         printf '%-22s %-16s %10.0f %8s\n' "select-only $mode" direct "$direct" ""
         printf '%-22s %-16s %10s %8s\n' "select-only $mode" pgbouncer n/a ""
         printf '%-22s %-16s %10.0f %8s\n' "select-only $mode" pgcache-off "$off" "$(ratio "$off" "$direct")x-direct"

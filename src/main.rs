@@ -64,14 +64,30 @@ fn main() -> anyhow::Result<()> {
         return uninstall(&config, force);
     }
     let source = (cli.config.clone(), overrides);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    // The accept loop runs on a worker, not on this thread: a connection
-    // accepted here would be handed to the workers through the runtime's
-    // shared queue, waking a worker and parking this thread again each
-    // time (pgbench -C: four futex calls and eight context switches a
-    // connection, a third of pgcache's CPU).
+    // One worker is a current-thread runtime: no work stealing and no
+    // waking of a parked sibling. On two cores shared with PostgreSQL and
+    // its clients that is a fifth less CPU per pooled transaction, with
+    // the same hit throughput (README, Benchmarks), hence half the CPUs by
+    // default.
+    let workers = match config.server.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+        n => n,
+    };
+    let mut builder = match workers {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        n => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(n);
+            builder
+        }
+    };
+    let runtime = builder.enable_all().build()?;
+    // The accept loop is a task: with several workers it runs on one of
+    // them, not on this thread, where each connection it accepted would go
+    // to the workers through the runtime's shared queue, waking a worker
+    // and parking this thread again each time (pgbench -C: four futex
+    // calls and eight context switches a connection, a fifth of pgcache's
+    // CPU).
     let serving = runtime.spawn(async move {
         let listener = tokio::net::TcpListener::bind(config.server.listen)
             .await

@@ -223,6 +223,8 @@ pub struct ServerConfig {
     pub idle_in_transaction_timeout_secs: u64,
     /// On SIGTERM/SIGINT, how long busy sessions may run before they are closed.
     pub shutdown_timeout_secs: u64,
+    /// Threads that serve sessions; 0 = half the CPUs (at least one).
+    pub workers: usize,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -456,6 +458,7 @@ impl Default for ServerConfig {
             client_idle_timeout_secs: 0,
             idle_in_transaction_timeout_secs: 0,
             shutdown_timeout_secs: 30,
+            workers: 0,
         }
     }
 }
@@ -639,15 +642,17 @@ mod tests {
     fn validation_reports_every_problem() {
         let mut c = Config::default();
         c.server.max_client_connections = 0;
+        c.server.workers = 5000;
         c.upstream.url = "postgres://[bad".to_owned();
         c.redis.url = "http://x".to_owned();
         let ConfigError::Invalid(problems) = c.validate().unwrap_err() else {
             panic!("expected Invalid")
         };
-        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert_eq!(problems.len(), 4, "{problems:?}");
         assert!(problems[0].starts_with("server.max_client_connections"));
-        assert!(problems[1].starts_with("upstream.url"));
-        assert!(problems[2].starts_with("redis.url"));
+        assert!(problems[1].starts_with("server.workers"));
+        assert!(problems[2].starts_with("upstream.url"));
+        assert!(problems[3].starts_with("redis.url"));
     }
 
     #[test]

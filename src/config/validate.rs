@@ -34,6 +34,9 @@ impl Config {
                 self.server.max_message_bytes
             ));
         }
+        if self.server.workers > 1024 {
+            problems.push("server.workers: at most 1024 (0 = half the CPUs)".to_owned());
+        }
         if self.server.max_startups_per_ip == 0 {
             problems.push("server.max_startups_per_ip: must be at least 1".to_owned());
         }
