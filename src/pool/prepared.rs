@@ -579,16 +579,13 @@ impl Translator {
 /// (`DEALLOCATE`, `DISCARD ALL`/`PLANS`... are scanned for cheaply; a false
 /// positive only costs a re-prepare).
 fn deallocates(sql: &[u8]) -> bool {
-    // Every simple Query passes here: no copy, and only a 'd' is looked at
-    // further.
+    // Every simple Query passes here: memchr jumps from one 'd' to the
+    // next (a byte-by-byte walk was 5% of a pooled `-S` transaction).
     let at = |i: usize, word: &[u8]| {
         sql.get(i..i + word.len())
             .is_some_and(|w| w.eq_ignore_ascii_case(word))
     };
-    // `b | 0x20` is `d` for `d` and `D` only.
-    sql.iter()
-        .enumerate()
-        .any(|(i, &b)| b | 0x20 == b'd' && (at(i, b"deallocate") || at(i, b"discard")))
+    memchr::memchr2_iter(b'd', b'D', sql).any(|i| at(i, b"deallocate") || at(i, b"discard"))
 }
 
 /// Writes one message of `parts`.

@@ -111,8 +111,10 @@ pub struct Pooled {
     pub prepared: super::prepared::ServerStatements,
 }
 
+/// The server's books are boxed: a connection changes hands on every
+/// transaction, and moving them whole was 200 bytes copied each way.
 struct Idle {
-    server: Pooled,
+    server: Box<Pooled>,
     stream: FramedStream<BackendStream>,
 }
 
@@ -226,7 +228,7 @@ pub struct Pool {
 /// A server connection held by a session; back with [`Lease::give_back`],
 /// closed if dropped.
 pub struct Lease {
-    server: Option<Pooled>,
+    server: Option<Box<Pooled>>,
     pool: Arc<Pool>,
     _permit: OwnedSemaphorePermit,
 }
@@ -410,7 +412,9 @@ impl Pool {
             self.lock().open += 1;
             self.metrics.open.inc();
         }
-        match self.open(upstream, next_id).await {
+        // Boxed: a login's future is kilobytes, and every checkout of an
+        // idle connection (nearly all of them) would copy it.
+        match Box::pin(self.open(upstream, next_id)).await {
             Ok((server, stream)) => {
                 self.metrics.active.inc();
                 self.metrics.logins.inc();
@@ -469,7 +473,7 @@ impl Pool {
         &self,
         upstream: &Upstream,
         next_id: &AtomicU64,
-    ) -> Result<(Pooled, FramedStream<BackendStream>), PoolError> {
+    ) -> Result<(Box<Pooled>, FramedStream<BackendStream>), PoolError> {
         let credentials = self.lock().credentials.clone();
         let login = async {
             let (stream, addr) = crate::backend::connect(upstream).await?;
@@ -519,7 +523,7 @@ impl Pool {
         let generation = self.saw(answer);
         self.lock().statuses = Some(statuses);
         let now = Instant::now();
-        let server = Pooled {
+        let server = Box::new(Pooled {
             id: next_id.fetch_add(1, Ordering::Relaxed) + 1,
             shown: addr.to_string().into(),
             addr,
@@ -529,7 +533,7 @@ impl Pool {
             state: 0,
             generation,
             prepared: Default::default(),
-        };
+        });
         Ok((server, stream))
     }
 

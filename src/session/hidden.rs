@@ -74,7 +74,7 @@ where
         let publication = self.app.publication();
         let mut lookup = Lookup::new(&wanted, publication.as_deref());
         while let Some(sql) = lookup.next_query() {
-            match self.hidden_query(&sql).await {
+            match Box::pin(self.hidden_query(&sql)).await {
                 Ok(Some(rows)) => lookup.add(&rows),
                 Ok(None) => {
                     db.catalog.abandon(&wanted);
@@ -149,7 +149,7 @@ where
              FROM pg_catalog.pg_settings) s",
         );
         self.app.metrics.settings_queries.inc();
-        let Some(rows) = self.hidden_query(&sql).await? else {
+        let Some(rows) = Box::pin(self.hidden_query(&sql)).await? else {
             return Ok(Err(BypassReason::SettingsUnknown));
         };
         let Some(row) = rows.into_iter().next().map(settings_row) else {

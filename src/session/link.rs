@@ -438,7 +438,7 @@ where
         self.link.state_checked = true;
         // A simple Query: the server's unnamed statement is gone.
         self.link.server_statements().forget_unnamed();
-        match self.run_hidden(&apply).await {
+        match Box::pin(self.run_hidden(&apply)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(error)) => {
                 // In an unknown state: closed.
@@ -466,7 +466,7 @@ where
             return Ok(());
         }
         if self.link.state_dirty {
-            if !self.settle_settings().await? {
+            if !Box::pin(self.settle_settings()).await? {
                 // Unreadable: the connection is closed, not given back.
                 self.drop_backend();
                 return Ok(());

@@ -67,7 +67,7 @@ where
                 }
             };
             match answered {
-                Some((Captured::Store(fill, bytes), _)) => app.cache.store(fill, &bytes),
+                Some((Captured::Store(fill, bytes), _)) => app.cache.store(*fill, &bytes),
                 Some((Captured::Verified(check, answer), done)) => {
                     check.judge(&app.cache, &answer, done)
                 }

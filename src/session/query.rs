@@ -35,9 +35,7 @@ use crate::pool::marks::marks;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, frontend as fe, messages, sqlstate};
 
-/// What became of a read the cache was asked for. Returned and matched at
-/// once, never stored: the size difference of its variants costs nothing.
-#[allow(clippy::large_enum_variant)]
+/// What became of a read the cache was asked for.
 pub(super) enum Answer {
     /// Answered from the cache; the backend never sees it (unless a
     /// refresh of the entry was sent).
@@ -61,7 +59,10 @@ where
                 self.note_marks(marks);
             }
             if marks.evicts || marks.unlogged {
-                self.meet_prerequisites(&frame).await?;
+                // Boxed, as are pgcache's other rare round trips: inline,
+                // their futures made every statement's several kilobytes
+                // larger, and each await copied them.
+                Box::pin(self.meet_prerequisites(&frame)).await?;
             }
         }
         match frame[0] {

@@ -57,7 +57,7 @@ pub(super) struct Session<C> {
     /// The first ReadyForQuery has been seen (authentication is over).
     pub ready: bool,
     pub pipeline: Pipeline,
-    pub tx: Transaction<(Fill, BytesMut)>,
+    pub tx: Transaction<(Box<Fill>, BytesMut)>,
     pub batch: Batch,
     /// What the session knows of itself: settings, plans, statements.
     pub known: Known,

@@ -134,7 +134,7 @@ where
             self.invalidate(bumps);
         }
         for (fill, bytes) in completion.store {
-            self.app.cache.store(fill, &bytes);
+            self.app.cache.store(*fill, &bytes);
         }
     }
 
