@@ -225,8 +225,8 @@ where
     /// Sends `request` (ending in one Sync or one simple Query) on the idle
     /// backend and reads its answer: the rows as text, or PostgreSQL's
     /// ErrorResponse (`None` when the rows could not be read).
-    /// Notifications and parameter changes arriving meanwhile go on to the
-    /// client; notices caused by the query itself do not.
+    /// Notifications and parameter changes arriving meanwhile go on to a
+    /// greeted client; notices caused by the query itself do not.
     pub(super) async fn run_hidden(
         &mut self,
         request: &[u8],
