@@ -44,7 +44,13 @@ impl Default for Hold {
 impl Hold {
     /// A client used the database now.
     pub fn touch(&self) {
-        let now = self.anchor.elapsed().as_millis() as u64;
+        self.touch_at(Instant::now());
+    }
+
+    /// A client used the database at `now` (a statement's start, read
+    /// once for everything the statement times).
+    pub fn touch_at(&self, now: Instant) {
+        let now = now.saturating_duration_since(self.anchor).as_millis() as u64;
         // Most calls find the value current; a load is cheaper than a store
         // on a line other cores read.
         if self.last_use.load(Ordering::Relaxed) != now {

@@ -433,6 +433,11 @@ pub fn is_time_literal_text(value: &[u8]) -> bool {
     // C's isspace, as PostgreSQL's date/time input skips it.
     let space = |b: &u8| b.is_ascii_whitespace() || *b == 0x0b;
     let start = value.iter().position(|b| !space(b)).unwrap_or(value.len());
+    // Each literal starts with n, t or y: most parameters (numbers, ids)
+    // are told apart by their first byte.
+    if !matches!(value.get(start).map(|b| b | 0x20), Some(b'n' | b't' | b'y')) {
+        return false;
+    }
     let end = value
         .iter()
         .rposition(|b| !space(b))
@@ -662,5 +667,10 @@ mod tests {
         assert!(is_time_literal_text(b"tomorrow"));
         assert!(!is_time_literal_text(b"2024-01-01"));
         assert!(!is_time_literal_text(&[0xff, 0xfe]));
+        // The first-byte shortcut must let every literal, in any case, through.
+        for t in TIME_LITERALS {
+            assert!(is_time_literal_text(t.as_bytes()), "{t}");
+            assert!(is_time_literal_text(t.to_uppercase().as_bytes()), "{t}");
+        }
     }
 }

@@ -26,47 +26,63 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Parse, Bind, Describe, Execute, Close: held while the batch could
-    /// still be answered from the cache, forwarded otherwise.
-    pub(super) async fn on_extended(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+    /// Parse, Bind, Describe, Execute and Close are held while the batch
+    /// could still be answered from the cache, forwarded otherwise. Only an
+    /// Execute may wait (to plan its statement): the others are handled
+    /// in [`Self::on_extended_now`], without a future, whose setting up
+    /// cost a Bind more than handling it.
+    pub(super) async fn on_execute_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let body = frame.slice(HEADER_LEN..);
+        let holdable = self.holdable(&frame);
+        self.pipeline.executed();
+        let held = self.on_execute(&frame, &body, holdable).await?;
+        Ok(self.held_or_forwarded(&frame, held))
+    }
+
+    /// Parse, Bind, Describe or Close.
+    pub(super) fn on_extended_now(&mut self, frame: &Bytes) -> Flow {
         let tag = frame[0];
         let body = frame.slice(HEADER_LEN..);
-        let holdable = self.pipeline.is_quiet()
-            && self.tx.status == TxStatus::Idle
-            && self.batch.has_room(frame.len())
-            && !self.batch.holds_tag(tag);
+        let holdable = self.holdable(frame);
         let held = match tag {
-            fe::PARSE => self.on_parse(&frame, &body, holdable),
-            fe::BIND => self.on_bind(&frame, &body, holdable),
+            fe::PARSE => self.on_parse(frame, &body, holdable),
+            fe::BIND => self.on_bind(frame, &body, holdable),
             fe::DESCRIBE => match extended::target(&body) {
                 Some((kind, name)) if holdable => {
-                    self.batch.hold_describe(kind, body.slice_ref(name), &frame);
+                    self.batch.hold_describe(kind, body.slice_ref(name), frame);
                     true
                 }
                 _ => false,
             },
-            fe::EXECUTE => {
-                self.pipeline.executed();
-                self.on_execute(&frame, &body, holdable).await?
-            }
             _ => {
                 // Close
                 if let Some((kind, name)) = extended::target(&body) {
                     if kind == fe::TARGET_STATEMENT {
                         self.known.close_statement(name);
                     } else {
-                        self.known.portals.remove(name);
+                        self.known.close_portal(name);
                     }
                 }
                 false
             }
         };
+        self.held_or_forwarded(frame, held)
+    }
+
+    fn holdable(&self, frame: &[u8]) -> bool {
+        self.pipeline.is_quiet()
+            && self.tx.status == TxStatus::Idle
+            && self.batch.has_room(frame.len())
+            && !self.batch.holds_tag(frame[0])
+    }
+
+    fn held_or_forwarded(&mut self, frame: &[u8], held: bool) -> Flow {
         if !held {
             self.release_batch();
-            self.forward(&frame);
+            self.forward(frame);
             self.pipeline.unsynced = true;
         }
-        Ok(Flow::Continue)
+        Flow::Continue
     }
 
     fn on_parse(&mut self, frame: &Bytes, body: &Bytes, holdable: bool) -> bool {
@@ -92,12 +108,11 @@ where
         let Some((portal, statement)) = extended::bind_names(body) else {
             return false;
         };
-        let portal = body.slice_ref(portal);
         let Some(stmt) = self.known.statements.get(statement).cloned() else {
-            self.known.portals.remove(&portal);
+            self.known.close_portal(portal);
             return false;
         };
-        self.known.portals.insert(portal, stmt);
+        self.known.bind_portal(body.slice_ref(portal), stmt);
         if holdable {
             self.batch.hold_bind(frame);
         }
@@ -115,7 +130,7 @@ where
         let parsed = extended::execute(body).map(|(p, rows)| (body.slice_ref(p), rows));
         let stmt = parsed
             .as_ref()
-            .and_then(|(p, _)| self.known.portals.get(p).cloned());
+            .and_then(|(p, _)| self.known.portal(p).cloned());
         let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
             self.batch.effects.merge(&Bumps::opaque());
             self.settings_may_have_changed();
@@ -144,8 +159,11 @@ where
         }
     }
 
-    pub(super) async fn on_sync(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        let started = Instant::now();
+    pub(super) async fn on_sync(
+        &mut self,
+        frame: Bytes,
+        started: Instant,
+    ) -> Result<Flow, SessionError> {
         let mut inflight = Inflight::default();
         if self.batch.holds() && !self.batch.forwarded {
             match self.batch_key().await? {

@@ -44,7 +44,10 @@ pub(super) struct Known {
     plans: HashMap<u128, Arc<Plan>>,
     shape_plans: HashMap<u128, Arc<Plan>>,
     pub statements: HashMap<Bytes, Arc<Statement>>,
-    pub portals: HashMap<Bytes, Arc<Statement>>,
+    /// The unnamed portal, which nearly every Bind makes: apart, as
+    /// hashing its empty name into `portals` was most of a Bind's cost.
+    unnamed_portal: Option<Arc<Statement>>,
+    portals: HashMap<Bytes, Arc<Statement>>,
     /// Parse messages answered from the cache that the backend has not seen.
     pub unsent_parses: Vec<(Bytes, Bytes)>,
 }
@@ -60,6 +63,7 @@ impl Known {
             plans: HashMap::default(),
             shape_plans: HashMap::default(),
             statements: HashMap::default(),
+            unnamed_portal: None,
             portals: HashMap::default(),
             unsent_parses: Vec::new(),
         }
@@ -105,6 +109,32 @@ impl Known {
             self.unsent_parses.retain(|(n, _)| !n.is_empty());
         }
         self.statements.insert(name, Arc::new(statement));
+    }
+
+    /// A Bind made portal `name`, of `statement`.
+    pub fn bind_portal(&mut self, name: Bytes, statement: Arc<Statement>) {
+        if name.is_empty() {
+            self.unnamed_portal = Some(statement);
+        } else {
+            self.portals.insert(name, statement);
+        }
+    }
+
+    pub fn portal(&self, name: &[u8]) -> Option<&Arc<Statement>> {
+        if name.is_empty() {
+            self.unnamed_portal.as_ref()
+        } else {
+            self.portals.get(name)
+        }
+    }
+
+    /// Portal `name` is gone (closed, or its Bind was not understood).
+    pub fn close_portal(&mut self, name: &[u8]) {
+        if name.is_empty() {
+            self.unnamed_portal = None;
+        } else {
+            self.portals.remove(name);
+        }
     }
 
     /// A Close of statement `name` went out.

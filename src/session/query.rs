@@ -50,9 +50,6 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        if frame[0] == fe::QUERY || frame[0] == fe::SYNC {
-            self.db.hold.touch();
-        }
         if frame[0] == fe::QUERY || frame[0] == fe::PARSE {
             let marks = marks(&frame[HEADER_LEN..]);
             if self.server.pooling || self.link.is_pooled() {
@@ -66,11 +63,18 @@ where
             }
         }
         match frame[0] {
-            fe::QUERY => self.on_query(frame).await,
-            fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE | fe::CLOSE => {
-                self.on_extended(frame).await
+            fe::QUERY => {
+                let started = Instant::now();
+                self.db.hold.touch_at(started);
+                self.on_query(frame, started).await
             }
-            fe::SYNC => self.on_sync(frame).await,
+            fe::EXECUTE => self.on_execute_frame(frame).await,
+            fe::PARSE | fe::BIND | fe::DESCRIBE | fe::CLOSE => Ok(self.on_extended_now(&frame)),
+            fe::SYNC => {
+                let started = Instant::now();
+                self.db.hold.touch_at(started);
+                self.on_sync(frame, started).await
+            }
             fe::FUNCTION_CALL => {
                 self.release_batch();
                 self.forward(&frame);
@@ -120,11 +124,10 @@ where
         self.pipeline.to_backend.extend_from_slice(frame);
     }
 
-    async fn on_query(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+    async fn on_query(&mut self, frame: Bytes, started: Instant) -> Result<Flow, SessionError> {
         self.release_batch();
         let body = &frame[HEADER_LEN..];
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
-        let started = Instant::now();
         let hash = key::sql_hash(sql);
         let plan = self.plan(hash, sql).await?;
         plan.stats.call();
@@ -224,6 +227,10 @@ where
             }
             Lookup::Miss(fill) => Ok(Answer::Forward(Some(Capture::new(fill)))),
             Lookup::Bypass(reason) => {
+                if reason == BypassReason::ReplicationDown {
+                    // pgcache may have let go of the database: take hold again.
+                    self.app.streams.ensure(&self.db);
+                }
                 plan.stats.bypassed(reason);
                 Ok(Answer::Forward(None))
             }
@@ -364,13 +371,9 @@ where
         if self.known.temp {
             return Ok(Err(BypassReason::TempObjects));
         }
-        if let Err(reason) = self.app.cache.freshness(&self.db) {
-            if reason == BypassReason::ReplicationDown {
-                // pgcache may have let go of the database: take hold again.
-                self.app.streams.ensure(&self.db);
-            }
-            return Ok(Err(reason));
-        }
+        // The stream's freshness is checked by the lookup, just before an
+        // answer could be served: checked here too, it cost every
+        // statement a second clock read.
         if !self.pipeline.is_quiet() {
             return Ok(Err(BypassReason::Pipelined));
         }
