@@ -12,6 +12,9 @@
 # and prints the ratios that bench/trust.sh targets (shadow / no-cache,
 # sampler / cache), in instructions.
 #   bench/instructions.sh [simple|prepared ...]   (default: both)
+# KEEP=dir keeps the callgrind profiles there, for callgrind_annotate (build
+# with CARGO_PROFILE_RELEASE_DEBUG=line-tables-only and a CARGO_TARGET_DIR
+# of its own to see functions and lines).
 source "$(dirname "$0")/lib.sh"
 if [ $# -gt 0 ]; then MODES=("$@"); else MODES=(simple prepared); fi
 command -v valgrind >/dev/null || apt_install valgrind
@@ -46,6 +49,7 @@ count() {
     bench_run 2500
     callgrind_control -d "$pid" >/dev/null 2>&1
     kill "$pid"; wait "$pid" 2>/dev/null || true
+    if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp "$out.1" "$KEEP/callgrind.$route.$mode"; fi
     callgrind_annotate "$out.1" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print int($1 / 10000)}'
 }
 

@@ -58,7 +58,7 @@ hotkey_sql() {
 
 build_pgcache() {
     (cd "$ROOT" && cargo build --release --locked -q)
-    PGCACHE_BIN="$ROOT/target/release/pgcache"
+    PGCACHE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/pgcache"
 }
 
 # start_pgcache PORT [flags...]; its metrics port is left in $METRICS_PORT.
