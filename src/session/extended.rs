@@ -137,9 +137,14 @@ where
             self.tx.wrote();
             return Ok(false);
         };
-        let plan = self.plan(stmt.hash, &stmt.sql.clone()).await?;
+        let plan = match self.memo_plan(stmt.hash) {
+            Some(plan) => plan,
+            None => self.plan(stmt.hash, &stmt.sql).await?,
+        };
         plan.stats.call();
-        self.before_begin(&plan).await?;
+        if plan.begin_strict.is_some() {
+            self.before_begin(&plan).await?;
+        }
         self.batch.effects.merge(&plan.effects);
         self.note_effects(&plan);
         let hold = holdable && plan.read.is_ok();
@@ -245,13 +250,23 @@ where
             return Ok(Err(BypassReason::TimeLiteral));
         }
         let mut plan = Arc::clone(&query.plan);
-        if plan.generation != self.db.catalog.generation()
-            || plan.policy_generation != self.app.policy_generation()
-        {
-            // The catalog or the policy changed since the Execute.
-            plan = self.plan(stmt.hash, &stmt.sql).await?;
-        }
-        let prefix = match self.may_serve(&plan, false).await? {
+        let current = plan.generation == self.db.catalog.generation()
+            && plan.policy_generation == self.app.policy_generation();
+        let decided = match current {
+            true => self.may_serve_now(&plan, false),
+            false => None,
+        };
+        let decided = match decided {
+            Some(decided) => decided,
+            None => {
+                if !current {
+                    // The catalog or the policy changed since the Execute.
+                    plan = self.plan(stmt.hash, &stmt.sql).await?;
+                }
+                self.may_serve(&plan, false).await?
+            }
+        };
+        let prefix = match decided {
             Ok(prefix) => prefix,
             Err(reason) => {
                 plan.stats.bypassed(reason);

@@ -93,6 +93,19 @@ where
             .0)
     }
 
+    /// The session's prefix when it is known and current, as
+    /// [`Self::session_prefix`] first looks for it, without a future.
+    pub(super) fn known_prefix(&self) -> Option<u128> {
+        let pool_generation = self.link.pool.as_ref().map(|p| p.generation());
+        if pool_generation != self.link.prefix_generation {
+            return None;
+        }
+        let generation = self.db.catalog.policy_settings_generation();
+        self.known
+            .prefix
+            .and_then(|(prefix, g)| (g == generation).then_some(prefix))
+    }
+
     /// The hash of the session's identity and settings, read from the
     /// backend when they may have changed.
     pub(super) async fn session_prefix(

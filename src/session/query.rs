@@ -129,17 +129,23 @@ where
         let body = &frame[HEADER_LEN..];
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
         let hash = key::sql_hash(sql);
-        let plan = self.plan(hash, sql).await?;
+        let plan = match self.memo_plan(hash) {
+            Some(plan) => plan,
+            None => self.plan(hash, sql).await?,
+        };
         plan.stats.call();
-        self.before_begin(&plan).await?;
+        if plan.begin_strict.is_some() {
+            self.before_begin(&plan).await?;
+        }
         let mut inflight = Inflight {
             effects: plan.effects.clone(),
             ..Inflight::default()
         };
-        let key = self
-            .may_serve(&plan, true)
-            .await?
-            .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
+        let prefix = match self.may_serve_now(&plan, true) {
+            Some(decided) => decided,
+            None => self.may_serve(&plan, true).await?,
+        };
+        let key = prefix.map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
         match self.ask_cache(key, &plan, started, &frame, 0).await? {
             Answer::Served { .. } => return Ok(Flow::Continue),
             Answer::Forward(capture) => {
@@ -240,7 +246,15 @@ where
         }
     }
 
-    /// The memoised plan for a statement text.
+    /// The session's memoised plan for a statement text, if current: what
+    /// [`Self::plan`] finds first, without a future.
+    pub(super) fn memo_plan(&self, hash: u128) -> Option<Arc<Plan>> {
+        let generation = self.db.catalog.generation();
+        self.known
+            .plan(hash, generation, self.app.policy_generation())
+    }
+
+    /// The plan for a statement text.
     pub(super) async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
         let generation = self.db.catalog.generation();
         let policy_generation = self.app.policy_generation();
@@ -326,6 +340,8 @@ where
     /// Reads inside a transaction can only use the cache if the session's
     /// settings are known, and they can only be read while it is idle: so
     /// read them just before a BEGIN goes out, if they are not known.
+    /// Callers test `plan.begin_strict` first, so that only a BEGIN sets up
+    /// this future.
     pub(super) async fn before_begin(&mut self, plan: &Plan) -> Result<(), SessionError> {
         if plan.begin_strict == Some(false) && self.known.prefix.is_none() && self.backend_idle() {
             let _ = self.session_prefix().await?;
@@ -356,40 +372,57 @@ where
         plan: &Plan,
         in_transaction_ok: bool,
     ) -> Result<Result<u128, BypassReason>, SessionError> {
+        if let Some(decided) = self.may_serve_now(plan, in_transaction_ok) {
+            return Ok(decided);
+        }
+        let prefix = self.session_prefix().await?;
+        Ok(prefix.and_then(|prefix| self.role_may_serve(prefix)))
+    }
+
+    /// [`Self::may_serve`] when it needs no round trip (the session's
+    /// settings are known, or the read is refused anyway); `None` when they
+    /// must be read first. Called without a future on the hot path, whose
+    /// setting up and moving cost more than these checks.
+    pub(super) fn may_serve_now(
+        &self,
+        plan: &Plan,
+        in_transaction_ok: bool,
+    ) -> Option<Result<u128, BypassReason>> {
         if let Err(reason) = &plan.read {
             // With no stream, no table is published yet: say why.
             if *reason == BypassReason::NotPublished
                 && let Err(down) = self.app.cache.freshness(&self.db)
             {
-                return Ok(Err(down));
+                return Some(Err(down));
             }
-            return Ok(Err(*reason));
+            return Some(Err(*reason));
         }
         if !self.known.policy.database_allowed(self.startup.database()) {
-            return Ok(Err(BypassReason::DatabaseRule));
+            return Some(Err(BypassReason::DatabaseRule));
         }
         if self.known.temp {
-            return Ok(Err(BypassReason::TempObjects));
+            return Some(Err(BypassReason::TempObjects));
         }
         // The stream's freshness is checked by the lookup, just before an
         // answer could be served: checked here too, it cost every
         // statement a second clock read.
         if !self.pipeline.is_quiet() {
-            return Ok(Err(BypassReason::Pipelined));
+            return Some(Err(BypassReason::Pipelined));
         }
         if self.tx.status == TxStatus::InTransaction && !in_transaction_ok {
-            return Ok(Err(BypassReason::UnsupportedShape));
+            return Some(Err(BypassReason::UnsupportedShape));
         }
         if let Err(reason) = self.tx.reads_may_use_cache() {
-            return Ok(Err(reason));
+            return Some(Err(reason));
         }
-        let prefix = self.session_prefix().await?;
-        if prefix.is_ok()
-            && let Some(role) = &self.known.role
-            && !self.known.policy.role_allowed(role)
-        {
-            return Ok(Err(BypassReason::RoleRule));
+        let prefix = self.known_prefix()?;
+        Some(self.role_may_serve(prefix))
+    }
+
+    fn role_may_serve(&self, prefix: u128) -> Result<u128, BypassReason> {
+        match &self.known.role {
+            Some(role) if !self.known.policy.role_allowed(role) => Err(BypassReason::RoleRule),
+            _ => Ok(prefix),
         }
-        Ok(prefix)
     }
 }

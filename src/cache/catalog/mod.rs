@@ -166,6 +166,8 @@ pub struct Catalog {
     /// generation bumped when the set grows: they are part of every cache
     /// key, so a session re-reads its settings when the set changes.
     settings: RwLock<(u64, Arc<[String]>)>,
+    /// `settings`' generation, read by every statement without the lock.
+    settings_generation: AtomicU64,
     wanted: Mutex<Wanted>,
     /// Wakes the fetcher when names are wanted.
     pub wake: Notify,
@@ -260,6 +262,8 @@ impl Catalog {
             all.append(&mut fetched.settings);
             if all.len() != before {
                 *settings = (settings.0 + 1, all.into_iter().collect());
+                self.settings_generation
+                    .store(settings.0, Ordering::Release);
             }
         }
         let now = Instant::now();
@@ -325,6 +329,11 @@ impl Catalog {
                     Some(Entry::Known(_) | Entry::Absent(_))
                 )
             })
+    }
+
+    /// The generation of [`Self::policy_settings`].
+    pub fn policy_settings_generation(&self) -> u64 {
+        self.settings_generation.load(Ordering::Acquire)
     }
 
     /// The custom settings RLS policies read, with their generation.
@@ -516,6 +525,7 @@ mod tests {
         assert!(!catalog.knows(&["secure"], &[]));
         assert!(catalog.knows(&["plain"], &[]));
         assert_eq!(catalog.policy_settings().0, 1, "settings are kept");
+        assert_eq!(catalog.policy_settings_generation(), 1);
     }
 
     #[test]
