@@ -256,6 +256,30 @@ async fn drop_database_through_pgcache_is_not_blocked_by_parked_connections() {
     assert_eq!(proxy.app.pool.idle_count(), 0);
 }
 
+/// With caching on, a session knows a text it ran before, and what its
+/// word scan found, without scanning it again: the second `DROP DATABASE`
+/// of the same text must still close the connections parked for it.
+#[tokio::test]
+async fn a_repeated_database_statement_still_closes_parked_connections() {
+    let pg = pg();
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let db = format!("t_pool_redrop_{}", rand_suffix());
+    let admin = connect_dsn(&proxy.dsn("postgres", "postgres"))
+        .await
+        .unwrap();
+    let drop_it = format!("DROP DATABASE {db}");
+    for round in 1..=2 {
+        pg.psql_admin(&format!("CREATE DATABASE {db}"));
+        park(&proxy, &proxy.dsn("postgres", &db), "").await;
+        assert!(proxy.app.pool.idle_count() >= 1);
+        admin
+            .batch_execute(&drop_it)
+            .await
+            .unwrap_or_else(|e| panic!("DROP DATABASE, time {round}: {e:?}"));
+        assert_eq!(proxy.app.pool.idle_count(), 0, "time {round}");
+    }
+}
+
 #[tokio::test]
 async fn a_parked_connection_that_died_is_replaced_unseen() {
     let pg = pg();

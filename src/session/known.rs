@@ -9,6 +9,7 @@ use bytes::Bytes;
 
 use super::plan::Plan;
 use crate::policy::Policy;
+use crate::pool::marks::Marks;
 
 const MAX_PLANS: usize = 4096;
 
@@ -28,6 +29,16 @@ pub(super) struct Statement {
     pub param_types: Bytes,
 }
 
+/// A statement text the session ran.
+struct KnownText {
+    plan: Arc<Plan>,
+    /// Its word scan ([`crate::pool::marks`]), which depends on the text
+    /// alone: once known, a repeated text skips the scan, which cost a
+    /// would-be hit (shadow mode) or a hit about a tenth of its
+    /// instructions.
+    marks: Option<Marks>,
+}
+
 pub(super) struct Known {
     /// Hash of the session's identity and settings, with the catalog
     /// generation it was computed under. `None`: settings may have changed.
@@ -41,7 +52,7 @@ pub(super) struct Known {
     /// Statement texts whose hint problems this client was told of.
     warned: HashSet<u128>,
     /// Plans by text, and by plan key (one shape, the same hints).
-    plans: HashMap<u128, Arc<Plan>>,
+    plans: HashMap<u128, KnownText>,
     shape_plans: HashMap<u128, Arc<Plan>>,
     pub statements: HashMap<Bytes, Arc<Statement>>,
     /// The unnamed portal, which nearly every Bind makes: apart, as
@@ -71,7 +82,35 @@ impl Known {
 
     /// The memoised plan of a text, if made under these generations.
     pub fn plan(&self, hash: u128, generation: u64, policy_generation: u64) -> Option<Arc<Plan>> {
-        current(self.plans.get(&hash), generation, policy_generation)
+        current(
+            self.plans.get(&hash).map(|t| &t.plan),
+            generation,
+            policy_generation,
+        )
+    }
+
+    /// What one lookup knows of a text: its plan, if made under these
+    /// generations, and its marks, whatever the generations.
+    pub fn text(
+        &self,
+        hash: u128,
+        generation: u64,
+        policy_generation: u64,
+    ) -> (Option<Arc<Plan>>, Option<Marks>) {
+        match self.plans.get(&hash) {
+            Some(t) => (
+                current(Some(&t.plan), generation, policy_generation),
+                t.marks,
+            ),
+            None => (None, None),
+        }
+    }
+
+    /// Keeps the marks of a text whose plan is remembered.
+    pub fn remember_marks(&mut self, hash: u128, marks: Marks) {
+        if let Some(t) = self.plans.get_mut(&hash) {
+            t.marks = Some(marks);
+        }
     }
 
     /// The memoised plan of another text with this plan key.
@@ -91,7 +130,13 @@ impl Known {
         if self.shape_plans.len() >= MAX_PLANS {
             self.shape_plans.clear();
         }
-        self.plans.insert(hash, Arc::clone(plan));
+        self.plans
+            .entry(hash)
+            .and_modify(|t| t.plan = Arc::clone(plan))
+            .or_insert_with(|| KnownText {
+                plan: Arc::clone(plan),
+                marks: None,
+            });
         self.shape_plans.insert(plan_key, Arc::clone(plan));
     }
 

@@ -31,7 +31,7 @@ use crate::cache::sampler::Check;
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
 use crate::config::CacheMode;
-use crate::pool::marks::marks;
+use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, frontend as fe, messages, sqlstate};
 
@@ -50,24 +50,14 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        if frame[0] == fe::QUERY || frame[0] == fe::PARSE {
-            let marks = marks(&frame[HEADER_LEN..]);
-            if self.server.pooling || self.link.is_pooled() {
-                self.note_marks(marks);
-            }
-            if marks.evicts || marks.unlogged {
-                // Boxed, as are pgcache's other rare round trips: inline,
-                // their futures made every statement's several kilobytes
-                // larger, and each await copied them.
-                Box::pin(self.meet_prerequisites(&frame)).await?;
-            }
+        if frame[0] == fe::PARSE && self.note_text_marks(marks(&frame[HEADER_LEN..])) {
+            // Boxed, as are pgcache's other rare round trips: inline,
+            // their futures made every statement's several kilobytes
+            // larger, and each await copied them.
+            Box::pin(self.meet_prerequisites(&frame)).await?;
         }
         match frame[0] {
-            fe::QUERY => {
-                let started = Instant::now();
-                self.db.hold.touch_at(started);
-                self.on_query(frame, started).await
-            }
+            fe::QUERY => self.on_query(frame).await,
             fe::EXECUTE => self.on_execute_frame(frame).await,
             fe::PARSE | fe::BIND | fe::DESCRIBE | fe::CLOSE => Ok(self.on_extended_now(&frame)),
             fe::SYNC => {
@@ -124,15 +114,40 @@ where
         self.pipeline.to_backend.extend_from_slice(frame);
     }
 
-    async fn on_query(&mut self, frame: Bytes, started: Instant) -> Result<Flow, SessionError> {
-        self.release_batch();
+    /// What a Query or Parse text's marks ask of the session now; true if
+    /// it has prerequisites to meet before it goes out.
+    fn note_text_marks(&mut self, marks: Marks) -> bool {
+        if self.server.pooling || self.link.is_pooled() {
+            self.note_marks(marks);
+        }
+        marks.evicts || marks.unlogged
+    }
+
+    async fn on_query(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
         let body = &frame[HEADER_LEN..];
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
         let hash = key::sql_hash(sql);
-        let plan = match self.memo_plan(hash) {
+        // One lookup gives a known text's plan and marks.
+        let generation = self.db.catalog.generation();
+        let (mut memo, known_marks) =
+            self.known
+                .text(hash, generation, self.app.policy_generation());
+        let marks = known_marks.unwrap_or_else(|| marks(body));
+        if self.note_text_marks(marks) {
+            Box::pin(self.meet_prerequisites(&frame)).await?;
+            // Meeting them may have changed the catalog.
+            memo = None;
+        }
+        let started = Instant::now();
+        self.db.hold.touch_at(started);
+        self.release_batch();
+        let plan = match memo {
             Some(plan) => plan,
             None => self.plan(hash, sql).await?,
         };
+        if known_marks.is_none() {
+            self.known.remember_marks(hash, marks);
+        }
         plan.stats.call();
         if plan.begin_strict.is_some() {
             self.before_begin(&plan).await?;
