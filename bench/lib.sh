@@ -173,5 +173,11 @@ cpu_secs() {
         printf "%.2f", (kids ? $14 + $15 : $12 + $13) / tck }' "/proc/$1/stat" 2>/dev/null
 }
 
+# CPU seconds the whole machine has spent busy so far (user, nice, system,
+# irq and softirq: not idle, iowait, or steal by other guests).
+machine_busy_secs() {
+    awk -v tck="$(getconf CLK_TCK)" '/^cpu / {printf "%.2f", ($2 + $3 + $4 + $7 + $8) / tck}' /proc/stat
+}
+
 # Peak resident memory of a process, in MiB.
 peak_rss_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status" 2>/dev/null; }
