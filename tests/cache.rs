@@ -471,6 +471,60 @@ async fn extended_protocol_hits_with_binary_results_nulls_and_new_parameters() {
     assert_eq!(r.get::<_, Option<&str>>(1), Some("b"));
 }
 
+/// What libpq and pgbench -M prepared send for each run of a prepared
+/// statement, Bind [Describe] Execute Sync, arrives whole in one read:
+/// once the statement's plan is known, pgcache decides on it in one step.
+/// Each shape keeps its own entry, found the same whether the batch that
+/// stored it went that way or frame by frame, and two batches in one write
+/// are both answered, in order.
+#[tokio::test]
+async fn whole_prepared_batches_find_the_entries_their_frames_made() {
+    use common::wire::*;
+    use tokio::io::AsyncWriteExt;
+    let (db, proxy, _client) = setup(
+        "whole_batches",
+        "CREATE TABLE t(id int PRIMARY KEY, v text); INSERT INTO t VALUES (1, 'one');",
+    )
+    .await;
+    let (mut s, _) = raw_login(proxy.addr, &db).await;
+    s.write_all(&[parse("s1", "SELECT v FROM t WHERE id = 1"), sync()].concat())
+        .await
+        .unwrap();
+    assert_eq!(tags(&read_until_ready(&mut s).await), "1Z");
+    let by_portal = [bind("s1"), describe_portal(), execute(), sync()].concat();
+    let by_statement = [bind("s1"), describe_statement("s1"), execute(), sync()].concat();
+    // The first run of the first shape plans the statement (frame by frame);
+    // every later one finds the plan.
+    for (batch, answer) in [(&by_portal, "2TDCZ"), (&by_statement, "2tTDCZ")] {
+        let hits = proxy.hits();
+        for run in 0..3 {
+            s.write_all(batch).await.unwrap();
+            let reply = read_until_ready(&mut s).await;
+            assert_eq!(tags(&reply), answer, "run {run}");
+            let row = reply.iter().find(|(t, _)| *t == b'D').unwrap();
+            assert!(row.1.ends_with(b"one"), "run {run}: {row:?}");
+        }
+        assert_eq!(proxy.hits() - hits, 2, "{answer}: stored once, hit twice");
+    }
+    s.write_all(&[by_portal.clone(), by_portal].concat())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        assert_eq!(tags(&read_until_ready(&mut s).await), "2TDCZ");
+    }
+    // The writes that follow are seen: the entry's table was bumped.
+    s.write_all(&query("UPDATE t SET v = 'uno' WHERE id = 1"))
+        .await
+        .unwrap();
+    read_until_ready(&mut s).await;
+    s.write_all(&[bind("s1"), describe_portal(), execute(), sync()].concat())
+        .await
+        .unwrap();
+    let reply = read_until_ready(&mut s).await;
+    let row = reply.iter().find(|(t, _)| *t == b'D').unwrap();
+    assert!(row.1.ends_with(b"uno"), "{row:?}");
+}
+
 #[tokio::test]
 async fn results_over_the_entry_limit_are_streamed_not_stored() {
     let db = pg().create_db("large");

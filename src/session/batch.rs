@@ -10,7 +10,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::plan::Plan;
 use crate::classify::BypassReason;
-use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::codec::{HEADER_LEN, parse_frame};
 use crate::protocol::extended::{self, Bind};
 use crate::protocol::frontend as fe;
 
@@ -52,6 +52,68 @@ impl SingleQuery {
     /// The Bind's parameters and formats; `None` if it is malformed.
     pub fn bind(&self) -> Option<Bind<'_>> {
         extended::bind(&self.bind_frame[HEADER_LEN..])
+    }
+}
+
+/// A driver's one-query batch found whole at the start of the client's
+/// read buffer: `Bind [Describe] Execute Sync`, what every run of a
+/// prepared statement sends. The read buffer itself holds it while the
+/// cache decides ([`Session::whole_batch`](super::relay::Session::whole_batch)): no
+/// frame is split off, dispatched or copied into [`Batch`] one by one.
+pub(super) struct WholeBatch {
+    /// Where each frame ends: Bind, Describe (if any), Execute, Sync.
+    bind_end: usize,
+    describe_end: Option<usize>,
+    execute_end: usize,
+    pub len: usize,
+}
+
+impl WholeBatch {
+    /// The batch at the start of `buf`, if it is whole there; frames past
+    /// `max_frame` or malformed headers are left to the frame-by-frame
+    /// path, which reports them.
+    pub fn at_start(buf: &[u8], max_frame: usize) -> Option<Self> {
+        if buf.first() != Some(&fe::BIND) {
+            return None;
+        }
+        let frame = |pos: usize| -> Option<(u8, usize)> {
+            let len = parse_frame(&buf[pos..], max_frame).ok()??;
+            Some((buf[pos], pos + len))
+        };
+        let (_, bind_end) = frame(0)?;
+        let (mut tag, mut end) = frame(bind_end)?;
+        let describe_end = if tag == fe::DESCRIBE {
+            let describe_end = end;
+            (tag, end) = frame(describe_end)?;
+            Some(describe_end)
+        } else {
+            None
+        };
+        let execute_end = end;
+        if tag != fe::EXECUTE {
+            return None;
+        }
+        let (tag, len) = frame(execute_end)?;
+        (tag == fe::SYNC && len <= MAX_HELD_BYTES).then_some(Self {
+            bind_end,
+            describe_end,
+            execute_end,
+            len,
+        })
+    }
+
+    pub fn bind_body<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        &buf[HEADER_LEN..self.bind_end]
+    }
+
+    pub fn describe_body<'a>(&self, buf: &'a [u8]) -> Option<&'a [u8]> {
+        self.describe_end
+            .map(|end| &buf[self.bind_end + HEADER_LEN..end])
+    }
+
+    pub fn execute_body<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        let start = self.describe_end.unwrap_or(self.bind_end);
+        &buf[start + HEADER_LEN..self.execute_end]
     }
 }
 
@@ -265,6 +327,49 @@ mod tests {
             Batch::default().single_query().err(),
             Some(BypassReason::UnsupportedShape)
         );
+    }
+
+    #[test]
+    fn a_whole_batch_is_found_only_when_all_of_it_is_there() {
+        let bind = bind("", "s1");
+        let describe = frame(fe::DESCRIBE, b"P\0");
+        let execute = frame(fe::EXECUTE, &[0, 0, 0, 0, 0]);
+        let sync = frame(fe::SYNC, &[]);
+        let whole = [&bind[..], &describe, &execute, &sync].concat();
+        let at = WholeBatch::at_start(&whole, 1 << 20).expect("found");
+        assert_eq!(at.len, whole.len());
+        assert_eq!(at.bind_body(&whole), &bind[HEADER_LEN..]);
+        assert_eq!(at.describe_body(&whole), Some(&b"P\0"[..]));
+        assert_eq!(at.execute_body(&whole), &[0, 0, 0, 0, 0]);
+        // What follows the Sync is left for later.
+        let more = [&whole[..], &bind].concat();
+        assert_eq!(
+            WholeBatch::at_start(&more, 1 << 20).unwrap().len,
+            whole.len()
+        );
+        let bare = [&bind[..], &execute, &sync].concat();
+        let at = WholeBatch::at_start(&bare, 1 << 20).expect("no Describe");
+        assert_eq!(at.describe_body(&bare), None);
+        assert_eq!(at.execute_body(&bare), &[0, 0, 0, 0, 0]);
+
+        let parse = frame(fe::PARSE, b"s1\0SELECT 1\0\0\0");
+        for (case, buf) in [
+            ("cut short", whole[..whole.len() - 1].to_vec()),
+            ("no Sync", [&bind[..], &execute].concat()),
+            ("a Parse first", [&parse[..], &whole].concat()),
+            (
+                "two Describes",
+                [&bind[..], &describe, &describe, &execute, &sync].concat(),
+            ),
+            (
+                "Flush for Sync",
+                [&bind[..], &execute, &frame(fe::FLUSH, &[])].concat(),
+            ),
+        ] {
+            assert!(WholeBatch::at_start(&buf, 1 << 20).is_none(), "{case}");
+        }
+        // A frame over the limit is the frame-by-frame path's to refuse.
+        assert!(WholeBatch::at_start(&whole, 10).is_none());
     }
 
     #[test]

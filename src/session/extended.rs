@@ -10,6 +10,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
+use super::batch::WholeBatch;
 use super::known::Statement;
 use super::pipeline::{Flow, Inflight};
 use super::plan::Plan;
@@ -20,7 +21,8 @@ use crate::cache::Bumps;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::classify::{BypassReason, is_time_literal_text};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, extended, frontend as fe};
+use crate::protocol::extended::{self, Bind};
+use crate::protocol::{TxStatus, frontend as fe};
 
 impl<C> Session<C>
 where
@@ -242,11 +244,7 @@ where
         let Some(stmt) = self.known.statements.get(bind.statement).cloned() else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
-        let time_literal =
-            bind.params.iter().zip(&bind.param_formats).any(|(v, f)| {
-                *f == 0 && v.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v))
-            });
-        if time_literal {
+        if binds_time_literal(&bind) {
             return Ok(Err(BypassReason::TimeLiteral));
         }
         let mut plan = Arc::clone(&query.plan);
@@ -273,16 +271,125 @@ where
                 return Ok(Err(reason));
             }
         };
-        let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
-        k.bytes(self.batch.shape()).bytes(&stmt.param_types);
-        for (value, format) in bind.params.iter().zip(&bind.param_formats) {
-            k.u64(*format as u64).value(*value);
-        }
-        for f in &bind.result_formats {
-            k.u64(*f as u64);
-        }
-        // The row limit stays out of the key: a result that completed within
-        // one limit is the whole result, for any limit it fits.
-        Ok(Ok((k.finish(), plan, query.row_limit)))
+        let key = extended_key(prefix, &stmt, self.batch.shape(), &bind);
+        Ok(Ok((key, plan, query.row_limit)))
     }
+
+    /// A whole one-query batch at the start of the client's buffer, if
+    /// the cache can decide on it now, without a round trip: what its
+    /// frames say and what the session knows (a statement it defined, a
+    /// plan it memoised, a read it may serve). `None` leaves the batch to
+    /// the frame-by-frame path, nothing changed, and it gets the same
+    /// answer there.
+    pub(super) fn whole_batch(&self) -> Option<ReadyBatch> {
+        if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
+            return None;
+        }
+        let buf = self.client.buffered();
+        let at = WholeBatch::at_start(buf, self.client.max_frame())?;
+        let bind = extended::bind(at.bind_body(buf))?;
+        let stmt = self.known.statements.get(bind.statement)?;
+        if !bind.portal.is_empty() || binds_time_literal(&bind) {
+            return None;
+        }
+        let mut tags = [fe::BIND, fe::DESCRIBE, 0, fe::EXECUTE];
+        let shape = match at.describe_body(buf) {
+            Some(body) => {
+                let (kind, name) = extended::target(body)?;
+                let names_the_bound = match kind {
+                    fe::TARGET_PORTAL => name.is_empty(),
+                    _ => name == bind.statement,
+                };
+                if !names_the_bound {
+                    return None;
+                }
+                tags[2] = kind;
+                &tags[..]
+            }
+            None => &[fe::BIND, fe::EXECUTE][..],
+        };
+        // A row limit needs the frame rewritten ([`Self::on_sync`]).
+        let (portal, max_rows) = extended::execute(at.execute_body(buf))?;
+        if !portal.is_empty() || max_rows > 0 {
+            return None;
+        }
+        let plan = self.memo_plan(stmt.hash)?;
+        if plan.begin_strict.is_some() {
+            return None;
+        }
+        let prefix = self.may_serve_now(&plan, false)?.ok()?;
+        Some(ReadyBatch {
+            len: at.len,
+            key: extended_key(prefix, stmt, shape, &bind),
+            statement: Arc::clone(stmt),
+            plan,
+        })
+    }
+
+    /// Answers or forwards a batch [`Self::whole_batch`] found: what
+    /// Bind, Describe, Execute and Sync would each have done in turn.
+    pub(super) async fn on_whole_batch(&mut self, ready: ReadyBatch) -> Result<(), SessionError> {
+        let ReadyBatch {
+            len,
+            key,
+            statement,
+            plan,
+        } = ready;
+        let request = self.client.split_to(len);
+        self.known.bind_portal(Bytes::new(), statement);
+        self.pipeline.executed();
+        plan.stats.call();
+        self.note_effects(&plan);
+        let started = Instant::now();
+        self.db.hold.touch_at(started);
+        match self.ask_cache(Ok(key), &plan, started, &request, 0).await? {
+            Answer::Served { .. } => {}
+            Answer::Forward(capture) => {
+                let mut inflight = Inflight {
+                    effects: plan.effects.clone(),
+                    ..Inflight::default()
+                };
+                if capture.is_some() {
+                    inflight.timing = Some((Arc::clone(&plan.stats), started));
+                }
+                inflight.capture = capture;
+                self.forward(&request);
+                self.pipeline.push_sync(inflight);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What [`Session::whole_batch`] decided, for [`Session::on_whole_batch`].
+pub(super) struct ReadyBatch {
+    len: usize,
+    key: RequestKey,
+    statement: Arc<Statement>,
+    plan: Arc<Plan>,
+}
+
+/// A text-format parameter that may be a time literal (`now`, `today`...):
+/// its answer changes with the clock.
+fn binds_time_literal(bind: &Bind<'_>) -> bool {
+    bind.params
+        .iter()
+        .zip(&bind.param_formats)
+        .any(|(v, f)| *f == 0 && v.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v)))
+}
+
+/// The key of a bound statement run in a batch of `shape` (the tags and
+/// Describe kind of its frames).
+fn extended_key(prefix: u128, stmt: &Statement, shape: &[u8], bind: &Bind<'_>) -> RequestKey {
+    let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
+    k.bytes(shape).bytes(&stmt.param_types);
+    for (value, format) in bind.params.iter().zip(&bind.param_formats) {
+        k.u64(*format as u64).value(*value);
+    }
+    for f in &bind.result_formats {
+        k.u64(*f as u64);
+    }
+    // The row limit stays out of the key: a result that completed within
+    // one limit is the whole result, for any limit it fits.
+    k.finish()
 }

@@ -460,6 +460,10 @@ where
             }
         } else {
             while flow == Flow::Continue {
+                if let Some(ready) = self.whole_batch() {
+                    self.on_whole_batch(ready).await?;
+                    continue;
+                }
                 match self.client.next_frame() {
                     Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
                     Ok(None) => break,

@@ -44,6 +44,11 @@ pub fn execute_limited(rows: u32) -> Vec<u8> {
     frame(b'E', &[cstr(""), rows.to_be_bytes().to_vec()].concat())
 }
 
+/// Describe of the unnamed portal.
+pub fn describe_portal() -> Vec<u8> {
+    frame(b'D', b"P\0")
+}
+
 /// Describe of a statement.
 pub fn describe_statement(name: &str) -> Vec<u8> {
     frame(b'D', &[b"S".to_vec(), cstr(name)].concat())
