@@ -234,8 +234,11 @@ impl Cache {
             self.bypassed(req.db, reason);
             return Lookup::Bypass(reason);
         }
+        // Each await of the shared tier is boxed: inline, its futures made
+        // every lookup's (and every statement's) future kilobytes larger,
+        // copied on each call, with or without a shared tier.
         if let Some(tier) = self.shared().filter(|t| t.read_your_writes)
-            && let Err(e) = tier.confirm(req.db, req.reads).await
+            && let Err(e) = Box::pin(tier.confirm(req.db, req.reads)).await
         {
             tracing::debug!(error = %e, "cannot confirm versions with Redis");
             self.bypassed(req.db, BypassReason::Unconfirmed);
@@ -266,7 +269,7 @@ impl Cache {
             if let Some(tier) = self.shared().filter(|_| req.tier.shared()) {
                 if tier.usable(req.db) {
                     let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.reads);
-                    if let Some(entry) = tier.get(key, &stamp).await {
+                    if let Some(entry) = Box::pin(tier.get(key, &stamp)).await {
                         return self.shared_hit(req, local, entry);
                     }
                     shared = Some((key, stamp));
@@ -284,7 +287,8 @@ impl Cache {
                         tracing::trace!(key = local, "waiting for a concurrent fill");
                         self.metrics.coalesced.inc();
                         // Err: the filler finished (stored or failed).
-                        let _ = tokio::time::timeout(req.coalesce_wait, filled.changed()).await;
+                        let wait = tokio::time::timeout(req.coalesce_wait, filled.changed());
+                        let _ = Box::pin(wait).await;
                         waited = true;
                         continue;
                     }
