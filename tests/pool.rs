@@ -262,21 +262,30 @@ async fn drop_database_through_pgcache_is_not_blocked_by_parked_connections() {
 #[tokio::test]
 async fn a_repeated_database_statement_still_closes_parked_connections() {
     let pg = pg();
-    let proxy = Proxy::start(pg.proxy_config()).await;
-    let db = format!("t_pool_redrop_{}", rand_suffix());
-    let admin = connect_dsn(&proxy.dsn("postgres", "postgres"))
-        .await
-        .unwrap();
-    let drop_it = format!("DROP DATABASE {db}");
-    for round in 1..=2 {
-        pg.psql_admin(&format!("CREATE DATABASE {db}"));
-        park(&proxy, &proxy.dsn("postgres", &db), "").await;
-        assert!(proxy.app.pool.idle_count() >= 1);
-        admin
-            .batch_execute(&drop_it)
+    // With caching on, the marks are kept with the text's plan; with it
+    // off, in a memo of their own.
+    for caching in [true, false] {
+        let mut config = pg.proxy_config();
+        config.cache.enabled = caching;
+        let proxy = Proxy::start(config).await;
+        let db = format!("t_pool_redrop_{}", rand_suffix());
+        let admin = connect_dsn(&proxy.dsn("postgres", "postgres"))
             .await
-            .unwrap_or_else(|e| panic!("DROP DATABASE, time {round}: {e:?}"));
-        assert_eq!(proxy.app.pool.idle_count(), 0, "time {round}");
+            .unwrap();
+        let drop_it = format!("DROP DATABASE {db}");
+        for round in 1..=2 {
+            pg.psql_admin(&format!("CREATE DATABASE {db}"));
+            park(&proxy, &proxy.dsn("postgres", &db), "").await;
+            assert!(proxy.app.pool.idle_count() >= 1);
+            admin.batch_execute(&drop_it).await.unwrap_or_else(|e| {
+                panic!("caching {caching}, DROP DATABASE, time {round}: {e:?}")
+            });
+            assert_eq!(
+                proxy.app.pool.idle_count(),
+                0,
+                "caching {caching}, time {round}"
+            );
+        }
     }
 }
 

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::plan::Plan;
+use crate::cache::key::sql_hash;
 use crate::policy::Policy;
-use crate::pool::marks::Marks;
+use crate::pool::marks::{Marks, marks};
 
 const MAX_PLANS: usize = 4096;
 
@@ -61,6 +62,11 @@ pub(super) struct Known {
     portals: HashMap<Bytes, Arc<Statement>>,
     /// Parse messages answered from the cache that the backend has not seen.
     pub unsent_parses: Vec<(Bytes, Bytes)>,
+    /// With caching off, the word scans of the texts relayed, by hash: a
+    /// repeated text skips the scan, which was a tenth of relaying a
+    /// pgbench statement through a pool. (With caching on they are kept
+    /// with each text's plan.)
+    relayed_marks: HashMap<u128, Marks>,
 }
 
 impl Known {
@@ -77,6 +83,7 @@ impl Known {
             unnamed_portal: None,
             portals: HashMap::default(),
             unsent_parses: Vec::new(),
+            relayed_marks: HashMap::default(),
         }
     }
 
@@ -111,6 +118,20 @@ impl Known {
         if let Some(t) = self.plans.get_mut(&hash) {
             t.marks = Some(marks);
         }
+    }
+
+    /// The marks of a Query or Parse body relayed with caching off.
+    pub fn relayed_marks(&mut self, body: &[u8]) -> Marks {
+        let hash = sql_hash(body);
+        if let Some(known) = self.relayed_marks.get(&hash) {
+            return *known;
+        }
+        if self.relayed_marks.len() >= MAX_PLANS {
+            self.relayed_marks.clear();
+        }
+        let found = marks(body);
+        self.relayed_marks.insert(hash, found);
+        found
     }
 
     /// The memoised plan of another text with this plan key.

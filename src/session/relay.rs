@@ -24,7 +24,6 @@ use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::pool::clients::ClientEntry;
-use crate::pool::marks::marks;
 use crate::pool::prepared::Reply;
 use crate::protocol::codec::{HEADER_LEN, read_i32};
 use crate::protocol::messages;
@@ -419,7 +418,7 @@ where
                         if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE)
                         {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
-                            let marks = marks(sql);
+                            let marks = self.known.relayed_marks(sql);
                             self.note_marks(marks);
                         } else if tag == fe::FUNCTION_CALL {
                             self.link.state_dirty = true;
