@@ -149,9 +149,9 @@ impl StreamHealth {
     }
 
     /// The stream task ended (pgcache let go of the database): the next
-    /// [`StreamHealth::claim`] starts another.
+    /// [`StreamHealth::claim`] starts another. Its slot's name stays known:
+    /// the walsender may outlive the task.
     pub fn unclaim(&self) {
-        self.set_slot(None);
         self.claimed.store(false, Ordering::Release);
         self.ended.notify_waiters();
     }

@@ -173,7 +173,6 @@ impl Streams {
     pub async fn release(&self, name: &str, via: &str) -> Option<Paused> {
         let db = self.cache.databases.get(name)?;
         let paused = Paused::new(&db);
-        let slot = db.stream.slot();
         db.hold.let_go();
         self.pool.evict_database(name);
         if !db.stream.wait_unclaimed(RELEASE_WAIT).await {
@@ -182,7 +181,10 @@ impl Streams {
                 "the replication stream did not stop in time"
             );
         }
-        if let Some(slot) = slot
+        // Read once the stream has stopped: one that was starting when the
+        // statement came had not named its slot yet, and its walsender may
+        // still be exiting.
+        if let Some(slot) = db.stream.slot()
             && let Err(e) = self.wait_slot_gone(&slot, via).await
         {
             warn!(database = name, slot, error = %e, "could not see the replication slot go");
@@ -232,8 +234,11 @@ impl Streams {
             let publication = managed.then_some(self.settings.publication.as_str());
             install_ddl_trigger(&ctl, database, publication).await;
         }
-        let (mut stream, slot) = self.start(database).await?;
+        // Named before it exists, so that a statement that needs the
+        // database free waits for it even while it is being made.
+        let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
+        let mut stream = self.start(database, &slot).await?;
         let ctl = Arc::new(ctl);
         let beats = Arc::new(Heartbeats::new(self.instance));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
@@ -288,8 +293,12 @@ impl Streams {
     }
 
     /// Opens the replication connection and starts streaming from a new
-    /// temporary slot; returns the stream and the slot's name.
-    async fn start(&self, database: &str) -> Result<(ReplicationClient, String), ReplicationError> {
+    /// temporary slot named `slot`.
+    async fn start(
+        &self,
+        database: &str,
+        slot: &str,
+    ) -> Result<ReplicationClient, ReplicationError> {
         let pg = self.upstream.control_config(database);
         let (host, port, tls) = match self.upstream.addrs.first() {
             Some(UpstreamAddr::Tcp { host, port }) => {
@@ -313,13 +322,12 @@ impl Streams {
             .get_password()
             .map(|p| String::from_utf8_lossy(p).into_owned())
             .unwrap_or_default();
-        let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         let cfg = ReplicationConfig::new(
             host,
             pg.get_user().unwrap_or("postgres"),
             password,
             database,
-            &slot,
+            slot,
             self.settings.publication.as_str(),
         )
         .with_port(port)
@@ -334,7 +342,7 @@ impl Streams {
             .await?;
         stream.start().await?;
         stream.wait_started().await?;
-        Ok((stream, slot))
+        Ok(stream)
     }
 
     /// A transaction that ran DDL committed. The stream can deliver a
