@@ -55,6 +55,15 @@ impl SingleQuery {
     }
 }
 
+/// A Describe of `kind` and `name` asks about what the Bind made: its
+/// portal, or the statement it bound.
+pub(super) fn describes_the_bound(kind: u8, name: &[u8], portal: &[u8], statement: &[u8]) -> bool {
+    match kind {
+        fe::TARGET_PORTAL => name == portal,
+        _ => name == statement,
+    }
+}
+
 /// A driver's one-query batch found whole at the start of the client's
 /// read buffer: `Bind [Describe] Execute Sync`, what every run of a
 /// prepared statement sends. The read buffer itself holds it while the
@@ -219,11 +228,10 @@ impl Batch {
         };
         let (bound_portal, statement) = extended::bind_names(&bind_frame[HEADER_LEN..])
             .ok_or(BypassReason::UnsupportedShape)?;
-        let describe_ok = match &self.describe {
-            None => true,
-            Some((fe::TARGET_PORTAL, name)) => name.as_ref() == bound_portal,
-            Some((_, name)) => name.as_ref() == statement,
-        };
+        let describe_ok = self
+            .describe
+            .as_ref()
+            .is_none_or(|(kind, name)| describes_the_bound(*kind, name, bound_portal, statement));
         if !bound_portal.is_empty() || portal.as_ref() != bound_portal || !describe_ok {
             return Err(BypassReason::UnsupportedShape);
         }

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
-use super::batch::WholeBatch;
+use super::batch::{WholeBatch, describes_the_bound};
 use super::known::Statement;
 use super::pipeline::{Flow, Inflight};
 use super::plan::Plan;
@@ -287,8 +287,16 @@ where
         }
         let buf = self.client.buffered();
         let at = WholeBatch::at_start(buf, self.client.max_frame())?;
+        // What the session knows first: a write or a read it may not serve
+        // now (every run of such a statement) costs no decoding.
+        let (_, statement) = extended::bind_names(at.bind_body(buf))?;
+        let stmt = self.known.statements.get(statement)?;
+        let plan = self.memo_plan(stmt.hash)?;
+        if plan.begin_strict.is_some() {
+            return None;
+        }
+        let prefix = self.may_serve_now(&plan, false)?.ok()?;
         let bind = extended::bind(at.bind_body(buf))?;
-        let stmt = self.known.statements.get(bind.statement)?;
         if !bind.portal.is_empty() || binds_time_literal(&bind) {
             return None;
         }
@@ -296,11 +304,7 @@ where
         let shape = match at.describe_body(buf) {
             Some(body) => {
                 let (kind, name) = extended::target(body)?;
-                let names_the_bound = match kind {
-                    fe::TARGET_PORTAL => name.is_empty(),
-                    _ => name == bind.statement,
-                };
-                if !names_the_bound {
+                if !describes_the_bound(kind, name, bind.portal, bind.statement) {
                     return None;
                 }
                 tags[2] = kind;
@@ -313,11 +317,6 @@ where
         if !portal.is_empty() || max_rows > 0 {
             return None;
         }
-        let plan = self.memo_plan(stmt.hash)?;
-        if plan.begin_strict.is_some() {
-            return None;
-        }
-        let prefix = self.may_serve_now(&plan, false)?.ok()?;
         Some(ReadyBatch {
             len: at.len,
             key: extended_key(prefix, stmt, shape, &bind),
