@@ -62,11 +62,12 @@ pub(super) struct Known {
     portals: HashMap<Bytes, Arc<Statement>>,
     /// Parse messages answered from the cache that the backend has not seen.
     pub unsent_parses: Vec<(Bytes, Bytes)>,
-    /// With caching off, the word scans of the texts relayed, by hash: a
-    /// repeated text skips the scan, which was a tenth of relaying a
-    /// pgbench statement through a pool. (With caching on they are kept
-    /// with each text's plan.)
-    relayed_marks: HashMap<u128, Marks>,
+    /// The word scans of Parse bodies, and with caching off of Query
+    /// bodies too, by hash: a repeated text skips the scan, which was a
+    /// tenth of relaying a pgbench statement through a pool. (A Query's
+    /// marks with caching on are kept with its text's plan, found by the
+    /// same lookup.)
+    body_marks: HashMap<u128, Marks>,
 }
 
 impl Known {
@@ -83,7 +84,7 @@ impl Known {
             unnamed_portal: None,
             portals: HashMap::default(),
             unsent_parses: Vec::new(),
-            relayed_marks: HashMap::default(),
+            body_marks: HashMap::default(),
         }
     }
 
@@ -120,17 +121,18 @@ impl Known {
         }
     }
 
-    /// The marks of a Query or Parse body relayed with caching off.
-    pub fn relayed_marks(&mut self, body: &[u8]) -> Marks {
+    /// The marks of a Parse body, or of a Query body relayed with caching
+    /// off.
+    pub fn body_marks(&mut self, body: &[u8]) -> Marks {
         let hash = sql_hash(body);
-        if let Some(known) = self.relayed_marks.get(&hash) {
+        if let Some(known) = self.body_marks.get(&hash) {
             return *known;
         }
-        if self.relayed_marks.len() >= MAX_PLANS {
-            self.relayed_marks.clear();
+        if self.body_marks.len() >= MAX_PLANS {
+            self.body_marks.clear();
         }
         let found = marks(body);
-        self.relayed_marks.insert(hash, found);
+        self.body_marks.insert(hash, found);
         found
     }
 

@@ -50,11 +50,14 @@ where
 {
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        if frame[0] == fe::PARSE && self.note_text_marks(marks(&frame[HEADER_LEN..])) {
-            // Boxed, as are pgcache's other rare round trips: inline,
-            // their futures made every statement's several kilobytes
-            // larger, and each await copied them.
-            Box::pin(self.meet_prerequisites(&frame)).await?;
+        if frame[0] == fe::PARSE {
+            let marks = self.known.body_marks(&frame[HEADER_LEN..]);
+            if self.note_text_marks(marks) {
+                // Boxed, as are pgcache's other rare round trips: inline,
+                // their futures made every statement's several kilobytes
+                // larger, and each await copied them.
+                Box::pin(self.meet_prerequisites(&frame)).await?;
+            }
         }
         match frame[0] {
             fe::QUERY => self.on_query(frame).await,

@@ -418,7 +418,7 @@ where
                         if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE)
                         {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
-                            let marks = self.known.relayed_marks(sql);
+                            let marks = self.known.body_marks(sql);
                             self.note_marks(marks);
                         } else if tag == fe::FUNCTION_CALL {
                             self.link.state_dirty = true;
