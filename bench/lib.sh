@@ -173,6 +173,11 @@ cpu_secs() {
         printf "%.2f", (kids ? $14 + $15 : $12 + $13) / tck }' "/proc/$1/stat" 2>/dev/null
 }
 
+# cpu_split PID: a process's user and system CPU seconds so far.
+cpu_split() {
+    awk -v tck="$(getconf CLK_TCK)" '{sub(/^.*\) /, ""); printf "%.2f %.2f\n", $12 / tck, $13 / tck}' "/proc/$1/stat"
+}
+
 # CPU seconds the whole machine has spent busy so far (user, nice, system,
 # irq and softirq: not idle, iowait, or steal by other guests).
 machine_busy_secs() {

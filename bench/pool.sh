@@ -6,7 +6,10 @@
 #   hot keys      500 clients, 100 keys, pool size 8: throughput and the peak
 #                 number of server backends PostgreSQL saw during the run
 # Ratios are to PgBouncer (the hot-key run: to direct). Each figure is the
-# best of two interleaved runs, to damp the shared machine's noise. The
+# best of two interleaved runs, to damp the shared machine's noise. Beside
+# each proxy's throughput: its own user and system CPU time per
+# transaction (the lower of the two runs), which the machine's noise moves
+# less and which says where a proxy spends what it costs. The
 # Debian PgBouncer (1.18) has no prepared statements in transaction mode:
 # its prepared row says n/a and pgcache's are to direct, unless $PGBOUNCER
 # names a PgBouncer 1.21+ (max_prepared_statements = 200).
@@ -26,8 +29,11 @@ config() { # NAME TOML...
 }
 TX=$(config tx '[pool]' 'mode = "transaction"' "default_pool_size = $POOL" '[server]' 'max_client_connections = 2000')
 OFF_PORT=$(free_port); start_pgcache "$OFF_PORT" --config "$TX" --no-cache
+OFF_PID=$PGCACHE_PID
 ON_PORT=$(free_port);  start_pgcache "$ON_PORT" --config "$TX"
+ON_PID=$PGCACHE_PID
 BOUNCER_MODE=transaction BOUNCER_POOL_SIZE=$POOL BOUNCER_MAX_CLIENTS=2000 start_pgbouncer
+BOUNCER_PID=$(cat "$RUNDIR/pgbouncer/pgbouncer.pid")
 
 hotkey_sql 100
 
@@ -43,33 +49,64 @@ peak_backends() {
     echo "$peak" >"$RUNDIR/peak"
 }
 
-row() { # LABEL ROUTE TPS BASE
-    printf '%-22s %-16s %10.0f %8s\n' "$1" "$2" "$3" "$(ratio "$3" "$4")"
+# measured2 PID PORT MODE ARGS...: like best2 tps, and beside the best
+# throughput the process's lowest user and system CPU microseconds per
+# transaction (PID "-": none).
+measured2() {
+    local pid=$1 best=0 user=-1 sys=-1 u0 s0 u1 s1 t; shift
+    for _ in 1 2; do
+        [ "$pid" = - ] || read -r u0 s0 < <(cpu_split "$pid")
+        t=$(tps "$@")
+        if [ "$pid" = - ]; then
+            best=$(python3 -c "print(max($best, $t))")
+            continue
+        fi
+        read -r u1 s1 < <(cpu_split "$pid")
+        read -r best user sys < <(python3 -c "
+n = $t * $DURATION
+u, s = ($u1 - $u0) / n * 1e6, ($s1 - $s0) / n * 1e6
+print(max($best, $t), u if $user < 0 else min($user, u), s if $sys < 0 else min($sys, s))")
+    done
+    echo "$best $user $sys"
 }
 
-printf '%-22s %-16s %10s %8s\n' workload route tps ratio
+row() { # LABEL ROUTE "TPS USER SYS" BASE-TPS
+    local tps user sys
+    read -r tps user sys <<<"$3"
+    if [ "$user" = -1 ]; then
+        printf '%-22s %-16s %10.0f %8s %8s %8s\n' "$1" "$2" "$tps" "$(ratio "$tps" "$4")" - -
+    else
+        printf '%-22s %-16s %10.0f %8s %8.1f %8.1f\n' "$1" "$2" "$tps" "$(ratio "$tps" "$4")" "$user" "$sys"
+    fi
+}
+
+printf '%-22s %-16s %10s %8s %8s %8s\n' workload route tps ratio 'user/tx' 'sys/tx'
 for mode in simple extended prepared; do
-    direct=$(best2 tps "$PGPORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
-    off=$(best2 tps "$OFF_PORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
-    on=$(best2 tps "$ON_PORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
+    args=("$mode" -S -c 8 -j 8 -T "$DURATION")
+    direct=$(measured2 - "$PGPORT" "${args[@]}")
+    off=$(measured2 "$OFF_PID" "$OFF_PORT" "${args[@]}")
+    on=$(measured2 "$ON_PID" "$ON_PORT" "${args[@]}")
     if [ "$mode" = prepared ] && [ "$BOUNCER_PREPARED" = 0 ]; then
-        printf '%-22s %-16s %10.0f %8s\n' "select-only $mode" direct "$direct" ""
+        base=${direct%% *}
+        row "select-only $mode" direct "$direct" "$base"
         printf '%-22s %-16s %10s %8s\n' "select-only $mode" pgbouncer n/a ""
-        printf '%-22s %-16s %10.0f %8s\n' "select-only $mode" pgcache-off "$off" "$(ratio "$off" "$direct")x-direct"
-        printf '%-22s %-16s %10.0f %8s\n' "select-only $mode" pgcache-on "$on" "$(ratio "$on" "$direct")x-direct"
+        row "select-only $mode" pgcache-off "$off" "$base" | sed 's/$/  (ratio: x direct)/'
+        row "select-only $mode" pgcache-on "$on" "$base" | sed 's/$/  (ratio: x direct)/'
         continue
     fi
-    bouncer=$(best2 tps "$BOUNCER_PORT" "$mode" -S -c 8 -j 8 -T "$DURATION")
-    row "select-only $mode" direct "$direct" "$bouncer"
-    row "select-only $mode" pgbouncer "$bouncer" "$bouncer"
-    row "select-only $mode" pgcache-off "$off" "$bouncer"
-    row "select-only $mode" pgcache-on "$on" "$bouncer"
+    bouncer=$(measured2 "$BOUNCER_PID" "$BOUNCER_PORT" "${args[@]}")
+    base=${bouncer%% *}
+    row "select-only $mode" direct "$direct" "$base"
+    row "select-only $mode" pgbouncer "$bouncer" "$base"
+    row "select-only $mode" pgcache-off "$off" "$base"
+    row "select-only $mode" pgcache-on "$on" "$base"
 done
 
 bouncer=$(best2 tps "$BOUNCER_PORT" simple -C -S -c 8 -j 8 -T "$DURATION")
-for route in direct:$PGPORT pgbouncer:$BOUNCER_PORT pgcache-off:$OFF_PORT pgcache-on:$ON_PORT; do
-    c=$(best2 tps "${route#*:}" simple -C -S -c 8 -j 8 -T "$DURATION")
-    row "connect per tx (-C)" "${route%%:*}" "$c" "$bouncer"
+for route in direct:-:$PGPORT pgbouncer:$BOUNCER_PID:$BOUNCER_PORT pgcache-off:$OFF_PID:$OFF_PORT pgcache-on:$ON_PID:$ON_PORT; do
+    IFS=: read -r name pid port <<<"$route"
+    c=$(measured2 "$pid" "$port" simple -C -S -c 8 -j 8 -T "$DURATION")
+    row "connect per tx (-C)" "$name" "$c" "$bouncer"
 done
 
 hot() { tps "$1" simple -f "$RUNDIR/hotkey.sql" -c 500 -j 4 -T "$DURATION"; }

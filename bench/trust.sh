@@ -12,14 +12,18 @@
 # transaction, each contender's lowest: the whole machine's (pgbench,
 # PostgreSQL and pgcache together, which is what a saturated machine's
 # throughput is the inverse of, and steadier than throughput while other
-# guests share the cores) and pgcache's own. The last column, "cost", is
-# pgcache's own extra CPU per transaction as a share of the baseline's
-# whole-machine CPU per transaction: the contenders send PostgreSQL the
-# same statements (shadow forwards each one, as --no-cache does; the
-# sampler's checks are its own CPU and PostgreSQL's, a thousandth of the
-# statements), so that is the fraction of a saturated machine's
-# throughput the feature takes, read from pgcache's own clock, which other
-# guests' load moves least. Targets for it: sampler <= 2%, shadow <= 5%.
+# guests share the cores) and pgcache's own. The last two columns are
+# the feature's cost: pgcache's extra CPU per transaction as a share of
+# the baseline's whole-machine CPU per transaction, in user time and in
+# user and system time. Each pair sends PostgreSQL the same statements
+# (shadow forwards every one as --no-cache does; the sampler's checks are
+# at most cache.verify_max_per_sec) with the same system calls, so
+# PostgreSQL's and pgbench's work per transaction is the same, and what
+# the feature adds is pgcache's own time: the share of a saturated
+# machine's throughput it takes, read from the clocks that other guests'
+# load moves least (user time least of all; system time differs only by
+# the noise of the kernel's own work, or by what user work evicts from
+# the caches). Targets: sampler <= 2%, shadow <= 5%.
 #   [ROUNDS=N] bench/trust.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
@@ -44,15 +48,16 @@ SHADOW_METRICS=$METRICS_PORT SHADOW_PID=$PGCACHE_PID
 
 hotkey_sql 1000
 
-printf '%-20s %9s %9s %6s | %-17s %6s | %-17s %6s | %6s\n' workload 'base tps' tps ratio 'machine us/tx' ratio 'pgcache us/tx' ratio cost
+printf '%-20s %9s %9s %6s | %-17s %6s | %-17s %6s | %6s %6s\n' workload 'base tps' tps ratio 'machine us/tx' ratio 'pgcache us/tx' ratio 'cost' '(+sys)'
 declare -A PORT=([off]=$OFF_PORT [sampled]=$DEFAULT_PORT [nocache]=$NOCACHE_PORT [shadow]=$SHADOW_PORT)
 declare -A PID=([off]=$OFF_PID [sampled]=$DEFAULT_PID [nocache]=$NOCACHE_PID [shadow]=$SHADOW_PID)
 # row NAME BASELINE MEASURED: throughput and CPU per transaction, measured ÷ baseline.
 row() {
-    printf '%-20s %9.0f %9.0f %6s | %8.1f %8.1f %6s | %8.1f %8.1f %6s | %5.1f%%\n' "$1" \
+    printf '%-20s %9.0f %9.0f %6s | %8.1f %8.1f %6s | %8.1f %8.1f %6s | %5.1f%% %5.1f%%\n' "$1" \
         "${BEST[$2]}" "${BEST[$3]}" "$(ratio "${BEST[$3]}" "${BEST[$2]}")" \
         "${MACHINE[$2]}" "${MACHINE[$3]}" "$(ratio "${MACHINE[$3]}" "${MACHINE[$2]}")" \
         "${OWN[$2]}" "${OWN[$3]}" "$(ratio "${OWN[$3]}" "${OWN[$2]}")" \
+        "$(python3 -c "print(100 * (${USERCPU[$3]} - ${USERCPU[$2]}) / ${MACHINE[$2]})")" \
         "$(python3 -c "print(100 * (${OWN[$3]} - ${OWN[$2]}) / ${MACHINE[$2]})")"
 }
 for mode in simple prepared; do
@@ -62,17 +67,18 @@ for mode in simple prepared; do
     done
     # Each round runs every contender once, in turn; each keeps its best
     # throughput and its lowest CPU time per transaction.
-    declare -A BEST=() MACHINE=() OWN=()
+    declare -A BEST=() MACHINE=() OWN=() USERCPU=()
     for _ in $(seq "$ROUNDS"); do
         for name in off sampled nocache shadow; do
-            machine0=$(machine_busy_secs); own0=$(cpu_secs "${PID[$name]}")
+            machine0=$(machine_busy_secs); read -r user0 sys0 < <(cpu_split "${PID[$name]}")
             t=$(tps "${PORT[$name]}" "$mode" "${args[@]}")
-            machine1=$(machine_busy_secs); own1=$(cpu_secs "${PID[$name]}")
-            read -r best machine own < <(python3 -c "
+            machine1=$(machine_busy_secs); read -r user1 sys1 < <(cpu_split "${PID[$name]}")
+            read -r best machine own user < <(python3 -c "
 t, n = $t, $t * $DURATION
 print(max(t, ${BEST[$name]:-0}), min(($machine1 - $machine0) / n * 1e6, ${MACHINE[$name]:-1e9}),
-      min(($own1 - $own0) / n * 1e6, ${OWN[$name]:-1e9}))")
-            BEST[$name]=$best MACHINE[$name]=$machine OWN[$name]=$own
+      min(($user1 + $sys1 - $user0 - $sys0) / n * 1e6, ${OWN[$name]:-1e9}),
+      min(($user1 - $user0) / n * 1e6, ${USERCPU[$name]:-1e9}))")
+            BEST[$name]=$best MACHINE[$name]=$machine OWN[$name]=$own USERCPU[$name]=$user
         done
     done
     row "sampler ($mode)" off sampled

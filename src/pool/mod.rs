@@ -112,6 +112,11 @@ impl Statuses {
         }
     }
 
+    /// The bytes [`Statuses::replay`] writes.
+    pub fn wire_len(&self) -> usize {
+        self.0.iter().map(|(_, frame)| frame.len()).sum()
+    }
+
     pub fn replay(&self, out: &mut BytesMut) {
         for (_, frame) in &self.0 {
             out.extend_from_slice(frame);
@@ -178,7 +183,9 @@ impl Server {
     }
 
     fn login_frames(&self) -> BytesMut {
-        let mut out = BytesMut::new();
+        // AuthenticationOk, the statuses, BackendKeyData, ReadyForQuery.
+        let mut out =
+            BytesMut::with_capacity(9 + self.statuses.wire_len() + 5 + self.key_data.len() + 6);
         out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
         self.statuses.replay(&mut out);
         let len = (4 + self.key_data.len()) as u32;

@@ -609,8 +609,6 @@ where
         let (pid, secret, guard) = self.app.cancel.register_pooled();
         guard.retarget(self.backend_key.clone());
         self.cancel = Some(guard);
-        let mut out = BytesMut::new();
-        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
         // The client's own values where it gave them (a name reported
         // once is only ever replaced).
         let mut shown = statuses;
@@ -619,6 +617,10 @@ where
                 shown.set(name, value);
             }
         }
+        // Made at its final size: grown frame by frame, this one write
+        // was several reallocations of every pooled client's login.
+        let mut out = BytesMut::with_capacity(9 + shown.wire_len() + 5 + secret.len() + 6);
+        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
         shown.replay(&mut out);
         self.server.statuses = shown;
         out.extend_from_slice(&messages::backend_key_data(pid, &secret));

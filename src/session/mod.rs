@@ -91,9 +91,11 @@ pub async fn serve(
     starting: impl Send,
 ) {
     let config = app.config();
+    // A chunk from the start: the first read reserves one anyway, and a
+    // smaller buffer was reallocated on it.
     let mut client = FramedStream::new(
         ClientStream::Plain(socket),
-        BytesMut::with_capacity(1024),
+        BytesMut::with_capacity(READ_CHUNK),
         config.server.max_message_bytes,
     );
     let negotiated = tokio::time::timeout(
