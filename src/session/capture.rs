@@ -31,6 +31,16 @@ enum Sink {
     Verify(Box<Check>),
 }
 
+/// A response frame the session needs nothing from but its bytes, and
+/// that a capture stores as it is: the rows of an answer and what comes
+/// before them. A run of them goes to a capture at once.
+pub(super) fn plain(tag: u8) -> bool {
+    matches!(
+        tag,
+        be::DATA_ROW | be::ROW_DESCRIPTION | be::BIND_COMPLETE | be::PARSE_COMPLETE | be::NO_DATA
+    )
+}
+
 /// What a complete capture comes to.
 pub(super) enum Captured {
     Store(Box<Fill>, BytesMut),
@@ -97,14 +107,24 @@ impl Capture {
                 | be::COPY_DATA
                 | be::COPY_DONE
         );
+        self.take(frame, storable, max);
+    }
+
+    /// Copies a run of whole frames that are all replayable (see
+    /// [`plain`]) at once: the same as adding them one by one.
+    pub fn add_plain(&mut self, frames: &[u8], max: usize) {
+        self.take(frames, true, max);
+    }
+
+    fn take(&mut self, bytes: &[u8], storable: bool, max: usize) {
         if let Sink::Compare { stored, at, same } = &mut self.sink {
             self.ok &= storable;
-            *same = *same && stored.get(*at..*at + frame.len()) == Some(frame);
-            *at += frame.len();
+            *same = *same && stored.get(*at..*at + bytes.len()) == Some(bytes);
+            *at += bytes.len();
             return;
         }
-        if self.ok && storable && self.buf.len() + frame.len() <= max {
-            self.buf.extend_from_slice(frame);
+        if self.ok && storable && self.buf.len() + bytes.len() <= max {
+            self.buf.extend_from_slice(bytes);
         } else if self.ok {
             self.ok = false;
             self.buf = BytesMut::new();

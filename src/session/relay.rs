@@ -278,7 +278,15 @@ where
             .frame_len_at(pos)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
-            if self.link.is_pooled() {
+            let pooled = self.link.is_pooled();
+            if !pooled
+                && super::capture::plain(self.backend.buffered()[pos])
+                && let Some(end) = self.plain_run(pos)
+            {
+                pos = end;
+                continue;
+            }
+            if pooled {
                 let tag = self.backend.buffered()[pos];
                 let (reply, answers) = self.link.on_server_frame(tag);
                 if !answers.is_empty() {

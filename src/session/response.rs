@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::warn;
 
-use super::capture::Captured;
+use super::capture::{self, Captured};
 use super::relay::Session;
 use super::row_limit::Cut;
 use crate::cache::Bumps;
@@ -69,6 +69,32 @@ where
             Some(cut) => cut.frame(tag),
             None => Cut::Keep,
         }
+    }
+
+    /// From `pos`, a run of plain frames (see [`capture::plain`]) of the
+    /// request in front, when a capture takes them and nothing else looks
+    /// at them: handed to the capture in one piece rather than frame by
+    /// frame (a would-be hit's rows are compared with one comparison).
+    /// Returns where the run ends.
+    pub(super) fn plain_run(&mut self, pos: usize) -> Option<usize> {
+        let front = self.pipeline.front_mut()?;
+        if !front.to_client || front.row_cut.is_some() {
+            return None;
+        }
+        let capture = front.capture.as_mut()?;
+        let mut end = pos;
+        while let Ok(Some(len)) = self.backend.frame_len_at(end) {
+            if !capture::plain(self.backend.buffered()[end]) {
+                break;
+            }
+            end += len;
+        }
+        if end == pos {
+            return None;
+        }
+        let max = self.app.cache.local.max_entry_bytes();
+        capture.add_plain(&self.backend.buffered()[pos..end], max);
+        Some(end)
     }
 
     /// ReadyForQuery: the oldest request is complete. Applies its effects,
