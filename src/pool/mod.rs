@@ -112,15 +112,25 @@ impl Statuses {
         }
     }
 
-    /// The bytes [`Statuses::replay`] writes.
-    pub fn wire_len(&self) -> usize {
-        self.0.iter().map(|(_, frame)| frame.len()).sum()
-    }
-
-    pub fn replay(&self, out: &mut BytesMut) {
+    /// What PostgreSQL tells a client at login: AuthenticationOk, these
+    /// statuses, BackendKeyData of `key_body`'s parts, ReadyForQuery. Made
+    /// at its final size: grown frame by frame, it was several
+    /// reallocations of every such login.
+    pub fn login_frames(&self, key_body: &[&[u8]]) -> BytesMut {
+        let statuses: usize = self.0.iter().map(|(_, frame)| frame.len()).sum();
+        let key: usize = key_body.iter().map(|part| part.len()).sum();
+        let mut out = BytesMut::with_capacity(9 + statuses + HEADER_LEN + key + 6);
+        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
         for (_, frame) in &self.0 {
             out.extend_from_slice(frame);
         }
+        out.extend_from_slice(&[be::BACKEND_KEY_DATA]);
+        out.extend_from_slice(&((4 + key) as u32).to_be_bytes());
+        for part in key_body {
+            out.extend_from_slice(part);
+        }
+        out.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
+        out
     }
 
     /// Whether PostgreSQL reported this parameter.
@@ -173,27 +183,13 @@ impl Server {
     /// key, ReadyForQuery) waiting in its read buffer, for the relay to
     /// handle as it handles a fresh login's.
     pub fn replay_login(self) -> (FramedStream<BackendStream>, UpstreamAddr) {
-        let login = self.login_frames();
+        let login = self.statuses.login_frames(&[&self.key_data]);
         let mut stream = self.stream;
         let buf = stream.buffer_mut();
         let rest = buf.split();
         buf.extend_from_slice(&login);
         buf.extend_from_slice(&rest);
         (stream, self.addr)
-    }
-
-    fn login_frames(&self) -> BytesMut {
-        // AuthenticationOk, the statuses, BackendKeyData, ReadyForQuery.
-        let mut out =
-            BytesMut::with_capacity(9 + self.statuses.wire_len() + 5 + self.key_data.len() + 6);
-        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
-        self.statuses.replay(&mut out);
-        let len = (4 + self.key_data.len()) as u32;
-        out.extend_from_slice(&[be::BACKEND_KEY_DATA]);
-        out.extend_from_slice(&len.to_be_bytes());
-        out.extend_from_slice(&self.key_data);
-        out.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
-        out
     }
 }
 
@@ -498,10 +494,12 @@ mod tests {
         s.note(&frame("DateStyle", "ISO, MDY"));
         s.note(&frame("TimeZone", "UTC"));
         s.note(&frame("DateStyle", "SQL, DMY"));
-        let mut out = BytesMut::new();
-        s.replay(&mut out);
-        let mut want = frame("DateStyle", "SQL, DMY");
+        let out = s.login_frames(&[&[0, 0, 0, 7], &[1, 2, 3, 4]]);
+        let mut want = BytesMut::from(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0][..]);
+        want.extend_from_slice(&frame("DateStyle", "SQL, DMY"));
         want.extend_from_slice(&frame("TimeZone", "UTC"));
+        want.extend_from_slice(&messages::backend_key_data(7, &[1, 2, 3, 4]));
+        want.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
         assert_eq!(out, want);
     }
 }

@@ -30,7 +30,7 @@ use crate::pool::prepared::{Reply, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool, PoolError};
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, backend as be, messages};
+use crate::protocol::{TxStatus, messages};
 
 /// [`crate::pool::transaction::Pooled::state`] of a connection left in a
 /// state pgcache did not read.
@@ -617,14 +617,8 @@ where
                 shown.set(name, value);
             }
         }
-        // Made at its final size: grown frame by frame, this one write
-        // was several reallocations of every pooled client's login.
-        let mut out = BytesMut::with_capacity(9 + shown.wire_len() + 5 + secret.len() + 6);
-        out.extend_from_slice(&[be::AUTHENTICATION, 0, 0, 0, 8, 0, 0, 0, 0]);
-        shown.replay(&mut out);
+        let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
         self.server.statuses = shown;
-        out.extend_from_slice(&messages::backend_key_data(pid, &secret));
-        out.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
         self.on_ready_for_query(TxStatus::Idle);
         self.client
             .write_all(&out)

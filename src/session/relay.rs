@@ -12,6 +12,7 @@ use tracing::info;
 
 use super::SessionError;
 use super::batch::Batch;
+use super::capture;
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::{Flow, Pipeline};
@@ -280,7 +281,7 @@ where
         {
             let pooled = self.link.is_pooled();
             if !pooled
-                && super::capture::plain(self.backend.buffered()[pos])
+                && capture::plain(self.backend.buffered()[pos])
                 && let Some(end) = self.plain_run(pos)
             {
                 pos = end;
