@@ -178,6 +178,14 @@ cpu_split() {
     awk -v tck="$(getconf CLK_TCK)" '{sub(/^.*\) /, ""); printf "%.2f %.2f\n", $12 / tck, $13 / tck}' "/proc/$1/stat"
 }
 
+# sched_ns PID: nanoseconds a process's threads have run so far, and have
+# waited runnable for a CPU (/proc/PID/task/*/schedstat). Run and wait
+# together near a run's whole length: the process never had nothing to do,
+# so it set the pace.
+sched_ns() {
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{r += $1; w += $2} END {printf "%d %d\n", r, w}'
+}
+
 # CPU seconds the whole machine has spent busy so far (user, nice, system,
 # irq and softirq: not idle, iowait, or steal by other guests).
 machine_busy_secs() {

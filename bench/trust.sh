@@ -10,21 +10,24 @@
 # its best, to damp the shared machine's noise. Targets: sampler >= 0.98x,
 # shadow >= 0.95x in throughput. Beside throughput it prints CPU time per
 # transaction, each contender's lowest: the whole machine's (pgbench,
-# PostgreSQL and pgcache together, which is what a saturated machine's
-# throughput is the inverse of, and steadier than throughput while other
-# guests share the cores) and pgcache's own. The last two columns are
-# the feature's cost: pgcache's extra CPU per transaction as a share of
-# the baseline's whole-machine CPU per transaction, in user time and in
-# user and system time. Each pair sends PostgreSQL the same statements
-# (shadow forwards every one as --no-cache does; the sampler's checks are
-# at most cache.verify_max_per_sec) with the same system calls, so
-# PostgreSQL's and pgbench's work per transaction is the same, and what
-# the feature adds is pgcache's own time: the share of a saturated
-# machine's throughput it takes, read from the clocks that other guests'
-# load moves least (user time least of all; system time differs only by
-# the noise of the kernel's own work, or by what user work evicts from
-# the caches). Targets: sampler <= 2%, shadow <= 5%.
-#   [ROUNDS=N] bench/trust.sh [SECONDS-PER-RUN]   (default 10)
+# PostgreSQL and pgcache together) and pgcache's own. Which of the two
+# throughput follows depends on what sets the pace, and the "pgcache
+# run+wait" column says which: the share of its best run pgcache's threads
+# spent running, and waiting runnable for a CPU. Near 100 %, pgcache always
+# had work and set the pace (on two cores it has one worker thread:
+# server.workers defaults to half the CPUs): throughput is the inverse of
+# pgcache's own CPU per transaction, and a feature's cost is that ratio.
+# Well below, the machine's cores set the pace,
+# and the cost is the feature's share of the machine: the "cost" columns,
+# pgcache's extra CPU per transaction over the baseline's whole-machine CPU
+# per transaction, in user time and in user and system time. Each pair
+# sends PostgreSQL the same statements (shadow forwards every one as
+# --no-cache does; the sampler's checks are at most
+# cache.verify_max_per_sec) with the same system calls.
+# WORKLOAD=tpcb-like runs pgbench's default read-write transaction (scale
+# 10) instead of the hot-key read: where PostgreSQL's own work per
+# statement is more than a cached primary-key lookup.
+#   [ROUNDS=N] [WORKLOAD=tpcb-like] bench/trust.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 ROUNDS=${ROUNDS:-3}
@@ -47,38 +50,49 @@ SHADOW_PORT=$(free_port);  start_pgcache "$SHADOW_PORT" --config "$(config shado
 SHADOW_METRICS=$METRICS_PORT SHADOW_PID=$PGCACHE_PID
 
 hotkey_sql 1000
+case ${WORKLOAD:-hotkey} in
+    hotkey) SCRIPT=(-f "$RUNDIR/hotkey.sql") ;;
+    tpcb-like) SCRIPT=(-b tpcb-like) ;;
+    *) echo "WORKLOAD is hotkey or tpcb-like" >&2; exit 2 ;;
+esac
 
-printf '%-20s %9s %9s %6s | %-17s %6s | %-17s %6s | %6s %6s\n' workload 'base tps' tps ratio 'machine us/tx' ratio 'pgcache us/tx' ratio 'cost' '(+sys)'
+printf '%-20s %9s %9s %6s | %-17s %6s | %-17s %6s | %6s %6s | %s\n' workload 'base tps' tps ratio 'machine us/tx' ratio 'pgcache us/tx' ratio 'cost' '(+sys)' 'pgcache run+wait %'
 declare -A PORT=([off]=$OFF_PORT [sampled]=$DEFAULT_PORT [nocache]=$NOCACHE_PORT [shadow]=$SHADOW_PORT)
 declare -A PID=([off]=$OFF_PID [sampled]=$DEFAULT_PID [nocache]=$NOCACHE_PID [shadow]=$SHADOW_PID)
 # row NAME BASELINE MEASURED: throughput and CPU per transaction, measured ÷ baseline.
 row() {
-    printf '%-20s %9.0f %9.0f %6s | %8.1f %8.1f %6s | %8.1f %8.1f %6s | %5.1f%% %5.1f%%\n' "$1" \
+    printf '%-20s %9.0f %9.0f %6s | %8.1f %8.1f %6s | %8.1f %8.1f %6s | %5.1f%% %5.1f%% | %s, %s\n' "$1" \
         "${BEST[$2]}" "${BEST[$3]}" "$(ratio "${BEST[$3]}" "${BEST[$2]}")" \
         "${MACHINE[$2]}" "${MACHINE[$3]}" "$(ratio "${MACHINE[$3]}" "${MACHINE[$2]}")" \
         "${OWN[$2]}" "${OWN[$3]}" "$(ratio "${OWN[$3]}" "${OWN[$2]}")" \
         "$(python3 -c "print(100 * (${USERCPU[$3]} - ${USERCPU[$2]}) / ${MACHINE[$2]})")" \
-        "$(python3 -c "print(100 * (${OWN[$3]} - ${OWN[$2]}) / ${MACHINE[$2]})")"
+        "$(python3 -c "print(100 * (${OWN[$3]} - ${OWN[$2]}) / ${MACHINE[$2]})")" \
+        "${PACE[$2]}" "${PACE[$3]}"
 }
 for mode in simple prepared; do
-    args=(-f "$RUNDIR/hotkey.sql" -c 8 -j 2 -T "$DURATION")
+    args=("${SCRIPT[@]}" -c 8 -j 2 -T "$DURATION")
     for port in "$OFF_PORT" "$DEFAULT_PORT" "$SHADOW_PORT"; do
-        tps "$port" "$mode" -f "$RUNDIR/hotkey.sql" -c 8 -j 2 -T 2 >/dev/null # warm
+        tps "$port" "$mode" "${SCRIPT[@]}" -c 8 -j 2 -T 2 >/dev/null # warm
     done
     # Each round runs every contender once, in turn; each keeps its best
     # throughput and its lowest CPU time per transaction.
-    declare -A BEST=() MACHINE=() OWN=() USERCPU=()
+    declare -A BEST=() MACHINE=() OWN=() USERCPU=() PACE=()
     for _ in $(seq "$ROUNDS"); do
         for name in off sampled nocache shadow; do
             machine0=$(machine_busy_secs); read -r user0 sys0 < <(cpu_split "${PID[$name]}")
+            read -r run0 wait0 < <(sched_ns "${PID[$name]}"); wall0=$(date +%s%N)
             t=$(tps "${PORT[$name]}" "$mode" "${args[@]}")
             machine1=$(machine_busy_secs); read -r user1 sys1 < <(cpu_split "${PID[$name]}")
-            read -r best machine own user < <(python3 -c "
+            read -r run1 wait1 < <(sched_ns "${PID[$name]}"); wall1=$(date +%s%N)
+            read -r best machine own user pace < <(python3 -c "
 t, n = $t, $t * $DURATION
+wall = $wall1 - $wall0
+pace = f'{100 * ($run1 - $run0) / wall:.0f}+{100 * ($wait1 - $wait0) / wall:.0f}'
 print(max(t, ${BEST[$name]:-0}), min(($machine1 - $machine0) / n * 1e6, ${MACHINE[$name]:-1e9}),
       min(($user1 + $sys1 - $user0 - $sys0) / n * 1e6, ${OWN[$name]:-1e9}),
-      min(($user1 - $user0) / n * 1e6, ${USERCPU[$name]:-1e9}))")
-            BEST[$name]=$best MACHINE[$name]=$machine OWN[$name]=$own USERCPU[$name]=$user
+      min(($user1 - $user0) / n * 1e6, ${USERCPU[$name]:-1e9}),
+      pace if t > ${BEST[$name]:-0} else '${PACE[$name]:-}')")
+            BEST[$name]=$best MACHINE[$name]=$machine OWN[$name]=$own USERCPU[$name]=$user PACE[$name]=$pace
         done
     done
     row "sampler ($mode)" off sampled
