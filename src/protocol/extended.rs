@@ -118,6 +118,62 @@ pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
     })
 }
 
+/// What [`bind`] decodes, read without collecting it: each parameter's
+/// normalised format and value goes to `param` in order, and the
+/// normalised result formats come back. For a request keyed at once,
+/// where building and moving a [`Bind`] cost more than hashing what it
+/// holds. `None` exactly where [`bind`] gives `None`; what `param` saw by
+/// then is to be dropped.
+pub fn walk_bind<'a>(
+    body: &'a [u8],
+    mut param: impl FnMut(i16, Option<&'a [u8]>),
+) -> Option<impl Iterator<Item = i16> + 'a> {
+    let mut pos = 0;
+    read_cstr(body, &mut pos)?;
+    read_cstr(body, &mut pos)?;
+    let nfmt = read_i16(body, &mut pos)?;
+    let formats = body.get(pos..pos + 2 * nfmt.max(0) as usize)?;
+    pos += formats.len();
+    let nparams = read_i16(body, &mut pos)?;
+    if nfmt < 0 || nparams < 0 || (nfmt > 1 && nfmt != nparams) {
+        return None;
+    }
+    let code = |i: usize| i16::from_be_bytes([formats[2 * i], formats[2 * i + 1]]);
+    for i in 0..nparams as usize {
+        let format = match nfmt {
+            0 => 0,
+            1 => code(0),
+            _ => code(i),
+        };
+        let len = read_i32(body, &mut pos)?;
+        let value = match len {
+            -1 => None,
+            ..-1 => return None,
+            _ => {
+                let v = body.get(pos..pos + len as usize)?;
+                pos += len as usize;
+                Some(v)
+            }
+        };
+        param(format, value);
+    }
+    // A negative count reads as none, as in [`bind`].
+    let nres = read_i16(body, &mut pos)?;
+    let results = body.get(pos..pos + 2 * nres.max(0) as usize)?;
+    if pos + results.len() != body.len() {
+        return None;
+    }
+    let codes = results
+        .chunks_exact(2)
+        .map(|c| i16::from_be_bytes([c[0], c[1]]));
+    let first = codes.clone().next();
+    let rest = match codes.clone().all(|c| Some(c) == first) {
+        true => 0,
+        false => usize::MAX,
+    };
+    Some(std::iter::once(first.unwrap_or(0)).chain(codes.skip(1).take(rest)))
+}
+
 /// Describe and Close: a kind byte ('S' statement, 'P' portal) and a name.
 pub fn target(body: &[u8]) -> Option<(u8, &[u8])> {
     let (&kind, rest) = body.split_first()?;
@@ -199,6 +255,63 @@ mod tests {
         let body3 = bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]);
         let b3 = bind(&body3).unwrap();
         assert_eq!(b3.result_formats.as_slice(), [0, 1]);
+    }
+
+    /// What [`walk_bind`] hands over, collected.
+    type Walked<'a> = (Vec<(i16, Option<&'a [u8]>)>, Vec<i16>);
+
+    fn walked(body: &[u8]) -> Option<Walked<'_>> {
+        let mut params = Vec::new();
+        let results = walk_bind(body, |f, v| params.push((f, v)))?.collect();
+        Some((params, results))
+    }
+
+    fn decoded<'a>(body: &'a [u8]) -> Option<Walked<'a>> {
+        let b = bind(body)?;
+        let params = b
+            .param_formats
+            .iter()
+            .copied()
+            .zip(b.params.iter().copied());
+        Some((params.collect(), b.result_formats.to_vec()))
+    }
+
+    #[test]
+    fn walking_a_bind_sees_what_decoding_it_gives() {
+        let bodies = [
+            bind_body(&[1], &[Some(b"ab"), None, Some(b"")], &[1, 1, 1]),
+            bind_body(&[], &[Some(b"x")], &[]),
+            bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]),
+            bind_body(&[0, 1], &[Some(b"x"), None], &[1, 1, 0]),
+            bind_body(&[1], &[], &[1]),
+            bind_body(&[], &[], &[]),
+            bind_body(&[0, 0, 0], &[Some(b"a")], &[]),
+            bind_body(&[-1], &[None], &[-1, -1]),
+        ];
+        for body in &bodies {
+            for cut in 0..=body.len() {
+                let part = &body[..cut];
+                assert_eq!(walked(part), decoded(part), "{body:?} cut at {cut}");
+            }
+            let mut trailing = body.clone();
+            trailing.push(0);
+            assert_eq!(walked(&trailing), None);
+        }
+        assert!(walked(&bodies[0]).is_some());
+        // Negative counts: a parameter count or a length below -1 is
+        // malformed, a result-format count reads as none.
+        let mut negative = b"\0\0".to_vec();
+        negative.extend(0i16.to_be_bytes());
+        negative.extend(1i16.to_be_bytes());
+        negative.extend((-2i32).to_be_bytes());
+        negative.extend(0i16.to_be_bytes());
+        assert_eq!((walked(&negative), decoded(&negative)), (None, None));
+        let mut none = b"\0\0".to_vec();
+        none.extend(0i16.to_be_bytes());
+        none.extend(0i16.to_be_bytes());
+        none.extend((-3i16).to_be_bytes());
+        assert_eq!(walked(&none), Some((vec![], vec![0])));
+        assert_eq!(walked(&none), decoded(&none));
     }
 
     #[test]

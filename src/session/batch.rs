@@ -51,7 +51,11 @@ pub(super) struct SingleQuery {
 impl SingleQuery {
     /// The Bind's parameters and formats; `None` if it is malformed.
     pub fn bind(&self) -> Option<Bind<'_>> {
-        extended::bind(&self.bind_frame[HEADER_LEN..])
+        extended::bind(self.bind_body())
+    }
+
+    pub fn bind_body(&self) -> &[u8] {
+        &self.bind_frame[HEADER_LEN..]
     }
 }
 

@@ -271,8 +271,10 @@ where
                 return Ok(Err(reason));
             }
         };
-        let key = extended_key(prefix, &stmt, self.batch.shape(), &bind);
-        Ok(Ok((key, plan, query.row_limit)))
+        Ok(
+            extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
+                .map(|key| (key, plan, query.row_limit)),
+        )
     }
 
     /// A whole one-query batch at the start of the client's buffer, if
@@ -296,15 +298,15 @@ where
             return None;
         }
         let prefix = self.may_serve_now(&plan, false)?.ok()?;
-        let bind = extended::bind(at.bind_body(buf))?;
-        if !bind.portal.is_empty() || binds_time_literal(&bind) {
+        let (portal, _) = extended::bind_names(at.bind_body(buf))?;
+        if !portal.is_empty() {
             return None;
         }
         let mut tags = [fe::BIND, fe::DESCRIBE, 0, fe::EXECUTE];
         let shape = match at.describe_body(buf) {
             Some(body) => {
                 let (kind, name) = extended::target(body)?;
-                if !describes_the_bound(kind, name, bind.portal, bind.statement) {
+                if !describes_the_bound(kind, name, portal, statement) {
                     return None;
                 }
                 tags[2] = kind;
@@ -319,7 +321,7 @@ where
         }
         Some(ReadyBatch {
             len: at.len,
-            key: extended_key(prefix, stmt, shape, &bind),
+            key: extended_key(prefix, stmt, shape, at.bind_body(buf)).ok()?,
             statement: Arc::clone(stmt),
             plan,
         })
@@ -374,21 +376,37 @@ fn binds_time_literal(bind: &Bind<'_>) -> bool {
     bind.params
         .iter()
         .zip(&bind.param_formats)
-        .any(|(v, f)| *f == 0 && v.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v)))
+        .any(|(v, f)| may_tell_time(*f, *v))
+}
+
+fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
+    format == 0 && value.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v))
 }
 
 /// The key of a bound statement run in a batch of `shape` (the tags and
-/// Describe kind of its frames).
-fn extended_key(prefix: u128, stmt: &Statement, shape: &[u8], bind: &Bind<'_>) -> RequestKey {
+/// Describe kind of its frames), hashed as its Bind's `body` is read.
+/// Refused if a parameter may be a time literal, or the Bind is malformed.
+fn extended_key(
+    prefix: u128,
+    stmt: &Statement,
+    shape: &[u8],
+    body: &[u8],
+) -> Result<RequestKey, BypassReason> {
     let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
     k.bytes(shape).bytes(&stmt.param_types);
-    for (value, format) in bind.params.iter().zip(&bind.param_formats) {
-        k.u64(*format as u64).value(*value);
+    let mut clock = false;
+    let results = extended::walk_bind(body, |format, value| {
+        clock |= may_tell_time(format, value);
+        k.u64(format as u64).value(value);
+    })
+    .ok_or(BypassReason::UnsupportedShape)?;
+    if clock {
+        return Err(BypassReason::TimeLiteral);
     }
-    for f in &bind.result_formats {
-        k.u64(*f as u64);
+    for f in results {
+        k.u64(f as u64);
     }
     // The row limit stays out of the key: a result that completed within
     // one limit is the whole result, for any limit it fits.
-    k.finish()
+    Ok(k.finish())
 }
