@@ -5,8 +5,6 @@
 //! lossily (see the README's design notes). Every reader here returns `None`
 //! on a short or malformed body instead.
 
-use smallvec::SmallVec;
-
 use super::codec::{read_cstr, read_i32};
 
 fn read_i16(buf: &[u8], pos: &mut usize) -> Option<i16> {
@@ -39,24 +37,8 @@ pub fn parse(body: &[u8]) -> Option<Parse<'_>> {
     })
 }
 
-#[derive(Debug, PartialEq, Eq)]
-pub struct Bind<'a> {
-    pub portal: &'a [u8],
-    pub statement: &'a [u8],
-    /// One format code per parameter (0 text, 1 binary), normalised.
-    pub param_formats: SmallVec<[i16; INLINE]>,
-    /// Parameter values; `None` is SQL NULL.
-    pub params: SmallVec<[Option<&'a [u8]>; INLINE]>,
-    /// Result format codes, normalised: one code when all are the same.
-    pub result_formats: SmallVec<[i16; INLINE]>,
-}
-
-/// Parameters and formats kept inline: a Bind is decoded for every cached
-/// statement, and most have a few parameters.
-const INLINE: usize = 8;
-
 /// Only the portal and statement names of a Bind: what the session needs for
-/// every Bind, without decoding (and allocating for) its parameters.
+/// every Bind, without reading its parameters.
 pub fn bind_names(body: &[u8]) -> Option<(&[u8], &[u8])> {
     let mut pos = 0;
     let portal = read_cstr(body, &mut pos)?;
@@ -64,66 +46,13 @@ pub fn bind_names(body: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((portal, statement))
 }
 
-pub fn bind(body: &[u8]) -> Option<Bind<'_>> {
-    let mut pos = 0;
-    let portal = read_cstr(body, &mut pos)?;
-    let statement = read_cstr(body, &mut pos)?;
-    let nfmt = read_i16(body, &mut pos)?;
-    let mut formats = SmallVec::<[i16; INLINE]>::new();
-    for _ in 0..nfmt {
-        formats.push(read_i16(body, &mut pos)?);
-    }
-    let nparams = read_i16(body, &mut pos)?;
-    if nfmt < 0 || nparams < 0 || (nfmt > 1 && nfmt != nparams) {
-        return None;
-    }
-    let mut params = SmallVec::new();
-    for _ in 0..nparams {
-        let len = read_i32(body, &mut pos)?;
-        if len == -1 {
-            params.push(None);
-        } else if len < 0 {
-            return None;
-        } else {
-            let v = body.get(pos..pos + len as usize)?;
-            pos += len as usize;
-            params.push(Some(v));
-        }
-    }
-    let nres = read_i16(body, &mut pos)?;
-    let mut result_formats = SmallVec::<[i16; INLINE]>::new();
-    for _ in 0..nres {
-        result_formats.push(read_i16(body, &mut pos)?);
-    }
-    if pos != body.len() {
-        return None;
-    }
-    let param_formats = match formats.len() {
-        0 => smallvec::smallvec![0; params.len()],
-        1 => smallvec::smallvec![formats[0]; params.len()],
-        _ => formats,
-    };
-    if result_formats.windows(2).all(|w| w[0] == w[1]) {
-        result_formats.truncate(1);
-    }
-    if result_formats.is_empty() {
-        result_formats.push(0);
-    }
-    Some(Bind {
-        portal,
-        statement,
-        param_formats,
-        params,
-        result_formats,
-    })
-}
-
-/// What [`bind`] decodes, read without collecting it: each parameter's
-/// normalised format and value goes to `param` in order, and the
-/// normalised result formats come back. For a request keyed at once,
-/// where building and moving a [`Bind`] cost more than hashing what it
-/// holds. `None` exactly where [`bind`] gives `None`; what `param` saw by
-/// then is to be dropped.
+/// A Bind read without collecting it: each parameter's format (one per
+/// parameter, whatever the message's shorthand) and value goes to `param`
+/// in order, and the result formats come back (one code when all are the
+/// same, `0` when none are given). Nothing is collected: a request is
+/// keyed as its Bind is read, where building and moving a struct of its
+/// parameters cost more than hashing them. `None` if the body is
+/// malformed; what `param` saw by then is to be dropped.
 pub fn walk_bind<'a>(
     body: &'a [u8],
     mut param: impl FnMut(i16, Option<&'a [u8]>),
@@ -157,7 +86,7 @@ pub fn walk_bind<'a>(
         };
         param(format, value);
     }
-    // A negative count reads as none, as in [`bind`].
+    // A negative count of result formats reads as none.
     let nres = read_i16(body, &mut pos)?;
     let results = body.get(pos..pos + 2 * nres.max(0) as usize)?;
     if pos + results.len() != body.len() {
@@ -235,28 +164,6 @@ mod tests {
         b
     }
 
-    #[test]
-    fn bind_normalises_formats_and_keeps_nulls_apart_from_empty() {
-        let body = bind_body(&[1], &[Some(b"ab"), None, Some(b"")], &[1, 1, 1]);
-        let b = bind(&body).unwrap();
-        assert_eq!(b.portal, b"portal");
-        assert_eq!(b.statement, b"stmt");
-        assert_eq!(bind_names(&body), Some((&b"portal"[..], &b"stmt"[..])));
-        assert_eq!(b.param_formats.as_slice(), [1, 1, 1]);
-        assert_eq!(
-            b.params.as_slice(),
-            [Some(&b"ab"[..]), None, Some(&b""[..])]
-        );
-        assert_eq!(b.result_formats.as_slice(), [1]);
-        let body2 = bind_body(&[], &[Some(b"x")], &[]);
-        let b2 = bind(&body2).unwrap();
-        assert_eq!(b2.param_formats.as_slice(), [0]);
-        assert_eq!(b2.result_formats.as_slice(), [0]);
-        let body3 = bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]);
-        let b3 = bind(&body3).unwrap();
-        assert_eq!(b3.result_formats.as_slice(), [0, 1]);
-    }
-
     /// What [`walk_bind`] hands over, collected.
     type Walked<'a> = (Vec<(i16, Option<&'a [u8]>)>, Vec<i16>);
 
@@ -266,72 +173,57 @@ mod tests {
         Some((params, results))
     }
 
-    fn decoded<'a>(body: &'a [u8]) -> Option<Walked<'a>> {
-        let b = bind(body)?;
-        let params = b
-            .param_formats
-            .iter()
-            .copied()
-            .zip(b.params.iter().copied());
-        Some((params.collect(), b.result_formats.to_vec()))
-    }
-
     #[test]
-    fn walking_a_bind_sees_what_decoding_it_gives() {
-        let bodies = [
-            bind_body(&[1], &[Some(b"ab"), None, Some(b"")], &[1, 1, 1]),
-            bind_body(&[], &[Some(b"x")], &[]),
-            bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]),
-            bind_body(&[0, 1], &[Some(b"x"), None], &[1, 1, 0]),
-            bind_body(&[1], &[], &[1]),
-            bind_body(&[], &[], &[]),
-            bind_body(&[0, 0, 0], &[Some(b"a")], &[]),
-            bind_body(&[-1], &[None], &[-1, -1]),
-        ];
-        for body in &bodies {
-            for cut in 0..=body.len() {
-                let part = &body[..cut];
-                assert_eq!(walked(part), decoded(part), "{body:?} cut at {cut}");
-            }
-            let mut trailing = body.clone();
-            trailing.push(0);
-            assert_eq!(walked(&trailing), None);
-        }
-        assert!(walked(&bodies[0]).is_some());
-        // Negative counts: a parameter count or a length below -1 is
-        // malformed, a result-format count reads as none.
-        let mut negative = b"\0\0".to_vec();
-        negative.extend(0i16.to_be_bytes());
-        negative.extend(1i16.to_be_bytes());
-        negative.extend((-2i32).to_be_bytes());
-        negative.extend(0i16.to_be_bytes());
-        assert_eq!((walked(&negative), decoded(&negative)), (None, None));
+    fn bind_normalises_formats_and_keeps_nulls_apart_from_empty() {
+        let body = bind_body(&[1], &[Some(b"ab"), None, Some(b"")], &[1, 1, 1]);
+        assert_eq!(bind_names(&body), Some((&b"portal"[..], &b"stmt"[..])));
+        let (params, results) = walked(&body).unwrap();
+        assert_eq!(
+            params,
+            [(1, Some(&b"ab"[..])), (1, None), (1, Some(&b""[..]))]
+        );
+        assert_eq!(results, [1]);
+        let body2 = bind_body(&[], &[Some(b"x")], &[]);
+        let (params2, results2) = walked(&body2).unwrap();
+        assert_eq!(params2, [(0, Some(&b"x"[..]))]);
+        assert_eq!(results2, [0]);
+        let body3 = bind_body(&[0, 1], &[Some(b"x"), Some(b"y")], &[0, 1]);
+        let (params3, results3) = walked(&body3).unwrap();
+        assert_eq!(params3, [(0, Some(&b"x"[..])), (1, Some(&b"y"[..]))]);
+        assert_eq!(results3, [0, 1]);
+        // A negative count of result formats reads as none.
         let mut none = b"\0\0".to_vec();
         none.extend(0i16.to_be_bytes());
         none.extend(0i16.to_be_bytes());
         none.extend((-3i16).to_be_bytes());
         assert_eq!(walked(&none), Some((vec![], vec![0])));
-        assert_eq!(walked(&none), decoded(&none));
     }
 
     #[test]
     fn malformed_binds_are_rejected_not_panics() {
         let good = bind_body(&[0], &[Some(b"abc")], &[0]);
         for cut in 0..good.len() {
-            assert!(bind(&good[..cut]).is_none(), "cut at {cut}");
+            assert!(walked(&good[..cut]).is_none(), "cut at {cut}");
         }
         let mut trailing = good.clone();
         trailing.push(0);
-        assert!(bind(&trailing).is_none());
+        assert!(walked(&trailing).is_none());
         // Three formats for one parameter.
-        assert!(bind(&bind_body(&[0, 0, 0], &[Some(b"a")], &[])).is_none());
+        assert!(walked(&bind_body(&[0, 0, 0], &[Some(b"a")], &[])).is_none());
         // A parameter claiming more bytes than there are.
         let mut lying = b"\0\0".to_vec();
         lying.extend(0i16.to_be_bytes());
         lying.extend(1i16.to_be_bytes());
         lying.extend(1000i32.to_be_bytes());
         lying.extend(b"x");
-        assert!(bind(&lying).is_none());
+        assert!(walked(&lying).is_none());
+        // A length below -1 (-1 is NULL).
+        let mut negative = b"\0\0".to_vec();
+        negative.extend(0i16.to_be_bytes());
+        negative.extend(1i16.to_be_bytes());
+        negative.extend((-2i32).to_be_bytes());
+        negative.extend(0i16.to_be_bytes());
+        assert!(walked(&negative).is_none());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use bytes::{Bytes, BytesMut};
 use super::plan::Plan;
 use crate::classify::BypassReason;
 use crate::protocol::codec::{HEADER_LEN, parse_frame};
-use crate::protocol::extended::{self, Bind};
+use crate::protocol::extended;
 use crate::protocol::frontend as fe;
 
 const MAX_HELD_MESSAGES: usize = 8;
@@ -49,11 +49,6 @@ pub(super) struct SingleQuery {
 }
 
 impl SingleQuery {
-    /// The Bind's parameters and formats; `None` if it is malformed.
-    pub fn bind(&self) -> Option<Bind<'_>> {
-        extended::bind(self.bind_body())
-    }
-
     pub fn bind_body(&self) -> &[u8] {
         &self.bind_frame[HEADER_LEN..]
     }
@@ -317,7 +312,7 @@ mod tests {
             [fe::BIND, fe::DESCRIBE, fe::TARGET_PORTAL, fe::EXECUTE]
         );
         let q = b.single_query().unwrap();
-        assert_eq!(q.bind().unwrap().statement, b"s1");
+        assert_eq!(extended::bind_names(q.bind_body()).unwrap().1, b"s1");
         assert!(
             held("", Some((fe::TARGET_STATEMENT, "s1")), 0)
                 .single_query()

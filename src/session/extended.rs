@@ -21,7 +21,7 @@ use crate::cache::Bumps;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::classify::{BypassReason, is_time_literal_text};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::extended::{self, Bind};
+use crate::protocol::extended;
 use crate::protocol::{TxStatus, frontend as fe};
 
 impl<C> Session<C>
@@ -238,14 +238,16 @@ where
             Ok(q) => q,
             Err(reason) => return Ok(Err(reason)),
         };
-        let Some(bind) = query.bind() else {
+        let Some((_, statement)) = extended::bind_names(query.bind_body()) else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
-        let Some(stmt) = self.known.statements.get(bind.statement).cloned() else {
+        let Some(stmt) = self.known.statements.get(statement).cloned() else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
-        if binds_time_literal(&bind) {
-            return Ok(Err(BypassReason::TimeLiteral));
+        match binds_time_literal(query.bind_body()) {
+            None => return Ok(Err(BypassReason::UnsupportedShape)),
+            Some(true) => return Ok(Err(BypassReason::TimeLiteral)),
+            Some(false) => {}
         }
         let mut plan = Arc::clone(&query.plan);
         let current = plan.generation == self.db.catalog.generation()
@@ -291,14 +293,13 @@ where
         let at = WholeBatch::at_start(buf, self.client.max_frame())?;
         // What the session knows first: a write or a read it may not serve
         // now (every run of such a statement) costs no decoding.
-        let (_, statement) = extended::bind_names(at.bind_body(buf))?;
+        let (portal, statement) = extended::bind_names(at.bind_body(buf))?;
         let stmt = self.known.statements.get(statement)?;
         let plan = self.memo_plan(stmt.hash)?;
         if plan.begin_strict.is_some() {
             return None;
         }
         let prefix = self.may_serve_now(&plan, false)?.ok()?;
-        let (portal, _) = extended::bind_names(at.bind_body(buf))?;
         if !portal.is_empty() {
             return None;
         }
@@ -370,13 +371,15 @@ pub(super) struct ReadyBatch {
     plan: Arc<Plan>,
 }
 
-/// A text-format parameter that may be a time literal (`now`, `today`...):
-/// its answer changes with the clock.
-fn binds_time_literal(bind: &Bind<'_>) -> bool {
-    bind.params
-        .iter()
-        .zip(&bind.param_formats)
-        .any(|(v, f)| may_tell_time(*f, *v))
+/// Whether a text-format parameter of a Bind may be a time literal
+/// (`now`, `today`...): its answer changes with the clock. `None` if the
+/// Bind is malformed.
+fn binds_time_literal(body: &[u8]) -> Option<bool> {
+    let mut clock = false;
+    // The result formats are not needed, only the check that they are whole.
+    let _results =
+        extended::walk_bind(body, |format, value| clock |= may_tell_time(format, value))?;
+    Some(clock)
 }
 
 fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
