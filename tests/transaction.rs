@@ -740,3 +740,289 @@ async fn clients_outlive_a_server_restart() {
     .await;
     assert_ne!(before, after);
 }
+
+/// A migration that makes statements prepared before it stale on the
+/// server: directly, a connection that prepares the statement afresh never
+/// notices; through a transaction pool the server statement is shared by
+/// text, so it must be retired.
+struct Migration {
+    setup: &'static str,
+    statement: &'static str,
+    param: &'static str,
+    ddl: &'static str,
+    /// The first column's type after the DDL, by name.
+    type_after: &'static str,
+    value: &'static str,
+}
+
+const MIGRATIONS: [Migration; 2] = [
+    // 0A000 cached plan must not change result type
+    Migration {
+        setup: "CREATE TABLE dp(k int PRIMARY KEY, c int); INSERT INTO dp VALUES (1, 10)",
+        statement: "select c from dp where k = $1",
+        param: "1",
+        ddl: "ALTER TABLE dp ALTER COLUMN c TYPE text",
+        type_after: "text",
+        value: "10",
+    },
+    // XX000 cache lookup failed for type N
+    Migration {
+        setup: "CREATE TYPE mood AS ENUM ('a', 'b')",
+        statement: "select $1::mood",
+        param: "a",
+        ddl: "DROP TYPE mood; CREATE TYPE mood AS ENUM ('a', 'b')",
+        type_after: "mood",
+        value: "a",
+    },
+];
+
+/// Where the migration's DDL runs.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    Pgcache,
+    Direct,
+}
+
+/// Bind of `statement` with one text parameter, to the unnamed portal.
+fn bind_text(statement: &str, value: &str) -> Vec<u8> {
+    let mut body = [wire::cstr(""), wire::cstr(statement)].concat();
+    body.extend_from_slice(&0u16.to_be_bytes());
+    body.extend_from_slice(&1u16.to_be_bytes());
+    body.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    body.extend_from_slice(value.as_bytes());
+    body.extend_from_slice(&0u16.to_be_bytes());
+    wire::frame(b'B', &body)
+}
+
+/// What one run of a prepared statement answered.
+#[derive(Debug)]
+enum Ran {
+    Rows { type_oid: u32, value: String },
+    Error(String),
+}
+
+/// Runs `statement` (parsing it as `name` first if `parse`) with a Bind
+/// first in its batch, as drivers do.
+async fn run_prepared(
+    s: &mut tokio::net::TcpStream,
+    name: &str,
+    parse: Option<&str>,
+    param: &str,
+) -> Ran {
+    use tokio::io::AsyncWriteExt;
+    let mut batch = Vec::new();
+    if let Some(sql) = parse {
+        batch.extend(wire::parse(name, sql));
+    }
+    batch.extend(bind_text(name, param));
+    batch.extend(wire::describe_portal());
+    batch.extend(wire::execute());
+    batch.extend(wire::sync());
+    s.write_all(&batch).await.unwrap();
+    let answer = wire::read_until_ready(s).await;
+    if let Some((_, body)) = answer.iter().find(|(t, _)| *t == b'E') {
+        return Ran::Error(wire::sqlstate_of(body).unwrap_or_default());
+    }
+    let (_, desc) = answer
+        .iter()
+        .find(|(t, _)| *t == b'T')
+        .expect("a RowDescription");
+    let name_end = 2 + desc[2..].iter().position(|b| *b == 0).unwrap() + 1;
+    let oid = &desc[name_end + 6..name_end + 10];
+    let (_, row) = answer.iter().find(|(t, _)| *t == b'D').expect("a row");
+    let len = u32::from_be_bytes(row[2..6].try_into().unwrap()) as usize;
+    Ran::Rows {
+        type_oid: u32::from_be_bytes(oid.try_into().unwrap()),
+        value: String::from_utf8_lossy(&row[6..6 + len]).into_owned(),
+    }
+}
+
+async fn simple(s: &mut tokio::net::TcpStream, sql: &str) {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(&wire::query(sql)).await.unwrap();
+    let answer = wire::read_until_ready(s).await;
+    assert!(!answer.iter().any(|(t, _)| *t == b'E'), "{sql}: {answer:?}");
+}
+
+/// Runs `name` until it answers rows, allowing one error (the stale
+/// statement's) before; returns the rows.
+async fn at_most_one_error(
+    s: &mut tokio::net::TcpStream,
+    who: &str,
+    name: &str,
+    parse: Option<&str>,
+    param: &str,
+) -> (u32, String) {
+    let mut errors = Vec::new();
+    loop {
+        match run_prepared(s, name, parse.filter(|_| errors.is_empty()), param).await {
+            Ran::Rows { type_oid, value } => return (type_oid, value),
+            Ran::Error(code) => {
+                assert!(
+                    errors.is_empty() && (code == "0A000" || code == "XX000"),
+                    "{who}: {code} after {errors:?}"
+                );
+                errors.push(code);
+            }
+        }
+    }
+}
+
+/// Through a transaction pool of one connection: a statement prepared
+/// before each migration, the migration, then clients that prepare it
+/// afresh (they must never fail), one inside a transaction block (at most
+/// once), and the client that prepared it before (at most once). Each
+/// migration runs twice: the fresh clients first, then the transaction
+/// first, since whichever meets a stale statement first retires it.
+async fn prepared_statements_survive_migrations(via: Via, trigger: bool, caching: bool) {
+    let pg = pg();
+    let label = format!("{via:?}_{trigger}_{caching}").to_lowercase();
+    for (i, m) in MIGRATIONS.iter().enumerate() {
+        for fresh_first in [true, false] {
+            let db = pg.create_db(&format!("tx_ddl_{label}_{i}_{fresh_first}"));
+            pg.psql_db(&db, m.setup);
+            let mut config = config(pg, 1);
+            config.replication.ddl_event_trigger = trigger;
+            config.cache.enabled = caching;
+            let proxy = Proxy::start(config).await;
+            let (mut a, _) = wire::raw_login(proxy.addr, &db).await;
+            let before = run_prepared(&mut a, "a", Some(m.statement), m.param).await;
+            assert!(matches!(before, Ran::Rows { .. }), "{before:?}");
+            if caching {
+                // Its event trigger is installed by then.
+                proxy.wait_streaming(&db).await;
+            }
+            match via {
+                Via::Pgcache => {
+                    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+                    client.batch_execute(m.ddl).await.unwrap();
+                }
+                Via::Direct => pg.psql_db(&db, m.ddl).truncate(0),
+            }
+            let direct = pg.direct(&db).await;
+            let oid = scalar(&direct, &format!("SELECT '{}'::regtype::oid", m.type_after))
+                .await
+                .unwrap();
+            let want = (oid.parse::<u32>().unwrap(), m.value.to_owned());
+            let who = format!("{label}, migration {i}, fresh first: {fresh_first}");
+            // DDL pgcache saw retires the statement before anyone meets it:
+            // made through it, or announced in the stream.
+            let known = match via {
+                Via::Pgcache => true,
+                Via::Direct if trigger && caching => {
+                    let state = proxy.app.cache.db(&db);
+                    eventually(WAIT, "the stream to announce the DDL", || async {
+                        (state
+                            .versions
+                            .schema
+                            .load(std::sync::atomic::Ordering::Acquire)
+                            > 0)
+                        .then_some(())
+                    })
+                    .await;
+                    true
+                }
+                Via::Direct => false,
+            };
+            let most = if known { 0 } else { 1 };
+            if fresh_first {
+                fresh_clients_never_fail(&proxy, &db, m, &want, &who).await;
+                in_a_transaction(&proxy, &db, m, &want, most, &who).await;
+            } else {
+                in_a_transaction(&proxy, &db, m, &want, most, &who).await;
+                fresh_clients_never_fail(&proxy, &db, m, &want, &who).await;
+            }
+            // The client that prepared it before the migration.
+            let got = at_most_one_error(&mut a, &who, "a", None, m.param).await;
+            assert_eq!(got, want, "{who}: the old client, at last");
+            assert!(
+                matches!(
+                    run_prepared(&mut a, "a", None, m.param).await,
+                    Ran::Rows { .. }
+                ),
+                "{who}: the old client, from then on"
+            );
+        }
+    }
+}
+
+/// Clients on new connections prepare the statement afresh: directly they
+/// would never see an error, so through pgcache neither.
+async fn fresh_clients_never_fail(
+    proxy: &Proxy,
+    db: &str,
+    m: &Migration,
+    want: &(u32, String),
+    who: &str,
+) {
+    for c in 0..3 {
+        let (mut s, _) = wire::raw_login(proxy.addr, db).await;
+        match run_prepared(&mut s, "c", Some(m.statement), m.param).await {
+            Ran::Rows { type_oid, value } => {
+                assert_eq!(&(type_oid, value), want, "{who}: new client {c}")
+            }
+            Ran::Error(code) => panic!("{who}: new client {c} got {code}"),
+        }
+        // And again on the same connection.
+        let again = run_prepared(&mut s, "c", None, m.param).await;
+        assert!(matches!(again, Ran::Rows { .. }), "{who}: {again:?}");
+    }
+}
+
+/// Inside a transaction block a stale statement cannot be retried unseen:
+/// the error at most `most` times (then the transaction is aborted, as
+/// directly).
+async fn in_a_transaction(
+    proxy: &Proxy,
+    db: &str,
+    m: &Migration,
+    want: &(u32, String),
+    most: usize,
+    who: &str,
+) {
+    let (mut b, _) = wire::raw_login(proxy.addr, db).await;
+    let mut errors = Vec::new();
+    let got = loop {
+        simple(&mut b, "BEGIN").await;
+        let parse = Some(m.statement).filter(|_| errors.is_empty());
+        let ran = run_prepared(&mut b, "b", parse, m.param).await;
+        simple(&mut b, "ROLLBACK").await;
+        match ran {
+            Ran::Rows { type_oid, value } => break (type_oid, value),
+            Ran::Error(code) => {
+                assert!(
+                    errors.len() < most && (code == "0A000" || code == "XX000"),
+                    "{who}: {code} in a transaction after {errors:?}"
+                );
+                errors.push(code);
+            }
+        }
+    };
+    assert_eq!(&got, want, "{who}: in a transaction");
+}
+
+#[tokio::test]
+async fn prepared_statements_survive_ddl_made_through_pgcache() {
+    prepared_statements_survive_migrations(Via::Pgcache, true, true).await;
+}
+
+#[tokio::test]
+async fn prepared_statements_survive_ddl_made_directly() {
+    prepared_statements_survive_migrations(Via::Direct, true, true).await;
+}
+
+#[tokio::test]
+async fn prepared_statements_survive_ddl_through_pgcache_without_the_event_trigger() {
+    prepared_statements_survive_migrations(Via::Pgcache, false, true).await;
+}
+
+#[tokio::test]
+async fn prepared_statements_survive_ddl_made_directly_without_the_event_trigger() {
+    prepared_statements_survive_migrations(Via::Direct, false, true).await;
+}
+
+#[tokio::test]
+async fn prepared_statements_survive_ddl_with_caching_off() {
+    prepared_statements_survive_migrations(Via::Pgcache, true, false).await;
+    prepared_statements_survive_migrations(Via::Direct, true, false).await;
+}

@@ -38,6 +38,9 @@ impl DbState {
             f.version.bump_local();
         }
         self.catalog.forget(&bumps.ddl);
+        if !bumps.ddl.is_none() {
+            self.versions.schema_changed();
+        }
         if !bumps.ddl.is_none() || bumps.epoch {
             self.versions.epoch.bump_local();
         }

@@ -89,10 +89,21 @@ pub struct Versions {
     pub epoch: Version,
     /// Bumped (in Redis) by DDL, so other instances forget their catalog.
     pub ddl: Version,
+    /// Moved by every DDL this instance learns of: the server names of
+    /// transaction mode's shared prepared statements carry it, so no
+    /// statement prepared before the DDL is reused after it (see
+    /// [`crate::pool::prepared`]).
+    pub schema: Arc<AtomicU64>,
     families: Mutex<HashMap<String, Arc<Family>>>,
 }
 
 impl Versions {
+    /// DDL changed the schema: server statements prepared before it may
+    /// be stale.
+    pub fn schema_changed(&self) {
+        self.schema.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// The version counter of a tag (`/*+ cache tags=... */`): a family
     /// like a table's, named so that no unquoted table name can be it.
     pub fn tag(&self, tag: &str) -> Arc<Family> {

@@ -102,6 +102,9 @@ impl Streams {
     /// Every instance hears DDL from its own stream, so the catalog facts
     /// are forgotten here and only the versions are published.
     async fn invalidate(&self, db: &Arc<DbState>, mut bumps: Bumps) {
+        if !bumps.ddl.is_none() {
+            db.versions.schema_changed();
+        }
         db.catalog.forget(&std::mem::take(&mut bumps.ddl));
         self.cache.invalidate(db, bumps, &self.applied).send().await;
     }

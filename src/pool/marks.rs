@@ -85,6 +85,9 @@ pub struct Marks {
     /// It may change the session's settings (`SET`, `RESET`, `DISCARD`,
     /// `set_config`): read them again before the connection goes back.
     pub settings: bool,
+    /// A statement starts with `ALTER`, `CREATE` or `DROP`: statements
+    /// prepared on server connections before it may be stale.
+    pub schema: bool,
 }
 
 impl Marks {
@@ -114,6 +117,9 @@ pub fn marks(sql: &[u8]) -> Marks {
         }
         let end = pos;
         let word = &sql[start..end];
+        if first && (is(word, b"alter") || is(word, b"create") || is(word, b"drop")) {
+            marks.schema = true;
+        }
         // Every word below starts with one of these: most words of a
         // statement are let go after one look.
         let pin = if !b"dhlprstu".contains(&word[0].to_ascii_lowercase()) {

@@ -5,10 +5,28 @@
 //! and keeps it prepared for every client of the pool, as PgBouncer 1.21+
 //! does. A client's Close is answered by pgcache; a connection closes its
 //! least recently used statement past `pool.max_prepared_statements`.
+//!
+//! DDL can make a statement on the server stale: PostgreSQL then refuses
+//! its Bind (`0A000 cached plan must not change result type`, or `XX000
+//! cache lookup failed for type`), on every connection that has it and for
+//! every client that uses it. So a server name also carries the database's
+//! schema generation (`Versions::schema` in [`crate::cache`]), which DDL that
+//! pgcache sees (through it, in the replication stream, from another
+//! instance) moves: statements prepared afterwards get new names. A
+//! client's statement keeps the name it was given on a connection that
+//! still holds it, so a client that prepared before the DDL sees the error
+//! as it would directly; where it must be prepared again, it takes the
+//! current generation. A Bind refused this way moves the client's statement to the
+//! current generation, and moves the generation itself if pgcache had not
+//! seen the DDL; when the Bind is the first statement of its implicit
+//! transaction and pgcache had not seen the DDL, the client never learns of
+//! it: its messages are sent again from that Bind on, under the new name.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::protocol::sqlstate;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -33,6 +51,11 @@ impl ServerStatements {
 
     pub fn is_empty(&self) -> bool {
         self.used.is_empty()
+    }
+
+    /// Whether `hash` is prepared.
+    pub fn contains(&self, hash: u128) -> bool {
+        self.used.contains_key(&hash)
     }
 
     /// Whether `hash` is prepared; marks it used.
@@ -99,38 +122,75 @@ pub fn server_name(hash: u128) -> ServerName {
 /// in one process, it still never hands out a number twice.
 static UNNAMED: AtomicU64 = AtomicU64::new(1);
 
-/// A client's statement and the Parse that prepares it under pgcache's
-/// name (or unnamed).
-struct Prepared {
-    /// Its content hash; for an unnamed one, the number of its Parse.
-    hash: u128,
+/// The client's unnamed statement and the Parse that prepares it.
+struct Unnamed {
+    /// The number of its Parse.
+    token: u128,
     parse: Bytes,
 }
 
-impl Prepared {
-    /// The Parse of a named statement under pgcache's name.
-    fn named(query: &[u8], param_types: &[u8]) -> Arc<Self> {
-        let hash = content_hash(query, param_types);
+/// A client's named statement: its text and parameter types, and the
+/// server name it goes by.
+#[derive(Clone)]
+struct Statement {
+    query: Bytes,
+    param_types: Bytes,
+    /// Its text and parameter types, hashed once.
+    content: u128,
+    /// The schema generation its server name belongs to.
+    generation: u64,
+    /// Its server name's hash: `content` in `generation`.
+    hash: u128,
+}
+
+impl Statement {
+    fn new(query: &[u8], param_types: &[u8], generation: u64) -> Self {
+        let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
+        content.bytes(query).bytes(param_types);
+        let content = content.finish().0;
+        Self {
+            query: Bytes::copy_from_slice(query),
+            param_types: Bytes::copy_from_slice(param_types),
+            content,
+            generation,
+            hash: server_hash(content, generation),
+        }
+    }
+
+    /// Gives it the name it has in `generation`.
+    fn renew(&mut self, generation: u64) {
+        self.generation = generation;
+        self.hash = server_hash(self.content, generation);
+    }
+
+    /// The Parse that prepares it under its server name.
+    fn parse(&self) -> BytesMut {
         let mut parse = BytesMut::new();
-        let name = server_name(hash);
         frame_of(
             &mut parse,
             fe::PARSE,
-            &[name.as_bytes(), &[0], query, &[0], param_types],
+            &[
+                server_name(self.hash).as_bytes(),
+                &[0],
+                &self.query,
+                &[0],
+                &self.param_types,
+            ],
         );
-        Arc::new(Self {
-            hash,
-            parse: parse.freeze(),
-        })
+        parse
     }
 }
 
-/// A named statement's identity on every server connection: its text and
-/// parameter types.
-fn content_hash(query: &[u8], param_types: &[u8]) -> u128 {
-    let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
-    content.bytes(query).bytes(param_types);
-    content.finish().0
+/// A statement's identity on every server connection: its content in one
+/// schema generation (generation 0 keeps the content's own hash).
+fn server_hash(content: u128, generation: u64) -> u128 {
+    if generation == 0 {
+        return content;
+    }
+    let mut key = crate::cache::key::KeyBuilder::new(0, 0, 0);
+    key.bytes(&content.to_le_bytes())
+        .bytes(&generation.to_le_bytes());
+    key.finish().0
 }
 
 /// What the server answers a message with, as far as the translation
@@ -172,6 +232,47 @@ struct Expect {
     /// A Parse sent under pgcache's name: the statement it prepares on
     /// the server, and the client's name for it (forgotten if it fails).
     prepares: Option<(u128, Option<Bytes>)>,
+    /// A client's Bind of a named statement: its server name's hash.
+    binds: Option<u128>,
+    /// That Bind is the first statement of its implicit transaction: the
+    /// client's messages from it through its Sync, to send again if the
+    /// server's statement was stale.
+    retry: Option<Bytes>,
+}
+
+impl Expect {
+    fn new(kind: Kind, origin: Origin) -> Self {
+        Self {
+            kind,
+            origin,
+            may_be_ignored: false,
+            prepares: None,
+            binds: None,
+            retry: None,
+        }
+    }
+
+    /// Whether the server runs something for it (a first statement must
+    /// have nothing of the kind before it).
+    fn executes(&self) -> bool {
+        match self.kind {
+            Kind::One(tag) => tag == be::BIND_COMPLETE,
+            Kind::DescribeStatement => false,
+            Kind::DescribePortal | Kind::Execute | Kind::Ready => true,
+        }
+    }
+}
+
+/// A Bind's retry is kept only for a batch up to this size: beyond it the
+/// client gets the error, as a client of one connection would.
+const MAX_RETRY_BYTES: usize = 1 << 20;
+
+/// Whether an error refusing a Bind says its statement is stale.
+fn stale_statement(error_body: &[u8]) -> bool {
+    matches!(
+        messages::error_code(error_body),
+        Some(sqlstate::FEATURE_NOT_SUPPORTED | sqlstate::INTERNAL_ERROR)
+    )
 }
 
 /// What to do with one server frame.
@@ -181,12 +282,23 @@ pub enum Reply {
     Drop,
 }
 
+/// What one server frame leads to.
+#[derive(Debug)]
+pub struct Answer {
+    /// Whether the client gets the frame.
+    pub reply: Reply,
+    /// pgcache's answers in the server's place, right after it.
+    pub to_client: BytesMut,
+    /// Messages to send the server again (a Bind's retry).
+    pub to_server: BytesMut,
+}
+
 /// One transaction-mode client's statements, and the translation of its
 /// messages for the server connection it holds.
 #[derive(Default)]
 pub struct Translator {
-    statements: HashMap<Bytes, Arc<Prepared>>,
-    unnamed: Option<Arc<Prepared>>,
+    statements: HashMap<Bytes, Statement>,
+    unnamed: Option<Arc<Unnamed>>,
     /// The answers still owed for what went to the server, in order.
     expect: VecDeque<Expect>,
     /// pgcache failed a message itself: the rest of the batch, up to
@@ -194,6 +306,10 @@ pub struct Translator {
     skipping: bool,
     /// An Execute went out with no CopyDone/CopyFail after it.
     copy_may_start: bool,
+    /// The database's schema generation (see the module's doc).
+    schema: Arc<AtomicU64>,
+    /// `pool.max_prepared_statements`, as last given.
+    max: usize,
 }
 
 impl Translator {
@@ -203,8 +319,27 @@ impl Translator {
         Translator {
             statements: self.statements.clone(),
             unnamed: self.unnamed.clone(),
+            schema: Arc::clone(&self.schema),
             ..Translator::default()
         }
+    }
+
+    /// A translator whose server names follow the schema generation
+    /// `schema` (its database's).
+    pub fn following(schema: Arc<AtomicU64>) -> Translator {
+        Translator {
+            schema,
+            ..Translator::default()
+        }
+    }
+
+    /// Server names follow the schema generation `schema` from now on.
+    pub fn follow(&mut self, schema: Arc<AtomicU64>) {
+        self.schema = schema;
+    }
+
+    fn generation(&self) -> u64 {
+        self.schema.load(Ordering::Acquire)
     }
 
     /// Nothing is owed: the connection may change.
@@ -213,28 +348,65 @@ impl Translator {
     }
 
     /// The client's messages in `frames`, for the server whose statements
-    /// are `server`, appended to `out`. Returns the answers pgcache gives
-    /// at once (nothing was owed before them).
+    /// are `server`, appended to `out`. `idle`: the client's session is
+    /// outside a transaction block, so a Bind with nothing owed before it
+    /// is the first statement of its implicit transaction. Returns the
+    /// answers pgcache gives at once (nothing was owed before them).
     pub fn translate(
         &mut self,
         frames: &[u8],
         server: &mut ServerStatements,
         max_prepared: usize,
+        idle: bool,
         out: &mut BytesMut,
     ) -> BytesMut {
-        for frame in crate::protocol::codec::frames(frames) {
-            self.message(frame, server, max_prepared, out);
-        }
+        self.max = max_prepared;
+        self.translate_frames(frames, server, idle, out);
         self.leading_synthetic()
     }
 
-    fn message(
+    fn translate_frames(
         &mut self,
-        frame: &[u8],
+        frames: &[u8],
         server: &mut ServerStatements,
-        max: usize,
+        idle: bool,
         out: &mut BytesMut,
     ) {
+        let mut first = idle && !self.expect.iter().any(Expect::executes);
+        // The first Bind's offset in `frames` and its place in `expect`.
+        let mut retry_from: Option<(usize, usize)> = None;
+        let mut offset = 0;
+        for frame in crate::protocol::codec::frames(frames) {
+            let owed = self.expect.len();
+            self.message(frame, server, out);
+            let start = offset;
+            offset += frame.len();
+            match frame[0] {
+                fe::BIND if first => {
+                    first = false;
+                    let bind = self.expect.len().checked_sub(1).filter(|at| *at >= owed);
+                    if let Some(at) = bind
+                        && self.expect[at].binds.is_some()
+                    {
+                        retry_from = Some((start, at));
+                    }
+                }
+                fe::SYNC => {
+                    if let Some((start, at)) = retry_from.take()
+                        && offset - start <= MAX_RETRY_BYTES
+                    {
+                        self.expect[at].retry =
+                            Some(Bytes::copy_from_slice(&frames[start..offset]));
+                    }
+                }
+                fe::PARSE | fe::DESCRIBE | fe::CLOSE | fe::FLUSH => {}
+                _ => first = false,
+            }
+        }
+    }
+
+    fn message(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
+        let max = self.max;
         let tag = frame[0];
         let body = &frame[HEADER_LEN..];
         if self.skipping {
@@ -248,12 +420,15 @@ impl Translator {
             fe::PARSE => self.parse(frame, server, max, out),
             fe::BIND => match extended::bind_names(body) {
                 Some((_, statement)) => {
-                    self.with_statement(statement, server, max, out, |name, out| {
+                    let binds = self.with_statement(statement, server, max, out, |name, out| {
                         let (portal, _) = extended::bind_names(body).expect("read above");
                         let rest = &body[portal.len() + 1 + statement.len() + 1..];
                         frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
                     });
                     self.owe(Kind::One(be::BIND_COMPLETE));
+                    if let Some(bind) = self.expect.back_mut() {
+                        bind.binds = binds;
+                    }
                 }
                 None => self.send(out, frame, Kind::One(be::BIND_COMPLETE), None),
             },
@@ -322,6 +497,7 @@ impl Translator {
         max: usize,
         out: &mut BytesMut,
     ) {
+        let generation = self.generation();
         let body = &frame[HEADER_LEN..];
         let Some(p) = extended::parse(body) else {
             return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
@@ -330,8 +506,8 @@ impl Translator {
             // Unnamed statements are not shared: a token tells this Parse
             // apart, with no hash of its text on every query.
             let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
-            self.unnamed = Some(Arc::new(Prepared {
-                hash: token,
+            self.unnamed = Some(Arc::new(Unnamed {
+                token,
                 parse: Bytes::copy_from_slice(frame),
             }));
             server.unnamed = Some(token);
@@ -349,16 +525,16 @@ impl Translator {
             self.skipping = true;
             return;
         }
-        let prepared = Prepared::named(p.query, p.param_types);
-        let hash = prepared.hash;
-        self.statements.insert(name.clone(), Arc::clone(&prepared));
+        let statement = Statement::new(p.query, p.param_types, generation);
+        let hash = statement.hash;
+        let parse = statement.parse();
+        self.statements.insert(name.clone(), statement);
         if server.touch(hash) {
             self.answer(&[be::PARSE_COMPLETE, 0, 0, 0, 4]);
             return;
         }
         self.close_over(server, max, out);
         server.insert(hash);
-        let parse = prepared.parse.clone();
         self.send(
             out,
             &parse,
@@ -374,20 +550,20 @@ impl Translator {
         if name.is_empty() {
             let mut parse = BytesMut::new();
             frame_of(&mut parse, fe::PARSE, &[&[0], query, &[0], param_types]);
-            self.unnamed = Some(Arc::new(Prepared {
-                hash: u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed)),
+            self.unnamed = Some(Arc::new(Unnamed {
+                token: u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed)),
                 parse: parse.freeze(),
             }));
             return;
         }
-        self.statements.insert(
-            Bytes::copy_from_slice(name),
-            Prepared::named(query, param_types),
-        );
+        let statement = Statement::new(query, param_types, self.generation());
+        self.statements
+            .insert(Bytes::copy_from_slice(name), statement);
     }
 
     /// Writes a message naming a statement, with pgcache's name for it,
-    /// first preparing it on the server if it is not there.
+    /// first preparing it on the server if it is not there. Returns the
+    /// server name's hash, for a named statement pgcache knows.
     fn with_statement(
         &mut self,
         name: &[u8],
@@ -395,26 +571,37 @@ impl Translator {
         max: usize,
         out: &mut BytesMut,
         write: impl FnOnce(&[u8], &mut BytesMut),
-    ) {
+    ) -> Option<u128> {
         if name.is_empty() {
             if let Some(unnamed) = self.unnamed.clone()
-                && server.unnamed != Some(unnamed.hash)
+                && server.unnamed != Some(unnamed.token)
             {
-                server.unnamed = Some(unnamed.hash);
+                server.unnamed = Some(unnamed.token);
                 self.inject(out, &unnamed.parse, None);
             }
-            return write(b"", out);
+            write(b"", out);
+            return None;
         }
-        let Some(prepared) = self.statements.get(name).cloned() else {
+        let generation = self.generation();
+        let Some(statement) = self.statements.get_mut(name) else {
             // Unknown to the client: the server says so, in its words.
-            return write(name, out);
+            write(name, out);
+            return None;
         };
-        if !server.touch(prepared.hash) {
-            self.close_over(server, max, out);
-            server.insert(prepared.hash);
-            self.inject(out, &prepared.parse, Some(prepared.hash));
+        // A name of an older generation is used only where it is
+        // prepared: prepared again, it takes the current one.
+        if statement.generation != generation && !server.contains(statement.hash) {
+            statement.renew(generation);
         }
-        write(server_name(prepared.hash).as_bytes(), out);
+        let hash = statement.hash;
+        if !server.touch(hash) {
+            let parse = statement.parse();
+            self.close_over(server, max, out);
+            server.insert(hash);
+            self.inject(out, &parse, Some(hash));
+        }
+        write(server_name(hash).as_bytes(), out);
+        Some(hash)
     }
 
     /// Closes the server's least recently used statement past `max`.
@@ -429,22 +616,16 @@ impl Translator {
                 &[&[fe::TARGET_STATEMENT], name.as_bytes(), &[0]],
             );
             out.extend_from_slice(&close);
-            self.expect.push_back(Expect {
-                kind: Kind::One(be::CLOSE_COMPLETE),
-                origin: Origin::Injected,
-                may_be_ignored: false,
-                prepares: None,
-            });
+            self.expect
+                .push_back(Expect::new(Kind::One(be::CLOSE_COMPLETE), Origin::Injected));
         }
     }
 
     fn inject(&mut self, out: &mut BytesMut, parse: &[u8], hash: Option<u128>) {
         out.extend_from_slice(parse);
         self.expect.push_back(Expect {
-            kind: Kind::One(be::PARSE_COMPLETE),
-            origin: Origin::Injected,
-            may_be_ignored: false,
             prepares: hash.map(|h| (h, None)),
+            ..Expect::new(Kind::One(be::PARSE_COMPLETE), Origin::Injected)
         });
     }
 
@@ -457,31 +638,22 @@ impl Translator {
     ) {
         out.extend_from_slice(frame);
         self.expect.push_back(Expect {
-            kind,
-            origin: Origin::Client,
-            may_be_ignored: false,
             prepares,
+            ..Expect::new(kind, Origin::Client)
         });
     }
 
     /// The client's message just written: its answer is owed.
     fn owe(&mut self, kind: Kind) {
-        self.expect.push_back(Expect {
-            kind,
-            origin: Origin::Client,
-            may_be_ignored: false,
-            prepares: None,
-        });
+        self.expect.push_back(Expect::new(kind, Origin::Client));
     }
 
     /// pgcache answers in the server's place, in turn.
     fn answer(&mut self, frames: &[u8]) {
-        self.expect.push_back(Expect {
-            kind: Kind::One(0),
-            origin: Origin::Synthetic(Bytes::copy_from_slice(frames)),
-            may_be_ignored: false,
-            prepares: None,
-        });
+        self.expect.push_back(Expect::new(
+            Kind::One(0),
+            Origin::Synthetic(Bytes::copy_from_slice(frames)),
+        ));
     }
 
     /// The answers pgcache gives that nothing sent before them holds up.
@@ -498,14 +670,21 @@ impl Translator {
         out
     }
 
-    /// One frame from the server: whether the client gets it, and the
-    /// answers pgcache gives right after it.
-    pub fn on_frame(&mut self, tag: u8, server: &mut ServerStatements) -> (Reply, BytesMut) {
+    /// One frame from the server (header included): whether the client
+    /// gets it, the answers pgcache gives right after it, and what to send
+    /// the server again.
+    pub fn on_frame(&mut self, frame: &[u8], server: &mut ServerStatements) -> Answer {
+        let tag = frame[0];
+        let answer = |reply, to_client| Answer {
+            reply,
+            to_client,
+            to_server: BytesMut::new(),
+        };
         if matches!(
             tag,
             be::NOTICE_RESPONSE | be::NOTIFICATION | be::PARAMETER_STATUS
         ) {
-            return (Reply::Pass, BytesMut::new());
+            return answer(Reply::Pass, BytesMut::new());
         }
         if tag == be::COPY_IN_RESPONSE {
             // The front is what started COPY FROM STDIN: the Syncs sent
@@ -513,12 +692,26 @@ impl Translator {
             while self.expect.get(1).is_some_and(|e| e.may_be_ignored) {
                 self.expect.remove(1);
             }
-            return (Reply::Pass, BytesMut::new());
+            return answer(Reply::Pass, BytesMut::new());
         }
         let Some(front) = self.expect.front() else {
-            return (Reply::Pass, BytesMut::new());
+            return answer(Reply::Pass, BytesMut::new());
         };
         let error = tag == be::ERROR_RESPONSE;
+        if error
+            && front.binds.is_some()
+            && stale_statement(&frame[HEADER_LEN.min(frame.len())..])
+            && let Some(to_server) = self.stale(server)
+        {
+            return Answer {
+                reply: Reply::Drop,
+                to_client: BytesMut::new(),
+                to_server,
+            };
+        }
+        let Some(front) = self.expect.front() else {
+            return answer(Reply::Pass, BytesMut::new());
+        };
         let ends = error
             || match front.kind {
                 Kind::One(t) => tag == t,
@@ -536,7 +729,7 @@ impl Translator {
             _ => Reply::Pass,
         };
         if !ends {
-            return (reply, BytesMut::new());
+            return answer(reply, BytesMut::new());
         }
         let done = self.expect.pop_front().expect("front above");
         if error && done.kind != Kind::Ready {
@@ -549,12 +742,56 @@ impl Translator {
                 let skipped = self.expect.pop_front().expect("front above");
                 self.failed(&skipped, server);
             }
-            return (reply, BytesMut::new());
+            return answer(reply, BytesMut::new());
         }
         if error {
             self.failed(&done, server);
         }
-        (reply, self.leading_synthetic())
+        answer(reply, self.leading_synthetic())
+    }
+
+    /// The server refused the Bind in front because its statement is
+    /// stale. Retires the name: the client's statements under it take the
+    /// current generation, and the generation moves if pgcache had not
+    /// seen the DDL. Returns the messages to send again when the Bind is
+    /// retried unseen; `None`: the client gets the error.
+    fn stale(&mut self, server: &mut ServerStatements) -> Option<BytesMut> {
+        let front = self.expect.front_mut()?;
+        let stale = front.binds?;
+        let retry = front.retry.take();
+        let mut generation = self.generation();
+        // Named in the current generation: DDL pgcache did not see.
+        let unseen = self
+            .statements
+            .values()
+            .any(|s| s.hash == stale && s.generation == generation);
+        if unseen {
+            generation = self.schema.fetch_add(1, Ordering::AcqRel) + 1;
+        }
+        for statement in self.statements.values_mut().filter(|s| s.hash == stale) {
+            statement.renew(generation);
+        }
+        let retry = retry.filter(|_| unseen)?;
+        // Only when nothing follows the batch's Sync: the answers to what
+        // is sent again come last.
+        let sync = self
+            .expect
+            .iter()
+            .position(|e| e.kind == Kind::Ready && matches!(e.origin, Origin::Client))?;
+        if sync + 1 != self.expect.len() {
+            return None;
+        }
+        tracing::debug!("a Bind's statement was stale on the server: prepared again and retried");
+        for skipped in self.expect.drain(..).collect::<Vec<_>>() {
+            self.failed(&skipped, server);
+        }
+        // The server's ReadyForQuery for that Sync is not the client's.
+        self.expect
+            .push_back(Expect::new(Kind::Ready, Origin::Injected));
+        let mut out = BytesMut::new();
+        self.skipping = false;
+        self.translate_frames(&retry, server, false, &mut out);
+        Some(out)
     }
 
     /// A Parse that failed (or was skipped) prepared nothing.
@@ -632,6 +869,237 @@ mod tests {
         for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
             assert!(!deallocates(sql.as_bytes()), "{sql}");
         }
+    }
+
+    fn frame(tag: u8, parts: &[&[u8]]) -> Vec<u8> {
+        let mut out = BytesMut::new();
+        frame_of(&mut out, tag, parts);
+        out.to_vec()
+    }
+
+    fn parse(name: &str, sql: &str) -> Vec<u8> {
+        frame(
+            fe::PARSE,
+            &[name.as_bytes(), &[0], sql.as_bytes(), &[0, 0, 0]],
+        )
+    }
+
+    fn bind(statement: &str) -> Vec<u8> {
+        frame(
+            fe::BIND,
+            &[&[0], statement.as_bytes(), &[0, 0, 0, 0, 0, 0, 0]],
+        )
+    }
+
+    fn execute() -> Vec<u8> {
+        frame(fe::EXECUTE, &[&[0], &[0, 0, 0, 0]])
+    }
+
+    fn sync() -> Vec<u8> {
+        frame(fe::SYNC, &[])
+    }
+
+    fn stale_error() -> Vec<u8> {
+        let mut out = BytesMut::new();
+        messages::error_response(
+            &mut out,
+            "ERROR",
+            "0A000",
+            "cached plan must not change result type",
+        );
+        out.to_vec()
+    }
+
+    fn server_tags(bytes: &[u8]) -> String {
+        crate::protocol::codec::frames(bytes)
+            .map(|f| f[0] as char)
+            .collect()
+    }
+
+    /// The server statement names in `bytes` (Parse and Bind frames).
+    fn names_in(bytes: &[u8]) -> Vec<String> {
+        crate::protocol::codec::frames(bytes)
+            .filter_map(|f| {
+                let body = &f[HEADER_LEN..];
+                let name = match f[0] {
+                    fe::PARSE => extended::parse(body)?.name,
+                    fe::BIND => extended::bind_names(body)?.1,
+                    _ => return None,
+                };
+                Some(String::from_utf8_lossy(name).into_owned())
+            })
+            .collect()
+    }
+
+    /// A translator whose client prepared `select 1` as `s`, on a server
+    /// connection that has it; the schema generation it follows.
+    fn prepared() -> (Translator, ServerStatements, Arc<AtomicU64>) {
+        let schema = Arc::new(AtomicU64::new(0));
+        let mut t = Translator::following(Arc::clone(&schema));
+        let mut server = ServerStatements::default();
+        let mut out = BytesMut::new();
+        let batch = [parse("s", "select 1"), sync()].concat();
+        t.translate(&batch, &mut server, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PS");
+        for answer in [
+            [be::PARSE_COMPLETE, 0, 0, 0, 4],
+            [be::READY_FOR_QUERY, 0, 0, 0, 5],
+        ] {
+            let mut f = answer.to_vec();
+            if f[0] == be::READY_FOR_QUERY {
+                f.push(b'I');
+            }
+            assert_eq!(t.on_frame(&f, &mut server).reply, Reply::Pass);
+        }
+        assert!(t.is_idle());
+        (t, server, schema)
+    }
+
+    #[test]
+    fn statements_prepared_after_ddl_get_new_server_names() {
+        let (mut t, mut server, schema) = prepared();
+        let mut before = BytesMut::new();
+        t.translate(
+            &[bind("s"), execute(), sync()].concat(),
+            &mut server,
+            10,
+            true,
+            &mut before,
+        );
+        assert_eq!(server_tags(&before), "BES", "prepared there already");
+        t.clear_owed();
+        schema.fetch_add(1, Ordering::AcqRel);
+        // Another client parses the same text after the DDL.
+        let (mut other, mut fresh) = (
+            Translator::following(Arc::clone(&schema)),
+            ServerStatements::default(),
+        );
+        let mut out = BytesMut::new();
+        other.translate(
+            &[parse("t", "select 1"), sync()].concat(),
+            &mut server,
+            10,
+            true,
+            &mut out,
+        );
+        assert_eq!(server_tags(&out), "PS", "prepared again, under a new name");
+        assert_ne!(names_in(&out), names_in(&before)[..1]);
+        // The old client keeps its name where the server has it (and sees
+        // any error as it would directly), and takes the new one elsewhere.
+        let mut out = BytesMut::new();
+        t.translate(
+            &[bind("s"), sync()].concat(),
+            &mut server,
+            10,
+            true,
+            &mut out,
+        );
+        assert_eq!(names_in(&out), names_in(&before)[..1]);
+        let mut out = BytesMut::new();
+        t.clear_owed();
+        t.translate(
+            &[bind("s"), sync()].concat(),
+            &mut fresh,
+            10,
+            true,
+            &mut out,
+        );
+        assert_eq!(server_tags(&out), "PBS");
+        assert_ne!(names_in(&out)[0], names_in(&before)[0]);
+    }
+
+    #[test]
+    fn a_stale_first_bind_is_prepared_again_and_retried_unseen() {
+        let (mut t, mut server, schema) = prepared();
+        let mut out = BytesMut::new();
+        let batch = [bind("s"), execute(), sync()].concat();
+        t.translate(&batch, &mut server, 10, true, &mut out);
+        let old = names_in(&out);
+        // DDL pgcache did not see: the server refuses the Bind.
+        let answer = t.on_frame(&stale_error(), &mut server);
+        assert_eq!(answer.reply, Reply::Drop, "the client never sees it");
+        assert_eq!(server_tags(&answer.to_server), "PBES");
+        let new = names_in(&answer.to_server);
+        assert_eq!(new[0], new[1]);
+        assert_ne!(new[0], old[0], "a new name");
+        assert_eq!(
+            schema.load(Ordering::Acquire),
+            1,
+            "retired on every connection"
+        );
+        let ready = [be::READY_FOR_QUERY, 0, 0, 0, 5, b'I'];
+        assert_eq!(
+            t.on_frame(&ready, &mut server).reply,
+            Reply::Drop,
+            "the failed try's"
+        );
+        let replies: Vec<Reply> = [
+            vec![be::PARSE_COMPLETE, 0, 0, 0, 4],
+            vec![be::BIND_COMPLETE, 0, 0, 0, 4],
+            frame(be::COMMAND_COMPLETE, &[b"SELECT 1\0"]),
+            ready.to_vec(),
+        ]
+        .iter()
+        .map(|f| t.on_frame(f, &mut server).reply)
+        .collect();
+        assert_eq!(
+            replies,
+            [Reply::Drop, Reply::Pass, Reply::Pass, Reply::Pass]
+        );
+        assert!(t.is_idle());
+    }
+
+    #[test]
+    fn a_stale_bind_inside_a_transaction_fails_once() {
+        let (mut t, mut server, schema) = prepared();
+        let mut out = BytesMut::new();
+        // Not idle: the client is in a transaction block.
+        t.translate(
+            &[bind("s"), execute(), sync()].concat(),
+            &mut server,
+            10,
+            false,
+            &mut out,
+        );
+        let old = names_in(&out);
+        let answer = t.on_frame(&stale_error(), &mut server);
+        assert_eq!(answer.reply, Reply::Pass, "the client gets the error");
+        assert!(answer.to_server.is_empty());
+        assert_eq!(schema.load(Ordering::Acquire), 1);
+        let ready = [be::READY_FOR_QUERY, 0, 0, 0, 5, b'E'];
+        assert_eq!(t.on_frame(&ready, &mut server).reply, Reply::Pass);
+        // Its next Bind prepares the statement again, under the new name.
+        let mut out = BytesMut::new();
+        t.translate(
+            &[bind("s"), execute(), sync()].concat(),
+            &mut server,
+            10,
+            false,
+            &mut out,
+        );
+        assert_eq!(server_tags(&out), "PBES");
+        assert_ne!(names_in(&out)[0], old[0]);
+    }
+
+    #[test]
+    fn a_stale_bind_after_ddl_pgcache_saw_fails_as_directly() {
+        let (mut t, mut server, schema) = prepared();
+        schema.fetch_add(1, Ordering::AcqRel);
+        let mut out = BytesMut::new();
+        t.translate(
+            &[bind("s"), execute(), sync()].concat(),
+            &mut server,
+            10,
+            true,
+            &mut out,
+        );
+        let answer = t.on_frame(&stale_error(), &mut server);
+        assert_eq!(
+            answer.reply,
+            Reply::Pass,
+            "prepared before the DDL: its error"
+        );
+        assert_eq!(schema.load(Ordering::Acquire), 1, "already retired");
     }
 
     #[test]

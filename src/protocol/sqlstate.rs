@@ -25,8 +25,12 @@ pub const INVALID_AUTHORIZATION: &str = "28000";
 pub const INVALID_PASSWORD: &str = "28P01";
 /// An admin command pgcache does not know.
 pub const SYNTAX_ERROR: &str = "42601";
-/// The admin console's answer to the extended protocol.
+/// The admin console's answer to the extended protocol; PostgreSQL's
+/// refusal of a Bind whose statement's result type changed.
 pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
+/// PostgreSQL's refusal of a Bind whose statement names a type dropped
+/// since (`cache lookup failed for type`).
+pub const INTERNAL_ERROR: &str = "XX000";
 /// RELOAD found a broken configuration.
 pub const CONFIG_FILE_ERROR: &str = "F0000";
 /// A warning notice (a hint pgcache ignored, a change that needs a restart).

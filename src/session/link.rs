@@ -26,7 +26,7 @@ use crate::backend::BackendStream;
 use crate::invalidation::control::quote_literal;
 use crate::pool::clients::Activity;
 use crate::pool::marks::Pin;
-use crate::pool::prepared::{Reply, ServerStatements, Translator};
+use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool, PoolError};
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
@@ -263,6 +263,11 @@ pub(super) struct Link {
     pub prefix_generation: Option<u64>,
     /// The translated frames of one flush.
     pub scratch: BytesMut,
+    /// Messages to send the server again, once the frames read are handled.
+    pub resend: BytesMut,
+    /// A statement that may change the schema went out: the database's
+    /// schema generation moves when the session is next idle.
+    pub schema_changes: bool,
     knobs: Knobs,
 }
 
@@ -284,6 +289,8 @@ impl Link {
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
+            resend: BytesMut::new(),
+            schema_changes: false,
             knobs: Knobs::default(),
         }
     }
@@ -316,22 +323,25 @@ impl Link {
     }
 
     /// The client's frames for the connection it holds, into `out`; returns
-    /// the answers pgcache gives at once.
+    /// the answers pgcache gives at once. `idle`: the session is outside a
+    /// transaction block.
     pub fn translate(
         &mut self,
         frames: &[u8],
         max_prepared: usize,
+        idle: bool,
         out: &mut BytesMut,
     ) -> BytesMut {
         let server = statements_of(&mut self.lease, &mut self.own_statements);
-        self.translator.translate(frames, server, max_prepared, out)
+        self.translator
+            .translate(frames, server, max_prepared, idle, out)
     }
 
-    /// One server frame: whether the client gets it, and pgcache's answers
-    /// to insert after it.
-    pub fn on_server_frame(&mut self, tag: u8) -> (Reply, BytesMut) {
+    /// One server frame: whether the client gets it, pgcache's answers to
+    /// insert after it, and what to send the server again.
+    pub fn on_server_frame(&mut self, frame: &[u8]) -> Answer {
         let server = statements_of(&mut self.lease, &mut self.own_statements);
-        self.translator.on_frame(tag, server)
+        self.translator.on_frame(frame, server)
     }
 }
 

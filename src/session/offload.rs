@@ -84,7 +84,7 @@ where
     /// names but does not prepare, as the client prepared them on its own
     /// connection; `None` if one is unknown to pgcache.
     fn statements_for(&self, request: &[u8]) -> Option<Translator> {
-        let mut translator = Translator::default();
+        let mut translator = Translator::following(Arc::clone(&self.db.versions.schema));
         let mut seen: Vec<&[u8]> = Vec::new();
         for frame in frames(request) {
             let body = &frame[HEADER_LEN..];
@@ -150,6 +150,7 @@ impl Job {
             &self.request,
             &mut lease.server_mut().prepared,
             config.pool.max_prepared_statements,
+            false,
             &mut out,
         );
         frames(&now).for_each(|f| capture.add(f, max_entry));
@@ -159,16 +160,17 @@ impl Job {
                 Ok(Some(frame)) => frame,
                 _ => return Err("the server connection was lost"),
             };
-            let (reply, after) = self
+            // Not the first statement of a transaction: never sent again.
+            let answer = self
                 .translator
-                .on_frame(frame[0], &mut lease.server_mut().prepared);
+                .on_frame(&frame, &mut lease.server_mut().prepared);
             if frame[0] == be::READY_FOR_QUERY {
                 break frame.get(HEADER_LEN) == Some(&b'I');
             }
-            if reply == Reply::Pass {
+            if answer.reply == Reply::Pass {
                 capture.add(&frame, max_entry);
             }
-            frames(&after).for_each(|f| capture.add(f, max_entry));
+            frames(&answer.to_client).for_each(|f| capture.add(f, max_entry));
         };
         let done = Instant::now();
         if idle && self.translator.is_idle() {

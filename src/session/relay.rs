@@ -288,16 +288,17 @@ where
                 continue;
             }
             if pooled {
-                let tag = self.backend.buffered()[pos];
-                let (reply, answers) = self.link.on_server_frame(tag);
-                if !answers.is_empty() {
+                let frame = &self.backend.buffered()[pos..pos + len];
+                let answer = self.link.on_server_frame(frame);
+                if !answer.to_client.is_empty() {
                     // pgcache's answers in the server's place come next.
                     let buf = self.backend.buffer_mut();
                     let tail = buf.split_off(pos + len);
-                    buf.extend_from_slice(&answers);
+                    buf.extend_from_slice(&answer.to_client);
                     buf.extend_from_slice(&tail);
                 }
-                if reply == Reply::Drop {
+                self.link.resend.extend_from_slice(&answer.to_server);
+                if answer.reply == Reply::Drop {
                     self.out
                         .extend_from_slice(&self.backend.buffered()[copied..pos]);
                     copied = pos + len;
@@ -345,6 +346,13 @@ where
                 }
             }
             pos += len;
+        }
+        if !self.link.resend.is_empty() {
+            let resend = std::mem::take(&mut self.link.resend);
+            self.backend
+                .write_all(&resend)
+                .await
+                .map_err(SessionError::BackendIo)?;
         }
         if pos > 0 {
             self.publish_invalidations().await;
@@ -519,7 +527,8 @@ where
             let max = self.knobs().max_prepared;
             // Both buffers keep their memory from one flush to the next.
             let mut out = std::mem::take(&mut self.link.scratch);
-            let answers = self.link.translate(&queued, max, &mut out);
+            let idle = self.tx.status == TxStatus::Idle;
+            let answers = self.link.translate(&queued, max, idle, &mut out);
             self.pipeline.to_backend = queued;
             self.pipeline.to_backend.clear();
             let r = self.backend.write_all(&out).await;

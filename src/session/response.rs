@@ -104,12 +104,20 @@ where
             // Logged in: only now does the database get shared state, so
             // clients naming made-up databases cannot grow the registry.
             self.db = self.app.cache.db(self.startup.database());
+            self.link
+                .translator
+                .follow(std::sync::Arc::clone(&self.db.versions.schema));
             if self.caching {
                 self.app.streams.ensure(&self.db);
             }
             self.ready = true;
         }
         tracing::trace!(?status, inflight = self.pipeline.len(), "ready for query");
+        if self.link.schema_changes && status == TxStatus::Idle {
+            // Before the client hears the DDL is done.
+            self.link.schema_changes = false;
+            self.db.versions.schema_changed();
+        }
         let (effects, result) = match self.pipeline.pop() {
             Some(done) => {
                 if done.failed {

@@ -84,6 +84,7 @@ where
         }
         if self.link.is_pooled() {
             self.link.state_dirty |= marks.settings;
+            self.link.schema_changes |= marks.schema;
             if let Some(why) = marks.pin {
                 self.pin(why);
             }

@@ -165,6 +165,7 @@ pub(super) fn apply_field(db: &DbState, field: &str, value: u64) {
         DDL => {
             if db.versions.ddl.raise_shared(value) {
                 db.catalog.forget(&crate::cache::Ddl::All);
+                db.versions.schema_changed();
             }
             return;
         }
