@@ -17,6 +17,9 @@ install_needed
 
 cargo fmt --all -- --check
 cargo clippy --locked --all-targets -- -D warnings
+# The fuzz targets are a crate of their own (bench/fuzz.sh runs them on
+# nightly); building them on stable keeps them in step with the code.
+cargo check --locked --manifest-path fuzz/Cargo.toml --target-dir target/fuzz
 cargo test --locked
 # The README's first command, as a newcomer runs it (with the debug build
 # the tests just made, to keep CI short).

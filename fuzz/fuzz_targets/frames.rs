@@ -12,7 +12,9 @@ fuzz_target!(|data: &[u8]| {
         let body = &rest[codec::HEADER_LEN..len];
         let _ = extended::parse(body);
         let _ = extended::bind_names(body);
-        let _ = extended::bind(body);
+        if let Some(formats) = extended::walk_bind(body, |_, _| {}) {
+            formats.for_each(drop);
+        }
         let _ = extended::target(body);
         let _ = extended::execute(body);
         let _ = extended::data_row(body);
