@@ -359,11 +359,9 @@ fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text:
                 "tags" => value
                     .split(',')
                     .map(|tag| {
-                        crate::cache::database::valid_tag(tag)
-                            .then(|| tag.to_owned())
-                            .ok_or_else(|| {
-                                format!("tags={value}: a tag is letters, digits, _ - or .")
-                            })
+                        valid_tag(tag).then(|| tag.to_owned()).ok_or_else(|| {
+                            format!("tags={value}: a tag is letters, digits, _ - or .")
+                        })
                     })
                     .collect::<Result<Vec<_>, _>>()
                     .map(|tags| parsed.tags = tags),
@@ -429,6 +427,15 @@ pub fn duration(text: &str) -> Result<Duration, DurationError> {
         return Err(DurationError::Range(text.to_owned()));
     }
     Ok(d)
+}
+
+/// A tag is a word: letters, digits, `_`, `-`, `.`.
+pub fn valid_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag.len() <= 63
+        && tag
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 #[cfg(test)]

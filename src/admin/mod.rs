@@ -243,7 +243,7 @@ async fn invalidate_table(app: &App, name: &str, out: &mut BytesMut) {
 /// `INVALIDATE TAG name`: in every database, on every instance.
 async fn invalidate_tag(app: &App, tag: &str, out: &mut BytesMut) {
     let tag = tag.trim_matches(['"', '\'']);
-    if !crate::cache::database::valid_tag(tag) {
+    if !crate::hints::valid_tag(tag) {
         error_response(
             out,
             "ERROR",

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::catalog::Catalog;
 use super::hold::Hold;
-use super::shared::confirm::Confirms;
+use super::shared::state::SharedSync;
 #[cfg(test)]
 use super::versions::Ddl;
 use super::versions::{Bumps, Versions};
@@ -53,7 +53,9 @@ impl DbState {
         let item = item.trim();
         let mut bumps = Bumps::default();
         match item.split_once(':') {
-            Some(("tag", tag)) if valid_tag(tag) => bumps.add_family(self.versions.tag(tag)),
+            Some(("tag", tag)) if crate::hints::valid_tag(tag) => {
+                bumps.add_family(self.versions.tag(tag))
+            }
             Some(("table", table)) if !table.is_empty() => {
                 self.relation_families(table, &mut bumps)
             }
@@ -73,15 +75,6 @@ impl DbState {
             bumps.add_family(self.versions.family(&facts.family));
         }
     }
-}
-
-/// A tag is a word: letters, digits, `_`, `-`, `.`.
-pub fn valid_tag(tag: &str) -> bool {
-    !tag.is_empty()
-        && tag.len() <= 63
-        && tag
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
 /// The replication stream's health, as the stream reports it.
@@ -308,18 +301,6 @@ impl StreamHealth {
             .unwrap_or_else(|e| e.into_inner())
             .len() as u64
     }
-}
-
-/// Where this database stands with the shared tier.
-#[derive(Default)]
-pub struct SharedSync {
-    /// The shared tier's sync generation the versions were last read from
-    /// Redis under; 0 = never.
-    pub synced: AtomicU64,
-    /// A bump of this instance never reached Redis.
-    pub dirty: AtomicBool,
-    /// Read-your-writes confirmations with Redis.
-    pub confirms: Confirms,
 }
 
 /// Every database this instance has served, by name.

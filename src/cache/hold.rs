@@ -15,8 +15,6 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::database::DbState;
-
 pub struct Hold {
     anchor: Instant,
     /// When a client last used the database, in milliseconds since
@@ -27,7 +25,7 @@ pub struct Hold {
     token: Mutex<CancellationToken>,
     /// Statements that need the database free and have not finished:
     /// nothing takes hold again meanwhile.
-    pauses: AtomicUsize,
+    pauses: Arc<AtomicUsize>,
 }
 
 impl Default for Hold {
@@ -36,7 +34,7 @@ impl Default for Hold {
             anchor: Instant::now(),
             last_use: AtomicU64::new(0),
             token: Mutex::default(),
-            pauses: AtomicUsize::new(0),
+            pauses: Arc::default(),
         }
     }
 }
@@ -83,6 +81,12 @@ impl Hold {
         self.pauses.load(Ordering::Acquire) > 0
     }
 
+    /// Keeps pgcache off the database until the guard is dropped.
+    pub fn pause(&self) -> Paused {
+        self.pauses.fetch_add(1, Ordering::AcqRel);
+        Paused(Arc::clone(&self.pauses))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, CancellationToken> {
         self.token.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -90,18 +94,11 @@ impl Hold {
 
 /// Keeps pgcache off a database until dropped: held by the session whose
 /// statement needs the database free, until that statement is answered.
-pub struct Paused(Arc<DbState>);
-
-impl Paused {
-    pub fn new(db: &Arc<DbState>) -> Self {
-        db.hold.pauses.fetch_add(1, Ordering::AcqRel);
-        Self(Arc::clone(db))
-    }
-}
+pub struct Paused(Arc<AtomicUsize>);
 
 impl Drop for Paused {
     fn drop(&mut self) {
-        self.0.hold.pauses.fetch_sub(1, Ordering::AcqRel);
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -120,13 +117,13 @@ mod tests {
 
     #[test]
     fn a_pause_lasts_as_long_as_its_guard() {
-        let db = Arc::new(DbState::default());
-        let a = Paused::new(&db);
-        let b = Paused::new(&db);
+        let hold = Hold::default();
+        let a = hold.pause();
+        let b = hold.pause();
         drop(a);
-        assert!(db.hold.paused());
+        assert!(hold.paused());
         drop(b);
-        assert!(!db.hold.paused());
+        assert!(!hold.paused());
     }
 
     #[test]

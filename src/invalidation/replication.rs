@@ -175,7 +175,7 @@ impl Streams {
     /// database to ask about the slot on (the client's own).
     pub async fn release(&self, name: &str, via: &str) -> Option<Paused> {
         let db = self.cache.databases.get(name)?;
-        let paused = Paused::new(&db);
+        let paused = db.hold.pause();
         db.hold.let_go();
         self.pool.evict_database(name);
         if !db.stream.wait_unclaimed(RELEASE_WAIT).await {

@@ -15,49 +15,12 @@
 //! which leaves as soon as the first returns. A read never takes an answer
 //! to a request sent before it began.
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
-
-use tokio::sync::watch;
+use std::sync::Arc;
 
 use super::sync::apply_field;
 use super::{EPOCH, SharedError, SharedTier, TABLE};
 use crate::cache::database::DbState;
 use crate::cache::versions::Family;
-
-/// One database's rounds of confirmation.
-pub struct Confirms {
-    state: Mutex<Rounds>,
-    /// The newest round answered, and the newest that failed.
-    answered: watch::Sender<(u64, u64)>,
-}
-
-#[derive(Default)]
-struct Rounds {
-    /// Rounds whose fields were taken for sending. The next round, `sent +
-    /// 1`, carries what `wanted` holds when it is taken.
-    sent: u64,
-    /// A task is sending rounds.
-    in_flight: bool,
-    /// Fields the next round asks for.
-    wanted: BTreeSet<String>,
-}
-
-impl Default for Confirms {
-    fn default() -> Self {
-        Self {
-            state: Mutex::new(Rounds::default()),
-            answered: watch::channel((0, 0)).0,
-        }
-    }
-}
-
-impl Confirms {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Rounds> {
-        // Every critical section leaves the rounds whole.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
 
 impl SharedTier {
     /// Raises `db`'s mirrors of the epoch and of `reads` to what Redis

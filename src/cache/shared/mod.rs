@@ -34,6 +34,7 @@ mod breaker;
 pub mod confirm;
 mod conn;
 pub mod entry;
+pub mod state;
 mod sync;
 
 use std::sync::Arc;

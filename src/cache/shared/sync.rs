@@ -164,7 +164,7 @@ pub(super) fn apply_field(db: &DbState, field: &str, value: u64) {
         EPOCH => &db.versions.epoch,
         DDL => {
             if db.versions.ddl.raise_shared(value) {
-                db.catalog.forget(&crate::cache::Ddl::All);
+                db.catalog.forget(&crate::classify::Ddl::All);
                 db.versions.schema_changed();
             }
             return;
