@@ -7,8 +7,9 @@
 #   term/query    auth.mode = terminate, the verifier from auth_query
 #                 (pgcache logs in with the key the client's proof yields).
 #   sslmode=disable  passthrough without asking PostgreSQL for TLS first;
-#   no-reuse      passthrough with pool.max_idle_servers = 0 (a new server
-#                 connection for every client, as before server reuse);
+#   reuse         passthrough with server connections reused (opt-in:
+#                 pool.max_idle_servers = 16; by default every client gets a
+#                 new backend, as directly, and so do the routes above);
 #   pgbouncer     PgBouncer in session mode (trust user only).
 # Prints TPS and each one's ratio to the direct run of the same user.
 #   bench/connect.sh [SECONDS-PER-RUN]   (default 10)
@@ -32,9 +33,9 @@ start_pgcache "$PASS_PORT"
 # connection; this server says no, which costs one round trip.
 PLAIN_PORT=$(free_port)
 UPSTREAM_URL="postgres://postgres@127.0.0.1:$PGPORT?sslmode=disable" start_pgcache "$PLAIN_PORT"
-NOREUSE_PORT=$(free_port)
-printf '[pool]\nmax_idle_servers = 0\n' >"$RUNDIR/noreuse.toml"
-start_pgcache "$NOREUSE_PORT" --config "$RUNDIR/noreuse.toml"
+REUSE_PORT=$(free_port)
+printf '[pool]\nmax_idle_servers = 16\n' >"$RUNDIR/reuse.toml"
+start_pgcache "$REUSE_PORT" --config "$RUNDIR/reuse.toml"
 start_pgbouncer
 TERM_PORT=$(free_port)
 cat >"$RUNDIR/terminate.toml" <<TOML
@@ -58,7 +59,7 @@ run() { BENCH_USER=$1 PGPASSWORD=$PASSWORD best2 tps "$2" simple -C -S -c "$CLIE
 printf '%-8s %-14s %10s %8s\n' user route tps ratio
 direct=$(run postgres "$PGPORT")
 printf '%-8s %-14s %10.0f %8s\n' trust direct "$direct" 1.00
-for route in passthrough:$PASS_PORT sslmode=disable:$PLAIN_PORT no-reuse:$NOREUSE_PORT pgbouncer:$BOUNCER_PORT; do
+for route in passthrough:$PASS_PORT sslmode=disable:$PLAIN_PORT reuse:$REUSE_PORT pgbouncer:$BOUNCER_PORT; do
     c=$(run postgres "${route#*:}")
     printf '%-8s %-14s %10.0f %8s\n' trust "${route%%:*}" "$c" "$(ratio "$c" "$direct")"
 done

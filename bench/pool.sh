@@ -13,6 +13,8 @@
 # Debian PgBouncer (1.18) has no prepared statements in transaction mode:
 # its prepared row says n/a and pgcache's are to direct, unless $PGBOUNCER
 # names a PgBouncer 1.21+ (max_prepared_statements = 200).
+# pgcache runs with one worker thread (--workers 1), as PgBouncer does, so
+# that CPU per transaction compares like with like on shared cores.
 #   [PGBOUNCER=path/to/pgbouncer] bench/pool.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
@@ -28,9 +30,9 @@ config() { # NAME TOML...
     echo "$RUNDIR/$1.toml"
 }
 TX=$(config tx '[pool]' 'mode = "transaction"' "default_pool_size = $POOL" '[server]' 'max_client_connections = 2000')
-OFF_PORT=$(free_port); start_pgcache "$OFF_PORT" --config "$TX" --no-cache
+OFF_PORT=$(free_port); start_pgcache "$OFF_PORT" --config "$TX" --no-cache --workers 1
 OFF_PID=$PGCACHE_PID
-ON_PORT=$(free_port);  start_pgcache "$ON_PORT" --config "$TX"
+ON_PORT=$(free_port);  start_pgcache "$ON_PORT" --config "$TX" --workers 1
 ON_PID=$PGCACHE_PID
 BOUNCER_MODE=transaction BOUNCER_POOL_SIZE=$POOL BOUNCER_MAX_CLIENTS=2000 start_pgbouncer
 BOUNCER_PID=$(cat "$RUNDIR/pgbouncer/pgbouncer.pid")

@@ -14,8 +14,8 @@
 # throughput follows depends on what sets the pace, and the "pgcache
 # run+wait" column says which: the share of its best run pgcache's threads
 # spent running, and waiting runnable for a CPU. Near 100 %, pgcache always
-# had work and set the pace (on two cores it has one worker thread:
-# server.workers defaults to half the CPUs): throughput is the inverse of
+# had work and set the pace (every pgcache here runs --workers 1, one
+# worker thread, so runs compare alike): throughput is the inverse of
 # pgcache's own CPU per transaction, and a feature's cost is that ratio.
 # Well below, the machine's cores set the pace,
 # and the cost is the feature's share of the machine: the "cost" columns,
@@ -40,13 +40,13 @@ config() { # NAME TOML...
     printf '%s\n' "${@:2}" >"$RUNDIR/$1.toml"
     echo "$RUNDIR/$1.toml"
 }
-OFF_PORT=$(free_port);     start_pgcache "$OFF_PORT" --config "$(config off '[cache]' 'verify_sample_rate = 0')"
+OFF_PORT=$(free_port);     start_pgcache "$OFF_PORT" --config "$(config off '[cache]' 'verify_sample_rate = 0')" --workers 1
 OFF_PID=$PGCACHE_PID
-DEFAULT_PORT=$(free_port); start_pgcache "$DEFAULT_PORT" --config "$(config default '[cache]' 'verify_sample_rate = 0.001')"
+DEFAULT_PORT=$(free_port); start_pgcache "$DEFAULT_PORT" --config "$(config default '[cache]' 'verify_sample_rate = 0.001')" --workers 1
 DEFAULT_METRICS=$METRICS_PORT DEFAULT_PID=$PGCACHE_PID
-NOCACHE_PORT=$(free_port); start_pgcache "$NOCACHE_PORT" --no-cache
+NOCACHE_PORT=$(free_port); start_pgcache "$NOCACHE_PORT" --no-cache --workers 1
 NOCACHE_PID=$PGCACHE_PID
-SHADOW_PORT=$(free_port);  start_pgcache "$SHADOW_PORT" --config "$(config shadow '[cache]' 'mode = "shadow"')"
+SHADOW_PORT=$(free_port);  start_pgcache "$SHADOW_PORT" --config "$(config shadow '[cache]' 'mode = "shadow"')" --workers 1
 SHADOW_METRICS=$METRICS_PORT SHADOW_PID=$PGCACHE_PID
 
 hotkey_sql 1000

@@ -2,7 +2,7 @@
 //!
 //! Applications connect to pgcache instead of PostgreSQL. Each client gets
 //! its own backend connection (session mode) and every message is relayed as
-//! raw bytes; see the README's "How it works" for the full picture.
+//! raw bytes; see docs/architecture.md for the full picture.
 //!
 //! Module map, from the bottom up (a module uses only those above it):
 //! - [`protocol`]: frames, the framed stream, startup packets, messages

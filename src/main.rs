@@ -1,33 +1,40 @@
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use pgcache::config::{Config, Overrides};
+use pgcache::config::{Config, LogFormat, Overrides};
 
 /// Read-through query-result caching proxy for PostgreSQL.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
     /// TOML configuration file (every key is documented in config/pgcache.toml).
-    #[arg(long, env = "PGCACHE_CONFIG")]
+    #[arg(long, env = "PGCACHE_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// Address clients connect to [default: 127.0.0.1:6432].
-    #[arg(long, env = "PGCACHE_LISTEN")]
+    #[arg(long, env = "PGCACHE_LISTEN", global = true)]
     listen: Option<SocketAddr>,
     /// PostgreSQL server, as a libpq URL or key=value string [default: postgres://127.0.0.1:5432].
-    #[arg(long, env = "PGCACHE_UPSTREAM")]
+    #[arg(long, env = "PGCACHE_UPSTREAM", global = true)]
     upstream: Option<String>,
     /// Redis URL for the shared tier (optional).
-    #[arg(long, env = "PGCACHE_REDIS")]
+    #[arg(long, env = "PGCACHE_REDIS", global = true)]
     redis: Option<String>,
     /// Address of the Prometheus endpoint [default: 127.0.0.1:9187].
-    #[arg(long, env = "PGCACHE_METRICS")]
+    #[arg(long, env = "PGCACHE_METRICS", global = true)]
     metrics: Option<SocketAddr>,
     /// Pure pass-through: cache nothing.
-    #[arg(long, env = "PGCACHE_NO_CACHE")]
+    #[arg(long, env = "PGCACHE_NO_CACHE", global = true)]
     no_cache: bool,
+    /// Threads that serve sessions; 0 = one per CPU [default: 0].
+    #[arg(long, env = "PGCACHE_WORKERS", global = true)]
+    workers: Option<usize>,
+    /// Log lines as text (coloured only on a terminal) or JSON [default: text].
+    #[arg(long, env = "PGCACHE_LOG_FORMAT", global = true, value_enum)]
+    log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -45,12 +52,20 @@ enum Command {
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The message alone: a start-up error is the operator's to
+            // read, not a crash (anyhow would add a backtrace whenever
+            // RUST_BACKTRACE happens to be set).
+            let _ = writeln!(std::io::stderr(), "pgcache: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let overrides = Overrides {
         listen: cli.listen,
@@ -58,19 +73,21 @@ fn main() -> anyhow::Result<()> {
         redis: cli.redis,
         metrics: cli.metrics,
         no_cache: cli.no_cache,
+        workers: cli.workers,
+        log_format: cli.log_format,
     };
     let config = Config::load(cli.config.as_deref(), &overrides)?;
+    init_logging(config.log.format);
     if let Some(Command::Uninstall { force }) = cli.command {
         return uninstall(&config, force);
     }
     let source = (cli.config.clone(), overrides);
     // One worker is a current-thread runtime: no work stealing and no
-    // waking of a parked sibling. On two cores shared with PostgreSQL and
-    // its clients that is a fifth less CPU per pooled transaction, with
-    // the same hit throughput (README, Benchmarks), hence half the CPUs by
-    // default.
+    // waking of a parked sibling, the least CPU per transaction where
+    // pgcache shares its cores. The default is where a proxy usually
+    // runs: a host or container of its own, every core serving hits.
     let workers = match config.server.workers {
-        0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
     let mut builder = match workers {
@@ -85,9 +102,7 @@ fn main() -> anyhow::Result<()> {
     // The accept loop is a task: with several workers it runs on one of
     // them, not on this thread, where each connection it accepted would go
     // to the workers through the runtime's shared queue, waking a worker
-    // and parking this thread again each time (pgbench -C: four futex
-    // calls and eight context switches a connection, a fifth of pgcache's
-    // CPU).
+    // and parking this thread again each time.
     let serving = runtime.spawn(async move {
         let listener = tokio::net::TcpListener::bind(config.server.listen)
             .await
@@ -101,6 +116,25 @@ fn main() -> anyhow::Result<()> {
         anyhow::Ok(())
     });
     runtime.block_on(serving)?
+}
+
+/// Logs go to standard output: text coloured only on a terminal and never
+/// with `NO_COLOR` set, or JSON lines. Levels follow `RUST_LOG`; by default
+/// `info`, with the NOTICEs PostgreSQL sends pgcache's own connections
+/// (which tokio-postgres logs at info) shown only when asked for.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,tokio_postgres=warn".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => {
+            let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+            builder
+                .with_ansi(std::io::stdout().is_terminal() && !no_color)
+                .init();
+        }
+        LogFormat::Json => builder.json().init(),
+    }
 }
 
 /// `pgcache uninstall`: one line per database; exits non-zero if any was

@@ -7,9 +7,47 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use pgcache::config::AuthMode;
+use pgcache::config::{AuthMode, Config};
 
 const WAIT: Duration = Duration::from_secs(15);
+
+/// Reuse is off by default: these tests turn it on.
+fn reusing(pg: &Pg) -> Config {
+    let mut config = pg.proxy_config();
+    config.pool.max_idle_servers = 16;
+    config
+}
+
+/// Whether PostgreSQL still has a backend of this process id.
+async fn alive(direct: &tokio_postgres::Client, pid: &str) -> bool {
+    let sql = format!("SELECT count(*) FROM pg_stat_activity WHERE pid = {pid}");
+    scalar(direct, &sql).await.as_deref() == Some("1")
+}
+
+/// As directly: a client that disconnects and connects again gets a new
+/// backend, and the old one is gone (pool libraries that replace a broken
+/// connection check that its backend changed).
+#[tokio::test]
+async fn by_default_every_connection_gets_a_new_backend() {
+    let pg = pg();
+    let db = pg.create_db("pool_default_fresh");
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let direct = pg.direct(&db).await;
+    let dsn = proxy.dsn("postgres", &db);
+    let mut pids = Vec::new();
+    for _ in 0..3 {
+        let client = connect_dsn(&dsn).await.unwrap();
+        let pid = backend_pid(&client).await;
+        assert!(!pids.contains(&pid), "{pid} again after {pids:?}");
+        drop(client);
+        eventually(WAIT, "the backend to end with its client", || async {
+            (!alive(&direct, &pid).await).then_some(())
+        })
+        .await;
+        pids.push(pid);
+    }
+    assert_eq!(proxy.app.metrics.pool.parked.get(), 0);
+}
 
 async fn backend_pid(client: &tokio_postgres::Client) -> String {
     scalar(client, "SELECT pg_backend_pid()").await.unwrap()
@@ -70,7 +108,7 @@ async fn park(proxy: &Proxy, dsn: &str, work: &str) -> String {
 async fn a_new_client_gets_the_parked_connection_without_the_last_ones_state() {
     let pg = pg();
     let db = pg.create_db("pool_reuse");
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
     let pid = park(
         &proxy,
         &proxy.dsn("postgres", &db),
@@ -140,7 +178,7 @@ async fn a_reused_connection_needs_no_settings_query_and_keys_results_alike() {
         &db,
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 7)",
     );
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
     proxy.connect(&db).await; // the stream up and the table known
     let read = "SELECT v FROM t WHERE id = 1";
     let pid = park(&proxy, &proxy.dsn("postgres", &db), read).await;
@@ -168,7 +206,7 @@ async fn a_reused_connection_needs_no_settings_query_and_keys_results_alike() {
 async fn a_session_that_defined_a_custom_setting_or_a_temp_schema_leaves_no_trace() {
     let pg = pg();
     let db = pg.create_db("pool_custom");
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
     park(&proxy, &proxy.dsn("postgres", &db), "").await;
     let (pid, parked) = session(&proxy, &proxy.dsn("postgres", &db), "SET app.tenant = '7'").await;
     assert!(
@@ -205,7 +243,7 @@ async fn role_settings_changed_directly_reach_the_next_client() {
     let db = pg.create_db("pool_role");
     let role = format!("pool_role_{}", rand_suffix());
     pg.psql_admin(&format!("CREATE ROLE {role} LOGIN"));
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
 
     // Changed while a connection is parked: the parked one is not used.
     let pid = park(&proxy, &proxy.dsn(&role, &db), "").await;
@@ -241,7 +279,7 @@ async fn drop_database_through_pgcache_is_not_blocked_by_parked_connections() {
     let pg = pg();
     let db = pg.create_db("pool_drop");
     // Without caching: a replication slot would hold the database too.
-    let mut config = pg.proxy_config();
+    let mut config = reusing(pg);
     config.cache.enabled = false;
     let proxy = Proxy::start(config).await;
     park(&proxy, &proxy.dsn("postgres", &db), "").await;
@@ -265,7 +303,7 @@ async fn a_repeated_database_statement_still_closes_parked_connections() {
     // With caching on, the marks are kept with the text's plan; with it
     // off, in a memo of their own.
     for caching in [true, false] {
-        let mut config = pg.proxy_config();
+        let mut config = reusing(pg);
         config.cache.enabled = caching;
         let proxy = Proxy::start(config).await;
         let db = format!("t_pool_redrop_{}", rand_suffix());
@@ -293,7 +331,7 @@ async fn a_repeated_database_statement_still_closes_parked_connections() {
 async fn a_parked_connection_that_died_is_replaced_unseen() {
     let pg = pg();
     let db = pg.create_db("pool_dead");
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
     let pid = park(&proxy, &proxy.dsn("postgres", &db), "").await;
     let direct = pg.direct(&db).await;
     scalar(&direct, &format!("SELECT pg_terminate_backend({pid})")).await;
@@ -307,7 +345,7 @@ async fn a_parked_connection_that_died_is_replaced_unseen() {
 async fn idle_connections_are_closed_after_the_idle_timeout() {
     let pg = pg();
     let db = pg.create_db("pool_idle");
-    let mut config = pg.proxy_config();
+    let mut config = reusing(pg);
     config.pool.server_idle_timeout_secs = 1;
     let proxy = Proxy::start(config).await;
     let pid = park(&proxy, &proxy.dsn("postgres", &db), "").await;
@@ -331,7 +369,7 @@ async fn password_logins_are_reused_only_when_pgcache_checked_the_password() {
     let db = pg.create_db("pool_password");
     // Passthrough: PostgreSQL asked this client for a password, so its
     // connection may serve no one else.
-    let proxy = Proxy::start(pg.proxy_config()).await;
+    let proxy = Proxy::start(reusing(pg)).await;
     let dsn = format!("{} password={MD5_PASSWORD}", proxy.dsn(MD5_USER, &db));
     for _ in 0..3 {
         let client = connect_dsn(&dsn).await.unwrap();
@@ -346,7 +384,7 @@ async fn password_logins_are_reused_only_when_pgcache_checked_the_password() {
     assert_eq!(proxy.app.pool.idle_count(), 0);
 
     // Terminate mode: pgcache checked the password, so it may reuse.
-    let mut config = pg.proxy_config();
+    let mut config = reusing(pg);
     config.auth.mode = AuthMode::Terminate;
     config
         .auth

@@ -21,7 +21,8 @@ fn traces(pg: &Pg, db: &str) -> String {
 
 async fn uninstall(pg: &Pg, extra: &[&str]) -> std::process::Output {
     let upstream = format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port);
-    let mut args = vec!["--upstream", upstream.as_str(), "uninstall"];
+    // As the README writes it: global options after the subcommand too.
+    let mut args = vec!["uninstall", "--upstream", upstream.as_str()];
     args.extend_from_slice(extra);
     run_tool(std::path::Path::new(env!("CARGO_BIN_EXE_pgcache")), &args).await
 }
@@ -72,6 +73,9 @@ async fn uninstall_removes_every_trace_refuses_while_streaming_and_can_run_twice
         let out = String::from_utf8_lossy(&done.stdout);
         assert!(done.status.success(), "round {round}: {out}");
         assert!(out.contains("app: removed"), "round {round}: {out}");
+        // Only its answer: PostgreSQL's NOTICEs ("... does not exist,
+        // skipping") to pgcache's own connection are not the user's.
+        assert!(!out.contains("NOTICE"), "round {round}: {out}");
         assert_eq!(traces(&pg, "app"), "0,0,0", "round {round}");
     }
     // The database works as before, DDL included.

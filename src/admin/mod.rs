@@ -415,6 +415,21 @@ fn tables(app: &App, out: &mut BytesMut) {
     for (name, db) in app.cache.databases.all() {
         let mut families = db.versions.families();
         families.sort_by(|a, b| a.name.cmp(&b.name));
+        // Left out for lack of a replica identity: listed whether or not a
+        // statement has named them yet.
+        for table in db.stream.unpublished_names() {
+            let none = String::new;
+            rows.push(vec![
+                name.clone(),
+                table,
+                none(),
+                none(),
+                none(),
+                none(),
+                none(),
+                "no replica identity".to_owned(),
+            ]);
+        }
         for f in families {
             let publication = match db.catalog.relation(&f.name) {
                 Some(facts) if facts.readable => "published",

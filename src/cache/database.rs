@@ -77,6 +77,10 @@ impl DbState {
     }
 }
 
+/// At most one warning about tables left out of the publication per
+/// database in this long.
+pub const UNPUBLISHED_WARN_EVERY: Duration = Duration::from_secs(300);
+
 /// The replication stream's health, as the stream reports it.
 ///
 /// Freshness is proved, not assumed: the stream's heartbeats (see
@@ -104,6 +108,8 @@ pub struct StreamHealth {
     /// Tables left out of the publication for lack of a replica identity:
     /// qualified name to bare name.
     unpublished: Mutex<BTreeMap<String, String>>,
+    /// When the last warning about them was logged, and their count then.
+    unpublished_warned: Mutex<Option<(Instant, u64)>>,
     /// The temporary slot of the running stream.
     slot: Mutex<Option<String>>,
     /// Signalled when the stream task ends.
@@ -123,6 +129,7 @@ impl Default for StreamHealth {
             applied_lsn: AtomicU64::new(0),
             starts: AtomicU64::new(0),
             unpublished: Mutex::default(),
+            unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
             ended: tokio::sync::Notify::new(),
         }
@@ -295,6 +302,34 @@ impl StreamHealth {
         news
     }
 
+    /// The tables left out of the publication, qualified.
+    pub fn unpublished_names(&self) -> Vec<String> {
+        let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
+        tables.keys().cloned().collect()
+    }
+
+    /// Whether the count of tables left out is worth a warning at `now`:
+    /// it changed since the last one, and that was at least
+    /// [`UNPUBLISHED_WARN_EVERY`] ago. A schema migration that makes
+    /// hundreds of such tables warns once, not once a table.
+    pub fn warn_unpublished(&self, count: u64, now: Instant) -> bool {
+        let mut last = self
+            .unpublished_warned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match *last {
+            Some((at, warned))
+                if warned == count || now.duration_since(at) < UNPUBLISHED_WARN_EVERY =>
+            {
+                false
+            }
+            _ => {
+                *last = Some((now, count));
+                true
+            }
+        }
+    }
+
     pub fn unpublished(&self) -> u64 {
         self.unpublished
             .lock()
@@ -338,6 +373,30 @@ impl Databases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_migration_of_many_unpublished_tables_warns_once() {
+        let stream = StreamHealth::default();
+        let start = Instant::now();
+        assert!(stream.warn_unpublished(1, start), "the first one warns");
+        for n in 2..200 {
+            let at = start + Duration::from_millis(n * 100);
+            assert!(
+                !stream.warn_unpublished(n, at),
+                "table {n}: not within the interval"
+            );
+        }
+        let later = start + UNPUBLISHED_WARN_EVERY;
+        assert!(
+            !stream.warn_unpublished(1, later),
+            "the same count: no news"
+        );
+        assert!(
+            stream.warn_unpublished(199, later),
+            "a new count, once the interval is over"
+        );
+        assert!(!stream.warn_unpublished(200, later + Duration::from_secs(1)));
+    }
 
     #[test]
     fn named_invalidations_are_tags_or_tables() {

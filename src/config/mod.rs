@@ -39,6 +39,27 @@ pub struct Config {
     pub tls: TlsConfig,
     pub auth: AuthConfig,
     pub pool: PoolConfig,
+    pub log: LogConfig,
+}
+
+/// How pgcache writes its log (levels follow `RUST_LOG`).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Lines for people, or one JSON object a line for log pipelines.
+    pub format: LogFormat,
+}
+
+/// The shape of a log line.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+#[derive(clap::ValueEnum)]
+pub enum LogFormat {
+    /// Plain text, coloured only on a terminal (and never with `NO_COLOR`).
+    #[default]
+    Text,
+    /// One JSON object a line.
+    Json,
 }
 
 /// Server connections kept for the next client once a session ends
@@ -47,7 +68,8 @@ pub struct Config {
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
     /// Connections kept idle at most, over all users and databases (each
-    /// holds one of PostgreSQL's `max_connections`); 0 turns reuse off.
+    /// holds one of PostgreSQL's `max_connections`); 0 (the default) turns
+    /// reuse off, so a new client always gets a new backend, as directly.
     pub max_idle_servers: usize,
     /// An idle connection is closed after this long.
     pub server_idle_timeout_secs: u64,
@@ -85,7 +107,7 @@ pub enum PoolMode {
 impl Default for PoolConfig {
     fn default() -> Self {
         Self {
-            max_idle_servers: 16,
+            max_idle_servers: 0,
             server_idle_timeout_secs: 60,
             server_lifetime_secs: 3600,
             check_timeout_ms: 2_000,
@@ -223,7 +245,7 @@ pub struct ServerConfig {
     pub idle_in_transaction_timeout_secs: u64,
     /// On SIGTERM/SIGINT, how long busy sessions may run before they are closed.
     pub shutdown_timeout_secs: u64,
-    /// Threads that serve sessions; 0 = half the CPUs (at least one).
+    /// Threads that serve sessions; 0 = one per CPU.
     pub workers: usize,
 }
 
@@ -255,7 +277,7 @@ pub struct CacheConfig {
     /// cache before going to PostgreSQL itself.
     pub coalesce_wait_ms: u64,
     /// The share of hits checked against PostgreSQL after they are served
-    /// (0: none). See "Trusting the cache" in the README.
+    /// (0: none). See docs/trust.md.
     pub verify_sample_rate: f64,
     /// At most this many checks a second, whatever the rate.
     pub verify_max_per_sec: u32,
@@ -509,6 +531,8 @@ pub struct Overrides {
     pub redis: Option<String>,
     pub metrics: Option<SocketAddr>,
     pub no_cache: bool,
+    pub workers: Option<usize>,
+    pub log_format: Option<LogFormat>,
 }
 
 impl Config {
@@ -552,6 +576,12 @@ impl Config {
         }
         if o.no_cache {
             self.cache.enabled = false;
+        }
+        if let Some(workers) = o.workers {
+            self.server.workers = workers;
+        }
+        if let Some(format) = o.log_format {
+            self.log.format = format;
         }
     }
 

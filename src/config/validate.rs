@@ -250,6 +250,7 @@ impl Config {
         keep(&mut self.tls.ssl_mode, &old.tls.ssl_mode, "tls.ssl_mode", c);
         keep(&mut self.auth.mode, &old.auth.mode, "auth.mode", c);
         keep(&mut self.pool.mode, &old.pool.mode, "pool.mode", c);
+        keep(&mut self.log, &old.log, "log", c);
         changed
     }
 }

@@ -416,11 +416,21 @@ impl Streams {
         found: Vec<(String, String)>,
     ) {
         let news = db.stream.note_unpublished(checked, found);
-        if !news.is_empty() {
+        if news.is_empty() {
+            return;
+        }
+        debug!(database = %db.name, tables = %news.join(", "), "tables without a replica identity");
+        let count = db.stream.unpublished();
+        if db.stream.warn_unpublished(count, std::time::Instant::now()) {
+            let mut some = news.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+            if news.len() > 5 {
+                some.push_str(", ...");
+            }
             warn!(
                 database = %db.name,
-                tables = %news.join(", "),
-                "tables without a replica identity (no primary key, identity index or FULL) are not cached"
+                count,
+                tables = %some,
+                "tables without a replica identity (no primary key, identity index or FULL) are not cached; SHOW TABLES lists them"
             );
         }
     }

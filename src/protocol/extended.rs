@@ -2,7 +2,7 @@
 //! (Parse, Bind, Describe, Execute, Close), and DataRow for pgcache's own
 //! queries. pgwire's decoders are not used here: they panic on malformed
 //! input, may read past a message into the next one, and decode strings
-//! lossily (see the README's design notes). Every reader here returns `None`
+//! lossily (see docs/design.md). Every reader here returns `None`
 //! on a short or malformed body instead.
 
 use super::codec::{read_cstr, read_i32};

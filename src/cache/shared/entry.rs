@@ -13,8 +13,8 @@
 //! from. Integers are little-endian.
 //!
 //! The checksum is not a MAC: whoever can write to Redis can forge an entry
-//! with a valid one. Redis must be as trusted as the cache itself (see the
-//! README).
+//! with a valid one. Redis must be as trusted as the cache itself (see
+//! docs/shared-tier.md).
 
 use bytes::{BufMut, Bytes, BytesMut};
 use xxhash_rust::xxh3::xxh3_64;
