@@ -50,12 +50,6 @@ trap 'echo; echo "stopping"; exit 0' INT TERM
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
-# Waits until `$@` succeeds (up to 60 s).
-wait_for() {
-    for _ in $(seq 600); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
-    echo "timed out waiting for: $*" >&2
-    return 1
-}
 http_get() {
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"
 }
@@ -66,7 +60,14 @@ if [ "$PROFILE" = release ]; then
 else
     cargo build --locked -q
 fi
-PGCACHE_BIN="$ROOT/target/$PROFILE/pgcache"
+# Where cargo put it: CARGO_TARGET_DIR or a cargo config may move target/.
+TARGET_DIR=$(cargo metadata --format-version 1 --no-deps --locked |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+PGCACHE_BIN="$TARGET_DIR/$PROFILE/pgcache"
+if [ ! -x "$PGCACHE_BIN" ]; then
+    echo "cargo built pgcache, but there is no $PGCACHE_BIN" >&2
+    exit 1
+fi
 
 PGPORT=$(free_port)
 [ "$(id -u)" -eq 0 ] && chown postgres: "$RUNDIR"
@@ -85,7 +86,18 @@ RUST_LOG=${RUST_LOG:-info} "$PGCACHE_BIN" --config config/pgcache.toml \
     --redis "redis://127.0.0.1:$REDIS_PORT" --metrics "127.0.0.1:$METRICS_PORT" >"$RUNDIR/pgcache.log" 2>&1 &
 PGCACHE_PID=$!
 PIDS+=($PGCACHE_PID)
-if ! wait_for "$PGBIN/psql" -X -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -c 'SELECT 1'; then
+# Up when it answers; a pgcache that exited is reported at once.
+for _ in $(seq 600); do
+    if ! kill -0 "$PGCACHE_PID" 2>/dev/null; then
+        echo "pgcache did not start:" >&2
+        cat "$RUNDIR/pgcache.log" >&2
+        exit 1
+    fi
+    "$PGBIN/psql" -X -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -c 'SELECT 1' >/dev/null 2>&1 && break
+    sleep 0.1
+done
+if ! "$PGBIN/psql" -X -h 127.0.0.1 -p "$PORT" -U postgres -d postgres -c 'SELECT 1' >/dev/null 2>&1; then
+    echo "pgcache did not answer within 60 s:" >&2
     cat "$RUNDIR/pgcache.log" >&2
     exit 1
 fi
@@ -105,13 +117,19 @@ cat >"$RUNDIR/write.sql" <<'SQL'
 UPDATE pgbench_tellers SET tbalance = tbalance + :delta WHERE tid = :tid;
 INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, 1, 1, :delta, CURRENT_TIMESTAMP);
 SQL
-echo "running a read-mostly workload through pgcache for ${WORKLOAD_SECS}s..."
-"$PGBIN/pgbench" -h 127.0.0.1 -p "$PORT" -U postgres -n -M prepared -c 4 -j 2 -T "$WORKLOAD_SECS" \
-    -f "$RUNDIR/read.sql@95" -f "$RUNDIR/write.sql@5" postgres >"$RUNDIR/pgbench.log" 2>&1 || {
-    cat "$RUNDIR/pgbench.log" >&2
-    exit 1
+# The same workload through pgcache, then straight to PostgreSQL.
+workload() {
+    "$PGBIN/pgbench" -h 127.0.0.1 -p "$1" -U postgres -n -M prepared -c 4 -j 2 -T "$WORKLOAD_SECS" \
+        -f "$RUNDIR/read.sql@95" -f "$RUNDIR/write.sql@5" postgres >"$2" 2>&1 || {
+        cat "$2" >&2
+        exit 1
+    }
+    awk '/^tps = / { print $3 }' "$2"
 }
-grep -E '^(tps|number of failed)' "$RUNDIR/pgbench.log" || true
+echo "running a read-mostly workload through pgcache for ${WORKLOAD_SECS}s..."
+THROUGH=$(workload "$PORT" "$RUNDIR/pgbench.log")
+echo "running it straight against PostgreSQL for ${WORKLOAD_SECS}s..."
+DIRECT=$(workload "$PGPORT" "$RUNDIR/pgbench-direct.log")
 
 METRICS=$(http_get "http://127.0.0.1:$METRICS_PORT/metrics")
 lookups() {
@@ -121,6 +139,10 @@ HITS=$(lookups hit); MISSES=$(lookups miss); BYPASSES=$(lookups bypass)
 echo
 echo "pgcache answered ${HITS:-0} reads from its cache, sent ${MISSES:-0} misses and ${BYPASSES:-0} other statements to PostgreSQL"
 python3 -c 'import sys; h, m = float(sys.argv[1]), float(sys.argv[2]); print("hit ratio of cacheable reads: %.1f%%" % (100 * h / max(h + m, 1)))' "${HITS:-0}" "${MISSES:-0}"
+python3 -c 'import sys; t, d = float(sys.argv[1]), float(sys.argv[2]); print("transactions a second: %.0f through pgcache, %.0f straight to PostgreSQL: %.2fx" % (t, d, t / max(d, 1)))' "${THROUGH:-0}" "${DIRECT:-0}"
+if [ "$PROFILE" = debug ]; then
+    echo "(a debug build of pgcache, unoptimised: run without --debug for its real speed)"
+fi
 echo
 echo "connect through pgcache:  psql -h 127.0.0.1 -p $PORT -U postgres postgres"
 echo "live page:                http://127.0.0.1:$METRICS_PORT/"
