@@ -931,6 +931,12 @@ mod tests {
             .collect()
     }
 
+    /// Translates a run of `s` (Bind, Execute, Sync) into `out`.
+    fn run_s(t: &mut Translator, server: &mut ServerStatements, idle: bool, out: &mut BytesMut) {
+        let run = [bind("s"), execute(), sync()].concat();
+        t.translate(&run, server, 10, idle, out);
+    }
+
     /// A translator whose client prepared `select 1` as `s`, on a server
     /// connection that has it; the schema generation it follows.
     fn prepared() -> (Translator, ServerStatements, Arc<AtomicU64>) {
@@ -959,13 +965,7 @@ mod tests {
     fn statements_prepared_after_ddl_get_new_server_names() {
         let (mut t, mut server, schema) = prepared();
         let mut before = BytesMut::new();
-        t.translate(
-            &[bind("s"), execute(), sync()].concat(),
-            &mut server,
-            10,
-            true,
-            &mut before,
-        );
+        run_s(&mut t, &mut server, true, &mut before);
         assert_eq!(server_tags(&before), "BES", "prepared there already");
         t.clear_owed();
         schema.fetch_add(1, Ordering::AcqRel);
@@ -1054,13 +1054,7 @@ mod tests {
         let (mut t, mut server, schema) = prepared();
         let mut out = BytesMut::new();
         // Not idle: the client is in a transaction block.
-        t.translate(
-            &[bind("s"), execute(), sync()].concat(),
-            &mut server,
-            10,
-            false,
-            &mut out,
-        );
+        run_s(&mut t, &mut server, false, &mut out);
         let old = names_in(&out);
         let answer = t.on_frame(&stale_error(), &mut server);
         assert_eq!(answer.reply, Reply::Pass, "the client gets the error");
@@ -1070,13 +1064,7 @@ mod tests {
         assert_eq!(t.on_frame(&ready, &mut server).reply, Reply::Pass);
         // Its next Bind prepares the statement again, under the new name.
         let mut out = BytesMut::new();
-        t.translate(
-            &[bind("s"), execute(), sync()].concat(),
-            &mut server,
-            10,
-            false,
-            &mut out,
-        );
+        run_s(&mut t, &mut server, false, &mut out);
         assert_eq!(server_tags(&out), "PBES");
         assert_ne!(names_in(&out)[0], old[0]);
     }
@@ -1086,13 +1074,7 @@ mod tests {
         let (mut t, mut server, schema) = prepared();
         schema.fetch_add(1, Ordering::AcqRel);
         let mut out = BytesMut::new();
-        t.translate(
-            &[bind("s"), execute(), sync()].concat(),
-            &mut server,
-            10,
-            true,
-            &mut out,
-        );
+        run_s(&mut t, &mut server, true, &mut out);
         let answer = t.on_frame(&stale_error(), &mut server);
         assert_eq!(
             answer.reply,
