@@ -22,7 +22,9 @@
 
 pub mod clients;
 pub mod marks;
+mod owed;
 pub mod prepared;
+mod statement;
 pub mod transaction;
 
 use std::collections::VecDeque;

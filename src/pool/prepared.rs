@@ -16,264 +16,25 @@
 //! client's statement keeps the name it was given on a connection that
 //! still holds it, so a client that prepared before the DDL sees the error
 //! as it would directly; where it must be prepared again, it takes the
-//! current generation. A Bind refused this way moves the client's statement to the
-//! current generation, and moves the generation itself if pgcache had not
-//! seen the DDL; when the Bind is the first statement of its implicit
-//! transaction and pgcache had not seen the DDL, the client never learns of
-//! it: its messages are sent again from that Bind on, under the new name.
+//! current generation. A Bind refused this way moves the client's
+//! statement to the current generation, and moves the generation itself if
+//! pgcache had not seen the DDL; when the Bind is the first statement of
+//! its implicit transaction and pgcache had not seen the DDL, the client
+//! never learns of it: its messages are sent again from that Bind on,
+//! under the new name. Names and the statements a connection holds are in
+//! [`super::statement`]; the answers owed, in [`super::owed`].
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::protocol::sqlstate;
+use bytes::{Bytes, BytesMut};
 
-use bytes::{BufMut, Bytes, BytesMut};
-
+use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin, stale_statement};
+pub use super::statement::{ServerName, ServerStatements, server_name};
+use super::statement::{Statement, UNNAMED, Unnamed, frame_of};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, extended, frontend as fe, messages};
-
-/// Statements prepared on one server connection, by content hash, with
-/// when each was last used.
-#[derive(Default)]
-pub struct ServerStatements {
-    /// Looked up at every Bind: a fast hash.
-    used: HashMap<u128, u64, foldhash::fast::RandomState>,
-    tick: u64,
-    /// Which Parse made its unnamed statement, if pgcache knows it.
-    unnamed: Option<u128>,
-}
-
-impl ServerStatements {
-    pub fn len(&self) -> usize {
-        self.used.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.used.is_empty()
-    }
-
-    /// Whether `hash` is prepared.
-    pub fn contains(&self, hash: u128) -> bool {
-        self.used.contains_key(&hash)
-    }
-
-    /// Whether `hash` is prepared; marks it used.
-    pub fn touch(&mut self, hash: u128) -> bool {
-        self.tick += 1;
-        match self.used.get_mut(&hash) {
-            Some(at) => {
-                *at = self.tick;
-                true
-            }
-            None => false,
-        }
-    }
-
-    pub fn insert(&mut self, hash: u128) {
-        self.tick += 1;
-        self.used.insert(hash, self.tick);
-    }
-
-    pub fn remove(&mut self, hash: u128) {
-        self.used.remove(&hash);
-    }
-
-    /// The least recently used statement, to close once past `max`.
-    pub fn over(&self, max: usize) -> Option<u128> {
-        if self.used.len() <= max {
-            return None;
-        }
-        self.used.iter().min_by_key(|(_, at)| **at).map(|(h, _)| *h)
-    }
-
-    pub fn clear(&mut self) {
-        self.used.clear();
-        self.unnamed = None;
-    }
-
-    /// A simple Query ran: it replaced the unnamed statement.
-    pub fn forget_unnamed(&mut self) {
-        self.unnamed = None;
-    }
-}
-
-/// pgcache's name for a statement on server connections,
-/// `__pgcache_<hash in 32 hex digits>`: made for every Bind, so on the stack.
-pub struct ServerName([u8; 42]);
-
-impl ServerName {
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-pub fn server_name(hash: u128) -> ServerName {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut name = [0u8; 42];
-    name[..10].copy_from_slice(b"__pgcache_");
-    for (i, digit) in name[10..].iter_mut().enumerate() {
-        *digit = HEX[((hash >> (4 * (31 - i))) & 0xf) as usize];
-    }
-    ServerName(name)
-}
-
-/// Numbers unnamed Parses. Only an identity source: shared by instances
-/// in one process, it still never hands out a number twice.
-static UNNAMED: AtomicU64 = AtomicU64::new(1);
-
-/// The client's unnamed statement and the Parse that prepares it.
-struct Unnamed {
-    /// The number of its Parse.
-    token: u128,
-    parse: Bytes,
-}
-
-/// A client's named statement: its text and parameter types, and the
-/// server name it goes by.
-#[derive(Clone)]
-struct Statement {
-    query: Bytes,
-    param_types: Bytes,
-    /// Its text and parameter types, hashed once.
-    content: u128,
-    /// The schema generation its server name belongs to.
-    generation: u64,
-    /// Its server name's hash: `content` in `generation`.
-    hash: u128,
-}
-
-impl Statement {
-    fn new(query: &[u8], param_types: &[u8], generation: u64) -> Self {
-        let mut content = crate::cache::key::KeyBuilder::new(0, 0, 0);
-        content.bytes(query).bytes(param_types);
-        let content = content.finish().0;
-        Self {
-            query: Bytes::copy_from_slice(query),
-            param_types: Bytes::copy_from_slice(param_types),
-            content,
-            generation,
-            hash: server_hash(content, generation),
-        }
-    }
-
-    /// Gives it the name it has in `generation`.
-    fn renew(&mut self, generation: u64) {
-        self.generation = generation;
-        self.hash = server_hash(self.content, generation);
-    }
-
-    /// The Parse that prepares it under its server name.
-    fn parse(&self) -> BytesMut {
-        let mut parse = BytesMut::new();
-        frame_of(
-            &mut parse,
-            fe::PARSE,
-            &[
-                server_name(self.hash).as_bytes(),
-                &[0],
-                &self.query,
-                &[0],
-                &self.param_types,
-            ],
-        );
-        parse
-    }
-}
-
-/// A statement's identity on every server connection: its content in one
-/// schema generation (generation 0 keeps the content's own hash).
-fn server_hash(content: u128, generation: u64) -> u128 {
-    if generation == 0 {
-        return content;
-    }
-    let mut key = crate::cache::key::KeyBuilder::new(0, 0, 0);
-    key.bytes(&content.to_le_bytes())
-        .bytes(&generation.to_le_bytes());
-    key.finish().0
-}
-
-/// What the server answers a message with, as far as the translation
-/// needs to know where each answer ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    /// Ends with ParseComplete, BindComplete or CloseComplete.
-    One(u8),
-    /// Describe of a statement: ParameterDescription, then RowDescription
-    /// or NoData.
-    DescribeStatement,
-    /// Describe of a portal: RowDescription or NoData.
-    DescribePortal,
-    /// Rows, then CommandComplete, EmptyQueryResponse or PortalSuspended.
-    Execute,
-    /// A Sync, simple Query or FunctionCall: ends with ReadyForQuery.
-    Ready,
-}
-
-#[derive(Debug)]
-enum Origin {
-    /// The client's message: its answer goes to the client.
-    Client,
-    /// pgcache's own (a Parse or Close it added): its answer is dropped,
-    /// unless it is an error, which the client gets in place of the
-    /// answer to the message the injection was for.
-    Injected,
-    /// No message was sent: pgcache answers in the server's place.
-    Synthetic(Bytes),
-}
-
-#[derive(Debug)]
-struct Expect {
-    kind: Kind,
-    origin: Origin,
-    /// A Sync sent after an Execute with no CopyDone/CopyFail between:
-    /// PostgreSQL ignores it if that Execute starts COPY FROM STDIN.
-    may_be_ignored: bool,
-    /// A Parse sent under pgcache's name: the statement it prepares on
-    /// the server, and the client's name for it (forgotten if it fails).
-    prepares: Option<(u128, Option<Bytes>)>,
-    /// A client's Bind of a named statement: its server name's hash.
-    binds: Option<u128>,
-    /// That Bind is the first statement of its implicit transaction: the
-    /// client's messages from it through its Sync, to send again if the
-    /// server's statement was stale.
-    retry: Option<Bytes>,
-}
-
-impl Expect {
-    fn new(kind: Kind, origin: Origin) -> Self {
-        Self {
-            kind,
-            origin,
-            may_be_ignored: false,
-            prepares: None,
-            binds: None,
-            retry: None,
-        }
-    }
-
-    /// Whether the server runs something for it (a first statement must
-    /// have nothing of the kind before it).
-    fn executes(&self) -> bool {
-        match self.kind {
-            Kind::One(tag) => tag == be::BIND_COMPLETE,
-            Kind::DescribeStatement => false,
-            Kind::DescribePortal | Kind::Execute | Kind::Ready => true,
-        }
-    }
-}
-
-/// A Bind's retry is kept only for a batch up to this size: beyond it the
-/// client gets the error, as a client of one connection would.
-const MAX_RETRY_BYTES: usize = 1 << 20;
-
-/// Whether an error refusing a Bind says its statement is stale.
-fn stale_statement(error_body: &[u8]) -> bool {
-    matches!(
-        messages::error_code(error_body),
-        Some(sqlstate::FEATURE_NOT_SUPPORTED | sqlstate::INTERNAL_ERROR)
-    )
-}
 
 /// What to do with one server frame.
 #[derive(Debug, PartialEq, Eq)]
@@ -824,16 +585,6 @@ fn deallocates(sql: &[u8]) -> bool {
             .is_some_and(|w| w.eq_ignore_ascii_case(word))
     };
     memchr::memchr2_iter(b'd', b'D', sql).any(|i| at(i, b"deallocate") || at(i, b"discard"))
-}
-
-/// Writes one message of `parts`.
-fn frame_of(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    out.put_u8(tag);
-    out.put_u32((len + 4) as u32);
-    for part in parts {
-        out.put_slice(part);
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,89 @@
+//! The answers a transaction-mode client is owed by the server connection
+//! it holds, in order: what each message sent (or answered by pgcache in
+//! the server's place) will be answered with.
+
+use bytes::Bytes;
+
+use crate::protocol::{backend as be, messages, sqlstate};
+
+/// What the server answers a message with, as far as the translation
+/// needs to know where each answer ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// Ends with ParseComplete, BindComplete or CloseComplete.
+    One(u8),
+    /// Describe of a statement: ParameterDescription, then RowDescription
+    /// or NoData.
+    DescribeStatement,
+    /// Describe of a portal: RowDescription or NoData.
+    DescribePortal,
+    /// Rows, then CommandComplete, EmptyQueryResponse or PortalSuspended.
+    Execute,
+    /// A Sync, simple Query or FunctionCall: ends with ReadyForQuery.
+    Ready,
+}
+
+#[derive(Debug)]
+pub(super) enum Origin {
+    /// The client's message: its answer goes to the client.
+    Client,
+    /// pgcache's own (a Parse or Close it added): its answer is dropped,
+    /// unless it is an error, which the client gets in place of the
+    /// answer to the message the injection was for.
+    Injected,
+    /// No message was sent: pgcache answers in the server's place.
+    Synthetic(Bytes),
+}
+
+#[derive(Debug)]
+pub(super) struct Expect {
+    pub(super) kind: Kind,
+    pub(super) origin: Origin,
+    /// A Sync sent after an Execute with no CopyDone/CopyFail between:
+    /// PostgreSQL ignores it if that Execute starts COPY FROM STDIN.
+    pub(super) may_be_ignored: bool,
+    /// A Parse sent under pgcache's name: the statement it prepares on
+    /// the server, and the client's name for it (forgotten if it fails).
+    pub(super) prepares: Option<(u128, Option<Bytes>)>,
+    /// A client's Bind of a named statement: its server name's hash.
+    pub(super) binds: Option<u128>,
+    /// That Bind is the first statement of its implicit transaction: the
+    /// client's messages from it through its Sync, to send again if the
+    /// server's statement was stale.
+    pub(super) retry: Option<Bytes>,
+}
+
+impl Expect {
+    pub(super) fn new(kind: Kind, origin: Origin) -> Self {
+        Self {
+            kind,
+            origin,
+            may_be_ignored: false,
+            prepares: None,
+            binds: None,
+            retry: None,
+        }
+    }
+
+    /// Whether the server runs something for it (a first statement must
+    /// have nothing of the kind before it).
+    pub(super) fn executes(&self) -> bool {
+        match self.kind {
+            Kind::One(tag) => tag == be::BIND_COMPLETE,
+            Kind::DescribeStatement => false,
+            Kind::DescribePortal | Kind::Execute | Kind::Ready => true,
+        }
+    }
+}
+
+/// A Bind's retry is kept only for a batch up to this size: beyond it the
+/// client gets the error, as a client of one connection would.
+pub(super) const MAX_RETRY_BYTES: usize = 1 << 20;
+
+/// Whether an error refusing a Bind says its statement is stale.
+pub(super) fn stale_statement(error_body: &[u8]) -> bool {
+    matches!(
+        messages::error_code(error_body),
+        Some(sqlstate::FEATURE_NOT_SUPPORTED | sqlstate::INTERNAL_ERROR)
+    )
+}
