@@ -52,8 +52,8 @@ const ENTRY_OVERHEAD: usize = 360;
 
 /// The hash table is made for this many entries (one per KiB of budget,
 /// at most a hundred thousand: 2 MiB of slots) rather than grown from
-/// nothing, so a filling cache does not rehash on the way (callgrind,
-/// pgbench `-S`: about 150 instructions an insert).
+/// nothing, so a filling cache does not rehash on the way: every miss
+/// inserts.
 fn initial_entries(max_bytes: u64) -> usize {
     usize::try_from(max_bytes / 1024).map_or(MAX_INITIAL_ENTRIES, |n| n.min(MAX_INITIAL_ENTRIES))
 }
