@@ -263,8 +263,6 @@ pub(super) struct Link {
     pub prefix_generation: Option<u64>,
     /// The translated frames of one flush.
     pub scratch: BytesMut,
-    /// Messages to send the server again, once the frames read are handled.
-    pub resend: BytesMut,
     /// A statement that may change the schema went out: the database's
     /// schema generation moves when the session is next idle.
     pub schema_changes: bool,
@@ -289,7 +287,6 @@ impl Link {
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
-            resend: BytesMut::new(),
             schema_changes: false,
             knobs: Knobs::default(),
         }

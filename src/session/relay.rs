@@ -274,6 +274,7 @@ where
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
         let mut pos = 0;
         let mut copied = 0; // buffered bytes before this are in `out` or dropped
+        let mut resend = BytesMut::new();
         while let Some(len) = self
             .backend
             .frame_len_at(pos)
@@ -297,7 +298,7 @@ where
                     buf.extend_from_slice(&answer.to_client);
                     buf.extend_from_slice(&tail);
                 }
-                self.link.resend.extend_from_slice(&answer.to_server);
+                resend.extend_from_slice(&answer.to_server);
                 if answer.reply == Reply::Drop {
                     self.out
                         .extend_from_slice(&self.backend.buffered()[copied..pos]);
@@ -347,8 +348,8 @@ where
             }
             pos += len;
         }
-        if !self.link.resend.is_empty() {
-            let resend = std::mem::take(&mut self.link.resend);
+        if !resend.is_empty() {
+            // A retry: the server is waiting for it.
             self.backend
                 .write_all(&resend)
                 .await
