@@ -288,12 +288,13 @@ impl Translator {
         }
         let statement = Statement::new(p.query, p.param_types, generation);
         let hash = statement.hash;
-        let parse = statement.parse();
+        // Most Parses find their statement on the connection already.
+        let parse = (!server.touch(hash)).then(|| statement.parse());
         self.statements.insert(name.clone(), statement);
-        if server.touch(hash) {
+        let Some(parse) = parse else {
             self.answer(&[be::PARSE_COMPLETE, 0, 0, 0, 4]);
             return;
-        }
+        };
         self.close_over(server, max, out);
         server.insert(hash);
         self.send(

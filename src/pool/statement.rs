@@ -158,11 +158,8 @@ impl Statement {
 }
 
 /// A statement's identity on every server connection: its content in one
-/// schema generation (generation 0 keeps the content's own hash).
+/// schema generation.
 fn server_hash(content: u128, generation: u64) -> u128 {
-    if generation == 0 {
-        return content;
-    }
     let mut key = crate::cache::key::KeyBuilder::new(0, 0, 0);
     key.bytes(&content.to_le_bytes())
         .bytes(&generation.to_le_bytes());
