@@ -398,6 +398,25 @@ impl Cache {
 }
 
 impl Fill {
+    /// A fill of `key` in the local tier, reading nothing: what a
+    /// session's tests capture into.
+    #[cfg(test)]
+    pub fn local_only(key: u128) -> Self {
+        Self {
+            local: Some(key),
+            shared: None,
+            lifetime: Lifetime::default(),
+            reads: Arc::from([]),
+            _guard: None,
+        }
+    }
+
+    /// The local key it stores under.
+    #[cfg(test)]
+    pub fn local_key(&self) -> Option<u128> {
+        self.local
+    }
+
     fn new(
         req: &Request<'_>,
         local: u128,

@@ -36,7 +36,7 @@ where
     pub(super) async fn on_execute_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
         let body = frame.slice(HEADER_LEN..);
         let holdable = self.holdable(&frame);
-        self.pipeline.executed();
+        self.engine.pipeline.executed();
         let held = self.on_execute(&frame, &body, holdable).await?;
         Ok(self.held_or_forwarded(&frame, held))
     }
@@ -51,7 +51,9 @@ where
             fe::BIND => self.on_bind(frame, &body, holdable),
             fe::DESCRIBE => match extended::target(&body) {
                 Some((kind, name)) if holdable => {
-                    self.batch.hold_describe(kind, body.slice_ref(name), frame);
+                    self.engine
+                        .batch
+                        .hold_describe(kind, body.slice_ref(name), frame);
                     true
                 }
                 _ => false,
@@ -60,9 +62,9 @@ where
                 // Close
                 if let Some((kind, name)) = extended::target(&body) {
                     if kind == fe::TARGET_STATEMENT {
-                        self.known.close_statement(name);
+                        self.engine.known.close_statement(name);
                     } else {
-                        self.known.close_portal(name);
+                        self.engine.known.close_portal(name);
                     }
                 }
                 false
@@ -72,17 +74,17 @@ where
     }
 
     fn holdable(&self, frame: &[u8]) -> bool {
-        self.pipeline.is_quiet()
-            && self.tx.status == TxStatus::Idle
-            && self.batch.has_room(frame.len())
-            && !self.batch.holds_tag(frame[0])
+        self.engine.pipeline.is_quiet()
+            && self.engine.tx.status == TxStatus::Idle
+            && self.engine.batch.has_room(frame.len())
+            && !self.engine.batch.holds_tag(frame[0])
     }
 
     fn held_or_forwarded(&mut self, frame: &[u8], held: bool) -> Flow {
         if !held {
             self.release_batch();
             self.forward(frame);
-            self.pipeline.unsynced = true;
+            self.engine.pipeline.unsynced = true;
         }
         Flow::Continue
     }
@@ -97,10 +99,10 @@ where
             sql: body.slice_ref(p.query),
             param_types: body.slice_ref(p.param_types),
         };
-        self.known.define(name.clone(), statement);
-        self.batch.parsed.push(name.clone());
+        self.engine.known.define(name.clone(), statement);
+        self.engine.batch.parsed.push(name.clone());
         if holdable {
-            self.batch.hold_parse(name, frame);
+            self.engine.batch.hold_parse(name, frame);
         }
         holdable
     }
@@ -110,13 +112,13 @@ where
         let Some((portal, statement)) = extended::bind_names(body) else {
             return false;
         };
-        let Some(stmt) = self.known.statements.get(statement).cloned() else {
-            self.known.close_portal(portal);
+        let Some(stmt) = self.engine.known.statements.get(statement).cloned() else {
+            self.engine.known.close_portal(portal);
             return false;
         };
-        self.known.bind_portal(body.slice_ref(portal), stmt);
+        self.engine.known.bind_portal(body.slice_ref(portal), stmt);
         if holdable {
-            self.batch.hold_bind(frame);
+            self.engine.batch.hold_bind(frame);
         }
         holdable
     }
@@ -132,11 +134,11 @@ where
         let parsed = extended::execute(body).map(|(p, rows)| (body.slice_ref(p), rows));
         let stmt = parsed
             .as_ref()
-            .and_then(|(p, _)| self.known.portal(p).cloned());
+            .and_then(|(p, _)| self.engine.known.portal(p).cloned());
         let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
-            self.batch.effects.merge(&Bumps::opaque());
+            self.engine.batch.effects.merge(&Bumps::opaque());
             self.settings_may_have_changed();
-            self.tx.wrote();
+            self.engine.tx.wrote();
             return Ok(false);
         };
         let plan = match self.memo_plan(stmt.hash) {
@@ -147,11 +149,13 @@ where
         if plan.begin_strict.is_some() {
             self.before_begin(&plan).await?;
         }
-        self.batch.effects.merge(&plan.effects);
+        self.engine.batch.effects.merge(&plan.effects);
         self.note_effects(&plan);
         let hold = holdable && plan.read.is_ok();
         if hold {
-            self.batch.hold_execute(portal, max_rows, plan, frame);
+            self.engine
+                .batch
+                .hold_execute(portal, max_rows, plan, frame);
         }
         Ok(hold)
     }
@@ -159,10 +163,10 @@ where
     /// Forwards the held part of the batch; the rest of it goes straight
     /// through until Sync.
     pub(super) fn release_batch(&mut self) {
-        if let Some(raw) = self.batch.release() {
+        if let Some(raw) = self.engine.batch.release() {
             self.forward(&raw);
-            self.batch.give_back(raw);
-            self.pipeline.unsynced = true;
+            self.engine.batch.give_back(raw);
+            self.engine.pipeline.unsynced = true;
         }
     }
 
@@ -172,12 +176,12 @@ where
         started: Instant,
     ) -> Result<Flow, SessionError> {
         let mut inflight = Inflight::default();
-        if self.batch.holds() && !self.batch.forwarded {
+        if self.engine.batch.holds() && !self.engine.batch.forwarded {
             match self.batch_key().await? {
                 Ok((key, plan, row_limit)) => {
                     // The held frames and this Sync: what a refresh sends.
-                    let execute_at = self.batch.execute_at();
-                    let mut request = self.batch.release().unwrap_or_default();
+                    let execute_at = self.engine.batch.execute_at();
+                    let mut request = self.engine.batch.release().unwrap_or_default();
                     request.extend_from_slice(&frame);
                     // A row-limited Execute goes out with one row more, so
                     // that a result that fits is whole and can be stored.
@@ -195,14 +199,17 @@ where
                             // The backend never saw the held Parse: replay it
                             // before anything else it is sent, unless the
                             // refresh just sent it.
-                            if let Some(parse) = self.batch.parse.take() {
-                                self.known.unsent_parses.retain(|(n, _)| *n != parse.0);
+                            if let Some(parse) = self.engine.batch.parse.take() {
+                                self.engine
+                                    .known
+                                    .unsent_parses
+                                    .retain(|(n, _)| *n != parse.0);
                                 if !refreshed {
-                                    self.known.unsent_parses.push(parse);
+                                    self.engine.known.unsent_parses.push(parse);
                                 }
                             }
-                            self.batch.give_back(request);
-                            self.batch.reset();
+                            self.engine.batch.give_back(request);
+                            self.engine.batch.reset();
                             return Ok(Flow::Continue);
                         }
                         Answer::Forward(capture) => {
@@ -212,20 +219,20 @@ where
                             inflight.capture = capture;
                             request.truncate(request.len() - frame.len());
                             self.forward(&request);
-                            self.batch.give_back(request);
+                            self.engine.batch.give_back(request);
                         }
                     }
                 }
-                Err(reason) => self.app.cache.bypassed(&self.db, reason),
+                Err(reason) => self.app.cache.bypassed(&self.engine.db, reason),
             }
         }
-        if let Some(raw) = self.batch.release() {
+        if let Some(raw) = self.engine.batch.release() {
             self.forward(&raw);
-            self.batch.give_back(raw);
+            self.engine.batch.give_back(raw);
         }
         self.forward(&frame);
-        (inflight.effects, inflight.parsed) = self.batch.reset();
-        self.pipeline.push_sync(inflight);
+        (inflight.effects, inflight.parsed) = self.engine.batch.reset();
+        self.engine.pipeline.push_sync(inflight);
         Ok(Flow::Continue)
     }
 
@@ -234,14 +241,14 @@ where
     async fn batch_key(
         &mut self,
     ) -> Result<Result<(RequestKey, Arc<Plan>, u32), BypassReason>, SessionError> {
-        let query = match self.batch.single_query() {
+        let query = match self.engine.batch.single_query() {
             Ok(q) => q,
             Err(reason) => return Ok(Err(reason)),
         };
         let Some((_, statement)) = extended::bind_names(query.bind_body()) else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
-        let Some(stmt) = self.known.statements.get(statement).cloned() else {
+        let Some(stmt) = self.engine.known.statements.get(statement).cloned() else {
             return Ok(Err(BypassReason::UnsupportedShape));
         };
         match binds_time_literal(query.bind_body()) {
@@ -250,7 +257,7 @@ where
             Some(false) => {}
         }
         let mut plan = Arc::clone(&query.plan);
-        let current = plan.generation == self.db.catalog.generation()
+        let current = plan.generation == self.engine.db.catalog.generation()
             && plan.policy_generation == self.app.policy_generation();
         let decided = match current {
             true => self.may_serve_now(&plan, false),
@@ -274,7 +281,7 @@ where
             }
         };
         Ok(
-            extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
+            extended_key(prefix, &stmt, self.engine.batch.shape(), query.bind_body())
                 .map(|key| (key, plan, query.row_limit)),
         )
     }
@@ -286,7 +293,10 @@ where
     /// the frame-by-frame path, nothing changed, and it gets the same
     /// answer there.
     pub(super) fn whole_batch(&self) -> Option<ReadyBatch> {
-        if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
+        if !(self.engine.pipeline.is_quiet()
+            && self.engine.tx.status == TxStatus::Idle
+            && !self.engine.batch.holds())
+        {
             return None;
         }
         let buf = self.client.buffered();
@@ -294,7 +304,7 @@ where
         // What the session knows first: a write or a read it may not serve
         // now (every run of such a statement) costs no decoding.
         let (portal, statement) = extended::bind_names(at.bind_body(buf))?;
-        let stmt = self.known.statements.get(statement)?;
+        let stmt = self.engine.known.statements.get(statement)?;
         let plan = self.memo_plan(stmt.hash)?;
         if plan.begin_strict.is_some() {
             return None;
@@ -338,12 +348,12 @@ where
             plan,
         } = ready;
         let request = self.client.split_to(len);
-        self.known.bind_portal(Bytes::new(), statement);
-        self.pipeline.executed();
+        self.engine.known.bind_portal(Bytes::new(), statement);
+        self.engine.pipeline.executed();
         plan.stats.call();
         self.note_effects(&plan);
         let started = Instant::now();
-        self.db.hold.touch_at(started);
+        self.engine.db.hold.touch_at(started);
         match self.ask_cache(Ok(key), &plan, started, &request, 0).await? {
             Answer::Served { .. } => {}
             Answer::Forward(capture) => {
@@ -356,7 +366,7 @@ where
                 }
                 inflight.capture = capture;
                 self.forward(&request);
-                self.pipeline.push_sync(inflight);
+                self.engine.pipeline.push_sync(inflight);
             }
         }
         Ok(())

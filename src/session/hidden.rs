@@ -59,7 +59,7 @@ where
         if rels.is_empty() && funcs.is_empty() {
             return Ok(Facts::default());
         }
-        let db = Arc::clone(&self.db);
+        let db = Arc::clone(&self.engine.db);
         let facts = self.app.catalog_facts(&db, rels, funcs);
         if facts.complete() {
             return Ok(facts);
@@ -96,12 +96,13 @@ where
     /// The session's prefix when it is known and current, as
     /// [`Self::session_prefix`] first looks for it, without a future.
     pub(super) fn known_prefix(&self) -> Option<u128> {
-        let pool_generation = self.link.pool.as_ref().map(|p| p.generation());
-        if pool_generation != self.link.prefix_generation {
+        let pool_generation = self.engine.link.pool.as_ref().map(|p| p.generation());
+        if pool_generation != self.engine.link.prefix_generation {
             return None;
         }
-        let generation = self.db.catalog.policy_settings_generation();
-        self.known
+        let generation = self.engine.db.catalog.policy_settings_generation();
+        self.engine
+            .known
             .prefix
             .and_then(|(prefix, g)| (g == generation).then_some(prefix))
     }
@@ -111,33 +112,33 @@ where
     pub(super) async fn session_prefix(
         &mut self,
     ) -> Result<Result<u128, BypassReason>, SessionError> {
-        let (generation, policy_settings) = self.db.catalog.policy_settings();
+        let (generation, policy_settings) = self.engine.db.catalog.policy_settings();
         // Transaction mode: settings read under other login settings of
         // the pool's connections are out of date.
-        let pool = self.link.pool.clone();
+        let pool = self.engine.link.pool.clone();
         let pool_generation = pool.as_ref().map(|p| p.generation());
-        if pool_generation != self.link.prefix_generation {
-            self.known.prefix = None;
+        if pool_generation != self.engine.link.prefix_generation {
+            self.engine.known.prefix = None;
         }
-        if let Some((prefix, g)) = self.known.prefix
+        if let Some((prefix, g)) = self.engine.known.prefix
             && g == generation
         {
             return Ok(Ok(prefix));
         }
         // Transaction mode: clients in the same state have the same
         // settings, read once per pool.
-        let state = (!self.link.state_dirty).then_some(self.link.state.id);
+        let state = (!self.engine.link.state_dirty).then_some(self.engine.link.state.id);
         if let (Some(pool), Some(state)) = (&pool, state)
             && let Some(row) = pool.settings(state, generation)
         {
-            self.link.prefix_generation = pool_generation;
+            self.engine.link.prefix_generation = pool_generation;
             return Ok(Ok(self.adopt_settings(&row, generation)));
         }
         // A reused connection still in its login state is in the state an
         // earlier session read at login: no need to read it again.
         if pool.is_none()
-            && self.server.login_state
-            && let Some(login) = self.server.login_settings.clone()
+            && self.engine.server.login_state
+            && let Some(login) = self.engine.server.login_settings.clone()
             && login.generation == generation
         {
             return Ok(Ok(self.adopt_settings(&login.row, generation)));
@@ -171,17 +172,17 @@ where
         let prefix = self.adopt_settings(&row, generation);
         if let Some(pool) = &pool {
             // The generation of the connection the settings were read on.
-            let read_in = self.link.lease().map(|l| l.server().generation);
-            self.link.prefix_generation = read_in;
+            let read_in = self.engine.link.lease().map(|l| l.server().generation);
+            self.engine.link.prefix_generation = read_in;
             if let (Some(state), Some(read_in)) = (state, read_in)
-                && !self.link.state_dirty
+                && !self.engine.link.state_dirty
             {
                 pool.remember_settings(state, generation, read_in, Arc::clone(&row));
             }
         }
-        if self.server.login_state {
+        if self.engine.server.login_state {
             // What a client logging in on this connection starts with.
-            self.server.login_settings = Some(LoginSettings { generation, row });
+            self.engine.server.login_settings = Some(LoginSettings { generation, row });
         }
         Ok(Ok(prefix))
     }
@@ -191,24 +192,25 @@ where
     fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
         let digest = row.digest;
         let row = &row.cells;
-        self.known.role = row.first().cloned().flatten();
-        self.tx.default_strict = !matches!(
+        self.engine.known.role = row.first().cloned().flatten();
+        self.engine.tx.default_strict = !matches!(
             row.get(2).and_then(|v| v.as_deref()),
             Some("read committed" | "read uncommitted")
         );
         let params = self
+            .engine
             .startup
             .params
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()));
-        let prefix = key::session_prefix(self.startup.database(), params, digest);
-        self.known.prefix = Some((prefix, generation));
-        if !self.link.is_pooled() {
+        let prefix = key::session_prefix(self.engine.startup.database(), params, digest);
+        self.engine.known.prefix = Some((prefix, generation));
+        if !self.engine.link.is_pooled() {
             // Session mode: what pgcache's own requests for this session's
             // hits run in, on a connection of their own.
             let cell = |i: usize| row.get(i).and_then(|v| v.as_deref());
-            self.link.state = ClientState::read(
-                self.startup.user(),
+            self.engine.link.state = ClientState::read(
+                self.engine.startup.user(),
                 cell(1),
                 cell(ROLE_COLUMN),
                 cell(OWN_SETTINGS_COLUMN),
@@ -227,7 +229,7 @@ where
             Err(SessionError::Pool(e)) => {
                 // No connection: the statement goes on without the
                 // answer, and fails at once with the same error.
-                self.link.no_connection = Some(e);
+                self.engine.link.no_connection = Some(e);
                 return Ok(None);
             }
             Err(e) => return Err(e),
@@ -269,12 +271,12 @@ where
                     None => failed = Some(None),
                 },
                 be::ERROR_RESPONSE => {
-                    self.backend_fatal |= messages::is_fatal(body);
+                    self.engine.backend_fatal |= messages::is_fatal(body);
                     failed = Some(Some(frame));
                 }
                 be::READY_FOR_QUERY => {
                     if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
-                        self.tx.status = status;
+                        self.engine.tx.status = status;
                     }
                     return Ok(match failed {
                         None => Ok(rows),
@@ -283,14 +285,14 @@ where
                 }
                 be::NOTIFICATION | be::PARAMETER_STATUS => {
                     if frame[0] == be::PARAMETER_STATUS {
-                        self.server.statuses.note(&frame);
+                        self.engine.server.statuses.note(&frame);
                     }
                     // Before the client's first ReadyForQuery, pgcache is
                     // still greeting it (transaction mode, a pool
                     // connection set up for it): a ParameterStatus now
                     // would come before its AuthenticationOk, and the
                     // greeting reports the parameters itself.
-                    if !self.ready {
+                    if !self.engine.ready {
                         continue;
                     }
                     self.client

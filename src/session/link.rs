@@ -253,9 +253,6 @@ pub(super) struct Link {
     pub translator: Translator,
     /// The statements of the connection the client logged in on.
     own_statements: ServerStatements,
-    /// The pool's lesson in how to log in, held until this client's own
-    /// login is over.
-    pub learning: Option<tokio::sync::OwnedMutexGuard<()>>,
     /// Why pgcache's own query for the statement under way found no
     /// connection: the statement fails with it rather than wait again.
     pub no_connection: Option<PoolError>,
@@ -283,7 +280,6 @@ impl Link {
             state_checked: true,
             translator: Translator::default(),
             own_statements: ServerStatements::default(),
-            learning: None,
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
@@ -292,16 +288,11 @@ impl Link {
         }
     }
 
-    pub fn pooled(
-        pool: Arc<Pool>,
-        state: ClientState,
-        learning: Option<tokio::sync::OwnedMutexGuard<()>>,
-    ) -> Self {
+    pub fn pooled(pool: Arc<Pool>, state: ClientState) -> Self {
         Self {
             pool: Some(pool),
             startup: state.settings.clone(),
             state,
-            learning,
             state_checked: false,
             ..Self::session()
         }
@@ -367,16 +358,16 @@ where
     /// [`Knobs`], read again after a RELOAD.
     pub(super) fn knobs(&mut self) -> Knobs {
         let generation = self.app.policy_generation();
-        if self.link.knobs.generation != generation {
+        if self.engine.link.knobs.generation != generation {
             let config = self.app.config();
-            self.link.knobs = Knobs {
+            self.engine.link.knobs = Knobs {
                 generation,
                 wait: config.pool.query_wait_timeout(),
                 lifetime: config.pool.server_lifetime(),
                 max_prepared: config.pool.max_prepared_statements,
             };
         }
-        self.link.knobs
+        self.engine.link.knobs
     }
 
     pub(super) fn attached(&self) -> bool {
@@ -392,14 +383,14 @@ where
         if self.attached() {
             return Ok(());
         }
-        let Some(pool) = self.link.pool.clone() else {
+        let Some(pool) = self.engine.link.pool.clone() else {
             return Ok(());
         };
-        if let Some(e) = self.link.no_connection.take() {
+        if let Some(e) = self.engine.link.no_connection.take() {
             return Err(SessionError::Pool(e));
         }
         let wait = self.knobs().wait;
-        tracing::trace!(status = ?self.tx.status, "taking a server connection");
+        tracing::trace!(status = ?self.engine.tx.status, "taking a server connection");
         let client = Arc::clone(&self.entry.client);
         client.set(Activity::Waiting);
         let id = client.id;
@@ -420,31 +411,31 @@ where
         client.hold(server.id, server.key.backend_pid);
         self.backend = stream;
         // One address for the whole pool: copied once, not per checkout.
-        if self.backend_addr != server.addr {
-            self.backend_addr = server.addr.clone();
+        if self.engine.backend_addr != server.addr {
+            self.engine.backend_addr = server.addr.clone();
         }
-        self.backend_key = Some(server.key.clone());
-        if let Some(cancel) = &self.cancel {
-            cancel.retarget(self.backend_key.clone());
+        self.engine.backend_key = Some(server.key.clone());
+        if let Some(cancel) = &self.engine.cancel {
+            cancel.retarget(self.engine.backend_key.clone());
         }
-        let state = &self.link.state;
+        let state = &self.engine.link.state;
         let differs = server.state != state.id;
         lease.server_mut().state = state.id;
-        self.link.lease = Some(lease);
+        self.engine.link.lease = Some(lease);
         if !differs {
             return Ok(());
         }
         let apply = messages::query(&state.apply_sql());
-        if self.link.state_checked && queued {
+        if self.engine.link.state_checked && queued {
             let mut queued = apply;
-            queued.extend_from_slice(&self.pipeline.to_backend);
-            self.pipeline.to_backend = queued;
-            self.pipeline.push_front(Inflight::hidden(None));
+            queued.extend_from_slice(&self.engine.pipeline.to_backend);
+            self.engine.pipeline.to_backend = queued;
+            self.engine.pipeline.push_front(Inflight::hidden(None));
             return Ok(());
         }
-        self.link.state_checked = true;
+        self.engine.link.state_checked = true;
         // A simple Query: the server's unnamed statement is gone.
-        self.link.server_statements().forget_unnamed();
+        self.engine.link.server_statements().forget_unnamed();
         match Box::pin(self.run_hidden(&apply)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(error)) => {
@@ -462,17 +453,17 @@ where
     /// Transaction mode: gives the connection back once the session is
     /// idle, reading its settings first if they may have changed.
     pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
-        if !self.link.is_pooled()
+        if !self.engine.link.is_pooled()
             || !self.attached()
             || !self.backend_idle()
-            || self.batch.holds()
+            || self.engine.batch.holds()
             || !self.backend.buffered().is_empty()
-            || self.backend_fatal
-            || !self.link.translator.is_idle()
+            || self.engine.backend_fatal
+            || !self.engine.link.translator.is_idle()
         {
             return Ok(());
         }
-        if self.link.state_dirty {
+        if self.engine.link.state_dirty {
             if !Box::pin(self.settle_settings()).await? {
                 // Unreadable: the connection is closed, not given back.
                 self.drop_backend();
@@ -482,19 +473,19 @@ where
                 return Ok(());
             }
         }
-        if self.link.pinned.is_some() {
+        if self.engine.link.pinned.is_some() {
             return Ok(());
         }
-        tracing::trace!(status = ?self.tx.status, "giving the server connection back");
+        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
         let lifetime = self.knobs().lifetime;
         let stream = std::mem::replace(&mut self.backend, detached());
-        match self.link.lease.take() {
+        match self.engine.link.lease.take() {
             Some(lease) => lease.give_back(stream, lifetime),
             None => {
                 // The connection the client logged in on: not the pool's.
                 let mut stream = stream;
                 let _ = stream.write_all(&messages::TERMINATE).await;
-                self.link.own_statements.clear();
+                self.engine.link.own_statements.clear();
             }
         }
         self.detached_now();
@@ -505,11 +496,11 @@ where
     /// startup parameters it reset ([`ClientState::captured`]); false if
     /// the connection is in a state pgcache cannot tell.
     async fn settle_settings(&mut self) -> Result<bool, SessionError> {
-        let user = self.startup.user().to_owned();
+        let user = self.engine.startup.user().to_owned();
         let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
             return Ok(false);
         };
-        let (state, reset) = ClientState::captured(rows, &user, &self.link.startup);
+        let (state, reset) = ClientState::captured(rows, &user, &self.engine.link.startup);
         if !reset.is_empty() {
             debug!(?reset, "startup parameters set again after a reset");
             let again = messages::hidden_query(&set_config_sql(&reset));
@@ -517,19 +508,19 @@ where
                 return Ok(false);
             }
         }
-        self.link.state = state;
-        self.link.state_dirty = false;
-        debug!(settings = ?self.link.state.settings, "session settings read back");
-        if let Some(lease) = &mut self.link.lease {
-            lease.server_mut().state = self.link.state.id;
+        self.engine.link.state = state;
+        self.engine.link.state_dirty = false;
+        debug!(settings = ?self.engine.link.state.settings, "session settings read back");
+        if let Some(lease) = &mut self.engine.link.lease {
+            lease.server_mut().state = self.engine.link.state.id;
         }
         Ok(true)
     }
 
     /// The session holds no connection any more.
     fn detached_now(&mut self) {
-        self.backend_key = None;
-        if let Some(cancel) = &self.cancel {
+        self.engine.backend_key = None;
+        if let Some(cancel) = &self.engine.cancel {
             cancel.retarget(None);
         }
         self.entry.client.hold(0, 0);
@@ -538,8 +529,8 @@ where
     /// Closes the held connection: it is in a state no other client may
     /// see.
     pub(super) fn drop_backend(&mut self) {
-        self.link.lease = None;
-        self.link.translator.clear_owed();
+        self.engine.link.lease = None;
+        self.engine.link.translator.clear_owed();
         self.backend = detached();
         self.detached_now();
     }
@@ -547,18 +538,18 @@ where
     /// At the session's end: an idle pooled connection goes back to the
     /// pool; any other is closed.
     pub(super) fn release_at_end(&mut self) {
-        if !self.link.is_pooled() || !self.attached() {
+        if !self.engine.link.is_pooled() || !self.attached() {
             return;
         }
-        let clean = self.link.pinned.is_none()
+        let clean = self.engine.link.pinned.is_none()
             && self.backend_idle()
-            && !self.batch.holds()
+            && !self.engine.batch.holds()
             && self.backend.buffered().is_empty()
-            && !self.backend_fatal
-            && self.link.translator.is_idle();
-        match self.link.lease.take() {
+            && !self.engine.backend_fatal
+            && self.engine.link.translator.is_idle();
+        match self.engine.link.lease.take() {
             Some(mut lease) if clean => {
-                if self.link.state_dirty {
+                if self.engine.link.state_dirty {
                     lease.server_mut().state = UNKNOWN_STATE;
                 }
                 let lifetime = self.knobs().lifetime;
@@ -579,7 +570,7 @@ where
     /// A feature that lives in one backend: the session keeps its
     /// connection from now on.
     pub(super) fn pin(&mut self, why: Pin) {
-        if !self.link.is_pooled() || self.link.pinned.is_some() {
+        if !self.engine.link.is_pooled() || self.engine.link.pinned.is_some() {
             return;
         }
         debug!(
@@ -592,7 +583,7 @@ where
             .pins
             .with_label_values(&[why.as_str()])
             .inc();
-        self.link.pinned = Some(why);
+        self.engine.link.pinned = Some(why);
         self.entry.client.pin(why.as_str());
     }
 
@@ -602,6 +593,7 @@ where
     /// pgcache's, and no connection taken unless none ever logged in.
     pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
         let pool = self
+            .engine
             .link
             .pool
             .clone()
@@ -614,19 +606,21 @@ where
             }
         };
         let (pid, secret, guard) = self.app.cancel.register_pooled();
-        guard.retarget(self.backend_key.clone());
-        self.cancel = Some(guard);
+        guard.retarget(self.engine.backend_key.clone());
+        self.engine.cancel = Some(guard);
         // The client's own values where it gave them (a name reported
         // once is only ever replaced).
         let mut shown = statuses;
-        for (name, value) in &self.startup.params {
+        for (name, value) in &self.engine.startup.params {
             if shown.has(name) {
                 shown.set(name, value);
             }
         }
         let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
-        self.server.statuses = shown;
-        self.on_ready_for_query(TxStatus::Idle);
+        self.engine.server.statuses = shown;
+        let ctx = super::relay::ctx(&self.app, &self.entry);
+        self.engine.on_ready_for_query(&ctx, TxStatus::Idle);
+        self.carry_out().await;
         self.client
             .write_all(&out)
             .await

@@ -37,7 +37,7 @@ where
                 .map_err(SessionError::BackendIo)?;
             return self.relay_authentication().await;
         };
-        let user = self.startup.user().to_owned();
+        let user = self.engine.startup.user().to_owned();
         let login = auth::login_backend(&mut self.backend, startup_raw, &user, &secret);
         let result = tokio::time::timeout(self.app.upstream.connect_timeout, login).await;
         let message = match result {
@@ -104,13 +104,13 @@ where
             let code = (frame[0] == be::AUTHENTICATION && len >= HEADER_LEN + 4)
                 .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
             if code == Some(AUTH_OK) {
-                self.server.trusted = !self.server.challenged;
+                self.engine.server.trusted = !self.engine.server.challenged;
                 done = true;
                 break;
             }
             // Anything before AuthenticationOk asked the client to prove
             // itself: this connection is not one any client may have.
-            self.server.challenged = true;
+            self.engine.server.challenged = true;
             let offer = match code {
                 Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
                 _ => None,
@@ -118,13 +118,13 @@ where
             match offer {
                 Some(offer) => {
                     *plus_hidden = true;
-                    self.out.extend_from_slice(&offer);
+                    self.engine.out.extend_from_slice(&offer);
                 }
                 None => {
                     if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
-                        self.backend_fatal = true;
+                        self.engine.backend_fatal = true;
                     }
-                    self.out.extend_from_slice(frame);
+                    self.engine.out.extend_from_slice(frame);
                 }
             }
             pos += len;
@@ -142,7 +142,7 @@ where
             let frame = &self.client.buffered()[pos..pos + len];
             // A client that hangs up while logging in (node-postgres ended
             // while connecting): PostgreSQL closes without a word.
-            self.client_ended |= frame[0] == fe::TERMINATE;
+            self.engine.client_ended |= frame[0] == fe::TERMINATE;
             if frame[0] == fe::PASSWORD && *plus_hidden {
                 *plus_hidden = false;
                 // 'y': "I can bind, the server cannot". PostgreSQL on TLS

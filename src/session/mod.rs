@@ -20,6 +20,7 @@
 
 mod batch;
 mod capture;
+mod engine;
 mod error;
 mod extended;
 mod hidden;
@@ -33,7 +34,6 @@ mod plan;
 mod prerequisites;
 mod query;
 mod relay;
-mod response;
 mod reuse;
 mod row_limit;
 mod transaction;
@@ -192,7 +192,7 @@ async fn admit(
             Ok((stream, addr)) => {
                 app.metrics.pool.fresh.inc();
                 let buf = BytesMut::with_capacity(READ_CHUNK);
-                let stream = FramedStream::new(stream, buf, relay::MAX_BACKEND_FRAME);
+                let stream = FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME);
                 (stream, addr, ServerBook::new(pool.max_idle_servers > 0))
             }
             Err(e) => return Err((client, e.into())),
@@ -211,7 +211,7 @@ async fn admit(
         client,
         (backend, addr),
         book,
-        link,
+        (link, None),
         negotiated.startup,
         entry,
     );
@@ -233,7 +233,7 @@ async fn run(
     startup_raw: &[u8],
     secret: Option<ClientSecret>,
 ) {
-    let startup = &session.startup;
+    let startup = &session.engine.startup;
     let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
     match session.run(startup_raw, secret).instrument(span).await {
         Ok(()) => debug!("session closed"),
@@ -278,7 +278,7 @@ async fn admit_pooled(
             Ok((stream, addr)) => {
                 let buf = BytesMut::with_capacity(READ_CHUNK);
                 (
-                    FramedStream::new(stream, buf, relay::MAX_BACKEND_FRAME),
+                    FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME),
                     addr,
                 )
             }
@@ -290,7 +290,7 @@ async fn admit_pooled(
         client,
         (backend, addr),
         ServerBook::new(false),
-        Link::pooled(pool, state, learning),
+        (Link::pooled(pool, state), learning),
         negotiated.startup,
         entry,
     );

@@ -35,12 +35,12 @@ where
     /// client's settings or a statement the request names, or cannot log
     /// in for the client (passthrough authentication with a password).
     pub(super) fn offload(&self, request: &[u8], capture: Capture) -> Option<Capture> {
-        let (pool, translator) = match (&self.link.pool, &self.link.checks) {
-            (Some(pool), _) if !self.link.state_dirty => {
-                (Arc::clone(pool), self.link.translator.for_request())
+        let (pool, translator) = match (&self.engine.link.pool, &self.engine.link.checks) {
+            (Some(pool), _) if !self.engine.link.state_dirty => {
+                (Arc::clone(pool), self.engine.link.translator.for_request())
             }
             // Session mode: the settings were read with the hit's key.
-            (None, Some(pool)) if self.known.prefix.is_some() && pool.can_log_in() => {
+            (None, Some(pool)) if self.engine.known.prefix.is_some() && pool.can_log_in() => {
                 match self.statements_for(request) {
                     Some(translator) => (Arc::clone(pool), translator),
                     None => return Some(capture),
@@ -52,7 +52,7 @@ where
             app: Arc::clone(&self.app),
             pool,
             translator,
-            state: self.link.state.clone(),
+            state: self.engine.link.state.clone(),
             request: request.to_vec(),
         };
         tokio::spawn(async move {
@@ -84,7 +84,7 @@ where
     /// names but does not prepare, as the client prepared them on its own
     /// connection; `None` if one is unknown to pgcache.
     fn statements_for(&self, request: &[u8]) -> Option<Translator> {
-        let mut translator = Translator::following(Arc::clone(&self.db.versions.schema));
+        let mut translator = Translator::following(Arc::clone(&self.engine.db.versions.schema));
         let mut seen: Vec<&[u8]> = Vec::new();
         for frame in frames(request) {
             let body = &frame[HEADER_LEN..];
@@ -103,7 +103,7 @@ where
             if seen.contains(&name) {
                 continue;
             }
-            let statement = self.known.statements.get(name)?;
+            let statement = self.engine.known.statements.get(name)?;
             translator.define(name, &statement.sql, &statement.param_types);
             seen.push(name);
         }

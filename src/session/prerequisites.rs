@@ -35,9 +35,9 @@ where
         };
         let needs = prerequisites(sql);
         for name in needs.free_databases {
-            let via = self.startup.database();
+            let via = self.engine.startup.database();
             if let Some(paused) = self.app.streams.release(&name, via).await {
-                self.paused.push(paused);
+                self.engine.paused.push(paused);
             }
         }
         for table in needs.unpublish {
@@ -77,7 +77,12 @@ where
         } else {
             table.to_owned()
         };
-        let ctl = match self.app.upstream.control(self.startup.database()).await {
+        let ctl = match self
+            .app
+            .upstream
+            .control(self.engine.startup.database())
+            .await
+        {
             Ok(ctl) => ctl,
             Err(e) => {
                 debug!(error = %full_message(&e), "cannot take a table out of the publication");

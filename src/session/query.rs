@@ -51,7 +51,7 @@ where
     /// One complete client frame, with caching on.
     pub(super) async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
         if frame[0] == fe::PARSE {
-            let marks = self.known.body_marks(&frame[HEADER_LEN..]);
+            let marks = self.engine.known.body_marks(&frame[HEADER_LEN..]);
             if self.note_text_marks(marks) {
                 // Boxed, as are pgcache's other rare round trips: inline,
                 // their futures made every statement's several kilobytes
@@ -65,37 +65,37 @@ where
             fe::PARSE | fe::BIND | fe::DESCRIBE | fe::CLOSE => Ok(self.on_extended_now(&frame)),
             fe::SYNC => {
                 let started = Instant::now();
-                self.db.hold.touch_at(started);
+                self.engine.db.hold.touch_at(started);
                 self.on_sync(frame, started).await
             }
             fe::FUNCTION_CALL => {
                 self.release_batch();
                 self.forward(&frame);
                 self.settings_may_have_changed();
-                self.tx.wrote();
-                self.pipeline.push(Inflight {
+                self.engine.tx.wrote();
+                self.engine.pipeline.push(Inflight {
                     effects: Bumps::opaque(),
                     ..Inflight::default()
                 });
                 Ok(Flow::Continue)
             }
             fe::TERMINATE if self.hand_back() => Ok(Flow::Close),
-            fe::TERMINATE if self.link.is_pooled() => {
+            fe::TERMINATE if self.engine.link.is_pooled() => {
                 // The connection, if any, goes back to the pool.
-                self.client_ended = true;
+                self.engine.client_ended = true;
                 Ok(Flow::Close)
             }
             tag => {
                 if tag == fe::FLUSH {
                     self.release_batch();
-                    self.pipeline.unsynced = true;
+                    self.engine.pipeline.unsynced = true;
                 }
                 if tag == fe::COPY_DONE || tag == fe::COPY_FAIL {
-                    self.pipeline.copy_ended();
+                    self.engine.pipeline.copy_ended();
                 }
                 self.forward(&frame);
                 Ok(if tag == fe::TERMINATE {
-                    self.client_ended = true;
+                    self.engine.client_ended = true;
                     Flow::Close
                 } else {
                     Flow::Continue
@@ -107,20 +107,24 @@ where
     /// Queues a frame for the backend, first replaying any Parse the
     /// backend has not seen because the cache answered it.
     pub(super) fn forward(&mut self, frame: &[u8]) {
-        if self.pipeline.to_backend.is_empty() && !self.known.unsent_parses.is_empty() {
-            for (_, raw) in self.known.unsent_parses.drain(..) {
-                self.pipeline.to_backend.extend_from_slice(&raw);
+        if self.engine.pipeline.to_backend.is_empty() && !self.engine.known.unsent_parses.is_empty()
+        {
+            for (_, raw) in self.engine.known.unsent_parses.drain(..) {
+                self.engine.pipeline.to_backend.extend_from_slice(&raw);
             }
-            self.pipeline.to_backend.extend_from_slice(&messages::SYNC);
-            self.pipeline.push_hidden(Inflight::hidden(None));
+            self.engine
+                .pipeline
+                .to_backend
+                .extend_from_slice(&messages::SYNC);
+            self.engine.pipeline.push_hidden(Inflight::hidden(None));
         }
-        self.pipeline.to_backend.extend_from_slice(frame);
+        self.engine.pipeline.to_backend.extend_from_slice(frame);
     }
 
     /// What a Query or Parse text's marks ask of the session now; true if
     /// it has prerequisites to meet before it goes out.
     fn note_text_marks(&mut self, marks: Marks) -> bool {
-        if self.server.pooling || self.link.is_pooled() {
+        if self.engine.server.pooling || self.engine.link.is_pooled() {
             self.note_marks(marks);
         }
         marks.evicts || marks.unlogged
@@ -131,9 +135,10 @@ where
         let sql = body.strip_suffix(&[0]).unwrap_or(body);
         let hash = key::sql_hash(sql);
         // One lookup gives a known text's plan and marks.
-        let generation = self.db.catalog.generation();
+        let generation = self.engine.db.catalog.generation();
         let (mut memo, known_marks) =
-            self.known
+            self.engine
+                .known
                 .text(hash, generation, self.app.policy_generation());
         let marks = known_marks.unwrap_or_else(|| marks(body));
         if self.note_text_marks(marks) {
@@ -142,14 +147,14 @@ where
             memo = None;
         }
         let started = Instant::now();
-        self.db.hold.touch_at(started);
+        self.engine.db.hold.touch_at(started);
         self.release_batch();
         let plan = match memo {
             Some(plan) => plan,
             None => self.plan(hash, sql).await?,
         };
         if known_marks.is_none() {
-            self.known.remember_marks(hash, marks);
+            self.engine.known.remember_marks(hash, marks);
         }
         plan.stats.call();
         if plan.begin_strict.is_some() {
@@ -175,8 +180,8 @@ where
         }
         self.note_effects(&plan);
         self.forward(&frame);
-        self.pipeline.executed();
-        self.pipeline.push(inflight);
+        self.engine.pipeline.executed();
+        self.engine.pipeline.push(inflight);
         Ok(Flow::Continue)
     }
 
@@ -195,22 +200,22 @@ where
         let (key, reads) = match (key, plan.read.as_ref().map_err(|r| *r)) {
             (Ok(key), Ok(reads)) => (key, reads),
             (Err(reason), _) | (_, Err(reason)) => {
-                self.app.cache.bypassed(&self.db, reason);
+                self.app.cache.bypassed(&self.engine.db, reason);
                 plan.stats.bypassed(reason);
                 return Ok(Answer::Forward(None));
             }
         };
         let req = Request {
-            db: &self.db,
+            db: &self.engine.db,
             key,
             reads,
             tier: plan.tier,
             lifetime: plan.lifetime,
             stats: &plan.stats,
-            in_transaction: self.tx.status != TxStatus::Idle,
-            coalesce_wait: self.known.policy.coalesce_wait,
+            in_transaction: self.engine.tx.status != TxStatus::Idle,
+            coalesce_wait: self.engine.known.policy.coalesce_wait,
             started,
-            shadow: self.known.policy.mode == CacheMode::Shadow,
+            shadow: self.engine.known.policy.mode == CacheMode::Shadow,
         };
         match self.app.cache.lookup(&req).await {
             Lookup::Hit { bytes, refresh } => {
@@ -225,14 +230,15 @@ where
                 // request again, as pgcache's own.
                 let hidden = match refresh {
                     Some(fill) => Some(Capture::new(fill)),
-                    None if self.tx.status == TxStatus::Idle
+                    None if self.engine.tx.status == TxStatus::Idle
                         && self.app.cache.sampler.draw(
-                            self.known.policy.verify_rate,
-                            self.known.policy.verify_max_per_sec,
+                            self.engine.known.policy.verify_rate,
+                            self.engine.known.policy.verify_max_per_sec,
                             &self.app.metrics.verify,
                         ) =>
                     {
-                        let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
+                        let check =
+                            Check::new(&self.engine.db, &plan.stats, bytes, reads, plan.unwatched);
                         Some(Capture::verify(check))
                     }
                     None => None,
@@ -242,7 +248,9 @@ where
                 let refreshed = match hidden.and_then(|c| self.offload(request, c)) {
                     Some(capture) => {
                         self.forward(request);
-                        self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
+                        self.engine
+                            .pipeline
+                            .push_hidden(Inflight::hidden(Some(capture)));
                         true
                     }
                     None => false,
@@ -253,7 +261,7 @@ where
             Lookup::Bypass(reason) => {
                 if reason == BypassReason::ReplicationDown {
                     // pgcache may have let go of the database: take hold again.
-                    self.app.streams.ensure(&self.db);
+                    self.app.streams.ensure(&self.engine.db);
                 }
                 plan.stats.bypassed(reason);
                 Ok(Answer::Forward(None))
@@ -267,20 +275,21 @@ where
     /// The session's memoised plan for a statement text, if current: what
     /// [`Self::plan`] finds first, without a future.
     pub(super) fn memo_plan(&self, hash: u128) -> Option<Arc<Plan>> {
-        let generation = self.db.catalog.generation();
-        self.known
+        let generation = self.engine.db.catalog.generation();
+        self.engine
+            .known
             .plan(hash, generation, self.app.policy_generation())
     }
 
     /// The plan for a statement text.
     pub(super) async fn plan(&mut self, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, SessionError> {
-        let generation = self.db.catalog.generation();
+        let generation = self.engine.db.catalog.generation();
         let policy_generation = self.app.policy_generation();
-        if let Some(plan) = self.known.plan(hash, generation, policy_generation) {
+        if let Some(plan) = self.engine.known.plan(hash, generation, policy_generation) {
             return Ok(plan);
         }
-        if self.known.policy.generation != policy_generation {
-            self.known.policy = self.app.policy();
+        if self.engine.known.policy.generation != policy_generation {
+            self.engine.known.policy = self.app.policy();
         }
         let scanned = self.app.cache.scan(hash, sql);
         if !scanned.scan().hints.problems.is_empty() {
@@ -291,15 +300,16 @@ where
         // another session of the database.
         let plan_key = scanned.plan_key();
         let known = self
+            .engine
             .known
             .shape_plan(plan_key, generation, policy_generation)
             .or_else(|| {
                 self.app
                     .plans
-                    .get(&self.db, plan_key, generation, policy_generation)
+                    .get(&self.engine.db, plan_key, generation, policy_generation)
             });
         if let Some(plan) = known {
-            self.known.remember_plan(hash, plan_key, &plan);
+            self.engine.known.remember_plan(hash, plan_key, &plan);
             return Ok(plan);
         }
         let analysis = self.app.cache.analyzed(scanned, sql);
@@ -308,18 +318,22 @@ where
         let plan = Arc::new(Plan::new(
             &analysis,
             &facts,
-            &self.db.versions,
+            &self.engine.db.versions,
             generation,
-            &self.known.policy,
+            &self.engine.known.policy,
         ));
         if let Ok(families) = &plan.read {
-            plan.stats.set_reads(&self.db, families);
+            plan.stats.set_reads(&self.engine.db, families);
         }
         // A plan made while facts were being fetched is made again once
         // they are known.
         if facts.complete() {
-            self.known.remember_plan(hash, analysis.plan_key, &plan);
-            self.app.plans.put(&self.db, analysis.plan_key, &plan);
+            self.engine
+                .known
+                .remember_plan(hash, analysis.plan_key, &plan);
+            self.app
+                .plans
+                .put(&self.engine.db, analysis.plan_key, &plan);
         }
         Ok(plan)
     }
@@ -327,7 +341,7 @@ where
     /// Tells the client, once per statement text, which of its hints were
     /// malformed or unknown (the statement runs under the policy).
     async fn warn_hints(&mut self, hash: u128, problems: &[String]) -> Result<(), SessionError> {
-        if !self.known.first_warning(hash) {
+        if !self.engine.known.first_warning(hash) {
             return Ok(());
         }
         let mut out = BytesMut::new();
@@ -348,10 +362,11 @@ where
 
     /// Writes a stored response and the ReadyForQuery that ends it, in one write.
     async fn write_hit(&mut self, frames: &[u8]) -> Result<(), SessionError> {
-        self.out.clear();
-        self.out.extend_from_slice(frames);
-        self.out
-            .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        self.engine.out.clear();
+        self.engine.out.extend_from_slice(frames);
+        self.engine
+            .out
+            .extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
         self.flush_out().await
     }
 
@@ -361,7 +376,10 @@ where
     /// Callers test `plan.begin_strict` first, so that only a BEGIN sets up
     /// this future.
     pub(super) async fn before_begin(&mut self, plan: &Plan) -> Result<(), SessionError> {
-        if plan.begin_strict == Some(false) && self.known.prefix.is_none() && self.backend_idle() {
+        if plan.begin_strict == Some(false)
+            && self.engine.known.prefix.is_none()
+            && self.backend_idle()
+        {
             let _ = self.session_prefix().await?;
         }
         Ok(())
@@ -373,13 +391,13 @@ where
             self.settings_may_have_changed();
         }
         if plan.creates_temp {
-            self.known.temp = true;
+            self.engine.known.temp = true;
         }
         if let Some(strict) = plan.begin_strict {
-            self.tx.begin(strict);
+            self.engine.tx.begin(strict);
         }
         if plan.writes {
-            self.tx.wrote();
+            self.engine.tx.wrote();
         }
     }
 
@@ -409,28 +427,33 @@ where
         if let Err(reason) = &plan.read {
             // With no stream, no table is published yet: say why.
             if *reason == BypassReason::NotPublished
-                && let Err(down) = self.app.cache.freshness(&self.db)
+                && let Err(down) = self.app.cache.freshness(&self.engine.db)
             {
                 return Some(Err(down));
             }
             return Some(Err(*reason));
         }
-        if !self.known.policy.database_allowed(self.startup.database()) {
+        if !self
+            .engine
+            .known
+            .policy
+            .database_allowed(self.engine.startup.database())
+        {
             return Some(Err(BypassReason::DatabaseRule));
         }
-        if self.known.temp {
+        if self.engine.known.temp {
             return Some(Err(BypassReason::TempObjects));
         }
         // The stream's freshness is checked by the lookup, just before an
         // answer could be served: checked here too, it cost every
         // statement a second clock read.
-        if !self.pipeline.is_quiet() {
+        if !self.engine.pipeline.is_quiet() {
             return Some(Err(BypassReason::Pipelined));
         }
-        if self.tx.status == TxStatus::InTransaction && !in_transaction_ok {
+        if self.engine.tx.status == TxStatus::InTransaction && !in_transaction_ok {
             return Some(Err(BypassReason::UnsupportedShape));
         }
-        if let Err(reason) = self.tx.reads_may_use_cache() {
+        if let Err(reason) = self.engine.tx.reads_may_use_cache() {
             return Some(Err(reason));
         }
         let prefix = self.known_prefix()?;
@@ -438,8 +461,10 @@ where
     }
 
     fn role_may_serve(&self, prefix: u128) -> Result<u128, BypassReason> {
-        match &self.known.role {
-            Some(role) if !self.known.policy.role_allowed(role) => Err(BypassReason::RoleRule),
+        match &self.engine.known.role {
+            Some(role) if !self.engine.known.policy.role_allowed(role) => {
+                Err(BypassReason::RoleRule)
+            }
             _ => Ok(prefix),
         }
     }

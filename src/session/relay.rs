@@ -11,72 +11,32 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
-use super::batch::Batch;
-use super::capture;
+use super::engine::{Action, Ctx, Engine};
 use super::known::Known;
 use super::link::Link;
-use super::pipeline::{Flow, Pipeline};
+use super::pipeline::Flow;
 use super::reuse::ServerBook;
-use super::row_limit::Cut;
-use super::transaction::Transaction;
 use crate::App;
 use crate::backend::BackendStream;
-use crate::cache::hold::Paused;
-use crate::cache::{DbState, Fill, Publication};
-use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::pool::clients::ClientEntry;
-use crate::pool::prepared::Reply;
-use crate::protocol::codec::{HEADER_LEN, read_i32};
+use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, backend as be, frontend as fe, sqlstate};
+use crate::protocol::{TxStatus, frontend as fe, sqlstate};
 use crate::scram::ClientSecret;
 use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
 
-/// The backend is trusted; this only stops a corrupt length from allocating
-/// without bound. PostgreSQL's own rows are at most 1 GiB.
-pub(super) const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
-
 pub(super) struct Session<C> {
     pub app: Arc<App>,
-    /// Cache lookups and fills are on (`cache.enabled`).
-    pub caching: bool,
     pub client: FramedStream<C>,
     pub backend: FramedStream<BackendStream>,
-    pub(super) backend_addr: UpstreamAddr,
-    /// What decides whether the backend connection outlives the session.
-    pub(super) server: ServerBook,
-    /// Transaction mode: where server connections come from, and what of
-    /// the client's state goes with it from one to the next.
-    pub(super) link: Link,
-    /// Staging for client writes that pgcache assembles or rewrites.
-    pub out: BytesMut,
-    pub startup: Startup,
-    /// The first ReadyForQuery has been seen (authentication is over).
-    pub ready: bool,
-    pub pipeline: Pipeline,
-    pub tx: Transaction<(Box<Fill>, BytesMut)>,
-    pub batch: Batch,
-    /// What the session knows of itself: settings, plans, statements.
-    pub known: Known,
-    /// This database's cache state (a placeholder until logged in).
-    pub db: Arc<DbState>,
-    /// Invalidations applied locally, to send to Redis before the client
-    /// hears that its statement completed.
-    pub to_publish: Vec<Publication>,
-    /// The backend reported a FATAL error: its close is expected.
-    pub backend_fatal: bool,
-    /// The client sent Terminate: so is the backend's close that follows.
-    pub(super) client_ended: bool,
-    /// Databases pgcache let go of for a statement of this session that
-    /// needs them free, until it is answered.
-    pub(super) paused: Vec<Paused>,
-    draining: bool,
-    /// The backend's own cancel key, and the registration of ours.
-    pub(super) backend_key: Option<Arc<CancelTarget>>,
-    pub(super) cancel: Option<CancelGuard>,
+    /// Everything the session knows and decides.
+    pub(super) engine: Engine,
+    /// Transaction mode: the pool's lesson in how to log in, held until
+    /// this client's own login is over.
+    pub(super) learning: Option<tokio::sync::OwnedMutexGuard<()>>,
     /// The session's line in `SHOW CLIENTS`.
     pub(super) entry: ClientEntry,
     _gauge: ConnectionGauge,
@@ -112,42 +72,29 @@ where
         client: FramedStream<C>,
         (backend, backend_addr): (FramedStream<BackendStream>, UpstreamAddr),
         server: ServerBook,
-        link: Link,
+        (link, learning): (Link, Option<tokio::sync::OwnedMutexGuard<()>>),
         startup: Startup,
         entry: ClientEntry,
     ) -> Self {
         Self {
-            link,
-            caching: app.config().cache.enabled,
-            known: Known::new(app.policy()),
+            engine: Engine::new(
+                app.config().cache.enabled,
+                startup,
+                Known::new(app.policy()),
+                (link, server),
+                backend_addr,
+            ),
+            learning,
             _gauge: ConnectionGauge::new(&app),
             app,
             client,
             backend,
-            backend_addr,
-            server,
-            out: BytesMut::new(),
-            startup,
-            ready: false,
-            pipeline: Pipeline::default(),
-            tx: Transaction::default(),
-            batch: Batch::default(),
-            db: Arc::default(),
-            to_publish: Vec::new(),
-            backend_fatal: false,
-            client_ended: false,
-            paused: Vec::new(),
-            draining: false,
-            backend_key: None,
-            cancel: None,
             entry,
         }
     }
 
-    /// Logged in, outside a transaction block, and nothing asked of the
-    /// backend: pgcache may use the connection for itself.
     pub fn backend_idle(&self) -> bool {
-        self.ready && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
+        self.engine.backend_idle()
     }
 
     pub async fn run(
@@ -155,28 +102,28 @@ where
         startup_raw: &[u8],
         secret: Option<ClientSecret>,
     ) -> Result<(), SessionError> {
-        let logged_in = if self.server.reused {
+        let logged_in = if self.engine.server.reused {
             Ok(Flow::Continue) // its login frames are replayed by the relay
-        } else if self.link.is_pooled() && !self.attached() {
+        } else if self.engine.link.is_pooled() && !self.attached() {
             // pgcache logs in for the client on pooled connections.
             self.greet().await.map(|()| Flow::Continue)
         } else {
             let flow = self.log_in(startup_raw, secret).await;
-            if let Some(pool) = &self.link.pool
+            if let Some(pool) = &self.engine.link.pool
                 && matches!(flow, Ok(Flow::Continue))
             {
-                if self.server.trusted {
+                if self.engine.server.trusted {
                     pool.learn_trusted();
                 } else {
                     self.pin(crate::pool::marks::Pin::Password);
                 }
             }
-            self.link.learning = None;
+            self.learning = None;
             flow
         };
-        if let Some(checks) = &self.link.checks
+        if let Some(checks) = &self.engine.link.checks
             && matches!(logged_in, Ok(Flow::Continue))
-            && self.server.trusted
+            && self.engine.server.trusted
         {
             checks.learn_trusted();
         }
@@ -224,8 +171,8 @@ where
         let mut last_activity = tokio::time::Instant::now();
         loop {
             // Waiting on the client: logged in and nothing asked of the backend.
-            let waiting = self.ready && !self.pipeline.awaits_backend();
-            let deadline = timeouts.deadline(waiting, self.tx.status, last_activity);
+            let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
+            let deadline = timeouts.deadline(waiting, self.engine.tx.status, last_activity);
             let flow = tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => {
@@ -248,12 +195,12 @@ where
                     }
                     Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)) }
                 },
-                _ = shutdown.wait(Stage::Drain), if !self.draining => {
-                    self.draining = true;
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => {
+                    self.engine.draining = true;
                     self.close_if_drained().await
                 }
                 _ = sleep_until_or_never(deadline) => {
-                    let e = timeouts.error(self.tx.status);
+                    let e = timeouts.error(self.engine.tx.status);
                     info!(code = e.sqlstate(), "{e}");
                     self.close_with(&e).await;
                     Flow::Close
@@ -269,120 +216,57 @@ where
     }
 
     /// Relays every complete backend frame now buffered to the client,
-    /// teeing result frames into cache captures and swallowing the answers
-    /// to pgcache's own injected messages.
+    /// as the engine has it.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
-        let mut pos = 0;
-        let mut copied = 0; // buffered bytes before this are in `out` or dropped
-        let mut resend = BytesMut::new();
-        while let Some(len) = self
-            .backend
-            .frame_len_at(pos)
-            .map_err(|e| SessionError::BackendFrame(e.into()))?
-        {
-            let pooled = self.link.is_pooled();
-            if !pooled
-                && capture::plain(self.backend.buffered()[pos])
-                && let Some(end) = self.plain_run(pos)
-            {
-                pos = end;
-                continue;
-            }
-            if pooled {
-                let frame = &self.backend.buffered()[pos..pos + len];
-                let answer = self.link.on_server_frame(frame);
-                if !answer.to_client.is_empty() {
-                    // pgcache's answers in the server's place come next.
-                    let buf = self.backend.buffer_mut();
-                    let tail = buf.split_off(pos + len);
-                    buf.extend_from_slice(&answer.to_client);
-                    buf.extend_from_slice(&tail);
-                }
-                resend.extend_from_slice(&answer.to_server);
-                if answer.reply == Reply::Drop {
-                    self.out
-                        .extend_from_slice(&self.backend.buffered()[copied..pos]);
-                    copied = pos + len;
-                    pos += len;
-                    continue;
-                }
-            }
-            let cut = match self.backend.buffered()[pos] {
-                be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
-                    let body = self.backend.buffered()[pos + HEADER_LEN..pos + len].to_vec();
-                    let replacement = self.register_cancel_key(&body);
-                    self.out
-                        .extend_from_slice(&self.backend.buffered()[copied..pos]);
-                    self.out.extend_from_slice(&replacement);
-                    copied = pos + len;
-                    Cut::Keep
-                }
-                be::ERROR_RESPONSE => {
-                    let body = &self.backend.buffered()[pos + HEADER_LEN..pos + len];
-                    self.backend_fatal |= messages::is_fatal(body);
-                    self.on_response_frame(pos, len)
-                }
-                be::COPY_IN_RESPONSE => {
-                    self.pipeline.copy_in_started();
-                    self.on_response_frame(pos, len)
-                }
-                be::READY_FOR_QUERY => {
-                    let status = self
-                        .backend
-                        .buffered()
-                        .get(pos + HEADER_LEN)
-                        .and_then(|b| TxStatus::from_byte(*b));
-                    let keep = self.pipeline.front().is_none_or(|f| f.to_client);
-                    self.on_ready_for_query(status.unwrap_or(TxStatus::Idle));
-                    if keep { Cut::Keep } else { Cut::Drop }
-                }
-                _ => self.on_response_frame(pos, len),
-            };
-            if cut != Cut::Keep {
-                self.out
-                    .extend_from_slice(&self.backend.buffered()[copied..pos]);
-                copied = pos + len;
-                if let Cut::Replace(frame) = cut {
-                    self.out.extend_from_slice(frame);
-                }
-            }
-            pos += len;
-        }
-        if !resend.is_empty() {
+        let ctx = ctx(&self.app, &self.entry);
+        let relayed = self.engine.on_backend(&ctx, self.backend.buffer_mut())?;
+        if !relayed.resend.is_empty() {
             // A retry: the server is waiting for it.
             self.backend
-                .write_all(&resend)
+                .write_all(&relayed.resend)
                 .await
                 .map_err(SessionError::BackendIo)?;
         }
-        if pos > 0 {
-            self.publish_invalidations().await;
-            self.relay_to_client(pos, copied).await?;
+        self.carry_out().await;
+        if relayed.end > 0 {
+            self.relay_to_client(relayed.end, relayed.from).await?;
         }
         self.backend.shrink_if_empty();
-        if self.draining {
+        if self.engine.draining {
             return Ok(self.close_if_drained().await);
         }
         self.detach_if_idle().await?;
         Ok(Flow::Continue)
     }
 
+    /// Does what the engine asked for, in order.
+    pub(super) async fn carry_out(&mut self) {
+        for action in std::mem::take(&mut self.engine.actions) {
+            match action {
+                Action::Publish(publication) => publication.send().await,
+                Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
+                Action::Watch => self.app.streams.ensure(&self.engine.db),
+            }
+        }
+    }
+
     /// Writes the first `pos` buffered backend bytes to the client: as they
     /// are when nothing was rewritten, else after what was staged in `out`.
     async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
-        let sent = pos - copied + self.out.len();
+        let sent = pos - copied + self.engine.out.len();
         self.app.metrics.client_bytes_out.inc_by(sent as u64);
-        let result = if self.out.is_empty() && copied == 0 {
+        let result = if self.engine.out.is_empty() && copied == 0 {
             self.client.write_all(&self.backend.buffered()[..pos]).await
         } else {
-            self.out
+            self.engine
+                .out
                 .extend_from_slice(&self.backend.buffered()[copied..pos]);
-            let r = if self.out.is_empty() {
+            let r = if self.engine.out.is_empty() {
                 Ok(())
             } else {
-                self.client.write_all(&self.out).await
+                self.client.write_all(&self.engine.out).await
             };
-            self.out.clear();
+            self.engine.out.clear();
             r
         };
         self.backend.consume(pos);
@@ -393,38 +277,10 @@ where
         Ok(())
     }
 
-    /// Hands the client the backend's process id with pgcache's own secret
-    /// (see [`crate::cancel`]).
-    fn register_cancel_key(&mut self, body: &[u8]) -> BytesMut {
-        let mut p = 0;
-        let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
-        let target = Arc::new(CancelTarget {
-            addr: self.backend_addr.clone(),
-            backend_pid,
-            backend_secret: body[4..].to_vec(),
-        });
-        self.backend_key = Some(Arc::clone(&target));
-        if self.link.is_pooled() {
-            // The connection the client logged in on, for now: the client
-            // gets a key of pgcache's that follows it to the next one.
-            let (pid, secret, guard) = self.app.cancel.register_pooled();
-            guard.retarget(Some(target));
-            self.cancel = Some(guard);
-            return messages::backend_key_data(pid, &secret);
-        }
-        self.entry.client.own(backend_pid);
-        let (pid, secret, guard) = self
-            .app
-            .cancel
-            .register((*target).clone(), ClientPid::Backend);
-        self.cancel = Some(guard);
-        messages::backend_key_data(pid, &secret)
-    }
-
     /// Relays every complete client frame now buffered to the backend.
     pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
         let mut flow = Flow::Continue;
-        if !self.caching {
+        if !self.engine.caching {
             // Pure pass-through: forward whole runs of frames without copying.
             let mut pos = 0;
             let mut violation = None;
@@ -432,22 +288,23 @@ where
                 match self.client.frame_len_at(pos) {
                     Ok(Some(len)) => {
                         let tag = self.client.buffered()[pos];
-                        let pooled = self.link.is_pooled();
-                        if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE)
+                        let pooled = self.engine.link.is_pooled();
+                        if (self.engine.server.pooling || pooled)
+                            && (tag == fe::QUERY || tag == fe::PARSE)
                         {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
-                            let marks = self.known.body_marks(sql);
+                            let marks = self.engine.known.body_marks(sql);
                             self.note_marks(marks);
                         } else if tag == fe::FUNCTION_CALL {
-                            self.link.state_dirty = true;
+                            self.engine.link.state_dirty = true;
                         } else if tag == fe::TERMINATE {
-                            self.client_ended = true;
+                            self.engine.client_ended = true;
                             if self.hand_back() || pooled {
                                 flow = Flow::Close;
                                 break;
                             }
                         }
-                        flow = self.pipeline.note_client_frame(tag);
+                        flow = self.engine.pipeline.note_client_frame(tag);
                         pos += len;
                     }
                     Ok(None) => break,
@@ -458,10 +315,11 @@ where
                 }
             }
             if pos > 0 {
-                if self.link.is_pooled() {
+                if self.engine.link.is_pooled() {
                     // Staged for translation, and to fail together with
                     // the requests they make if no connection comes.
-                    self.pipeline
+                    self.engine
+                        .pipeline
                         .to_backend
                         .extend_from_slice(&self.client.buffered()[..pos]);
                     self.client.consume(pos);
@@ -503,38 +361,38 @@ where
 
     /// Writes what pgcache staged in `out` to the client.
     pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
-        if self.out.is_empty() {
+        if self.engine.out.is_empty() {
             return Ok(());
         }
-        let r = self.client.write_all(&self.out).await;
-        self.out.clear();
+        let r = self.client.write_all(&self.engine.out).await;
+        self.engine.out.clear();
         r.map_err(SessionError::ClientIo)
     }
 
     /// Writes the queued client frames to the backend, taking a pooled
     /// connection first if the session holds none.
     async fn flush_backend(&mut self) -> Result<(), SessionError> {
-        if !self.pipeline.to_backend.is_empty() && !self.attached() {
+        if !self.engine.pipeline.to_backend.is_empty() && !self.attached() {
             match self.attach(true).await {
                 Ok(()) => {}
-                Err(SessionError::Pool(e)) if !self.pipeline.unsynced => {
+                Err(SessionError::Pool(e)) if !self.engine.pipeline.unsynced => {
                     return self.fail_unsent(&e).await;
                 }
                 Err(e) => return Err(e),
             }
         }
-        if self.link.is_pooled() && !self.pipeline.to_backend.is_empty() {
-            let queued = std::mem::take(&mut self.pipeline.to_backend);
+        if self.engine.link.is_pooled() && !self.engine.pipeline.to_backend.is_empty() {
+            let queued = std::mem::take(&mut self.engine.pipeline.to_backend);
             let max = self.knobs().max_prepared;
             // Both buffers keep their memory from one flush to the next.
-            let mut out = std::mem::take(&mut self.link.scratch);
-            let idle = self.tx.status == TxStatus::Idle;
-            let answers = self.link.translate(&queued, max, idle, &mut out);
-            self.pipeline.to_backend = queued;
-            self.pipeline.to_backend.clear();
+            let mut out = std::mem::take(&mut self.engine.link.scratch);
+            let idle = self.engine.tx.status == TxStatus::Idle;
+            let answers = self.engine.link.translate(&queued, max, idle, &mut out);
+            self.engine.pipeline.to_backend = queued;
+            self.engine.pipeline.to_backend.clear();
             let r = self.backend.write_all(&out).await;
             out.clear();
-            self.link.scratch = out;
+            self.engine.link.scratch = out;
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
                 // Nothing was owed before them: as if they had arrived.
@@ -547,7 +405,7 @@ where
             }
             return Ok(());
         }
-        let queued = &mut self.pipeline.to_backend;
+        let queued = &mut self.engine.pipeline.to_backend;
         if !queued.is_empty() {
             let r = self.backend.write_all(queued).await;
             queued.clear();
@@ -568,12 +426,12 @@ where
     ) -> Result<(), SessionError> {
         tracing::info!(code = error.sqlstate(), "{error}");
         let mut out = BytesMut::new();
-        for request in self.pipeline.drop_unsent() {
+        for request in self.engine.pipeline.drop_unsent() {
             for name in &request.parsed {
-                self.known.statements.remove(name);
+                self.engine.known.statements.remove(name);
             }
             messages::error_response(&mut out, "ERROR", error.sqlstate(), &error.to_string());
-            out.extend_from_slice(&messages::ready_for_query(self.tx.status));
+            out.extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
         }
         self.client
             .write_all(&out)
@@ -582,7 +440,7 @@ where
     }
 
     async fn close_if_drained(&mut self) -> Flow {
-        if !self.backend_idle() || self.batch.holds() {
+        if !self.backend_idle() || self.engine.batch.holds() {
             return Flow::Continue;
         }
         let e = SessionError::refused(
@@ -620,7 +478,7 @@ where
     /// The backend closed or failed: tell the client, unless the backend's
     /// own FATAL error already did.
     pub(super) async fn backend_lost(&mut self, error: Option<std::io::Error>) {
-        if self.backend_fatal || self.client_ended {
+        if self.engine.backend_fatal || self.engine.client_ended {
             return;
         }
         let error = error.unwrap_or_else(|| {
@@ -639,10 +497,10 @@ where
     /// The client went away: stop whatever the backend is still doing for
     /// it, then close the backend connection.
     async fn client_gone(&mut self) {
-        if self.pipeline.len() > 0 {
+        if self.engine.pipeline.len() > 0 {
             // A backend busy with a long query would not notice the closed
             // socket until it writes; cancel it so it is freed now.
-            if let Some(target) = self.backend_key.clone() {
+            if let Some(target) = self.engine.backend_key.clone() {
                 let app = Arc::clone(&self.app);
                 tokio::spawn(async move {
                     let _ = crate::backend::send_cancel(
@@ -661,11 +519,23 @@ where
     /// The session ends: its backend is told, unless it is a pooled
     /// connection that goes back to its pool ([`Self::release_at_end`]).
     async fn end_backend(&mut self) {
-        if self.link.lease().is_some() && self.backend_idle() && self.link.pinned.is_none() {
+        if self.engine.link.lease().is_some()
+            && self.backend_idle()
+            && self.engine.link.pinned.is_none()
+        {
             return;
         }
         let _ = self.backend.write_all(&messages::TERMINATE).await;
         self.drop_backend();
+    }
+}
+
+/// What the engine reads with an event, now.
+pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
+    Ctx {
+        app,
+        client: &entry.client,
+        now: std::time::Instant::now(),
     }
 }
 

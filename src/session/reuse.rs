@@ -78,13 +78,13 @@ where
     /// parked connections are closed before a database-level statement
     /// goes out.
     pub(super) fn note_marks(&mut self, marks: Marks) {
-        self.server.tainted |= marks.taints;
+        self.engine.server.tainted |= marks.taints;
         if marks.evicts {
             self.app.pool.evict_all();
         }
-        if self.link.is_pooled() {
-            self.link.state_dirty |= marks.settings;
-            self.link.schema_changes |= marks.schema;
+        if self.engine.link.is_pooled() {
+            self.engine.link.state_dirty |= marks.settings;
+            self.engine.link.schema_changes |= marks.schema;
             if let Some(why) = marks.pin {
                 self.pin(why);
             }
@@ -94,41 +94,44 @@ where
     /// At the client's Terminate: true if the connection is kept for the
     /// pool, in which case the Terminate is not forwarded.
     pub(super) fn hand_back(&mut self) -> bool {
-        self.server.handed_back = self.server.pooling
-            && !self.server.tainted
+        self.engine.server.handed_back = self.engine.server.pooling
+            && !self.engine.server.tainted
             && self.backend_idle()
-            && !self.batch.holds()
+            && !self.engine.batch.holds()
             && !self.app.drain.is_cancelled();
-        self.server.handed_back
+        self.engine.server.handed_back
     }
 
     /// A statement may have changed the session's settings: they are read
     /// again before the next cacheable read.
     pub(super) fn settings_may_have_changed(&mut self) {
-        self.known.prefix = None;
-        self.server.login_state = false;
-        self.link.state_dirty = true;
+        self.engine.known.prefix = None;
+        self.engine.server.login_state = false;
+        self.engine.link.state_dirty = true;
     }
 
     /// The backend connection, if this session handed it back clean.
     pub fn into_server(self) -> Option<Server> {
-        if self.server.pooling && self.server.tainted {
+        if self.engine.server.pooling && self.engine.server.tainted {
             self.app.metrics.pool.closed_tainted.inc();
         }
-        if !self.server.handed_back || self.backend_fatal || !self.backend.buffered().is_empty() {
+        if !self.engine.server.handed_back
+            || self.engine.backend_fatal
+            || !self.backend.buffered().is_empty()
+        {
             return None;
         }
-        let key = self.backend_key?;
+        let key = self.engine.backend_key?;
         let mut key_data = key.backend_pid.to_be_bytes().to_vec();
         key_data.extend_from_slice(&key.backend_secret);
         Some(Server {
             stream: self.backend,
-            addr: self.backend_addr,
-            statuses: self.server.statuses,
+            addr: self.engine.backend_addr,
+            statuses: self.engine.server.statuses,
             key_data,
-            trusted: self.server.trusted,
-            born: self.server.born,
-            login_settings: self.server.login_settings,
+            trusted: self.engine.server.trusted,
+            born: self.engine.server.born,
+            login_settings: self.engine.server.login_settings,
         })
     }
 }

@@ -1,0 +1,315 @@
+//! The backend's answers, as the cache sees them: result frames teed into
+//! captures, and each ReadyForQuery completing the oldest request in flight
+//! (its invalidations applied, its result stored).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tracing::warn;
+
+use super::{Action, Ctx, Engine};
+use crate::cache::Bumps;
+use crate::cache::stats::QueryStats;
+use crate::cancel::{CancelTarget, ClientPid};
+use crate::pool::prepared::Reply;
+use crate::protocol::codec::{HEADER_LEN, parse_frame, read_i32};
+use crate::protocol::{TxStatus, backend as be, messages};
+use crate::session::SessionError;
+use crate::session::capture::{self, Captured};
+use crate::session::row_limit::Cut;
+
+/// The backend is trusted; this only stops a corrupt length from allocating
+/// without bound. PostgreSQL's own rows are at most 1 GiB.
+pub(in crate::session) const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
+
+/// What became of the backend's buffered frames ([`Engine::on_backend`]).
+#[derive(Debug, Default)]
+pub(in crate::session) struct Relayed {
+    /// The buffer's first `end` bytes were handled.
+    pub end: usize,
+    /// The client gets the engine's staged bytes, then `buf[from..end]`:
+    /// what was not rewritten goes out without a copy.
+    pub from: usize,
+    /// To send the backend again (a retried request).
+    pub resend: BytesMut,
+}
+
+impl Engine {
+    /// Every complete backend frame in `buf`: result frames teed into
+    /// captures, the answers to pgcache's own requests swallowed, cancel
+    /// keys replaced, and each ReadyForQuery completing its request.
+    pub fn on_backend(&mut self, ctx: &Ctx, buf: &mut BytesMut) -> Result<Relayed, SessionError> {
+        let mut pos = 0;
+        let mut copied = 0; // buffered bytes before this are in `out` or dropped
+        let mut resend = BytesMut::new();
+        let pooled = self.link.is_pooled();
+        while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
+            .map_err(|e| SessionError::BackendFrame(e.into()))?
+        {
+            if !pooled
+                && capture::plain(buf[pos])
+                && let Some(end) = self.plain_run(ctx, buf, pos)
+            {
+                pos = end;
+                continue;
+            }
+            if pooled {
+                let answer = self.link.on_server_frame(&buf[pos..pos + len]);
+                if !answer.to_client.is_empty() {
+                    // pgcache's answers in the server's place come next.
+                    let tail = buf.split_off(pos + len);
+                    buf.extend_from_slice(&answer.to_client);
+                    buf.extend_from_slice(&tail);
+                }
+                resend.extend_from_slice(&answer.to_server);
+                if answer.reply == Reply::Drop {
+                    self.out.extend_from_slice(&buf[copied..pos]);
+                    copied = pos + len;
+                    pos += len;
+                    continue;
+                }
+            }
+            let frame = &buf[pos..pos + len];
+            let cut = match frame[0] {
+                be::BACKEND_KEY_DATA if len >= HEADER_LEN + 8 => {
+                    let replacement = self.register_cancel_key(ctx, &frame[HEADER_LEN..]);
+                    self.out.extend_from_slice(&buf[copied..pos]);
+                    self.out.extend_from_slice(&replacement);
+                    copied = pos + len;
+                    Cut::Keep
+                }
+                be::ERROR_RESPONSE => {
+                    self.backend_fatal |= messages::is_fatal(&frame[HEADER_LEN..]);
+                    self.on_response_frame(ctx, frame)
+                }
+                be::COPY_IN_RESPONSE => {
+                    self.pipeline.copy_in_started();
+                    self.on_response_frame(ctx, frame)
+                }
+                be::READY_FOR_QUERY => {
+                    let status = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b));
+                    let keep = self.pipeline.front().is_none_or(|f| f.to_client);
+                    self.on_ready_for_query(ctx, status.unwrap_or(TxStatus::Idle));
+                    if keep { Cut::Keep } else { Cut::Drop }
+                }
+                _ => self.on_response_frame(ctx, frame),
+            };
+            if cut != Cut::Keep {
+                self.out.extend_from_slice(&buf[copied..pos]);
+                copied = pos + len;
+                if let Cut::Replace(frame) = cut {
+                    self.out.extend_from_slice(frame);
+                }
+            }
+            pos += len;
+        }
+        Ok(Relayed {
+            end: pos,
+            from: copied,
+            resend,
+        })
+    }
+
+    /// Hands the client the backend's process id with pgcache's own secret
+    /// (see [`crate::cancel`]).
+    fn register_cancel_key(&mut self, ctx: &Ctx, body: &[u8]) -> BytesMut {
+        let mut p = 0;
+        let backend_pid = read_i32(body, &mut p).unwrap_or(0) as u32;
+        let target = Arc::new(CancelTarget {
+            addr: self.backend_addr.clone(),
+            backend_pid,
+            backend_secret: body[4..].to_vec(),
+        });
+        self.backend_key = Some(Arc::clone(&target));
+        if self.link.is_pooled() {
+            // The connection the client logged in on, for now: the client
+            // gets a key of pgcache's that follows it to the next one.
+            let (pid, secret, guard) = ctx.app.cancel.register_pooled();
+            guard.retarget(Some(target));
+            self.cancel = Some(guard);
+            return messages::backend_key_data(pid, &secret);
+        }
+        ctx.client.own(backend_pid);
+        let (pid, secret, guard) = ctx
+            .app
+            .cancel
+            .register((*target).clone(), ClientPid::Backend);
+        self.cancel = Some(guard);
+        messages::backend_key_data(pid, &secret)
+    }
+
+    /// A response frame (not ReadyForQuery) for the oldest request in
+    /// flight. Returns what the client is sent of it.
+    fn on_response_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> Cut {
+        let tag = frame[0];
+        if tag == be::PARAMETER_STATUS {
+            // The ones before the first ReadyForQuery are the login's own,
+            // and pgcache's own requests (a pooled connection taking the
+            // client's settings) change nothing of the client's.
+            let own = self.pipeline.front().is_some_and(|f| !f.to_client);
+            if self.ready && !own {
+                self.known.prefix = None;
+                self.server.login_state = false;
+                self.link.state_dirty = true;
+            }
+            self.server.statuses.note(frame);
+        }
+        let max = ctx.app.cache.local.max_entry_bytes();
+        let Some(front) = self.pipeline.front_mut() else {
+            return Cut::Keep;
+        };
+        if !front.to_client {
+            // pgcache's own request: a refresh keeps its answer, nobody
+            // else sees it.
+            if let Some(cap) = &mut front.capture {
+                cap.add(frame, max);
+            }
+            return if matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS) {
+                Cut::Keep
+            } else {
+                Cut::Drop
+            };
+        }
+        match tag {
+            be::NOTIFICATION => return Cut::Keep,
+            be::ERROR_RESPONSE => {
+                front.failed = true;
+                self.tx.error();
+            }
+            be::COMMAND_COMPLETE => self.tx.command_complete(&frame[HEADER_LEN..]),
+            _ => {}
+        }
+        if let Some(cap) = &mut front.capture {
+            cap.add(frame, max);
+        }
+        match &mut front.row_cut {
+            Some(cut) => cut.frame(tag),
+            None => Cut::Keep,
+        }
+    }
+
+    /// From `pos`, a run of plain frames (see [`capture::plain`]) of the
+    /// request in front, when a capture takes them and nothing else looks
+    /// at them: handed to the capture in one piece rather than frame by
+    /// frame (a would-be hit's rows are compared with one comparison).
+    /// Returns where the run ends.
+    fn plain_run(&mut self, ctx: &Ctx, buf: &[u8], pos: usize) -> Option<usize> {
+        let front = self.pipeline.front_mut()?;
+        if !front.to_client || front.row_cut.is_some() {
+            return None;
+        }
+        let capture = front.capture.as_mut()?;
+        let mut end = pos;
+        while let Ok(Some(len)) = parse_frame(&buf[end..], MAX_BACKEND_FRAME) {
+            if !capture::plain(buf[end]) {
+                break;
+            }
+            end += len;
+        }
+        if end == pos {
+            return None;
+        }
+        let max = ctx.app.cache.local.max_entry_bytes();
+        capture.add_plain(&buf[pos..end], max);
+        Some(end)
+    }
+
+    /// ReadyForQuery: the oldest request is complete. Applies its effects,
+    /// stores its capture, and closes the transaction's books when it ends.
+    pub fn on_ready_for_query(&mut self, ctx: &Ctx, status: TxStatus) {
+        if !self.ready {
+            // Logged in: only now does the database get shared state, so
+            // clients naming made-up databases cannot grow the registry.
+            self.db = ctx.app.cache.db(self.startup.database());
+            self.link
+                .translator
+                .follow(Arc::clone(&self.db.versions.schema));
+            if self.caching {
+                self.actions.push(Action::Watch);
+            }
+            self.ready = true;
+        }
+        tracing::trace!(?status, inflight = self.pipeline.len(), "ready for query");
+        if self.link.schema_changes && status == TxStatus::Idle {
+            // Before the client hears the DDL is done.
+            self.link.schema_changes = false;
+            self.db.versions.schema_changed();
+        }
+        let (effects, result) = match self.pipeline.pop() {
+            Some(done) => {
+                if done.failed {
+                    for name in &done.parsed {
+                        self.known.statements.remove(name);
+                    }
+                }
+                let captured = done
+                    .capture
+                    .filter(|_| !done.failed)
+                    .and_then(|cap| cap.finish());
+                let mut result = None;
+                let mut would_hit = None;
+                match captured {
+                    Some(Captured::Store(fill, bytes)) => {
+                        let size = bytes.len();
+                        result = Some(((fill, bytes), size));
+                    }
+                    Some(Captured::Compared { matched }) => would_hit = Some(matched),
+                    Some(Captured::Verified(check, answer)) => {
+                        check.judge(&ctx.app.cache, &answer, ctx.now);
+                    }
+                    None => {}
+                }
+                if let Some((stats, started)) = &done.timing {
+                    let took = ctx.now.saturating_duration_since(*started);
+                    match would_hit {
+                        Some(matched) => shadow_checked(ctx, stats, took, matched),
+                        None => {
+                            stats.miss(took);
+                            ctx.app.metrics.latency_miss.observe(took.as_secs_f64());
+                        }
+                    }
+                }
+                (done.effects, result)
+            }
+            None => (Bumps::default(), None),
+        };
+        if self.pipeline.is_quiet() {
+            // The statements that needed databases free are answered.
+            self.paused.clear();
+        }
+        let completion = self.tx.complete(status, effects, result);
+        if let Some(private) = &completion.private {
+            self.db.apply_local(private);
+        }
+        for bumps in completion.visible {
+            self.invalidate(ctx, bumps);
+        }
+        for (fill, bytes) in completion.store {
+            self.actions.push(Action::Store(fill, bytes));
+        }
+    }
+
+    /// Applies invalidations others can now see: the local counters at
+    /// once; Redis (and every other instance) before the client is told
+    /// the statement completed ([`Action::Publish`]).
+    fn invalidate(&mut self, ctx: &Ctx, bumps: Bumps) {
+        let source = &ctx.app.metrics.invalidations.write;
+        let publication = ctx.app.cache.invalidate(&self.db, bumps, source);
+        self.actions.push(Action::Publish(publication));
+    }
+}
+
+/// Shadow mode: a would-be hit was forwarded and PostgreSQL answered
+/// in `took`; `matched` says whether the stored answer was the same.
+fn shadow_checked(ctx: &Ctx, stats: &QueryStats, took: Duration, matched: bool) {
+    stats.would_hit(took, matched);
+    let m = &ctx.app.metrics;
+    m.shadow_saved.inc_by(took.as_secs_f64());
+    if matched {
+        m.shadow_match.inc();
+    } else {
+        m.shadow_mismatch.inc();
+        warn!(query = %stats.text, "shadow mode: the cache would have served an answer PostgreSQL no longer gives");
+    }
+}

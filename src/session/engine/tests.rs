@@ -1,0 +1,311 @@
+//! The engine fed in memory: backend frames in, what the client is sent
+//! and what the driver is asked to do out. No socket, no runtime.
+
+use std::path::Path;
+use std::time::Instant;
+
+use bytes::{BufMut, BytesMut};
+
+use super::{Action, Ctx, Engine};
+use crate::App;
+use crate::cache::Fill;
+use crate::config::Config;
+use crate::pool::clients::{Arrival, ClientEntry};
+use crate::protocol::startup::Startup;
+use crate::protocol::{TxStatus, backend as be, messages};
+use crate::session::capture::Capture;
+use crate::session::known::Known;
+use crate::session::link::Link;
+use crate::session::pipeline::Inflight;
+use crate::session::reuse::ServerBook;
+use crate::session::row_limit::{PORTAL_SUSPENDED, RowCut};
+use crate::upstream::UpstreamAddr;
+
+/// An engine and what it reads: a pgcache of its own, never started.
+struct Rig {
+    app: App,
+    entry: ClientEntry,
+    engine: Engine,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let config = Config::from_toml("", Path::new("test")).expect("empty config");
+        let app = App::new(config).expect("app");
+        let startup = Startup {
+            version: 196_608,
+            params: vec![
+                ("user".into(), "alice".into()),
+                ("database".into(), "shop".into()),
+            ],
+        };
+        let engine = Engine::new(
+            true,
+            startup,
+            Known::new(app.policy()),
+            (Link::session(), ServerBook::new(false)),
+            UpstreamAddr::Tcp {
+                host: "db".into(),
+                port: 5432,
+            },
+        );
+        let entry = app.clients.register(Arrival {
+            user: "alice",
+            database: "shop",
+            addr: "127.0.0.1:1".parse().expect("address"),
+            tls: false,
+            application_name: "",
+        });
+        Self { app, entry, engine }
+    }
+
+    /// Logged in: the login's ReadyForQuery was seen.
+    fn logged_in() -> Self {
+        let mut rig = Self::new();
+        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        assert_eq!(sent, rfq(TxStatus::Idle));
+        rig.engine.actions.clear();
+        rig
+    }
+
+    /// Feeds the backend's frames; returns the bytes the client is sent.
+    fn backend(&mut self, frames: &[Vec<u8>]) -> Vec<u8> {
+        let mut buf = BytesMut::new();
+        for f in frames {
+            buf.extend_from_slice(f);
+        }
+        let ctx = Ctx {
+            app: &self.app,
+            client: &self.entry.client,
+            now: Instant::now(),
+        };
+        let relayed = self.engine.on_backend(&ctx, &mut buf).expect("frames");
+        assert_eq!(relayed.end, buf.len(), "every complete frame is handled");
+        let mut sent = std::mem::take(&mut self.engine.out).to_vec();
+        sent.extend_from_slice(&buf[relayed.from..relayed.end]);
+        sent
+    }
+
+    /// A forwarded read whose answer is to be stored under `key`.
+    fn miss(&mut self, key: u128) {
+        self.engine.pipeline.push(Inflight {
+            capture: Some(Capture::new(Fill::local_only(key))),
+            ..Inflight::default()
+        });
+    }
+
+    /// The keys the driver is asked to store, in order.
+    fn stored(&mut self) -> Vec<(u128, Vec<u8>)> {
+        self.engine
+            .actions
+            .drain(..)
+            .filter_map(|a| match a {
+                Action::Store(fill, bytes) => Some((fill.local_key()?, bytes.to_vec())),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = BytesMut::new();
+    f.put_u8(tag);
+    f.put_i32(4 + body.len() as i32);
+    f.put_slice(body);
+    f.to_vec()
+}
+
+fn rfq(status: TxStatus) -> Vec<u8> {
+    messages::ready_for_query(status).to_vec()
+}
+
+fn row(value: &str) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_i16(1);
+    body.put_i32(value.len() as i32);
+    body.put_slice(value.as_bytes());
+    frame(be::DATA_ROW, &body)
+}
+
+fn complete(tag: &str) -> Vec<u8> {
+    frame(be::COMMAND_COMPLETE, format!("{tag}\0").as_bytes())
+}
+
+fn error(code: &str) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    messages::error_response(&mut out, "ERROR", code, "no");
+    out.to_vec()
+}
+
+fn description() -> Vec<u8> {
+    frame(be::ROW_DESCRIPTION, &[0, 0])
+}
+
+#[test]
+fn logging_in_watches_the_database_once() {
+    let mut rig = Rig::new();
+    rig.backend(&[rfq(TxStatus::Idle)]);
+    assert!(rig.engine.ready);
+    assert!(matches!(rig.engine.actions.as_slice(), [Action::Watch]));
+    rig.engine.actions.clear();
+    rig.backend(&[rfq(TxStatus::Idle)]);
+    assert!(rig.engine.actions.is_empty());
+}
+
+#[test]
+fn a_complete_answer_is_stored_at_its_ready_for_query_and_relayed_as_it_is() {
+    let mut rig = Rig::logged_in();
+    rig.miss(7);
+    let answer = [description(), row("a"), row("b"), complete("SELECT 2")];
+    let sent = rig.backend(&answer);
+    assert_eq!(sent, answer.concat());
+    assert!(rig.stored().is_empty(), "nothing before ReadyForQuery");
+    let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+    assert_eq!(sent, rfq(TxStatus::Idle));
+    assert_eq!(rig.stored(), vec![(7, answer.concat())]);
+    assert!(rig.engine.pipeline.is_quiet());
+}
+
+#[test]
+fn a_failed_answer_is_not_stored() {
+    let mut rig = Rig::logged_in();
+    rig.miss(7);
+    let sent = rig.backend(&[description(), row("a"), error("57014"), rfq(TxStatus::Idle)]);
+    assert!(sent.ends_with(&rfq(TxStatus::Idle)));
+    assert!(rig.stored().is_empty());
+}
+
+#[test]
+fn an_answer_with_a_notice_is_relayed_but_not_stored() {
+    let mut rig = Rig::logged_in();
+    rig.miss(7);
+    let mut notice = BytesMut::new();
+    messages::notice_response(&mut notice, "NOTICE", "00000", "hello");
+    let answer = [description(), notice.to_vec(), complete("SELECT 0")];
+    let sent = rig.backend(&[answer.concat(), rfq(TxStatus::Idle)]);
+    assert_eq!(sent, [answer.concat(), rfq(TxStatus::Idle)].concat());
+    assert!(rig.stored().is_empty());
+}
+
+#[test]
+fn a_row_limited_answer_is_cut_for_the_client_and_stored_whole() {
+    let mut rig = Rig::logged_in();
+    // Execute(1) went out as Execute(2), and the portal completed.
+    rig.engine.pipeline.push(Inflight {
+        capture: Some(Capture::new(Fill::local_only(9))),
+        row_cut: Some(RowCut::new(1)),
+        ..Inflight::default()
+    });
+    let answer = [row("a"), complete("SELECT 1")];
+    let sent = rig.backend(&[answer.concat(), rfq(TxStatus::Idle)]);
+    assert_eq!(
+        sent,
+        [row("a"), PORTAL_SUSPENDED.to_vec(), rfq(TxStatus::Idle)].concat()
+    );
+    assert_eq!(rig.stored(), vec![(9, answer.concat())]);
+}
+
+#[test]
+fn a_suspended_portal_is_not_stored() {
+    let mut rig = Rig::logged_in();
+    rig.miss(7);
+    let sent = rig.backend(&[row("a"), PORTAL_SUSPENDED.to_vec(), rfq(TxStatus::Idle)]);
+    assert!(sent.starts_with(&row("a")));
+    assert!(rig.stored().is_empty());
+}
+
+#[test]
+fn the_answers_to_pgcaches_own_requests_reach_nobody() {
+    let mut rig = Rig::logged_in();
+    rig.engine.pipeline.push_hidden(Inflight::hidden(None));
+    rig.engine.pipeline.push(Inflight::default());
+    let status = frame(be::PARAMETER_STATUS, b"TimeZone\0UTC\0");
+    let sent = rig.backend(&[
+        description(),
+        row("secret"),
+        status.clone(),
+        complete("SELECT 1"),
+        rfq(TxStatus::Idle),
+        complete("SET"),
+        rfq(TxStatus::Idle),
+    ]);
+    // A setting the server reports is the client's to know.
+    assert_eq!(
+        sent,
+        [status, complete("SET"), rfq(TxStatus::Idle)].concat()
+    );
+}
+
+#[test]
+fn a_fill_inside_a_transaction_waits_for_the_commit_and_a_rollback_drops_it() {
+    for (end, kept) in [("COMMIT", true), ("ROLLBACK", false)] {
+        let mut rig = Rig::logged_in();
+        rig.engine.tx.begin(false);
+        rig.engine.pipeline.push(Inflight::default());
+        rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
+        rig.miss(7);
+        rig.backend(&[row("a"), complete("SELECT 1"), rfq(TxStatus::InTransaction)]);
+        assert!(rig.stored().is_empty(), "{end}: stored before the end");
+        rig.engine.pipeline.push(Inflight::default());
+        rig.backend(&[complete(end), rfq(TxStatus::Idle)]);
+        assert_eq!(!rig.stored().is_empty(), kept, "{end}");
+    }
+}
+
+#[test]
+fn a_fatal_error_is_noted_so_the_close_that_follows_is_expected() {
+    let mut rig = Rig::logged_in();
+    rig.engine.pipeline.push(Inflight::default());
+    let mut fatal = BytesMut::new();
+    messages::error_response(&mut fatal, "FATAL", "57P01", "terminating");
+    assert!(!rig.engine.backend_fatal);
+    rig.backend(&[fatal.to_vec()]);
+    assert!(rig.engine.backend_fatal);
+}
+
+#[test]
+fn the_backends_cancel_key_is_replaced_by_one_of_pgcaches() {
+    let mut rig = Rig::new();
+    let mut body = BytesMut::new();
+    body.put_u32(4242);
+    body.put_u32(0xdead_beef);
+    let key = frame(be::BACKEND_KEY_DATA, &body);
+    let sent = rig.backend(&[key.clone(), rfq(TxStatus::Idle)]);
+    assert_eq!(sent.len(), key.len() + 6);
+    assert_ne!(
+        &sent[..key.len()],
+        &key[..],
+        "the backend's secret never reaches the client"
+    );
+    let target = rig
+        .engine
+        .backend_key
+        .as_ref()
+        .expect("the backend's key is kept");
+    assert_eq!(target.backend_pid, 4242);
+    assert!(rig.engine.cancel.is_some(), "pgcache's key is registered");
+    let pid = u32::from_be_bytes(sent[5..9].try_into().unwrap());
+    let found = rig.app.cancel.lookup(pid, &sent[9..key.len()]);
+    assert_eq!(found.map(|t| t.backend_pid), Some(4242));
+}
+
+#[test]
+fn a_partial_frame_waits_for_the_rest() {
+    let mut rig = Rig::logged_in();
+    rig.miss(7);
+    let whole = [row("a"), complete("SELECT 1"), rfq(TxStatus::Idle)].concat();
+    let cut = whole.len() - 3;
+    let mut buf = BytesMut::from(&whole[..cut]);
+    let ctx = Ctx {
+        app: &rig.app,
+        client: &rig.entry.client,
+        now: Instant::now(),
+    };
+    let relayed = rig.engine.on_backend(&ctx, &mut buf).expect("frames");
+    assert_eq!(
+        relayed.end,
+        whole.len() - 6,
+        "the ReadyForQuery is incomplete"
+    );
+    assert!(rig.stored().is_empty());
+}
