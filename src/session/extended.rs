@@ -137,7 +137,7 @@ where
             .and_then(|(p, _)| self.engine.known.portal(p).cloned());
         let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
             self.engine.batch.effects.merge(&Bumps::opaque());
-            self.settings_may_have_changed();
+            self.engine.settings_may_have_changed();
             self.engine.tx.wrote();
             return Ok(false);
         };

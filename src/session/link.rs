@@ -16,21 +16,12 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::debug;
 
-use super::SessionError;
-use super::pipeline::Inflight;
-use super::relay::Session;
-use crate::backend::BackendStream;
 use crate::invalidation::control::quote_literal;
-use crate::pool::clients::Activity;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool, PoolError};
 use crate::protocol::startup::Startup;
-use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, messages};
 
 /// [`crate::pool::transaction::Pooled::state`] of a connection left in a
 /// state pgcache did not read.
@@ -41,7 +32,7 @@ pub(super) const UNKNOWN_STATE: u64 = u64::MAX;
 pub(super) struct ClientState {
     /// Name and value; `session_authorization` and `role` first, as they
     /// reset what follows.
-    settings: Vec<(String, String)>,
+    pub(super) settings: Vec<(String, String)>,
     /// Identifies the settings: 0 for none (a connection as it logged in).
     pub id: u64,
 }
@@ -49,7 +40,7 @@ pub(super) struct ClientState {
 /// Reads a session's settings back, on the connection it changed them on.
 /// Startup parameters show as `client` on a connection that logged in with
 /// them, as `session` on a pooled one they were applied to.
-const CAPTURE: &str = "SELECT 'session_authorization', pg_catalog.current_setting('session_authorization') \
+pub(super) const CAPTURE: &str = "SELECT 'session_authorization', pg_catalog.current_setting('session_authorization') \
      UNION ALL SELECT 'role', pg_catalog.current_setting('role') \
      UNION ALL SELECT name, setting FROM pg_catalog.pg_settings \
      WHERE source IN ('client', 'session') AND name NOT IN ('session_authorization', 'role')";
@@ -94,7 +85,7 @@ impl ClientState {
     /// the client logged in with; a pooled connection, which logged in
     /// without it, goes back to the server's default, so pgcache sets it
     /// again.
-    fn captured(
+    pub(super) fn captured(
         rows: Vec<Vec<Option<String>>>,
         user: &str,
         startup: &[(String, String)],
@@ -157,7 +148,7 @@ impl ClientState {
 }
 
 /// One statement that sets each of `settings` for the session.
-fn set_config_sql(settings: &[(String, String)]) -> String {
+pub(super) fn set_config_sql(settings: &[(String, String)]) -> String {
     let mut sql = String::from("SELECT FROM (VALUES ");
     for (i, (name, value)) in settings.iter().enumerate() {
         if i > 0 {
@@ -220,7 +211,7 @@ fn command_line_options(options: &str) -> Result<Vec<(String, String)>, String> 
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Knobs {
     /// The policy generation they were read in (0: not yet read).
-    generation: u64,
+    pub(super) generation: u64,
     pub wait: Option<std::time::Duration>,
     pub lifetime: std::time::Duration,
     pub max_prepared: usize,
@@ -236,23 +227,23 @@ pub(super) struct Link {
     /// The pooled connection held now; its stream is the session's
     /// backend. `None` while attached means the connection the client
     /// logged in on, which no pool owns (passthrough authentication).
-    lease: Option<Lease>,
+    pub(super) lease: Option<Lease>,
     /// Why the session keeps its connection for good.
     pub pinned: Option<Pin>,
     pub state: ClientState,
     /// The client's startup parameters (and `options`' settings): what a
     /// `RESET` of one goes back to.
-    startup: Vec<(String, String)>,
+    pub(super) startup: Vec<(String, String)>,
     /// The session's settings may have changed on the connection it holds.
     pub state_dirty: bool,
     /// The state was applied once (and so checked, as PostgreSQL checks
     /// startup parameters at login).
-    state_checked: bool,
+    pub(super) state_checked: bool,
     /// The client's prepared statements, moved from connection to
     /// connection.
     pub translator: Translator,
     /// The statements of the connection the client logged in on.
-    own_statements: ServerStatements,
+    pub(super) own_statements: ServerStatements,
     /// Why pgcache's own query for the statement under way found no
     /// connection: the statement fails with it rather than wait again.
     pub no_connection: Option<PoolError>,
@@ -263,7 +254,7 @@ pub(super) struct Link {
     /// A statement that may change the schema went out: the database's
     /// schema generation moves when the session is next idle.
     pub schema_changes: bool,
-    knobs: Knobs,
+    pub(super) knobs: Knobs,
 }
 
 impl Link {
@@ -306,7 +297,7 @@ impl Link {
         self.lease.as_ref()
     }
 
-    fn server_statements(&mut self) -> &mut ServerStatements {
+    pub(super) fn server_statements(&mut self) -> &mut ServerStatements {
         statements_of(&mut self.lease, &mut self.own_statements)
     }
 
@@ -343,289 +334,6 @@ fn statements_of<'a>(
     match lease {
         Some(lease) => &mut lease.server_mut().prepared,
         None => own,
-    }
-}
-
-/// A session's backend while it holds no server connection.
-pub(super) fn detached() -> FramedStream<BackendStream> {
-    FramedStream::new(BackendStream::Detached, BytesMut::new(), 0)
-}
-
-impl<C> Session<C>
-where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    /// [`Knobs`], read again after a RELOAD.
-    pub(super) fn knobs(&mut self) -> Knobs {
-        let generation = self.app.policy_generation();
-        if self.engine.link.knobs.generation != generation {
-            let config = self.app.config();
-            self.engine.link.knobs = Knobs {
-                generation,
-                wait: config.pool.query_wait_timeout(),
-                lifetime: config.pool.server_lifetime(),
-                max_prepared: config.pool.max_prepared_statements,
-            };
-        }
-        self.engine.link.knobs
-    }
-
-    pub(super) fn attached(&self) -> bool {
-        !matches!(self.backend.get_ref(), BackendStream::Detached)
-    }
-
-    /// Transaction mode, with no connection: takes one from the pool and
-    /// gives it the client's settings: queued before the client's
-    /// requests when `queued`, else at once (pgcache's own queries read
-    /// the settings; and the first time, a failure is the client's login
-    /// error, as PostgreSQL reports a bad startup parameter).
-    pub(super) async fn attach(&mut self, queued: bool) -> Result<(), SessionError> {
-        if self.attached() {
-            return Ok(());
-        }
-        let Some(pool) = self.engine.link.pool.clone() else {
-            return Ok(());
-        };
-        if let Some(e) = self.engine.link.no_connection.take() {
-            return Err(SessionError::Pool(e));
-        }
-        let wait = self.knobs().wait;
-        tracing::trace!(status = ?self.engine.tx.status, "taking a server connection");
-        let client = Arc::clone(&self.entry.client);
-        client.set(Activity::Waiting);
-        let id = client.id;
-        let taken = self
-            .app
-            .pool
-            .pooled
-            .checkout(&pool, &self.app.upstream, wait, id)
-            .await;
-        let (mut lease, stream) = match taken {
-            Ok(taken) => taken,
-            Err(e) => {
-                client.set(Activity::Idle);
-                return Err(SessionError::Pool(e));
-            }
-        };
-        let server = lease.server();
-        client.hold(server.id, server.key.backend_pid);
-        self.backend = stream;
-        // One address for the whole pool: copied once, not per checkout.
-        if self.engine.backend_addr != server.addr {
-            self.engine.backend_addr = server.addr.clone();
-        }
-        self.engine.backend_key = Some(server.key.clone());
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(self.engine.backend_key.clone());
-        }
-        let state = &self.engine.link.state;
-        let differs = server.state != state.id;
-        lease.server_mut().state = state.id;
-        self.engine.link.lease = Some(lease);
-        if !differs {
-            return Ok(());
-        }
-        let apply = messages::query(&state.apply_sql());
-        if self.engine.link.state_checked && queued {
-            let mut queued = apply;
-            queued.extend_from_slice(&self.engine.pipeline.to_backend);
-            self.engine.pipeline.to_backend = queued;
-            self.engine.pipeline.push_front(Inflight::hidden(None));
-            return Ok(());
-        }
-        self.engine.link.state_checked = true;
-        // A simple Query: the server's unnamed statement is gone.
-        self.engine.link.server_statements().forget_unnamed();
-        match Box::pin(self.run_hidden(&apply)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(error)) => {
-                // In an unknown state: closed.
-                self.drop_backend();
-                Err(match error {
-                    Some(frame) => SessionError::from_server_error(&frame),
-                    None => SessionError::BackendIo(std::io::ErrorKind::InvalidData.into()),
-                })
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Transaction mode: gives the connection back once the session is
-    /// idle, reading its settings first if they may have changed.
-    pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
-        if !self.engine.link.is_pooled()
-            || !self.attached()
-            || !self.backend_idle()
-            || self.engine.batch.holds()
-            || !self.backend.buffered().is_empty()
-            || self.engine.backend_fatal
-            || !self.engine.link.translator.is_idle()
-        {
-            return Ok(());
-        }
-        if self.engine.link.state_dirty {
-            if !Box::pin(self.settle_settings()).await? {
-                // Unreadable: the connection is closed, not given back.
-                self.drop_backend();
-                return Ok(());
-            }
-            if !self.backend_idle() || !self.backend.buffered().is_empty() {
-                return Ok(());
-            }
-        }
-        if self.engine.link.pinned.is_some() {
-            return Ok(());
-        }
-        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
-        let lifetime = self.knobs().lifetime;
-        let stream = std::mem::replace(&mut self.backend, detached());
-        match self.engine.link.lease.take() {
-            Some(lease) => lease.give_back(stream, lifetime),
-            None => {
-                // The connection the client logged in on: not the pool's.
-                let mut stream = stream;
-                let _ = stream.write_all(&messages::TERMINATE).await;
-                self.engine.link.own_statements.clear();
-            }
-        }
-        self.detached_now();
-        Ok(())
-    }
-
-    /// Reads back the settings the session changed, and sets again the
-    /// startup parameters it reset ([`ClientState::captured`]); false if
-    /// the connection is in a state pgcache cannot tell.
-    async fn settle_settings(&mut self) -> Result<bool, SessionError> {
-        let user = self.engine.startup.user().to_owned();
-        let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
-            return Ok(false);
-        };
-        let (state, reset) = ClientState::captured(rows, &user, &self.engine.link.startup);
-        if !reset.is_empty() {
-            debug!(?reset, "startup parameters set again after a reset");
-            let again = messages::hidden_query(&set_config_sql(&reset));
-            if self.run_hidden(&again).await?.is_err() {
-                return Ok(false);
-            }
-        }
-        self.engine.link.state = state;
-        self.engine.link.state_dirty = false;
-        debug!(settings = ?self.engine.link.state.settings, "session settings read back");
-        if let Some(lease) = &mut self.engine.link.lease {
-            lease.server_mut().state = self.engine.link.state.id;
-        }
-        Ok(true)
-    }
-
-    /// The session holds no connection any more.
-    fn detached_now(&mut self) {
-        self.engine.backend_key = None;
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(None);
-        }
-        self.entry.client.hold(0, 0);
-    }
-
-    /// Closes the held connection: it is in a state no other client may
-    /// see.
-    pub(super) fn drop_backend(&mut self) {
-        self.engine.link.lease = None;
-        self.engine.link.translator.clear_owed();
-        self.backend = detached();
-        self.detached_now();
-    }
-
-    /// At the session's end: an idle pooled connection goes back to the
-    /// pool; any other is closed.
-    pub(super) fn release_at_end(&mut self) {
-        if !self.engine.link.is_pooled() || !self.attached() {
-            return;
-        }
-        let clean = self.engine.link.pinned.is_none()
-            && self.backend_idle()
-            && !self.engine.batch.holds()
-            && self.backend.buffered().is_empty()
-            && !self.engine.backend_fatal
-            && self.engine.link.translator.is_idle();
-        match self.engine.link.lease.take() {
-            Some(mut lease) if clean => {
-                if self.engine.link.state_dirty {
-                    lease.server_mut().state = UNKNOWN_STATE;
-                }
-                let lifetime = self.knobs().lifetime;
-                let stream = std::mem::replace(&mut self.backend, detached());
-                lease.give_back(stream, lifetime);
-            }
-            _ => {
-                // Closed, with a word, so PostgreSQL does not log a lost client.
-                let mut stream = std::mem::replace(&mut self.backend, detached());
-                tokio::spawn(async move {
-                    let _ = stream.write_all(&messages::TERMINATE).await;
-                });
-                self.drop_backend();
-            }
-        }
-    }
-
-    /// A feature that lives in one backend: the session keeps its
-    /// connection from now on.
-    pub(super) fn pin(&mut self, why: Pin) {
-        if !self.engine.link.is_pooled() || self.engine.link.pinned.is_some() {
-            return;
-        }
-        debug!(
-            reason = why.as_str(),
-            "session pinned to its server connection"
-        );
-        self.app
-            .metrics
-            .pooled
-            .pins
-            .with_label_values(&[why.as_str()])
-            .inc();
-        self.engine.link.pinned = Some(why);
-        self.entry.client.pin(why.as_str());
-    }
-
-    /// Transaction mode, for a client pgcache can log in for: what
-    /// PostgreSQL tells a client at login (the latest login's parameters,
-    /// with the client's own where it gave them), with a key of
-    /// pgcache's, and no connection taken unless none ever logged in.
-    pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
-        let pool = self
-            .engine
-            .link
-            .pool
-            .clone()
-            .expect("greet is for pooled sessions");
-        let statuses = match pool.statuses() {
-            Some(statuses) => statuses,
-            None => {
-                self.attach(false).await?;
-                pool.statuses().unwrap_or_default()
-            }
-        };
-        let (pid, secret, guard) = self.app.cancel.register_pooled();
-        guard.retarget(self.engine.backend_key.clone());
-        self.engine.cancel = Some(guard);
-        // The client's own values where it gave them (a name reported
-        // once is only ever replaced).
-        let mut shown = statuses;
-        for (name, value) in &self.engine.startup.params {
-            if shown.has(name) {
-                shown.set(name, value);
-            }
-        }
-        let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
-        self.engine.server.statuses = shown;
-        let ctx = super::relay::ctx(&self.app, &self.entry);
-        self.engine.on_ready_for_query(&ctx, TxStatus::Idle);
-        self.carry_out().await;
-        self.client
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ClientIo)?;
-        self.detach_if_idle().await
     }
 }
 

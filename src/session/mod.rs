@@ -20,6 +20,7 @@
 
 mod batch;
 mod capture;
+mod checkout;
 mod engine;
 mod error;
 mod extended;
@@ -272,7 +273,7 @@ async fn admit_pooled(
     };
     let (backend, addr) = if pool.can_log_in() {
         learning = None;
-        (link::detached(), app.upstream.addrs[0].clone())
+        (checkout::detached(), app.upstream.addrs[0].clone())
     } else {
         match crate::backend::connect(&app.upstream).await {
             Ok((stream, addr)) => {

@@ -71,7 +71,7 @@ where
             fe::FUNCTION_CALL => {
                 self.release_batch();
                 self.forward(&frame);
-                self.settings_may_have_changed();
+                self.engine.settings_may_have_changed();
                 self.engine.tx.wrote();
                 self.engine.pipeline.push(Inflight {
                     effects: Bumps::opaque(),
@@ -79,7 +79,13 @@ where
                 });
                 Ok(Flow::Continue)
             }
-            fe::TERMINATE if self.hand_back() => Ok(Flow::Close),
+            fe::TERMINATE
+                if self
+                    .engine
+                    .hand_back(&super::relay::ctx(&self.app, &self.entry)) =>
+            {
+                Ok(Flow::Close)
+            }
             fe::TERMINATE if self.engine.link.is_pooled() => {
                 // The connection, if any, goes back to the pool.
                 self.engine.client_ended = true;
@@ -125,7 +131,8 @@ where
     /// it has prerequisites to meet before it goes out.
     fn note_text_marks(&mut self, marks: Marks) -> bool {
         if self.engine.server.pooling || self.engine.link.is_pooled() {
-            self.note_marks(marks);
+            self.engine
+                .note_marks(&super::relay::ctx(&self.app, &self.entry), marks);
         }
         marks.evicts || marks.unlogged
     }
@@ -388,7 +395,7 @@ where
     /// State changes a forwarded statement causes at once.
     pub(super) fn note_effects(&mut self, plan: &Plan) {
         if plan.settings {
-            self.settings_may_have_changed();
+            self.engine.settings_may_have_changed();
         }
         if plan.creates_temp {
             self.engine.known.temp = true;

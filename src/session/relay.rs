@@ -115,7 +115,10 @@ where
                 if self.engine.server.trusted {
                     pool.learn_trusted();
                 } else {
-                    self.pin(crate::pool::marks::Pin::Password);
+                    self.engine.pin(
+                        &ctx(&self.app, &self.entry),
+                        crate::pool::marks::Pin::Password,
+                    );
                 }
             }
             self.learning = None;
@@ -294,12 +297,17 @@ where
                         {
                             let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
                             let marks = self.engine.known.body_marks(sql);
-                            self.note_marks(marks);
+                            self.engine
+                                .note_marks(&super::relay::ctx(&self.app, &self.entry), marks);
                         } else if tag == fe::FUNCTION_CALL {
                             self.engine.link.state_dirty = true;
                         } else if tag == fe::TERMINATE {
                             self.engine.client_ended = true;
-                            if self.hand_back() || pooled {
+                            if self
+                                .engine
+                                .hand_back(&super::relay::ctx(&self.app, &self.entry))
+                                || pooled
+                            {
                                 flow = Flow::Close;
                                 break;
                             }
@@ -383,7 +391,10 @@ where
         }
         if self.engine.link.is_pooled() && !self.engine.pipeline.to_backend.is_empty() {
             let queued = std::mem::take(&mut self.engine.pipeline.to_backend);
-            let max = self.knobs().max_prepared;
+            let max = self
+                .engine
+                .knobs(&super::relay::ctx(&self.app, &self.entry))
+                .max_prepared;
             // Both buffers keep their memory from one flush to the next.
             let mut out = std::mem::take(&mut self.engine.link.scratch);
             let idle = self.engine.tx.status == TxStatus::Idle;

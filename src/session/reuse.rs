@@ -4,10 +4,6 @@
 
 use std::time::Instant;
 
-use tokio::io::{AsyncRead, AsyncWrite};
-
-use super::relay::Session;
-use crate::pool::marks::Marks;
 use crate::pool::{LoginSettings, Server, Statuses};
 
 /// What the session knows of its backend connection beyond the relay.
@@ -67,71 +63,5 @@ impl ServerBook {
             login_state: true,
             login_settings: server.login_settings.clone(),
         }
-    }
-}
-
-impl<C> Session<C>
-where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    /// Notes what a Query's or Parse's text means for reuse ([`marks`]);
-    /// parked connections are closed before a database-level statement
-    /// goes out.
-    pub(super) fn note_marks(&mut self, marks: Marks) {
-        self.engine.server.tainted |= marks.taints;
-        if marks.evicts {
-            self.app.pool.evict_all();
-        }
-        if self.engine.link.is_pooled() {
-            self.engine.link.state_dirty |= marks.settings;
-            self.engine.link.schema_changes |= marks.schema;
-            if let Some(why) = marks.pin {
-                self.pin(why);
-            }
-        }
-    }
-
-    /// At the client's Terminate: true if the connection is kept for the
-    /// pool, in which case the Terminate is not forwarded.
-    pub(super) fn hand_back(&mut self) -> bool {
-        self.engine.server.handed_back = self.engine.server.pooling
-            && !self.engine.server.tainted
-            && self.backend_idle()
-            && !self.engine.batch.holds()
-            && !self.app.drain.is_cancelled();
-        self.engine.server.handed_back
-    }
-
-    /// A statement may have changed the session's settings: they are read
-    /// again before the next cacheable read.
-    pub(super) fn settings_may_have_changed(&mut self) {
-        self.engine.known.prefix = None;
-        self.engine.server.login_state = false;
-        self.engine.link.state_dirty = true;
-    }
-
-    /// The backend connection, if this session handed it back clean.
-    pub fn into_server(self) -> Option<Server> {
-        if self.engine.server.pooling && self.engine.server.tainted {
-            self.app.metrics.pool.closed_tainted.inc();
-        }
-        if !self.engine.server.handed_back
-            || self.engine.backend_fatal
-            || !self.backend.buffered().is_empty()
-        {
-            return None;
-        }
-        let key = self.engine.backend_key?;
-        let mut key_data = key.backend_pid.to_be_bytes().to_vec();
-        key_data.extend_from_slice(&key.backend_secret);
-        Some(Server {
-            stream: self.backend,
-            addr: self.engine.backend_addr,
-            statuses: self.engine.server.statuses,
-            key_data,
-            trusted: self.engine.server.trusted,
-            born: self.engine.server.born,
-            login_settings: self.engine.server.login_settings,
-        })
     }
 }

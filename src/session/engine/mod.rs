@@ -12,17 +12,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::BytesMut;
+use tracing::debug;
 
 use crate::App;
 use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill, Publication};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::pool::clients::Client;
+use crate::pool::marks::{Marks, Pin};
 use crate::protocol::TxStatus;
 use crate::protocol::startup::Startup;
 use crate::session::batch::Batch;
 use crate::session::known::Known;
-use crate::session::link::Link;
+use crate::session::link::{Knobs, Link};
 use crate::session::pipeline::Pipeline;
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
@@ -128,5 +130,73 @@ impl Engine {
     /// backend: pgcache may use the connection for itself.
     pub fn backend_idle(&self) -> bool {
         self.ready && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
+    }
+
+    /// Notes what a Query's or Parse's text means for the connection
+    /// ([`Marks`]); parked connections are closed before a database-level
+    /// statement goes out.
+    pub fn note_marks(&mut self, ctx: &Ctx, marks: Marks) {
+        self.server.tainted |= marks.taints;
+        if marks.evicts {
+            ctx.app.pool.evict_all();
+        }
+        if self.link.is_pooled() {
+            self.link.state_dirty |= marks.settings;
+            self.link.schema_changes |= marks.schema;
+            if let Some(why) = marks.pin {
+                self.pin(ctx, why);
+            }
+        }
+    }
+
+    /// Transaction mode: a feature that lives in one backend keeps the
+    /// session on its connection from now on.
+    pub fn pin(&mut self, ctx: &Ctx, why: Pin) {
+        if !self.link.is_pooled() || self.link.pinned.is_some() {
+            return;
+        }
+        debug!(
+            reason = why.as_str(),
+            "session pinned to its server connection"
+        );
+        let pins = &ctx.app.metrics.pooled.pins;
+        pins.with_label_values(&[why.as_str()]).inc();
+        self.link.pinned = Some(why);
+        ctx.client.pin(why.as_str());
+    }
+
+    /// At the client's Terminate: true if the connection is kept for the
+    /// pool of parked connections, in which case the Terminate is not
+    /// forwarded.
+    pub fn hand_back(&mut self, ctx: &Ctx) -> bool {
+        self.server.handed_back = self.server.pooling
+            && !self.server.tainted
+            && self.backend_idle()
+            && !self.batch.holds()
+            && !ctx.app.drain.is_cancelled();
+        self.server.handed_back
+    }
+
+    /// A statement may have changed the session's settings: they are read
+    /// again before the next cacheable read.
+    pub fn settings_may_have_changed(&mut self) {
+        self.known.prefix = None;
+        self.server.login_state = false;
+        self.link.state_dirty = true;
+    }
+
+    /// [`Knobs`], read again after a RELOAD.
+    pub fn knobs(&mut self, ctx: &Ctx) -> Knobs {
+        let generation = ctx.app.policy_generation();
+        if self.link.knobs.generation != generation {
+            let config = ctx.app.config();
+            self.link.knobs = Knobs {
+                generation,
+                wait: config.pool.query_wait_timeout(),
+                lifetime: config.pool.server_lifetime(),
+                max_prepared: config.pool.max_prepared_statements,
+            };
+        }
+        self.link.knobs
     }
 }

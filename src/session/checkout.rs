@@ -1,0 +1,303 @@
+//! Where a session's server connections come from and go back to: in
+//! transaction mode, a connection taken from the pool when a request has
+//! to go to PostgreSQL and given back once the session is idle (its
+//! settings read back first if they may have changed); in session mode,
+//! the connection parked for the next client at a clean Terminate.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::debug;
+
+use super::SessionError;
+use super::link::{CAPTURE, ClientState, UNKNOWN_STATE, set_config_sql};
+use super::pipeline::Inflight;
+use super::relay::Session;
+use crate::backend::BackendStream;
+use crate::pool::Server;
+use crate::pool::clients::Activity;
+use crate::protocol::stream::FramedStream;
+use crate::protocol::{TxStatus, messages};
+
+/// A session's backend while it holds no server connection.
+pub(super) fn detached() -> FramedStream<BackendStream> {
+    FramedStream::new(BackendStream::Detached, BytesMut::new(), 0)
+}
+
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    pub(super) fn attached(&self) -> bool {
+        !matches!(self.backend.get_ref(), BackendStream::Detached)
+    }
+
+    /// Transaction mode, with no connection: takes one from the pool and
+    /// gives it the client's settings: queued before the client's
+    /// requests when `queued`, else at once (pgcache's own queries read
+    /// the settings; and the first time, a failure is the client's login
+    /// error, as PostgreSQL reports a bad startup parameter).
+    pub(super) async fn attach(&mut self, queued: bool) -> Result<(), SessionError> {
+        if self.attached() {
+            return Ok(());
+        }
+        let Some(pool) = self.engine.link.pool.clone() else {
+            return Ok(());
+        };
+        if let Some(e) = self.engine.link.no_connection.take() {
+            return Err(SessionError::Pool(e));
+        }
+        let wait = self
+            .engine
+            .knobs(&super::relay::ctx(&self.app, &self.entry))
+            .wait;
+        tracing::trace!(status = ?self.engine.tx.status, "taking a server connection");
+        let client = Arc::clone(&self.entry.client);
+        client.set(Activity::Waiting);
+        let id = client.id;
+        let taken = self
+            .app
+            .pool
+            .pooled
+            .checkout(&pool, &self.app.upstream, wait, id)
+            .await;
+        let (mut lease, stream) = match taken {
+            Ok(taken) => taken,
+            Err(e) => {
+                client.set(Activity::Idle);
+                return Err(SessionError::Pool(e));
+            }
+        };
+        let server = lease.server();
+        client.hold(server.id, server.key.backend_pid);
+        self.backend = stream;
+        // One address for the whole pool: copied once, not per checkout.
+        if self.engine.backend_addr != server.addr {
+            self.engine.backend_addr = server.addr.clone();
+        }
+        self.engine.backend_key = Some(server.key.clone());
+        if let Some(cancel) = &self.engine.cancel {
+            cancel.retarget(self.engine.backend_key.clone());
+        }
+        let state = &self.engine.link.state;
+        let differs = server.state != state.id;
+        lease.server_mut().state = state.id;
+        self.engine.link.lease = Some(lease);
+        if !differs {
+            return Ok(());
+        }
+        let apply = messages::query(&state.apply_sql());
+        if self.engine.link.state_checked && queued {
+            let mut queued = apply;
+            queued.extend_from_slice(&self.engine.pipeline.to_backend);
+            self.engine.pipeline.to_backend = queued;
+            self.engine.pipeline.push_front(Inflight::hidden(None));
+            return Ok(());
+        }
+        self.engine.link.state_checked = true;
+        // A simple Query: the server's unnamed statement is gone.
+        self.engine.link.server_statements().forget_unnamed();
+        match Box::pin(self.run_hidden(&apply)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => {
+                // In an unknown state: closed.
+                self.drop_backend();
+                Err(match error {
+                    Some(frame) => SessionError::from_server_error(&frame),
+                    None => SessionError::BackendIo(std::io::ErrorKind::InvalidData.into()),
+                })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Transaction mode: gives the connection back once the session is
+    /// idle, reading its settings first if they may have changed.
+    pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
+        if !self.engine.link.is_pooled()
+            || !self.attached()
+            || !self.backend_idle()
+            || self.engine.batch.holds()
+            || !self.backend.buffered().is_empty()
+            || self.engine.backend_fatal
+            || !self.engine.link.translator.is_idle()
+        {
+            return Ok(());
+        }
+        if self.engine.link.state_dirty {
+            if !Box::pin(self.settle_settings()).await? {
+                // Unreadable: the connection is closed, not given back.
+                self.drop_backend();
+                return Ok(());
+            }
+            if !self.backend_idle() || !self.backend.buffered().is_empty() {
+                return Ok(());
+            }
+        }
+        if self.engine.link.pinned.is_some() {
+            return Ok(());
+        }
+        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
+        let lifetime = self
+            .engine
+            .knobs(&super::relay::ctx(&self.app, &self.entry))
+            .lifetime;
+        let stream = std::mem::replace(&mut self.backend, detached());
+        match self.engine.link.lease.take() {
+            Some(lease) => lease.give_back(stream, lifetime),
+            None => {
+                // The connection the client logged in on: not the pool's.
+                let mut stream = stream;
+                let _ = stream.write_all(&messages::TERMINATE).await;
+                self.engine.link.own_statements.clear();
+            }
+        }
+        self.detached_now();
+        Ok(())
+    }
+
+    /// Reads back the settings the session changed, and sets again the
+    /// startup parameters it reset ([`ClientState::captured`]); false if
+    /// the connection is in a state pgcache cannot tell.
+    async fn settle_settings(&mut self) -> Result<bool, SessionError> {
+        let user = self.engine.startup.user().to_owned();
+        let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
+            return Ok(false);
+        };
+        let (state, reset) = ClientState::captured(rows, &user, &self.engine.link.startup);
+        if !reset.is_empty() {
+            debug!(?reset, "startup parameters set again after a reset");
+            let again = messages::hidden_query(&set_config_sql(&reset));
+            if self.run_hidden(&again).await?.is_err() {
+                return Ok(false);
+            }
+        }
+        self.engine.link.state = state;
+        self.engine.link.state_dirty = false;
+        debug!(settings = ?self.engine.link.state.settings, "session settings read back");
+        if let Some(lease) = &mut self.engine.link.lease {
+            lease.server_mut().state = self.engine.link.state.id;
+        }
+        Ok(true)
+    }
+
+    /// The session holds no connection any more.
+    fn detached_now(&mut self) {
+        self.engine.backend_key = None;
+        if let Some(cancel) = &self.engine.cancel {
+            cancel.retarget(None);
+        }
+        self.entry.client.hold(0, 0);
+    }
+
+    /// Closes the held connection: it is in a state no other client may
+    /// see.
+    pub(super) fn drop_backend(&mut self) {
+        self.engine.link.lease = None;
+        self.engine.link.translator.clear_owed();
+        self.backend = detached();
+        self.detached_now();
+    }
+
+    /// At the session's end: an idle pooled connection goes back to the
+    /// pool; any other is closed.
+    pub(super) fn release_at_end(&mut self) {
+        if !self.engine.link.is_pooled() || !self.attached() {
+            return;
+        }
+        let clean = self.engine.link.pinned.is_none()
+            && self.backend_idle()
+            && !self.engine.batch.holds()
+            && self.backend.buffered().is_empty()
+            && !self.engine.backend_fatal
+            && self.engine.link.translator.is_idle();
+        match self.engine.link.lease.take() {
+            Some(mut lease) if clean => {
+                if self.engine.link.state_dirty {
+                    lease.server_mut().state = UNKNOWN_STATE;
+                }
+                let lifetime = self
+                    .engine
+                    .knobs(&super::relay::ctx(&self.app, &self.entry))
+                    .lifetime;
+                let stream = std::mem::replace(&mut self.backend, detached());
+                lease.give_back(stream, lifetime);
+            }
+            _ => {
+                // Closed, with a word, so PostgreSQL does not log a lost client.
+                let mut stream = std::mem::replace(&mut self.backend, detached());
+                tokio::spawn(async move {
+                    let _ = stream.write_all(&messages::TERMINATE).await;
+                });
+                self.drop_backend();
+            }
+        }
+    }
+
+    /// Transaction mode, for a client pgcache can log in for: what
+    /// PostgreSQL tells a client at login (the latest login's parameters,
+    /// with the client's own where it gave them), with a key of
+    /// pgcache's, and no connection taken unless none ever logged in.
+    pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
+        let pool = self
+            .engine
+            .link
+            .pool
+            .clone()
+            .expect("greet is for pooled sessions");
+        let statuses = match pool.statuses() {
+            Some(statuses) => statuses,
+            None => {
+                self.attach(false).await?;
+                pool.statuses().unwrap_or_default()
+            }
+        };
+        let (pid, secret, guard) = self.app.cancel.register_pooled();
+        guard.retarget(self.engine.backend_key.clone());
+        self.engine.cancel = Some(guard);
+        // The client's own values where it gave them (a name reported
+        // once is only ever replaced).
+        let mut shown = statuses;
+        for (name, value) in &self.engine.startup.params {
+            if shown.has(name) {
+                shown.set(name, value);
+            }
+        }
+        let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
+        self.engine.server.statuses = shown;
+        let ctx = super::relay::ctx(&self.app, &self.entry);
+        self.engine.on_ready_for_query(&ctx, TxStatus::Idle);
+        self.carry_out().await;
+        self.client
+            .write_all(&out)
+            .await
+            .map_err(SessionError::ClientIo)?;
+        self.detach_if_idle().await
+    }
+
+    /// The backend connection, if this session handed it back clean.
+    pub fn into_server(self) -> Option<Server> {
+        if self.engine.server.pooling && self.engine.server.tainted {
+            self.app.metrics.pool.closed_tainted.inc();
+        }
+        if !self.engine.server.handed_back
+            || self.engine.backend_fatal
+            || !self.backend.buffered().is_empty()
+        {
+            return None;
+        }
+        let key = self.engine.backend_key?;
+        let mut key_data = key.backend_pid.to_be_bytes().to_vec();
+        key_data.extend_from_slice(&key.backend_secret);
+        Some(Server {
+            stream: self.backend,
+            addr: self.engine.backend_addr,
+            statuses: self.engine.server.statuses,
+            key_data,
+            trusted: self.engine.server.trusted,
+            born: self.engine.server.born,
+            login_settings: self.engine.server.login_settings,
+        })
+    }
+}
