@@ -1026,3 +1026,59 @@ async fn prepared_statements_survive_ddl_with_caching_off() {
     prepared_statements_survive_migrations(Via::Pgcache, true, false).await;
     prepared_statements_survive_migrations(Via::Direct, true, false).await;
 }
+
+/// The ParameterStatus values of a login's messages, by name.
+fn statuses(login: &[(u8, Vec<u8>)]) -> Vec<(String, String)> {
+    login
+        .iter()
+        .filter(|(tag, _)| *tag == b'S')
+        .filter_map(|(_, body)| {
+            let mut parts = body.split(|b| *b == 0);
+            let name = String::from_utf8_lossy(parts.next()?).into_owned();
+            let value = String::from_utf8_lossy(parts.next()?).into_owned();
+            Some((name, value))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn parameter_statuses_carry_the_servers_spelling_of_the_clients_values() {
+    let pg = pg();
+    let db = pg.create_db("tx_spelling");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    // The first login is relayed (the pool learns how to log in); the
+    // second is greeted by pgcache, which learns the spellings; the third
+    // is greeted from what was learnt.
+    for round in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let startup = pgcache::protocol::startup::encode_startup(&[
+            ("user", "postgres"),
+            ("database", &db),
+            ("client_encoding", "utf8"),
+            ("DateStyle", "iso"),
+            ("application_name", "spelling"),
+        ]);
+        tokio::io::AsyncWriteExt::write_all(&mut s, &startup)
+            .await
+            .unwrap();
+        let login = wire::read_until_ready(&mut s).await;
+        let shown = statuses(&login);
+        let value = |name: &str| {
+            shown
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(
+            value("client_encoding"),
+            Some("UTF8"),
+            "round {round}: {shown:?}"
+        );
+        assert_eq!(
+            value("DateStyle"),
+            Some("ISO, MDY"),
+            "round {round}: {shown:?}"
+        );
+        assert_eq!(value("application_name"), Some("spelling"), "round {round}");
+    }
+}

@@ -5,18 +5,19 @@
 //!        ──────────▶ admin console, or terminate-mode auth
 //!        ──────────▶ connect backend, log in                  login.rs
 //! loop select!:                                               relay.rs
-//!   backend frames → note Z/K/E/G, tee captures → client      response.rs
+//!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
 //!   client frames  → Query                                    query.rs
 //!                    Parse/Bind/Describe/Execute/Sync         extended.rs
 //!   drain          → close once idle (57P01)
 //! ```
 //!
-//! A session's state is split by concern: the requests in flight
-//! (`pipeline.rs`), the extended batch held until Sync (`batch.rs`), the
-//! transaction's books (`transaction.rs`), what a statement means for the
-//! cache (`plan.rs`), and what the session knows of itself (`known.rs`,
-//! read by pgcache's own queries in `hidden.rs`). The cache itself is
-//! behind [`crate::cache::Cache`].
+//! A session's state is the [`engine::Engine`]'s, split by concern: the
+//! requests in flight (`pipeline.rs`), the extended batch held until Sync
+//! (`batch.rs`), the transaction's books (`transaction.rs`), what a
+//! statement means for the cache (`plan.rs`), and what the session knows
+//! of itself (`known.rs`, read by pgcache's own queries in `hidden.rs`).
+//! The driver (`relay.rs`) does the I/O. The cache itself is behind
+//! [`crate::cache::Cache`].
 
 mod batch;
 mod capture;

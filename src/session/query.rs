@@ -11,7 +11,7 @@
 //!                   bypass → forward
 //! every forwarded request carries its effects (table versions to bump,
 //! epoch, schema change), applied when its ReadyForQuery arrives and again
-//! when its transaction ends (response.rs).
+//! when its transaction ends (engine/answers.rs).
 //! ```
 
 use std::sync::Arc;
