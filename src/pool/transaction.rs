@@ -165,15 +165,7 @@ struct Books {
     /// the pool generation they were read in: clients in the same state
     /// have the same settings.
     settings: HashMap<(u64, u64), (u64, Arc<SettingsRow>)>,
-    /// What PostgreSQL reported for a reported parameter a client gave at
-    /// startup, by name and the client's spelling (`client_encoding`
-    /// `utf8` is reported as `UTF8`); at most [`MAX_REPORTED`].
-    reported: HashMap<(Box<str>, Box<str>), Box<str>>,
 }
-
-/// Spellings of startup parameters a pool remembers; a client giving
-/// another takes a connection at login to learn it.
-const MAX_REPORTED: usize = 256;
 
 /// A settings query's answer, as text. It spells out every setting (kilobytes), so
 /// it is shared by the clients that log in in a known state, and digested
@@ -324,22 +316,6 @@ impl Pool {
     /// The parameters of the latest login, if any connection logged in.
     pub fn statuses(&self) -> Option<Statuses> {
         self.lock().statuses.clone()
-    }
-
-    /// What PostgreSQL reports for parameter `name` given as `value`, if
-    /// this pool learnt it.
-    pub fn reported(&self, name: &str, value: &str) -> Option<Box<str>> {
-        let key = (Box::from(name), Box::from(value));
-        self.lock().reported.get(&key).cloned()
-    }
-
-    /// PostgreSQL reported `name`, given as `value`, as `reported`.
-    pub fn learn_reported(&self, name: &str, value: &str, reported: &str) {
-        let mut books = self.lock();
-        if books.reported.len() < MAX_REPORTED {
-            let key = (Box::from(name), Box::from(value));
-            books.reported.insert(key, Box::from(reported));
-        }
     }
 
     /// Changes each time a new connection logs in under other role or

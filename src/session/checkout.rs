@@ -15,10 +15,8 @@ use super::link::{CAPTURE, ClientState, UNKNOWN_STATE, set_config_sql};
 use super::pipeline::Inflight;
 use super::relay::Session;
 use crate::backend::BackendStream;
-use crate::invalidation::control::quote_literal;
 use crate::pool::Server;
 use crate::pool::clients::Activity;
-use crate::pool::transaction::Pool;
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{TxStatus, messages};
 
@@ -258,18 +256,12 @@ where
         let (pid, secret, guard) = self.app.cancel.register_pooled();
         guard.retarget(self.engine.backend_key.clone());
         self.engine.cancel = Some(guard);
-        // What PostgreSQL reported for the client's own values, where it
-        // gave them (a name reported once is only ever replaced).
+        // The client's own values where it gave them (a name reported
+        // once is only ever replaced).
         let mut shown = statuses;
-        let given: Vec<(String, String)> = (self.engine.startup.params.iter())
-            .filter(|(name, _)| shown.has(name))
-            .cloned()
-            .collect();
-        self.learn_reported(&pool, &given).await?;
-        for (name, value) in &given {
-            match pool.reported(name, value) {
-                Some(reported) => shown.set(name, &reported),
-                None => shown.set(name, value),
+        for (name, value) in &self.engine.startup.params {
+            if shown.has(name) {
+                shown.set(name, value);
             }
         }
         let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
@@ -282,41 +274,6 @@ where
             .await
             .map_err(SessionError::ClientIo)?;
         self.detach_if_idle().await
-    }
-
-    /// Transaction mode, at a greeting: what PostgreSQL reports for the
-    /// startup parameters in `given` that the pool has not learnt, read on
-    /// a connection with the client's settings applied. The spelling a
-    /// client gives is not always the one reported (`utf8` is `UTF8`).
-    async fn learn_reported(
-        &mut self,
-        pool: &Pool,
-        given: &[(String, String)],
-    ) -> Result<(), SessionError> {
-        let unknown: Vec<&(String, String)> = given
-            .iter()
-            .filter(|(name, value)| pool.reported(name, value).is_none())
-            .collect();
-        if unknown.is_empty() {
-            return Ok(());
-        }
-        let columns: Vec<String> = unknown
-            .iter()
-            .map(|(name, _)| format!("pg_catalog.current_setting({})", quote_literal(name)))
-            .collect();
-        self.attach(false).await?;
-        let rows = self
-            .hidden_query(&format!("SELECT {}", columns.join(", ")))
-            .await?;
-        let Some(row) = rows.as_ref().and_then(|rows| rows.first()) else {
-            return Ok(());
-        };
-        for ((name, value), reported) in unknown.iter().zip(row) {
-            if let Some(reported) = reported {
-                pool.learn_reported(name, value, reported);
-            }
-        }
-        Ok(())
     }
 
     /// The backend connection, if this session handed it back clean.
