@@ -10,7 +10,6 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::Fetcher;
 use crate::cache::shared::{Background, SharedTier};
 use crate::cache::{Cache, DbState, LocalCache};
@@ -202,11 +201,10 @@ impl App {
 
     /// The facts known of `rels` and `funcs` in `db`; names not known yet are
     /// queued for the database's fetcher, started here on first need.
-    pub fn catalog_facts(&self, db: &Arc<DbState>, rels: &[&str], funcs: &[&str]) -> Facts {
-        let (facts, queued) = db
-            .catalog
-            .facts(rels.iter().copied(), funcs.iter().copied());
-        if queued && db.catalog.claim_fetcher() {
+    /// Starts `db`'s catalog fetcher, unless one runs: sessions queued
+    /// names whose facts they want.
+    pub fn fetch_catalog(&self, db: &Arc<DbState>) {
+        if db.catalog.claim_fetcher() {
             let fetcher = Fetcher {
                 db: Arc::clone(db),
                 upstream: Arc::clone(&self.upstream),
@@ -215,7 +213,6 @@ impl App {
             };
             tokio::spawn(fetcher.run());
         }
-        facts
     }
 
     /// The publication that decides which tables are readable, when

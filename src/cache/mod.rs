@@ -125,6 +125,34 @@ impl std::fmt::Debug for Fill {
     }
 }
 
+/// What a lookup needs before it can answer.
+pub enum Wait {
+    /// `read_your_writes`: the read's versions confirmed with Redis.
+    Confirm { db: Arc<DbState>, reads: Reads },
+    /// The shared tier's entry for this key and these versions.
+    Shared { key: u128, stamp: Vec<u64> },
+    /// The end of a concurrent identical miss, for at most so long.
+    Fill {
+        filled: tokio::sync::watch::Receiver<()>,
+        at_most: Duration,
+    },
+}
+
+/// What the waits of one lookup found, kept by the session from one try
+/// of the lookup to the next.
+#[derive(Default)]
+pub struct Waited {
+    confirmed: Option<bool>,
+    shared: Option<(u128, Vec<u64>, Option<shared::entry::Entry>)>,
+    filled: bool,
+}
+
+impl Waited {
+    pub fn is_empty(&self) -> bool {
+        self.confirmed.is_none() && self.shared.is_none() && !self.filled
+    }
+}
+
 /// Invalidations applied locally, still to be sent to Redis and the other
 /// instances: [`Publication::send`] before the client is told its write
 /// completed.
@@ -227,76 +255,121 @@ impl Cache {
     }
 
     /// Answers from the local tier, else from the shared tier (filling the
-    /// local one), else — after waiting for a concurrent identical miss, if
-    /// there is one — returns the fill that will store the backend's answer.
-    pub async fn lookup(&self, req: &Request<'_>) -> Lookup {
+    /// local one), else returns the fill that will store the backend's
+    /// answer. Never waits: what it needs first (Redis's answer, the end of
+    /// a concurrent identical miss) it returns as a [`Wait`], which the
+    /// session awaits with [`Cache::wait`] into `waited` before it asks
+    /// again.
+    pub fn lookup(&self, req: &Request<'_>, waited: &mut Waited) -> Result<Lookup, Wait> {
         if let Err(reason) = self.freshness(req.db) {
             self.bypassed(req.db, reason);
-            return Lookup::Bypass(reason);
+            return Ok(Lookup::Bypass(reason));
         }
-        // Each await of the shared tier is boxed: inline, its futures made
-        // every lookup's (and every statement's) future kilobytes larger,
-        // copied on each call, with or without a shared tier.
-        if let Some(tier) = self.shared().filter(|t| t.read_your_writes)
-            && let Err(e) = Box::pin(tier.confirm(req.db, req.reads)).await
+        if self.shared().is_some_and(|t| t.read_your_writes) {
+            match waited.confirmed {
+                None => {
+                    return Err(Wait::Confirm {
+                        db: Arc::clone(req.db),
+                        reads: Arc::clone(req.reads),
+                    });
+                }
+                Some(false) => {
+                    self.bypassed(req.db, BypassReason::Unconfirmed);
+                    return Ok(Lookup::Bypass(BypassReason::Unconfirmed));
+                }
+                Some(true) => {}
+            }
+        }
+        // Local counters first, then the shared tier's state, then its
+        // counters: see `SharedTier::usable`.
+        let local = req.key.local(&req.db.versions.epoch, req.reads);
+        if req.tier.local()
+            && let Some(entry) = self.local.get(local)
         {
-            tracing::debug!(error = %e, "cannot confirm versions with Redis");
-            self.bypassed(req.db, BypassReason::Unconfirmed);
-            return Lookup::Bypass(BypassReason::Unconfirmed);
+            if req.shadow {
+                return Ok(Lookup::WouldHit(entry.bytes.clone()));
+            }
+            self.count_hit(req, entry.bytes.len(), false);
+            let refresh = entry
+                .wants_refresh()
+                .then(|| self.refresh_fill(req))
+                .flatten();
+            return Ok(Lookup::Hit {
+                bytes: entry.bytes.clone(),
+                refresh,
+            });
         }
-        let mut waited = false;
-        loop {
-            // Local counters first, then the shared tier's state, then its
-            // counters: see `SharedTier::usable`.
-            let local = req.key.local(&req.db.versions.epoch, req.reads);
-            if req.tier.local()
-                && let Some(entry) = self.local.get(local)
-            {
-                if req.shadow {
-                    return Lookup::WouldHit(entry.bytes.clone());
-                }
-                self.count_hit(req, entry.bytes.len(), false);
-                let refresh = entry
-                    .wants_refresh()
-                    .then(|| self.refresh_fill(req))
-                    .flatten();
-                return Lookup::Hit {
-                    bytes: entry.bytes.clone(),
-                    refresh,
-                };
-            }
-            let mut shared = None;
-            if let Some(tier) = self.shared().filter(|_| req.tier.shared()) {
-                if tier.usable(req.db) {
-                    let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.reads);
-                    if let Some(entry) = Box::pin(tier.get(key, &stamp)).await {
-                        return self.shared_hit(req, local, entry);
+        let mut shared = None;
+        if let Some(tier) = self.shared().filter(|_| req.tier.shared()) {
+            if tier.usable(req.db) {
+                let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.reads);
+                // Redis's answer counts only for the key and versions it
+                // was asked under.
+                match waited.shared.take() {
+                    Some((k, s, found)) if k == key && s == stamp => {
+                        if let Some(entry) = found {
+                            return Ok(self.shared_hit(req, local, entry));
+                        }
                     }
-                    shared = Some((key, stamp));
-                } else {
-                    tier.skipped();
+                    _ => return Err(Wait::Shared { key, stamp }),
                 }
-            }
-            // Shadow mode never makes a client wait for another's fill.
-            let guard = if waited || req.in_transaction || req.shadow {
-                None
+                shared = Some((key, stamp));
             } else {
-                match self.fills.claim(local) {
-                    Claim::Fill(guard) => Some(guard),
-                    Claim::Wait(mut filled) => {
-                        tracing::trace!(key = local, "waiting for a concurrent fill");
-                        self.metrics.coalesced.inc();
-                        // Err: the filler finished (stored or failed).
-                        let wait = tokio::time::timeout(req.coalesce_wait, filled.changed());
-                        let _ = Box::pin(wait).await;
-                        waited = true;
-                        continue;
-                    }
+                tier.skipped();
+            }
+        }
+        // Shadow mode never makes a client wait for another's fill.
+        let guard = if waited.filled || req.in_transaction || req.shadow {
+            None
+        } else {
+            match self.fills.claim(local) {
+                Claim::Fill(guard) => Some(guard),
+                Claim::Wait(filled) => {
+                    tracing::trace!(key = local, "waiting for a concurrent fill");
+                    self.metrics.coalesced.inc();
+                    return Err(Wait::Fill {
+                        filled,
+                        at_most: req.coalesce_wait,
+                    });
                 }
-            };
-            self.metrics.misses.inc();
-            self.db_metrics(req.db).miss.inc();
-            return Lookup::Miss(Fill::new(req, local, shared, guard));
+            }
+        };
+        self.metrics.misses.inc();
+        self.db_metrics(req.db).miss.inc();
+        Ok(Lookup::Miss(Fill::new(req, local, shared, guard)))
+    }
+
+    /// Waits for what a [`Cache::lookup`] asked, and notes what came of it
+    /// in `waited` for the lookup's next try.
+    pub async fn wait(&self, wait: Wait, waited: &mut Waited) {
+        match wait {
+            Wait::Confirm { db, reads } => {
+                let confirmed = match self.shared() {
+                    Some(tier) => tier.confirm(&db, &reads).await,
+                    None => Ok(()),
+                };
+                if let Err(e) = &confirmed {
+                    tracing::debug!(error = %e, "cannot confirm versions with Redis");
+                }
+                waited.confirmed = Some(confirmed.is_ok());
+            }
+            Wait::Shared { key, stamp } => {
+                let found = match self.shared() {
+                    Some(tier) => tier.get(key, &stamp).await,
+                    None => None,
+                };
+                waited.shared = Some((key, stamp, found));
+            }
+            Wait::Fill {
+                mut filled,
+                at_most,
+            } => {
+                // Err: the filler finished (stored or failed).
+                let _ = tokio::time::timeout(at_most, filled.changed()).await;
+                waited.filled = true;
+                // What Redis said before may be out of date now.
+                waited.shared = None;
+            }
         }
     }
 

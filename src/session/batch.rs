@@ -8,8 +8,10 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
+use super::known::Statement;
 use super::plan::Plan;
-use crate::classify::BypassReason;
+use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::classify::{BypassReason, is_time_literal_text};
 use crate::protocol::codec::{HEADER_LEN, parse_frame};
 use crate::protocol::extended;
 use crate::protocol::frontend as fe;
@@ -241,6 +243,49 @@ impl Batch {
             row_limit: (*max_rows).max(0) as u32,
         })
     }
+}
+
+/// Whether a text-format parameter of a Bind may be a time literal
+/// (`now`, `today`...): its answer changes with the clock. `None` if the
+/// Bind is malformed.
+pub(super) fn binds_time_literal(body: &[u8]) -> Option<bool> {
+    let mut clock = false;
+    // The result formats are not needed, only the check that they are whole.
+    let _results =
+        extended::walk_bind(body, |format, value| clock |= may_tell_time(format, value))?;
+    Some(clock)
+}
+
+fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
+    format == 0 && value.is_some_and(|v| v.len() <= 16 && is_time_literal_text(v))
+}
+
+/// The key of a bound statement run in a batch of `shape` (the tags and
+/// Describe kind of its frames), hashed as its Bind's `body` is read.
+/// Refused if a parameter may be a time literal, or the Bind is malformed.
+pub(super) fn extended_key(
+    prefix: u128,
+    stmt: &Statement,
+    shape: &[u8],
+    body: &[u8],
+) -> Result<RequestKey, BypassReason> {
+    let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
+    k.bytes(shape).bytes(&stmt.param_types);
+    let mut clock = false;
+    let results = extended::walk_bind(body, |format, value| {
+        clock |= may_tell_time(format, value);
+        k.u64(format as u64).value(value);
+    })
+    .ok_or(BypassReason::UnsupportedShape)?;
+    if clock {
+        return Err(BypassReason::TimeLiteral);
+    }
+    for f in results {
+        k.u64(f as u64);
+    }
+    // The row limit stays out of the key: a result that completed within
+    // one limit is the whole result, for any limit it fits.
+    Ok(k.finish())
 }
 
 #[cfg(test)]

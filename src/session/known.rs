@@ -8,9 +8,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::plan::Plan;
-use crate::cache::key::sql_hash;
+use crate::cache::key::{self, sql_hash};
 use crate::policy::Policy;
 use crate::pool::marks::{Marks, marks};
+use crate::pool::transaction::SettingsRow;
+use crate::protocol::startup::Startup;
 
 const MAX_PLANS: usize = 4096;
 
@@ -86,6 +88,21 @@ impl Known {
             unsent_parses: Vec::new(),
             body_marks: HashMap::default(),
         }
+    }
+
+    /// Takes the settings query's answer as the session's role and cache-key
+    /// prefix (read under the policy's `generation` of settings).
+    pub fn adopt_settings(
+        &mut self,
+        row: &SettingsRow,
+        generation: u64,
+        startup: &Startup,
+    ) -> u128 {
+        self.role = row.cells.first().cloned().flatten();
+        let params = startup.params.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+        let prefix = key::session_prefix(startup.database(), params, row.digest);
+        self.prefix = Some((prefix, generation));
+        prefix
     }
 
     /// The memoised plan of a text, if made under these generations.
@@ -210,4 +227,48 @@ impl Known {
         self.statements.remove(name);
         self.unsent_parses.retain(|(n, _)| n.as_ref() != name);
     }
+}
+
+/// Columns of the settings query that are the session's own settings, as
+/// [`ClientState`](super::link::ClientState) reads them:
+/// `current_setting('role')`, and the settings set at startup or by the
+/// session as a JSON object. Left out of the key prefix, which hashes every
+/// setting already (and never `application_name`).
+pub(super) const ROLE_COLUMN: usize = 4;
+pub(super) const OWN_SETTINGS_COLUMN: usize = 5;
+
+/// pgcache's own query for a session's settings: its identity, default
+/// isolation, every setting, and those the policy's rules name.
+pub(super) fn settings_sql(policy_settings: &[String]) -> String {
+    let mut sql = String::from(
+        "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), s.everything, \
+         pg_catalog.current_setting('role'), s.own_settings",
+    );
+    for name in policy_settings {
+        sql.push_str(", pg_catalog.current_setting('");
+        sql.push_str(&name.replace('\'', "''"));
+        sql.push_str("', true)");
+    }
+    sql.push_str(
+        " FROM (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
+           FILTER (WHERE name <> 'application_name') AS everything, \
+         pg_catalog.json_object_agg(name, setting) FILTER (WHERE source IN ('client', 'session') \
+           AND name NOT IN ('session_authorization', 'role')) AS own_settings \
+         FROM pg_catalog.pg_settings) s",
+    );
+    sql
+}
+
+/// The settings query's answer, with the digest of the columns that go into
+/// the cache key: not the role (the key has `current_user`) nor the
+/// client's own settings (every setting is there already).
+pub(super) fn settings_row(cells: Vec<Option<String>>) -> Arc<SettingsRow> {
+    let digest = key::settings_digest(
+        cells
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != ROLE_COLUMN && *i != OWN_SETTINGS_COLUMN)
+            .map(|(_, value)| value),
+    );
+    Arc::new(SettingsRow { cells, digest })
 }

@@ -6,8 +6,8 @@
 //!        ──────────▶ connect backend, log in                  login.rs
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
-//!   client frames  → Query                                    query.rs
-//!                    Parse/Bind/Describe/Execute/Sync         extended.rs
+//!   client frames  → Query, Parse/Bind/Describe/Execute/Sync  engine/requests.rs
+//!                    what a decision waits for, met           needs.rs
 //!   drain          → close once idle (57P01)
 //! ```
 //!
@@ -24,20 +24,19 @@ mod capture;
 mod checkout;
 mod engine;
 mod error;
-mod extended;
 mod hidden;
 mod known;
 mod link;
 mod login;
+mod needs;
 mod negotiate;
 mod offload;
 mod pipeline;
 mod plan;
-mod prerequisites;
-mod query;
 mod relay;
 mod reuse;
 mod row_limit;
+mod timeouts;
 mod transaction;
 
 use std::net::SocketAddr;

@@ -11,108 +11,23 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
 use super::capture::{Capture, Captured};
-use super::link::ClientState;
-use super::relay::Session;
+use super::known::Known;
+use super::link::{ClientState, Link};
 use crate::App;
 use crate::backend::BackendStream;
+use crate::cache::DbState;
 use crate::pool::prepared::{Reply, Translator};
 use crate::pool::transaction::Pool;
 use crate::protocol::codec::{HEADER_LEN, frames};
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{backend as be, extended, frontend as fe, messages};
 
-impl<C> Session<C>
-where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    /// Runs `request` (frames ending in Sync, or a Query) for `capture` on
-    /// a connection of the session's pool, in a task of its own. Gives the
-    /// capture back when that cannot be done: pgcache does not know the
-    /// client's settings or a statement the request names, or cannot log
-    /// in for the client (passthrough authentication with a password).
-    pub(super) fn offload(&self, request: &[u8], capture: Capture) -> Option<Capture> {
-        let (pool, translator) = match (&self.engine.link.pool, &self.engine.link.checks) {
-            (Some(pool), _) if !self.engine.link.state_dirty => {
-                (Arc::clone(pool), self.engine.link.translator.for_request())
-            }
-            // Session mode: the settings were read with the hit's key.
-            (None, Some(pool)) if self.engine.known.prefix.is_some() && pool.can_log_in() => {
-                match self.statements_for(request) {
-                    Some(translator) => (Arc::clone(pool), translator),
-                    None => return Some(capture),
-                }
-            }
-            _ => return Some(capture),
-        };
-        let job = Job {
-            app: Arc::clone(&self.app),
-            pool,
-            translator,
-            state: self.engine.link.state.clone(),
-            request: request.to_vec(),
-        };
-        tokio::spawn(async move {
-            let app = Arc::clone(&job.app);
-            let mut capture = capture;
-            let is_check = capture.is_check();
-            let answered = match job.run(&mut capture).await {
-                Ok(done) => capture.finish().map(|captured| (captured, done)),
-                Err(why) => {
-                    debug!(why, "request for a served hit dropped");
-                    None
-                }
-            };
-            match answered {
-                Some((Captured::Store(fill, bytes), _)) => app.cache.store(*fill, &bytes),
-                Some((Captured::Verified(check, answer), done)) => {
-                    check.judge(&app.cache, &answer, done)
-                }
-                Some((Captured::Compared { .. }, _)) => {}
-                // Every drawn check gets a verdict.
-                None if is_check => app.metrics.verify.skipped.inc(),
-                None => {}
-            }
-        });
-        None
-    }
-
-    /// Session mode: a translator that knows the statements `request`
-    /// names but does not prepare, as the client prepared them on its own
-    /// connection; `None` if one is unknown to pgcache.
-    fn statements_for(&self, request: &[u8]) -> Option<Translator> {
-        let mut translator = Translator::following(Arc::clone(&self.engine.db.versions.schema));
-        let mut seen: Vec<&[u8]> = Vec::new();
-        for frame in frames(request) {
-            let body = &frame[HEADER_LEN..];
-            let name = match frame[0] {
-                fe::PARSE => {
-                    seen.push(extended::parse(body)?.name);
-                    continue;
-                }
-                fe::BIND => extended::bind_names(body)?.1,
-                fe::DESCRIBE => match extended::target(body)? {
-                    (fe::TARGET_STATEMENT, name) => name,
-                    _ => continue,
-                },
-                _ => continue,
-            };
-            if seen.contains(&name) {
-                continue;
-            }
-            let statement = self.engine.known.statements.get(name)?;
-            translator.define(name, &statement.sql, &statement.param_types);
-            seen.push(name);
-        }
-        Some(translator)
-    }
-}
-
-struct Job {
-    app: Arc<App>,
+/// pgcache's own request for a served hit, to run on a connection of the
+/// session's pool.
+pub(super) struct Job {
     pool: Arc<Pool>,
     translator: Translator,
     state: ClientState,
@@ -120,9 +35,53 @@ struct Job {
 }
 
 impl Job {
+    /// `request` (frames ending in Sync, or a Query) as a job of its own;
+    /// `None` when that cannot be done: pgcache does not know the client's
+    /// settings or a statement the request names, or cannot log in for the
+    /// client (passthrough authentication with a password).
+    pub fn for_request(link: &Link, known: &Known, db: &DbState, request: &[u8]) -> Option<Job> {
+        let (pool, translator) = match (&link.pool, &link.checks) {
+            (Some(pool), _) if !link.state_dirty => {
+                (Arc::clone(pool), link.translator.for_request())
+            }
+            // Session mode: the settings were read with the hit's key.
+            (None, Some(pool)) if known.prefix.is_some() && pool.can_log_in() => {
+                (Arc::clone(pool), statements_for(known, db, request)?)
+            }
+            _ => return None,
+        };
+        Some(Job {
+            pool,
+            translator,
+            state: link.state.clone(),
+            request: request.to_vec(),
+        })
+    }
+
+    /// Runs the job for `capture`, and stores or judges what it captured.
+    pub async fn run_into(self, app: Arc<App>, mut capture: Capture) {
+        let is_check = capture.is_check();
+        let answered = match self.run(&app, &mut capture).await {
+            Ok(done) => capture.finish().map(|captured| (captured, done)),
+            Err(why) => {
+                debug!(why, "request for a served hit dropped");
+                None
+            }
+        };
+        match answered {
+            Some((Captured::Store(fill, bytes), _)) => app.cache.store(*fill, &bytes),
+            Some((Captured::Verified(check, answer), done)) => {
+                check.judge(&app.cache, &answer, done)
+            }
+            Some((Captured::Compared { .. }, _)) => {}
+            // Every drawn check gets a verdict.
+            None if is_check => app.metrics.verify.skipped.inc(),
+            None => {}
+        }
+    }
+
     /// Copies the answer into `capture`; returns when it was complete.
-    async fn run(mut self, capture: &mut Capture) -> Result<Instant, &'static str> {
-        let app = Arc::clone(&self.app);
+    async fn run(mut self, app: &App, capture: &mut Capture) -> Result<Instant, &'static str> {
         let config = app.config();
         let (mut lease, mut stream) = app
             .pool
@@ -178,6 +137,36 @@ impl Job {
         }
         Ok(done)
     }
+}
+
+/// Session mode: a translator that knows the statements `request`
+/// names but does not prepare, as the client prepared them on its own
+/// connection; `None` if one is unknown to pgcache.
+fn statements_for(known: &Known, db: &DbState, request: &[u8]) -> Option<Translator> {
+    let mut translator = Translator::following(Arc::clone(&db.versions.schema));
+    let mut seen: Vec<&[u8]> = Vec::new();
+    for frame in frames(request) {
+        let body = &frame[HEADER_LEN..];
+        let name = match frame[0] {
+            fe::PARSE => {
+                seen.push(extended::parse(body)?.name);
+                continue;
+            }
+            fe::BIND => extended::bind_names(body)?.1,
+            fe::DESCRIBE => match extended::target(body)? {
+                (fe::TARGET_STATEMENT, name) => name,
+                _ => continue,
+            },
+            _ => continue,
+        };
+        if seen.contains(&name) {
+            continue;
+        }
+        let statement = known.statements.get(name)?;
+        translator.define(name, &statement.sql, &statement.param_types);
+        seen.push(name);
+    }
+    Some(translator)
 }
 
 /// Reads up to ReadyForQuery; true if nothing failed.

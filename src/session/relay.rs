@@ -6,16 +6,17 @@
 
 use std::sync::Arc;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
-use super::engine::{Action, Ctx, Engine};
+use super::engine::{Action, Ctx, Engine, ReadyBatch};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
 use super::reuse::ServerBook;
+use super::timeouts::{IdleTimeouts, sleep_until_or_never};
 use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
@@ -249,6 +250,10 @@ where
                 Action::Publish(publication) => publication.send().await,
                 Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
                 Action::Watch => self.app.streams.ensure(&self.engine.db),
+                Action::Fetch => self.app.fetch_catalog(&self.engine.db),
+                Action::Offload(job, capture) => {
+                    tokio::spawn(job.run_into(Arc::clone(&self.app), capture));
+                }
             }
         }
     }
@@ -343,7 +348,12 @@ where
             }
         } else {
             while flow == Flow::Continue {
-                if let Some(ready) = self.whole_batch() {
+                let ctx = ctx(&self.app, &self.entry);
+                let max_frame = self.client.max_frame();
+                if let Some(ready) =
+                    self.engine
+                        .whole_batch(&ctx, self.client.buffered(), max_frame)
+                {
                     self.on_whole_batch(ready).await?;
                     continue;
                 }
@@ -365,6 +375,36 @@ where
             self.detach_if_idle().await?;
         }
         Ok(flow)
+    }
+
+    /// One complete client frame, with caching on: decided by the engine,
+    /// once it has what it needs.
+    async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
+        let flow = loop {
+            let ctx = ctx(&self.app, &self.entry);
+            match self.engine.on_client_frame(&ctx, &frame) {
+                Ok(flow) => break flow,
+                Err(need) => Box::pin(self.meet(need, &frame)).await?,
+            }
+        };
+        self.carry_out().await;
+        self.flush_out().await?;
+        Ok(flow)
+    }
+
+    /// A batch the engine found whole at the start of the client's buffer.
+    async fn on_whole_batch(&mut self, ready: ReadyBatch) -> Result<(), SessionError> {
+        loop {
+            let ctx = ctx(&self.app, &self.entry);
+            let request = &self.client.buffered()[..ready.len];
+            match self.engine.on_whole_batch(&ctx, &ready, request) {
+                Ok(()) => break,
+                Err(need) => Box::pin(self.meet(need, &[])).await?,
+            }
+        }
+        self.client.consume(ready.len);
+        self.carry_out().await;
+        self.flush_out().await
     }
 
     /// Writes what pgcache staged in `out` to the client.
@@ -553,61 +593,4 @@ pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
 /// Where the complete frames of a buffer end.
 fn complete_frames(buf: &[u8]) -> usize {
     crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
-}
-
-/// `server.client_idle_timeout_secs` and
-/// `server.idle_in_transaction_timeout_secs`, as PostgreSQL's own.
-struct IdleTimeouts {
-    idle: Option<std::time::Duration>,
-    in_transaction: Option<std::time::Duration>,
-    /// Either is set: the loop keeps the time of the last activity.
-    any: bool,
-}
-
-impl IdleTimeouts {
-    fn new(server: &crate::config::ServerConfig) -> Self {
-        let secs = |s: u64| (s > 0).then(|| std::time::Duration::from_secs(s));
-        let idle = secs(server.client_idle_timeout_secs);
-        let in_transaction = secs(server.idle_in_transaction_timeout_secs);
-        Self {
-            idle,
-            in_transaction,
-            any: idle.is_some() || in_transaction.is_some(),
-        }
-    }
-
-    fn deadline(
-        &self,
-        waiting: bool,
-        status: TxStatus,
-        since: tokio::time::Instant,
-    ) -> Option<tokio::time::Instant> {
-        let limit = if status == TxStatus::Idle {
-            self.idle
-        } else {
-            self.in_transaction
-        };
-        limit.filter(|_| waiting).map(|l| since + l)
-    }
-
-    fn error(&self, status: TxStatus) -> SessionError {
-        if status == TxStatus::Idle {
-            SessionError::refused(
-                sqlstate::IDLE_SESSION_TIMEOUT,
-                "terminating connection due to idle-session timeout",
-            )
-        } else {
-            SessionError::refused(
-                sqlstate::IDLE_IN_TRANSACTION_TIMEOUT,
-                "terminating connection due to idle-in-transaction timeout",
-            )
-        }
-    }
-}
-
-async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }

@@ -169,7 +169,12 @@ impl Proxy {
     pub async fn learn(&self, db: &str, rels: &[&str], funcs: &[&str]) {
         let state = self.app.cache.db(db);
         eventually(Duration::from_secs(20), "catalog facts", || {
-            let _ = self.app.catalog_facts(&state, rels, funcs);
+            let (_, queued) = state
+                .catalog
+                .facts(rels.iter().copied(), funcs.iter().copied());
+            if queued {
+                self.app.fetch_catalog(&state);
+            }
             let known = state.catalog.knows(rels, funcs);
             async move { known.then_some(()) }
         })

@@ -15,26 +15,38 @@ use bytes::BytesMut;
 use tracing::debug;
 
 use crate::App;
+use crate::cache::catalog::Facts;
+use crate::cache::catalog::fetch::Rows;
 use crate::cache::hold::Paused;
-use crate::cache::{DbState, Fill, Publication};
+use crate::cache::{DbState, Fill, Publication, Wait, Waited};
 use crate::cancel::{CancelGuard, CancelTarget};
+use crate::classify::BypassReason;
+use crate::pool::LoginSettings;
 use crate::pool::clients::Client;
 use crate::pool::marks::{Marks, Pin};
-use crate::protocol::TxStatus;
+use crate::pool::transaction::SettingsRow;
 use crate::protocol::startup::Startup;
+use crate::protocol::{TxStatus, messages};
 use crate::session::batch::Batch;
+use crate::session::capture::Capture;
 use crate::session::known::Known;
+use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row, settings_sql};
+use crate::session::link::ClientState;
 use crate::session::link::{Knobs, Link};
-use crate::session::pipeline::Pipeline;
+use crate::session::offload::Job;
+use crate::session::pipeline::{Inflight, Pipeline};
+use crate::session::plan::Plan;
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
 
 mod answers;
+mod requests;
 #[cfg(test)]
 mod tests;
 
 pub(super) use answers::MAX_BACKEND_FRAME;
+pub(super) use requests::ReadyBatch;
 
 /// What the engine may read with each event: shared state that never
 /// blocks, and the time.
@@ -54,6 +66,48 @@ pub(super) enum Action {
     Store(Box<Fill>, BytesMut),
     /// Follow the database's changes: start its stream if none runs.
     Watch,
+    /// Look up the catalog facts the database's sessions asked for, on
+    /// pgcache's own connection, if no fetcher does yet.
+    Fetch,
+    /// Run pgcache's own request for a hit served (a refresh, a check) off
+    /// the client's path, into the capture.
+    Offload(Box<Job>, Capture),
+}
+
+/// What a client frame's decision waits for. The driver meets it, notes
+/// what it found in [`Found`], and feeds the engine the same frame again.
+pub(super) enum Need {
+    /// The statement's prerequisites: a database pgcache lets go of, a
+    /// table taken out of its publication.
+    Prerequisites,
+    /// The facts of the names the statement uses, looked up on the
+    /// session's idle backend (pgcache has no connection of its own).
+    Facts,
+    /// The session's settings, read on its idle backend by this query
+    /// under the policy's `generation` of settings.
+    Settings { sql: String, generation: u64 },
+    /// What the cache waits for: Redis, or a concurrent fill.
+    Cache(Wait),
+}
+
+/// What the driver found out while a frame waited; forgotten once the
+/// frame is decided.
+#[derive(Default)]
+pub(super) struct Found {
+    pub prerequisites: bool,
+    /// The facts were looked up (or could not be).
+    pub facts: bool,
+    /// The settings were read (or could not be).
+    pub settings: bool,
+    pub lookup: Waited,
+}
+
+impl Found {
+    pub fn clear(&mut self) {
+        if self.prerequisites || self.facts || self.settings || !self.lookup.is_empty() {
+            *self = Found::default();
+        }
+    }
 }
 
 /// The state of one client session.
@@ -93,6 +147,8 @@ pub(super) struct Engine {
     /// The backend's own cancel key, and the registration of ours.
     pub backend_key: Option<Arc<CancelTarget>>,
     pub cancel: Option<CancelGuard>,
+    /// What the frame being decided waited for.
+    pub found: Found,
 }
 
 impl Engine {
@@ -123,6 +179,7 @@ impl Engine {
             draining: false,
             backend_key: None,
             cancel: None,
+            found: Found::default(),
         }
     }
 
@@ -198,5 +255,312 @@ impl Engine {
             };
         }
         self.link.knobs
+    }
+
+    /// Queues a frame for the backend, first replaying any Parse the
+    /// backend has not seen because the cache answered it.
+    pub fn forward(&mut self, frame: &[u8]) {
+        if self.pipeline.to_backend.is_empty() && !self.known.unsent_parses.is_empty() {
+            for (_, raw) in self.known.unsent_parses.drain(..) {
+                self.pipeline.to_backend.extend_from_slice(&raw);
+            }
+            self.pipeline.to_backend.extend_from_slice(&messages::SYNC);
+            self.pipeline.push_hidden(Inflight::hidden(None));
+        }
+        self.pipeline.to_backend.extend_from_slice(frame);
+    }
+
+    /// State changes a forwarded statement causes at once.
+    pub(super) fn note_effects(&mut self, plan: &Plan) {
+        if plan.settings {
+            self.settings_may_have_changed();
+        }
+        if plan.creates_temp {
+            self.known.temp = true;
+        }
+        if let Some(strict) = plan.begin_strict {
+            self.tx.begin(strict);
+        }
+        if plan.writes {
+            self.tx.wrote();
+        }
+    }
+
+    /// Whether a read may be served from (and stored in) the cache now, and
+    /// under which session prefix; the settings are read first if they are
+    /// not known.
+    pub(super) fn may_serve(
+        &mut self,
+        ctx: &Ctx,
+        plan: &Plan,
+        in_transaction_ok: bool,
+    ) -> Result<Result<u128, BypassReason>, Need> {
+        if let Some(decided) = self.served_with(ctx, plan, in_transaction_ok) {
+            return Ok(decided);
+        }
+        Ok(self
+            .session_prefix()?
+            .and_then(|prefix| self.role_may_serve(prefix)))
+    }
+
+    /// [`Self::may_serve`] when the settings are known or the read is
+    /// refused anyway; `None` when they must be read first.
+    fn served_with(
+        &self,
+        ctx: &Ctx,
+        plan: &Plan,
+        in_transaction_ok: bool,
+    ) -> Option<Result<u128, BypassReason>> {
+        if let Err(reason) = &plan.read {
+            // With no stream, no table is published yet: say why.
+            if *reason == BypassReason::NotPublished
+                && let Err(down) = ctx.app.cache.freshness(&self.db)
+            {
+                return Some(Err(down));
+            }
+            return Some(Err(*reason));
+        }
+        if !self.known.policy.database_allowed(self.startup.database()) {
+            return Some(Err(BypassReason::DatabaseRule));
+        }
+        if self.known.temp {
+            return Some(Err(BypassReason::TempObjects));
+        }
+        // The stream's freshness is checked by the lookup, just before an
+        // answer could be served.
+        if !self.pipeline.is_quiet() {
+            return Some(Err(BypassReason::Pipelined));
+        }
+        if self.tx.status == TxStatus::InTransaction && !in_transaction_ok {
+            return Some(Err(BypassReason::UnsupportedShape));
+        }
+        if let Err(reason) = self.tx.reads_may_use_cache() {
+            return Some(Err(reason));
+        }
+        let prefix = self.known_prefix()?;
+        Some(self.role_may_serve(prefix))
+    }
+
+    fn role_may_serve(&self, prefix: u128) -> Result<u128, BypassReason> {
+        match &self.known.role {
+            Some(role) if !self.known.policy.role_allowed(role) => Err(BypassReason::RoleRule),
+            _ => Ok(prefix),
+        }
+    }
+
+    /// Reads inside a transaction can only use the cache if the session's
+    /// settings are known, and they can only be read while it is idle: so
+    /// they are read just before a BEGIN goes out, if they are not known.
+    pub(super) fn before_begin(&mut self, plan: &Plan) -> Result<(), Need> {
+        if plan.begin_strict == Some(false)
+            && self.known.prefix.is_none()
+            && self.backend_idle()
+            && !self.found.settings
+        {
+            return Err(self.read_settings());
+        }
+        Ok(())
+    }
+
+    /// Tells the client, once per statement text, which of its hints were
+    /// malformed or unknown (the statement runs under the policy).
+    fn warn_hints(&mut self, ctx: &Ctx, hash: u128, problems: &[String]) {
+        if !self.known.first_warning(hash) {
+            return;
+        }
+        let mut out = BytesMut::new();
+        for problem in problems {
+            ctx.app.metrics.hint_problems.inc();
+            messages::notice_response(
+                &mut out,
+                "WARNING",
+                crate::protocol::sqlstate::WARNING,
+                &format!("pgcache: hint ignored: {problem}"),
+            );
+        }
+        self.out.extend_from_slice(&out);
+    }
+    /// The plan for a statement text: the session's memo, another text of
+    /// its shape, or made now from the facts of the names it uses.
+    pub fn plan(&mut self, ctx: &Ctx, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, Need> {
+        let generation = self.db.catalog.generation();
+        let policy_generation = ctx.app.policy_generation();
+        if let Some(plan) = self.known.plan(hash, generation, policy_generation) {
+            return Ok(plan);
+        }
+        if self.known.policy.generation != policy_generation {
+            self.known.policy = ctx.app.policy();
+        }
+        let scanned = ctx.app.cache.scan(hash, sql);
+        if !scanned.scan().hints.problems.is_empty() {
+            self.warn_hints(ctx, hash, &scanned.scan().hints.problems);
+        }
+        // Another text of this shape, planned by this session or by
+        // another session of the database.
+        let plan_key = scanned.plan_key();
+        let known = self
+            .known
+            .shape_plan(plan_key, generation, policy_generation)
+            .or_else(|| {
+                ctx.app
+                    .plans
+                    .get(&self.db, plan_key, generation, policy_generation)
+            });
+        if let Some(plan) = known {
+            self.known.remember_plan(hash, plan_key, &plan);
+            return Ok(plan);
+        }
+        let analysis = ctx.app.cache.analyzed(scanned, sql);
+        let (rels, funcs) = Plan::names(&analysis);
+        let facts = self.facts(&rels, &funcs)?;
+        let plan = Arc::new(Plan::new(
+            &analysis,
+            &facts,
+            &self.db.versions,
+            generation,
+            &self.known.policy,
+        ));
+        if let Ok(families) = &plan.read {
+            plan.stats.set_reads(&self.db, families);
+        }
+        // A plan made while facts were being fetched is made again once
+        // they are known.
+        if facts.complete() {
+            self.known.remember_plan(hash, analysis.plan_key, &plan);
+            ctx.app.plans.put(&self.db, analysis.plan_key, &plan);
+        }
+        Ok(plan)
+    }
+
+    /// The facts of the names a statement uses. Names not known yet are
+    /// queued for the database's fetcher, which looks them up on pgcache's
+    /// own connection while this statement goes on without them. Only when
+    /// pgcache cannot open a connection of its own does the session look
+    /// them up itself, on its idle backend.
+    fn facts(&mut self, rels: &[&str], funcs: &[&str]) -> Result<Facts, Need> {
+        if rels.is_empty() && funcs.is_empty() {
+            return Ok(Facts::default());
+        }
+        let (facts, queued) = self
+            .db
+            .catalog
+            .facts(rels.iter().copied(), funcs.iter().copied());
+        if queued {
+            self.actions.push(Action::Fetch);
+        }
+        if !facts.complete()
+            && self.db.catalog.fetcher_down()
+            && self.backend_idle()
+            && !self.found.facts
+        {
+            return Err(Need::Facts);
+        }
+        Ok(facts)
+    }
+
+    /// The session's prefix when it is known and current.
+    fn known_prefix(&self) -> Option<u128> {
+        let pool_generation = self.link.pool.as_ref().map(|p| p.generation());
+        if pool_generation != self.link.prefix_generation {
+            return None;
+        }
+        let generation = self.db.catalog.policy_settings_generation();
+        self.known
+            .prefix
+            .and_then(|(prefix, g)| (g == generation).then_some(prefix))
+    }
+
+    /// The hash of the session's identity and settings: known, or read from
+    /// the backend when they may have changed.
+    fn session_prefix(&mut self) -> Result<Result<u128, BypassReason>, Need> {
+        let generation = self.db.catalog.policy_settings_generation();
+        // Transaction mode: settings read under other login settings of
+        // the pool's connections are out of date.
+        let pool = self.link.pool.clone();
+        let pool_generation = pool.as_ref().map(|p| p.generation());
+        if pool_generation != self.link.prefix_generation {
+            self.known.prefix = None;
+        }
+        if let Some((prefix, g)) = self.known.prefix
+            && g == generation
+        {
+            return Ok(Ok(prefix));
+        }
+        // Transaction mode: clients in the same state have the same
+        // settings, read once per pool.
+        let state = (!self.link.state_dirty).then_some(self.link.state.id);
+        if let (Some(pool), Some(state)) = (&pool, state)
+            && let Some(row) = pool.settings(state, generation)
+        {
+            self.link.prefix_generation = pool_generation;
+            return Ok(Ok(self.adopt_settings(&row, generation)));
+        }
+        // A reused connection still in its login state is in the state an
+        // earlier session read at login: no need to read it again.
+        if pool.is_none()
+            && self.server.login_state
+            && let Some(login) = self.server.login_settings.clone()
+            && login.generation == generation
+        {
+            return Ok(Ok(self.adopt_settings(&login.row, generation)));
+        }
+        if !self.backend_idle() || self.found.settings {
+            return Ok(Err(BypassReason::SettingsUnknown));
+        }
+        Err(self.read_settings())
+    }
+
+    /// pgcache's own query for the session's settings.
+    fn read_settings(&self) -> Need {
+        let (generation, policy_settings) = self.db.catalog.policy_settings();
+        let sql = settings_sql(&policy_settings);
+        Need::Settings { sql, generation }
+    }
+
+    /// The answer to [`Need::Settings`]'s query, read under the policy's
+    /// `generation` of settings (`None`: it failed).
+    pub fn on_settings(&mut self, generation: u64, rows: Option<Rows>) {
+        self.found.settings = true;
+        let Some(row) = rows.and_then(|rows| rows.into_iter().next()) else {
+            return;
+        };
+        let row = settings_row(row);
+        self.adopt_settings(&row, generation);
+        if let Some(pool) = self.link.pool.clone() {
+            // The generation of the connection the settings were read on.
+            let read_in = self.link.lease().map(|l| l.server().generation);
+            self.link.prefix_generation = read_in;
+            if let Some(read_in) = read_in
+                && !self.link.state_dirty
+            {
+                pool.remember_settings(self.link.state.id, generation, read_in, Arc::clone(&row));
+            }
+        }
+        if self.server.login_state {
+            // What a client logging in on this connection starts with.
+            self.server.login_settings = Some(LoginSettings { generation, row });
+        }
+    }
+
+    /// Takes the settings query's answer as the session's: its role,
+    /// default isolation and cache-key prefix.
+    fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
+        let prefix = self.known.adopt_settings(row, generation, &self.startup);
+        self.tx.default_strict = !matches!(
+            row.cells.get(2).and_then(|v| v.as_deref()),
+            Some("read committed" | "read uncommitted")
+        );
+        if !self.link.is_pooled() {
+            // Session mode: what pgcache's own requests for this session's
+            // hits run in, on a connection of their own.
+            let cell = |i: usize| row.cells.get(i).and_then(|v| v.as_deref());
+            self.link.state = ClientState::read(
+                self.startup.user(),
+                cell(1),
+                cell(ROLE_COLUMN),
+                cell(OWN_SETTINGS_COLUMN),
+            );
+        }
+        prefix
     }
 }

@@ -1,4 +1,6 @@
-//! What a client's statement needs of pgcache before it goes out (see
+//! What the engine waits for, met by the driver ([`Need`]): the cache's
+//! waits, the session's settings, catalog facts, and what a client's
+//! statement needs of pgcache before it goes out (see
 //! [`crate::classify::prerequisites`]): databases pgcache lets go of (see
 //! [`crate::cache::hold`]), and tables taken out of its publication.
 
@@ -6,6 +8,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
+use super::engine::Need;
 use super::relay::Session;
 use crate::classify::prerequisites::prerequisites;
 use crate::invalidation::{full_message, quote_ident, quote_literal};
@@ -16,8 +19,34 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    /// Gets what the engine needs to decide on `frame`, and tells it.
+    pub(super) async fn meet(&mut self, need: Need, frame: &[u8]) -> Result<(), SessionError> {
+        match need {
+            Need::Prerequisites => {
+                self.meet_prerequisites(frame).await?;
+                self.engine.found.prerequisites = true;
+            }
+            Need::Facts => {
+                self.look_up_facts().await?;
+                self.engine.found.facts = true;
+            }
+            Need::Settings { sql, generation } => {
+                self.app.metrics.settings_queries.inc();
+                let rows = self.hidden_query(&sql).await?;
+                self.engine.on_settings(generation, rows);
+            }
+            Need::Cache(wait) => {
+                self.app
+                    .cache
+                    .wait(wait, &mut self.engine.found.lookup)
+                    .await
+            }
+        }
+        Ok(())
+    }
+
     /// For a Query or Parse frame whose text names a database or UNLOGGED.
-    pub(super) async fn meet_prerequisites(&mut self, frame: &[u8]) -> Result<(), SessionError> {
+    async fn meet_prerequisites(&mut self, frame: &[u8]) -> Result<(), SessionError> {
         if !self.app.cache.replication_on() {
             return Ok(());
         }

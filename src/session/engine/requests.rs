@@ -1,0 +1,589 @@
+//! The client's side of the engine, with caching on: each frame decided
+//! in one synchronous pass.
+//!
+//! ```text
+//! Query / Parse..Sync
+//!   → plan (memoised per shape: analysis × facts of the names it uses → read? effects)
+//!   → may it be served? (single SELECT, no temp objects, nothing in flight,
+//!      not after a write in this transaction, not REPEATABLE READ, settings known)
+//!   → key (session prefix, statement, parameters)
+//!   → cache.lookup: hit → stage the stored frames + ReadyForQuery for the client
+//!                   miss → forward, tee the response into a capture
+//!                   bypass → forward
+//! every forwarded request carries its effects (table versions to bump,
+//! epoch, schema change), applied when its ReadyForQuery arrives and again
+//! when its transaction ends (answers.rs).
+//! ```
+//!
+//! A pass that needs what only a wait can give (Redis, the session's
+//! settings, catalog facts, a statement's prerequisites) stops before it
+//! changes anything that matters and returns a [`Need`]. The driver meets
+//! it, notes what it found in [`Found`](super::Found), and feeds the same
+//! frame again: each decision is written once.
+//!
+//! Parse, Bind, Describe, Execute and Close are held while the batch could
+//! still be answered from the cache ([`Batch`](crate::session::batch::Batch))
+//! and forwarded otherwise; at Sync the held batch is looked up once, and
+//! answered or forwarded whole.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{Action, Ctx, Engine, Need};
+use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::cache::sampler::Check;
+use crate::cache::{Bumps, Lookup, Request};
+use crate::classify::BypassReason;
+use crate::config::CacheMode;
+use crate::pool::marks::{Marks, marks};
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{TxStatus, extended, frontend as fe, messages};
+use crate::session::batch::{WholeBatch, binds_time_literal, describes_the_bound, extended_key};
+use crate::session::capture::Capture;
+use crate::session::known::Statement;
+use crate::session::offload::Job;
+use crate::session::pipeline::{Flow, Inflight};
+use crate::session::plan::Plan;
+use crate::session::row_limit::{RowCut, cut_stored, set_row_limit};
+
+/// What became of a read the cache was asked for.
+enum Answer {
+    /// Answered from the cache; the backend never sees it (unless a
+    /// refresh of the entry was sent).
+    Served { refreshed: bool },
+    /// To forward, with a capture if its result is to be stored.
+    Forward(Option<Capture>),
+}
+
+/// A whole one-query batch at the start of the client's buffer that the
+/// engine can decide on at once ([`Engine::whole_batch`]).
+pub(in crate::session) struct ReadyBatch {
+    pub len: usize,
+    key: RequestKey,
+    statement: Arc<Statement>,
+    plan: Arc<Plan>,
+}
+
+impl Engine {
+    /// One complete client frame, with caching on.
+    pub fn on_client_frame(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
+        let flow = match frame[0] {
+            fe::QUERY => self.on_query(ctx, frame)?,
+            fe::PARSE => {
+                let marks = self.known.body_marks(&frame[HEADER_LEN..]);
+                self.prerequisites(ctx, marks)?;
+                self.on_extended(ctx, frame)?
+            }
+            fe::BIND | fe::DESCRIBE | fe::CLOSE | fe::EXECUTE => self.on_extended(ctx, frame)?,
+            fe::SYNC => {
+                self.db.hold.touch_at(ctx.now);
+                self.on_sync(ctx, frame)?
+            }
+            fe::FUNCTION_CALL => {
+                self.release_batch();
+                self.forward(frame);
+                self.settings_may_have_changed();
+                self.tx.wrote();
+                self.pipeline.push(Inflight {
+                    effects: Bumps::opaque(),
+                    ..Inflight::default()
+                });
+                Flow::Continue
+            }
+            fe::TERMINATE if self.hand_back(ctx) => Flow::Close,
+            fe::TERMINATE if self.link.is_pooled() => {
+                // The connection, if any, goes back to the pool.
+                self.client_ended = true;
+                Flow::Close
+            }
+            tag => {
+                if tag == fe::FLUSH {
+                    self.release_batch();
+                    self.pipeline.unsynced = true;
+                }
+                if tag == fe::COPY_DONE || tag == fe::COPY_FAIL {
+                    self.pipeline.copy_ended();
+                }
+                self.forward(frame);
+                if tag == fe::TERMINATE {
+                    self.client_ended = true;
+                    Flow::Close
+                } else {
+                    Flow::Continue
+                }
+            }
+        };
+        self.found.clear();
+        Ok(flow)
+    }
+
+    /// Notes a Query's or Parse's marks; asks for its prerequisites (a
+    /// database let go of, a table out of the publication) to be met once.
+    fn prerequisites(&mut self, ctx: &Ctx, marks: Marks) -> Result<(), Need> {
+        if self.server.pooling || self.link.is_pooled() {
+            self.note_marks(ctx, marks);
+        }
+        if (marks.evicts || marks.unlogged)
+            && !self.found.prerequisites
+            && ctx.app.cache.replication_on()
+        {
+            return Err(Need::Prerequisites);
+        }
+        Ok(())
+    }
+
+    fn on_query(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
+        let body = &frame[HEADER_LEN..];
+        let sql = body.strip_suffix(&[0]).unwrap_or(body);
+        let hash = key::sql_hash(sql);
+        // One lookup gives a known text's plan and marks.
+        let generation = self.db.catalog.generation();
+        let (mut memo, known_marks) =
+            self.known
+                .text(hash, generation, ctx.app.policy_generation());
+        let marks = known_marks.unwrap_or_else(|| marks(body));
+        self.prerequisites(ctx, marks)?;
+        if self.found.prerequisites {
+            // Meeting them may have changed the catalog.
+            memo = None;
+        }
+        self.db.hold.touch_at(ctx.now);
+        self.release_batch();
+        let plan = match memo {
+            Some(plan) => plan,
+            None => self.plan(ctx, hash, sql)?,
+        };
+        if known_marks.is_none() {
+            self.known.remember_marks(hash, marks);
+        }
+        self.before_begin(&plan)?;
+        let key = self
+            .may_serve(ctx, &plan, true)?
+            .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
+        let looked = self.look_up(ctx, key, &plan)?;
+        // Decided: nothing below waits.
+        plan.stats.call();
+        let mut inflight = Inflight {
+            effects: plan.effects.clone(),
+            ..Inflight::default()
+        };
+        match self.answer(ctx, looked, &plan, frame, 0) {
+            Answer::Served { .. } => return Ok(Flow::Continue),
+            Answer::Forward(capture) => {
+                if capture.is_some() {
+                    inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
+                }
+                inflight.capture = capture;
+            }
+        }
+        self.note_effects(&plan);
+        self.forward(frame);
+        self.pipeline.executed();
+        self.pipeline.push(inflight);
+        Ok(Flow::Continue)
+    }
+
+    /// Parse, Bind, Describe, Execute or Close: held while the batch could
+    /// still be answered from the cache, forwarded otherwise.
+    fn on_extended(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
+        let body = frame.slice(HEADER_LEN..);
+        let holdable = self.pipeline.is_quiet()
+            && self.tx.status == TxStatus::Idle
+            && self.batch.has_room(frame.len())
+            && !self.batch.holds_tag(frame[0]);
+        let held = match frame[0] {
+            fe::PARSE => self.on_parse(frame, &body, holdable),
+            fe::BIND => self.on_bind(frame, &body, holdable),
+            fe::EXECUTE => self.on_execute(ctx, frame, &body, holdable)?,
+            fe::DESCRIBE => match extended::target(&body) {
+                Some((kind, name)) if holdable => {
+                    self.batch.hold_describe(kind, body.slice_ref(name), frame);
+                    true
+                }
+                _ => false,
+            },
+            _ => {
+                // Close
+                if let Some((kind, name)) = extended::target(&body) {
+                    if kind == fe::TARGET_STATEMENT {
+                        self.known.close_statement(name);
+                    } else {
+                        self.known.close_portal(name);
+                    }
+                }
+                false
+            }
+        };
+        if !held {
+            self.release_batch();
+            self.forward(frame);
+            self.pipeline.unsynced = true;
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn on_parse(&mut self, frame: &Bytes, body: &Bytes, holdable: bool) -> bool {
+        let Some(p) = extended::parse(body) else {
+            return false;
+        };
+        let name = body.slice_ref(p.name);
+        let statement = Statement {
+            hash: key::sql_hash(p.query),
+            sql: body.slice_ref(p.query),
+            param_types: body.slice_ref(p.param_types),
+        };
+        self.known.define(name.clone(), statement);
+        self.batch.parsed.push(name.clone());
+        if holdable {
+            self.batch.hold_parse(name, frame);
+        }
+        holdable
+    }
+
+    /// Parameters are decoded once, at Sync, if the batch may be cached.
+    fn on_bind(&mut self, frame: &Bytes, body: &Bytes, holdable: bool) -> bool {
+        let Some((portal, statement)) = extended::bind_names(body) else {
+            return false;
+        };
+        let Some(stmt) = self.known.statements.get(statement).cloned() else {
+            self.known.close_portal(portal);
+            return false;
+        };
+        self.known.bind_portal(body.slice_ref(portal), stmt);
+        if holdable {
+            self.batch.hold_bind(frame);
+        }
+        holdable
+    }
+
+    /// Plans the portal's statement (its effects count whether or not the
+    /// batch is held) and holds the Execute of a cacheable read.
+    fn on_execute(
+        &mut self,
+        ctx: &Ctx,
+        frame: &Bytes,
+        body: &Bytes,
+        holdable: bool,
+    ) -> Result<bool, Need> {
+        let parsed = extended::execute(body).map(|(p, rows)| (body.slice_ref(p), rows));
+        let stmt = parsed
+            .as_ref()
+            .and_then(|(p, _)| self.known.portal(p).cloned());
+        let (Some((portal, max_rows)), Some(stmt)) = (parsed, stmt) else {
+            self.pipeline.executed();
+            self.batch.effects.merge(&Bumps::opaque());
+            self.settings_may_have_changed();
+            self.tx.wrote();
+            return Ok(false);
+        };
+        let plan = self.plan(ctx, stmt.hash, &stmt.sql)?;
+        self.before_begin(&plan)?;
+        self.pipeline.executed();
+        plan.stats.call();
+        self.batch.effects.merge(&plan.effects);
+        self.note_effects(&plan);
+        let hold = holdable && plan.read.is_ok();
+        if hold {
+            self.batch.hold_execute(portal, max_rows, plan, frame);
+        }
+        Ok(hold)
+    }
+
+    /// Forwards the held part of the batch; the rest of it goes straight
+    /// through until Sync.
+    pub fn release_batch(&mut self) {
+        if let Some(raw) = self.batch.release() {
+            self.forward(&raw);
+            self.batch.give_back(raw);
+            self.pipeline.unsynced = true;
+        }
+    }
+
+    fn on_sync(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
+        let mut inflight = Inflight::default();
+        if self.batch.holds() && !self.batch.forwarded {
+            match self.batch_key(ctx)? {
+                Ok((key, plan, row_limit)) => {
+                    let looked = self.look_up(ctx, Ok(key), &plan)?;
+                    // The held frames and this Sync: what a refresh sends.
+                    let execute_at = self.batch.execute_at();
+                    let mut request = self.batch.release().unwrap_or_default();
+                    request.extend_from_slice(frame);
+                    // A row-limited Execute goes out with one row more, so
+                    // that a result that fits is whole and can be stored.
+                    if let Some(at) =
+                        execute_at.filter(|_| row_limit > 0 && row_limit < i32::MAX as u32)
+                    {
+                        set_row_limit(&mut request[at], row_limit + 1);
+                        inflight.row_cut = Some(RowCut::new(row_limit));
+                    }
+                    match self.answer(ctx, looked, &plan, &request, row_limit) {
+                        Answer::Served { refreshed } => {
+                            // The backend never saw the held Parse: replay it
+                            // before anything else it is sent, unless the
+                            // refresh just sent it.
+                            if let Some(parse) = self.batch.parse.take() {
+                                self.known.unsent_parses.retain(|(n, _)| *n != parse.0);
+                                if !refreshed {
+                                    self.known.unsent_parses.push(parse);
+                                }
+                            }
+                            self.batch.give_back(request);
+                            self.batch.reset();
+                            return Ok(Flow::Continue);
+                        }
+                        Answer::Forward(capture) => {
+                            if capture.is_some() {
+                                inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
+                            }
+                            inflight.capture = capture;
+                            request.truncate(request.len() - frame.len());
+                            self.forward(&request);
+                            self.batch.give_back(request);
+                        }
+                    }
+                }
+                Err(reason) => ctx.app.cache.bypassed(&self.db, reason),
+            }
+        }
+        self.release_batch();
+        self.forward(frame);
+        (inflight.effects, inflight.parsed) = self.batch.reset();
+        self.pipeline.push_sync(inflight);
+        Ok(Flow::Continue)
+    }
+
+    /// The key of a held batch of the shape drivers send for one query:
+    /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
+    #[allow(clippy::type_complexity)]
+    fn batch_key(
+        &mut self,
+        ctx: &Ctx,
+    ) -> Result<Result<(RequestKey, Arc<Plan>, u32), BypassReason>, Need> {
+        let query = match self.batch.single_query() {
+            Ok(q) => q,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let Some((_, statement)) = extended::bind_names(query.bind_body()) else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        let Some(stmt) = self.known.statements.get(statement).cloned() else {
+            return Ok(Err(BypassReason::UnsupportedShape));
+        };
+        match binds_time_literal(query.bind_body()) {
+            None => return Ok(Err(BypassReason::UnsupportedShape)),
+            Some(true) => return Ok(Err(BypassReason::TimeLiteral)),
+            Some(false) => {}
+        }
+        let current = query.plan.generation == self.db.catalog.generation()
+            && query.plan.policy_generation == ctx.app.policy_generation();
+        let plan = match current {
+            true => Arc::clone(&query.plan),
+            // The catalog or the policy changed since the Execute.
+            false => self.plan(ctx, stmt.hash, &stmt.sql)?,
+        };
+        let prefix = match self.may_serve(ctx, &plan, false)? {
+            Ok(prefix) => prefix,
+            Err(reason) => {
+                plan.stats.bypassed(reason);
+                return Ok(Err(reason));
+            }
+        };
+        Ok(
+            extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
+                .map(|key| (key, plan, query.row_limit)),
+        )
+    }
+
+    /// A whole one-query batch at the start of the client's buffer `buf`,
+    /// if the engine can decide on it now from what its frames say and
+    /// what the session knows (a statement it defined, a read it may
+    /// serve). `None` leaves the batch to the frame-by-frame path, which
+    /// gives it the same answer (and meets what it needs).
+    pub fn whole_batch(&mut self, ctx: &Ctx, buf: &[u8], max_frame: usize) -> Option<ReadyBatch> {
+        if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
+            return None;
+        }
+        let at = WholeBatch::at_start(buf, max_frame)?;
+        // What the session knows first: a write or a read it may not serve
+        // now (every run of such a statement) costs no decoding.
+        let (portal, statement) = extended::bind_names(at.bind_body(buf))?;
+        let stmt = Arc::clone(self.known.statements.get(statement)?);
+        let plan = self.plan(ctx, stmt.hash, &stmt.sql).ok()?;
+        if plan.begin_strict.is_some() {
+            return None;
+        }
+        let prefix = self.may_serve(ctx, &plan, false).ok()?.ok()?;
+        if !portal.is_empty() {
+            return None;
+        }
+        let mut tags = [fe::BIND, fe::DESCRIBE, 0, fe::EXECUTE];
+        let shape = match at.describe_body(buf) {
+            Some(body) => {
+                let (kind, name) = extended::target(body)?;
+                if !describes_the_bound(kind, name, portal, statement) {
+                    return None;
+                }
+                tags[2] = kind;
+                &tags[..]
+            }
+            None => &[fe::BIND, fe::EXECUTE][..],
+        };
+        // A row limit needs the frame rewritten ([`Self::on_sync`]).
+        let (portal, max_rows) = extended::execute(at.execute_body(buf))?;
+        if !portal.is_empty() || max_rows > 0 {
+            return None;
+        }
+        Some(ReadyBatch {
+            len: at.len,
+            key: extended_key(prefix, &stmt, shape, at.bind_body(buf)).ok()?,
+            statement: stmt,
+            plan,
+        })
+    }
+
+    /// Answers or forwards a batch [`Self::whole_batch`] found (its frames
+    /// are `request`): what Bind, Describe, Execute and Sync would each
+    /// have done in turn.
+    pub fn on_whole_batch(
+        &mut self,
+        ctx: &Ctx,
+        ready: &ReadyBatch,
+        request: &[u8],
+    ) -> Result<(), Need> {
+        self.db.hold.touch_at(ctx.now);
+        let plan = &ready.plan;
+        let looked = self.look_up(ctx, Ok(ready.key), plan)?;
+        self.known
+            .bind_portal(Bytes::new(), Arc::clone(&ready.statement));
+        self.pipeline.executed();
+        plan.stats.call();
+        self.note_effects(plan);
+        match self.answer(ctx, looked, plan, request, 0) {
+            Answer::Served { .. } => {}
+            Answer::Forward(capture) => {
+                let mut inflight = Inflight {
+                    effects: plan.effects.clone(),
+                    ..Inflight::default()
+                };
+                if capture.is_some() {
+                    inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
+                }
+                inflight.capture = capture;
+                self.forward(request);
+                self.pipeline.push_sync(inflight);
+            }
+        }
+        self.found.clear();
+        Ok(())
+    }
+
+    /// Asks the cache for a read (`key`, or why it may not be served); a
+    /// bypass is counted here.
+    fn look_up(
+        &mut self,
+        ctx: &Ctx,
+        key: Result<RequestKey, BypassReason>,
+        plan: &Plan,
+    ) -> Result<Result<Lookup, BypassReason>, Need> {
+        // A key is only made for a cacheable read, which has its reads.
+        let (key, reads) = match (key, plan.read.as_ref().map_err(|r| *r)) {
+            (Ok(key), Ok(reads)) => (key, reads),
+            (Err(reason), _) | (_, Err(reason)) => {
+                ctx.app.cache.bypassed(&self.db, reason);
+                plan.stats.bypassed(reason);
+                return Ok(Err(reason));
+            }
+        };
+        let req = Request {
+            db: &self.db,
+            key,
+            reads,
+            tier: plan.tier,
+            lifetime: plan.lifetime,
+            stats: &plan.stats,
+            in_transaction: self.tx.status != TxStatus::Idle,
+            coalesce_wait: self.known.policy.coalesce_wait,
+            started: ctx.now,
+            shadow: self.known.policy.mode == CacheMode::Shadow,
+        };
+        match ctx.app.cache.lookup(&req, &mut self.found.lookup) {
+            Ok(lookup) => Ok(Ok(lookup)),
+            Err(wait) => Err(Need::Cache(wait)),
+        }
+    }
+
+    /// What the cache's answer means for the client: a hit is staged for
+    /// it, with a refresh or a sampler's check sent as `request` (the
+    /// frames that ask for it again) when one is due.
+    fn answer(
+        &mut self,
+        ctx: &Ctx,
+        looked: Result<Lookup, BypassReason>,
+        plan: &Plan,
+        request: &[u8],
+        row_limit: u32,
+    ) -> Answer {
+        let (bytes, refresh) = match looked {
+            Err(_) => return Answer::Forward(None),
+            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
+            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
+            Ok(Lookup::Bypass(reason)) => {
+                if reason == BypassReason::ReplicationDown {
+                    // pgcache may have let go of the database: take hold again.
+                    self.actions.push(Action::Watch);
+                }
+                plan.stats.bypassed(reason);
+                return Answer::Forward(None);
+            }
+            // Checked against PostgreSQL's frames as they arrive, before
+            // any row-limit cut for the client.
+            Ok(Lookup::WouldHit(stored)) => {
+                return Answer::Forward(Some(Capture::compare(stored)));
+            }
+        };
+        match (row_limit > 0)
+            .then(|| cut_stored(&bytes, row_limit))
+            .flatten()
+        {
+            Some(cut) => self.out.extend_from_slice(&cut),
+            None => self.out.extend_from_slice(&bytes),
+        }
+        self.out
+            .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        // A refresh, or a check of the correctness sampler: the request
+        // again, as pgcache's own.
+        let hidden = match refresh {
+            Some(fill) => Some(Capture::new(fill)),
+            None if self.tx.status == TxStatus::Idle
+                && ctx.app.cache.sampler.draw(
+                    self.known.policy.verify_rate,
+                    self.known.policy.verify_max_per_sec,
+                    &ctx.app.metrics.verify,
+                ) =>
+            {
+                let reads = plan.read.as_ref().expect("a hit has its reads");
+                let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
+                Some(Capture::verify(check))
+            }
+            None => None,
+        };
+        let Some(capture) = hidden else {
+            return Answer::Served { refreshed: false };
+        };
+        // Off the client's path where pgcache can; else on its connection,
+        // answered to nobody.
+        match Job::for_request(&self.link, &self.known, &self.db, request) {
+            Some(job) => {
+                self.actions.push(Action::Offload(Box::new(job), capture));
+                Answer::Served { refreshed: false }
+            }
+            None => {
+                self.forward(request);
+                self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
+                Answer::Served { refreshed: true }
+            }
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The client's side: what is served, what is forwarded, and what the
+//! engine waits for.
+
+use super::*;
+
+const READ: &str = "SELECT v FROM items WHERE k = 1";
+
+/// The backend's answer to [`READ`], and the ReadyForQuery after it.
+fn answer() -> Vec<u8> {
+    [description(), row("a"), complete("SELECT 1")].concat()
+}
+
+/// Runs [`READ`] once through the backend, so that it is stored.
+fn fill(rig: &mut Rig) {
+    assert_eq!(rig.client(&query(READ)), Flow::Continue);
+    assert_eq!(rig.sent_to_backend(), query(READ), "a miss is forwarded");
+    rig.backend(&[answer(), rfq(TxStatus::Idle)]);
+    assert_eq!(rig.store(), 1, "the answer is stored");
+}
+
+#[test]
+fn a_repeated_read_is_answered_from_the_local_tier_and_the_backend_never_sees_it() {
+    let mut rig = Rig::caching();
+    fill(&mut rig);
+    assert_eq!(rig.client(&query(READ)), Flow::Continue);
+    assert!(rig.sent_to_backend().is_empty());
+    assert_eq!(
+        rig.sent_to_client(),
+        [answer(), rfq(TxStatus::Idle)].concat()
+    );
+    assert!(rig.engine.pipeline.is_quiet());
+    assert_eq!(rig.settings_reads, 1, "the settings are read once");
+}
+
+#[test]
+fn a_read_whose_settings_cannot_be_read_is_forwarded_and_not_stored() {
+    let mut rig = Rig::caching();
+    rig.settings = None;
+    rig.client(&query(READ));
+    assert_eq!(rig.sent_to_backend(), query(READ));
+    rig.backend(&[answer(), rfq(TxStatus::Idle)]);
+    assert_eq!(rig.store(), 0);
+}
+
+#[test]
+fn a_setting_changed_by_the_session_makes_it_read_its_settings_again() {
+    let mut rig = Rig::caching();
+    fill(&mut rig);
+    rig.client(&query("SET TimeZone = 'UTC'"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("SET"), rfq(TxStatus::Idle)]);
+    rig.client(&query(READ));
+    assert_eq!(rig.settings_reads, 2);
+    // The same settings as before: the same key, served.
+    assert!(rig.sent_to_backend().is_empty());
+    assert!(rig.sent_to_client().ends_with(&rfq(TxStatus::Idle)));
+}
+
+#[test]
+fn a_write_in_a_transaction_stops_hits_until_the_transaction_ends() {
+    let mut rig = Rig::caching();
+    rig.knows_table("other");
+    fill(&mut rig);
+    rig.client(&query("BEGIN"));
+    assert_eq!(rig.sent_to_backend(), query("BEGIN"));
+    rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
+    rig.client(&query(READ));
+    assert!(
+        rig.sent_to_client().starts_with(&answer()),
+        "served before a write"
+    );
+    // A write to another table leaves the entry's key as it was; a
+    // trigger could still have written to `items`.
+    rig.client(&query("UPDATE other SET v = 'b' WHERE k = 1"));
+    rig.backend(&[complete("UPDATE 1"), rfq(TxStatus::InTransaction)]);
+    rig.sent_to_backend();
+    rig.client(&query(READ));
+    assert_eq!(
+        rig.sent_to_backend(),
+        query(READ),
+        "after a write: forwarded"
+    );
+    assert!(rig.sent_to_client().is_empty());
+    rig.backend(&[answer(), rfq(TxStatus::InTransaction)]);
+    rig.client(&query("COMMIT"));
+    rig.backend(&[complete("COMMIT"), rfq(TxStatus::Idle)]);
+    rig.sent_to_backend();
+    rig.store();
+    // Served again once the transaction is over.
+    rig.client(&query(READ));
+    assert!(rig.sent_to_backend().is_empty());
+}
+
+#[test]
+fn nothing_is_served_while_a_request_is_in_flight() {
+    let mut rig = Rig::caching();
+    fill(&mut rig);
+    rig.client(&query("SELECT pg_sleep(1)"));
+    rig.client(&query(READ));
+    assert_eq!(
+        rig.sent_to_backend(),
+        [query("SELECT pg_sleep(1)"), query(READ)].concat(),
+        "pipelined behind a request: forwarded in order"
+    );
+    assert!(rig.sent_to_client().is_empty());
+}
+
+/// `Parse Bind Describe Execute Sync` of [`READ`] with a parameter.
+fn batch(max_rows: i32) -> Vec<Vec<u8>> {
+    vec![
+        parse("", "SELECT v FROM items WHERE k = $1"),
+        bind("", &["1"]),
+        describe_portal(),
+        execute(max_rows),
+        sync(),
+    ]
+}
+
+fn batch_answer() -> Vec<u8> {
+    [parse_complete(), bind_complete(), answer()].concat()
+}
+
+#[test]
+fn an_extended_batch_is_held_until_sync_then_answered_whole_from_the_cache() {
+    let mut rig = Rig::caching();
+    let frames = batch(0);
+    rig.frames(&frames[..4]);
+    assert!(rig.sent_to_backend().is_empty(), "held until Sync");
+    rig.client(&frames[4]);
+    assert_eq!(rig.sent_to_backend(), frames.concat());
+    rig.backend(&[batch_answer(), rfq(TxStatus::Idle)]);
+    assert_eq!(rig.store(), 1);
+    rig.frames(&frames);
+    assert!(rig.sent_to_backend().is_empty());
+    assert_eq!(
+        rig.sent_to_client(),
+        [batch_answer(), rfq(TxStatus::Idle)].concat()
+    );
+    // The backend never saw that Parse: it goes before the next request.
+    rig.client(&query("SELECT 2"));
+    let sent = rig.sent_to_backend();
+    assert!(sent.starts_with(&[frames[0].clone(), sync()].concat()));
+    assert!(sent.ends_with(&query("SELECT 2")));
+}
+
+#[test]
+fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
+    let mut rig = Rig::caching();
+    let frames = batch(0);
+    rig.frames(&[frames[0].clone(), sync()]);
+    rig.sent_to_backend();
+    rig.backend(&[parse_complete(), rfq(TxStatus::Idle)]);
+    // A run of the statement: Bind Describe Execute Sync, in one read.
+    rig.frames(&frames[1..]);
+    assert_eq!(rig.sent_to_backend(), frames[1..].concat());
+    rig.backend(&[bind_complete(), answer(), rfq(TxStatus::Idle)]);
+    assert_eq!(rig.store(), 1);
+    let run = frames[1..].concat();
+    let ctx = Ctx {
+        app: &rig.app,
+        client: &rig.entry.client,
+        now: Instant::now(),
+    };
+    let ready = rig
+        .engine
+        .whole_batch(&ctx, &run, 1 << 20)
+        .expect("a batch decided at once");
+    assert_eq!(ready.len, run.len());
+    if rig.engine.on_whole_batch(&ctx, &ready, &run).is_err() {
+        panic!("nothing to wait for");
+    }
+    let whole = rig.sent_to_client();
+    rig.frames(&frames[1..]);
+    assert_eq!(whole, rig.sent_to_client());
+    assert_eq!(
+        whole,
+        [bind_complete(), answer(), rfq(TxStatus::Idle)].concat()
+    );
+}
+
+#[test]
+fn a_row_limited_execute_goes_out_with_one_row_more_and_is_cut_when_served() {
+    let mut rig = Rig::caching();
+    let frames = batch(1);
+    rig.frames(&frames);
+    let sent = rig.sent_to_backend();
+    let mut asked = frames.clone();
+    asked[3] = execute(2);
+    assert_eq!(sent, asked.concat());
+    // Two rows would not fit: the portal is suspended, nothing stored.
+    rig.backend(&[
+        parse_complete(),
+        bind_complete(),
+        description(),
+        row("a"),
+        row("b"),
+        frame(b's', &[]),
+        rfq(TxStatus::Idle),
+    ]);
+    assert_eq!(rig.store(), 0);
+    // One row fits: stored whole, served cut to the client's limit.
+    let mut rig = Rig::caching();
+    rig.frames(&batch(5));
+    rig.sent_to_backend();
+    rig.backend(&[batch_answer(), rfq(TxStatus::Idle)]);
+    assert_eq!(rig.store(), 1);
+    rig.frames(&batch(1));
+    let served = rig.sent_to_client();
+    assert!(served.ends_with(&[row("a"), frame(b's', &[]), rfq(TxStatus::Idle)].concat()));
+}
+
+#[test]
+fn a_time_literal_parameter_is_never_served() {
+    let mut rig = Rig::caching();
+    let mut frames = batch(0);
+    frames[1] = bind("", &["now"]);
+    for _ in 0..2 {
+        rig.frames(&frames);
+        assert_eq!(rig.sent_to_backend(), frames.concat());
+        rig.backend(&[batch_answer(), rfq(TxStatus::Idle)]);
+        assert_eq!(rig.store(), 0);
+    }
+}
+
+#[test]
+fn an_error_in_the_middle_of_a_batch_stores_nothing_and_ends_at_sync() {
+    let mut rig = Rig::caching();
+    rig.frames(&batch(0));
+    rig.sent_to_backend();
+    let sent = rig.backend(&[parse_complete(), error("22P02"), rfq(TxStatus::Idle)]);
+    assert!(sent.ends_with(&rfq(TxStatus::Idle)));
+    assert_eq!(rig.store(), 0);
+    assert!(rig.engine.pipeline.is_quiet());
+}
+
+#[test]
+fn copy_in_is_forwarded_frame_by_frame_and_ends_with_its_ready_for_query() {
+    let mut rig = Rig::caching();
+    rig.client(&query("COPY items FROM STDIN"));
+    rig.backend(&[frame(be::COPY_IN_RESPONSE, &[0, 0, 0])]);
+    let data = frame(fe::COPY_DATA, b"1\ta\n");
+    rig.client(&data);
+    rig.client(&frame(fe::COPY_DONE, &[]));
+    // A Sync during COPY is the client's to send; it ends nothing.
+    assert_eq!(
+        rig.sent_to_backend(),
+        [
+            query("COPY items FROM STDIN"),
+            data,
+            frame(fe::COPY_DONE, &[])
+        ]
+        .concat()
+    );
+    rig.backend(&[complete("COPY 1"), rfq(TxStatus::Idle)]);
+    assert!(rig.engine.pipeline.is_quiet());
+}
+
+#[test]
+fn a_malformed_hint_is_warned_of_once_per_text() {
+    let mut rig = Rig::caching();
+    let sql = "/*+ ttl=banana */ SELECT v FROM items WHERE k = 1";
+    rig.client(&query(sql));
+    let warned = rig.sent_to_client();
+    assert!(String::from_utf8_lossy(&warned).contains("hint ignored"));
+    rig.backend(&[answer(), rfq(TxStatus::Idle)]);
+    rig.client(&query(sql));
+    assert!(!String::from_utf8_lossy(&rig.sent_to_client()).contains("hint ignored"));
+}
+
+#[test]
+fn terminate_ends_the_session() {
+    let mut rig = Rig::caching();
+    assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
+    assert!(rig.engine.client_ended);
+    assert_eq!(rig.sent_to_backend(), frame(fe::TERMINATE, &[]));
+}

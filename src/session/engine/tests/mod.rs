@@ -1,0 +1,299 @@
+//! The engine fed in memory: client and backend frames in; what the
+//! client and the backend are sent, and what the driver is asked to do,
+//! out. No socket, no runtime.
+
+mod backend;
+mod client;
+
+use std::path::Path;
+use std::time::Instant;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::{Action, Ctx, Engine, Need};
+use crate::App;
+use crate::cache::Fill;
+use crate::cache::catalog::fetch::Lookup;
+use crate::config::Config;
+use crate::pool::clients::{Arrival, ClientEntry};
+use crate::protocol::startup::Startup;
+use crate::protocol::{TxStatus, backend as be, frontend as fe, messages};
+use crate::session::capture::Capture;
+use crate::session::known::Known;
+use crate::session::link::Link;
+use crate::session::pipeline::Flow;
+use crate::session::pipeline::Inflight;
+use crate::session::reuse::ServerBook;
+use crate::session::row_limit::{PORTAL_SUSPENDED, RowCut};
+use crate::upstream::UpstreamAddr;
+
+/// An engine and what it reads: a pgcache of its own, never started.
+struct Rig {
+    app: App,
+    entry: ClientEntry,
+    engine: Engine,
+    /// What the session's settings query answers (`None`: it fails).
+    settings: Option<Vec<Option<String>>>,
+    /// How many times the engine asked for them.
+    settings_reads: usize,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let config = Config::from_toml("", Path::new("test")).expect("empty config");
+        let app = App::new(config).expect("app");
+        let startup = Startup {
+            version: 196_608,
+            params: vec![
+                ("user".into(), "alice".into()),
+                ("database".into(), "shop".into()),
+            ],
+        };
+        let engine = Engine::new(
+            true,
+            startup,
+            Known::new(app.policy()),
+            (Link::session(), ServerBook::new(false)),
+            UpstreamAddr::Tcp {
+                host: "db".into(),
+                port: 5432,
+            },
+        );
+        let entry = app.clients.register(Arrival {
+            user: "alice",
+            database: "shop",
+            addr: "127.0.0.1:1".parse().expect("address"),
+            tls: false,
+            application_name: "",
+        });
+        let settings = ["alice", "alice", "read committed", "a=b", "none", "{}"]
+            .map(|v| Some(v.to_owned()))
+            .to_vec();
+        Self {
+            app,
+            entry,
+            engine,
+            settings: Some(settings),
+            settings_reads: 0,
+        }
+    }
+
+    /// Logged in: the login's ReadyForQuery was seen.
+    fn logged_in() -> Self {
+        let mut rig = Self::new();
+        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        assert_eq!(sent, rfq(TxStatus::Idle));
+        rig.engine.actions.clear();
+        rig
+    }
+
+    /// Feeds the backend's frames; returns the bytes the client is sent.
+    fn backend(&mut self, frames: &[Vec<u8>]) -> Vec<u8> {
+        let mut buf = BytesMut::new();
+        for f in frames {
+            buf.extend_from_slice(f);
+        }
+        let ctx = Ctx {
+            app: &self.app,
+            client: &self.entry.client,
+            now: Instant::now(),
+        };
+        let relayed = self.engine.on_backend(&ctx, &mut buf).expect("frames");
+        assert_eq!(relayed.end, buf.len(), "every complete frame is handled");
+        let mut sent = std::mem::take(&mut self.engine.out).to_vec();
+        sent.extend_from_slice(&buf[relayed.from..relayed.end]);
+        sent
+    }
+
+    /// Feeds a client frame as the driver does: what the engine needs is
+    /// met (the settings from [`settings`], prerequisites as done) and the
+    /// frame fed again. Returns the flow.
+    fn client(&mut self, frame: &[u8]) -> Flow {
+        let frame = Bytes::copy_from_slice(frame);
+        loop {
+            let ctx = Ctx {
+                app: &self.app,
+                client: &self.entry.client,
+                now: Instant::now(),
+            };
+            match self.engine.on_client_frame(&ctx, &frame) {
+                Ok(flow) => return flow,
+                Err(Need::Settings { generation, .. }) => {
+                    self.settings_reads += 1;
+                    let answer = self.settings.clone().map(|row| vec![row]);
+                    self.engine.on_settings(generation, answer);
+                }
+                Err(Need::Prerequisites) => self.engine.found.prerequisites = true,
+                Err(Need::Facts) => panic!("facts are known or fetched"),
+                Err(Need::Cache(_)) => panic!("no shared tier, no concurrent fill"),
+            }
+        }
+    }
+
+    /// Feeds several client frames in turn.
+    fn frames(&mut self, frames: &[Vec<u8>]) {
+        for f in frames {
+            assert_eq!(self.client(f), Flow::Continue);
+        }
+    }
+
+    /// What the engine staged for the backend since last asked.
+    fn sent_to_backend(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.engine.pipeline.to_backend).to_vec()
+    }
+
+    /// What the engine staged for the client since last asked.
+    fn sent_to_client(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.engine.out).to_vec()
+    }
+
+    /// Carries out the stores the engine asked for, as the driver does;
+    /// returns how many.
+    fn store(&mut self) -> usize {
+        let mut stored = 0;
+        for action in self.engine.actions.drain(..) {
+            if let Action::Store(fill, bytes) = action {
+                self.app.cache.store(*fill, &bytes);
+                stored += 1;
+            }
+        }
+        stored
+    }
+
+    /// The database knows table `name`: readable, cached by its versions.
+    fn knows_table(&mut self, name: &str) {
+        let catalog = &self.engine.db.catalog;
+        let (_, queued) = catalog.facts([name], []);
+        assert!(queued, "{name} was not known");
+        let wanted = catalog.take_wanted();
+        let mut lookup = Lookup::new(&wanted, None);
+        while lookup.next_query().is_some() {
+            let cell = |v: &str| Some(v.to_owned());
+            lookup.add(&vec![vec![
+                cell("r"),
+                cell(name),
+                cell("true"),
+                cell("false"),
+                None,
+                cell("true"),
+                cell("true"),
+            ]]);
+        }
+        catalog.install(&wanted, lookup.finish());
+        assert!(catalog.knows(&[name], &[]));
+    }
+
+    /// Logged in, with table `items` known.
+    fn caching() -> Self {
+        let mut rig = Self::logged_in();
+        rig.knows_table("items");
+        rig
+    }
+
+    /// A forwarded read whose answer is to be stored under `key`.
+    fn miss(&mut self, key: u128) {
+        self.engine.pipeline.push(Inflight {
+            capture: Some(Capture::new(Fill::local_only(key))),
+            ..Inflight::default()
+        });
+    }
+
+    /// The keys the driver is asked to store, in order.
+    fn stored(&mut self) -> Vec<(u128, Vec<u8>)> {
+        self.engine
+            .actions
+            .drain(..)
+            .filter_map(|a| match a {
+                Action::Store(fill, bytes) => Some((fill.local_key()?, bytes.to_vec())),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = BytesMut::new();
+    f.put_u8(tag);
+    f.put_i32(4 + body.len() as i32);
+    f.put_slice(body);
+    f.to_vec()
+}
+
+fn rfq(status: TxStatus) -> Vec<u8> {
+    messages::ready_for_query(status).to_vec()
+}
+
+fn row(value: &str) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_i16(1);
+    body.put_i32(value.len() as i32);
+    body.put_slice(value.as_bytes());
+    frame(be::DATA_ROW, &body)
+}
+
+fn complete(tag: &str) -> Vec<u8> {
+    frame(be::COMMAND_COMPLETE, format!("{tag}\0").as_bytes())
+}
+
+fn error(code: &str) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    messages::error_response(&mut out, "ERROR", code, "no");
+    out.to_vec()
+}
+
+fn description() -> Vec<u8> {
+    frame(be::ROW_DESCRIPTION, &[0, 0])
+}
+
+fn query(sql: &str) -> Vec<u8> {
+    messages::query(sql).to_vec()
+}
+
+fn parse(name: &str, sql: &str) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_slice(name.as_bytes());
+    body.put_u8(0);
+    body.put_slice(sql.as_bytes());
+    body.put_u8(0);
+    body.put_i16(0);
+    frame(fe::PARSE, &body)
+}
+
+/// A Bind of the unnamed portal to `statement`, text parameters, text results.
+fn bind(statement: &str, params: &[&str]) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_u8(0);
+    body.put_slice(statement.as_bytes());
+    body.put_u8(0);
+    body.put_i16(0);
+    body.put_i16(params.len() as i16);
+    for p in params {
+        body.put_i32(p.len() as i32);
+        body.put_slice(p.as_bytes());
+    }
+    body.put_i16(0);
+    frame(fe::BIND, &body)
+}
+
+fn describe_portal() -> Vec<u8> {
+    frame(fe::DESCRIBE, b"P\0")
+}
+
+fn execute(max_rows: i32) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_u8(0);
+    body.put_i32(max_rows);
+    frame(fe::EXECUTE, &body)
+}
+
+fn sync() -> Vec<u8> {
+    messages::SYNC.to_vec()
+}
+
+fn parse_complete() -> Vec<u8> {
+    frame(be::PARSE_COMPLETE, &[])
+}
+
+fn bind_complete() -> Vec<u8> {
+    frame(be::BIND_COMPLETE, &[])
+}
