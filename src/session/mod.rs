@@ -24,6 +24,8 @@ mod capture;
 mod checkout;
 mod engine;
 mod error;
+#[doc(hidden)]
+pub mod fuzz;
 mod hidden;
 mod known;
 mod link;

@@ -24,7 +24,7 @@ use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, frontend as fe, sqlstate};
+use crate::protocol::{frontend as fe, sqlstate};
 use crate::scram::ClientSecret;
 use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
@@ -430,20 +430,9 @@ where
             }
         }
         if self.engine.link.is_pooled() && !self.engine.pipeline.to_backend.is_empty() {
-            let queued = std::mem::take(&mut self.engine.pipeline.to_backend);
-            let max = self
-                .engine
-                .knobs(&super::relay::ctx(&self.app, &self.entry))
-                .max_prepared;
-            // Both buffers keep their memory from one flush to the next.
-            let mut out = std::mem::take(&mut self.engine.link.scratch);
-            let idle = self.engine.tx.status == TxStatus::Idle;
-            let answers = self.engine.link.translate(&queued, max, idle, &mut out);
-            self.engine.pipeline.to_backend = queued;
-            self.engine.pipeline.to_backend.clear();
-            let r = self.backend.write_all(&out).await;
-            out.clear();
-            self.engine.link.scratch = out;
+            let answers = self.engine.translate_staged(&ctx(&self.app, &self.entry));
+            let r = self.backend.write_all(&self.engine.link.scratch).await;
+            self.engine.link.scratch.clear();
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
                 // Nothing was owed before them: as if they had arrived.

@@ -242,6 +242,24 @@ impl Engine {
         self.link.state_dirty = true;
     }
 
+    /// Transaction mode: the frames staged for the backend, with the
+    /// client's statement names turned into the held connection's, into
+    /// `link.scratch` for the driver to write (and clear). Returns the
+    /// answers pgcache gives in the server's place, for statements the
+    /// connection already has.
+    pub fn translate_staged(&mut self, ctx: &Ctx) -> BytesMut {
+        let queued = std::mem::take(&mut self.pipeline.to_backend);
+        let max = self.knobs(ctx).max_prepared;
+        let idle = self.tx.status == TxStatus::Idle;
+        // Both buffers keep their memory from one flush to the next.
+        let mut out = std::mem::take(&mut self.link.scratch);
+        let answers = self.link.translate(&queued, max, idle, &mut out);
+        self.link.scratch = out;
+        self.pipeline.to_backend = queued;
+        self.pipeline.to_backend.clear();
+        answers
+    }
+
     /// [`Knobs`], read again after a RELOAD.
     pub fn knobs(&mut self, ctx: &Ctx) -> Knobs {
         let generation = ctx.app.policy_generation();
@@ -295,50 +313,35 @@ impl Engine {
         plan: &Plan,
         in_transaction_ok: bool,
     ) -> Result<Result<u128, BypassReason>, Need> {
-        if let Some(decided) = self.served_with(ctx, plan, in_transaction_ok) {
-            return Ok(decided);
-        }
-        Ok(self
-            .session_prefix()?
-            .and_then(|prefix| self.role_may_serve(prefix)))
-    }
-
-    /// [`Self::may_serve`] when the settings are known or the read is
-    /// refused anyway; `None` when they must be read first.
-    fn served_with(
-        &self,
-        ctx: &Ctx,
-        plan: &Plan,
-        in_transaction_ok: bool,
-    ) -> Option<Result<u128, BypassReason>> {
         if let Err(reason) = &plan.read {
             // With no stream, no table is published yet: say why.
             if *reason == BypassReason::NotPublished
                 && let Err(down) = ctx.app.cache.freshness(&self.db)
             {
-                return Some(Err(down));
+                return Ok(Err(down));
             }
-            return Some(Err(*reason));
+            return Ok(Err(*reason));
         }
         if !self.known.policy.database_allowed(self.startup.database()) {
-            return Some(Err(BypassReason::DatabaseRule));
+            return Ok(Err(BypassReason::DatabaseRule));
         }
         if self.known.temp {
-            return Some(Err(BypassReason::TempObjects));
+            return Ok(Err(BypassReason::TempObjects));
         }
         // The stream's freshness is checked by the lookup, just before an
         // answer could be served.
         if !self.pipeline.is_quiet() {
-            return Some(Err(BypassReason::Pipelined));
+            return Ok(Err(BypassReason::Pipelined));
         }
         if self.tx.status == TxStatus::InTransaction && !in_transaction_ok {
-            return Some(Err(BypassReason::UnsupportedShape));
+            return Ok(Err(BypassReason::UnsupportedShape));
         }
         if let Err(reason) = self.tx.reads_may_use_cache() {
-            return Some(Err(reason));
+            return Ok(Err(reason));
         }
-        let prefix = self.known_prefix()?;
-        Some(self.role_may_serve(prefix))
+        Ok(self
+            .session_prefix()?
+            .and_then(|prefix| self.role_may_serve(prefix)))
     }
 
     fn role_may_serve(&self, prefix: u128) -> Result<u128, BypassReason> {
@@ -456,18 +459,6 @@ impl Engine {
             return Err(Need::Facts);
         }
         Ok(facts)
-    }
-
-    /// The session's prefix when it is known and current.
-    fn known_prefix(&self) -> Option<u128> {
-        let pool_generation = self.link.pool.as_ref().map(|p| p.generation());
-        if pool_generation != self.link.prefix_generation {
-            return None;
-        }
-        let generation = self.db.catalog.policy_settings_generation();
-        self.known
-            .prefix
-            .and_then(|(prefix, g)| (g == generation).then_some(prefix))
     }
 
     /// The hash of the session's identity and settings: known, or read from

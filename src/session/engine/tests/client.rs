@@ -2,6 +2,7 @@
 //! engine waits for.
 
 use super::*;
+use crate::pool::marks::Pin;
 
 const READ: &str = "SELECT v FROM items WHERE k = 1";
 
@@ -273,4 +274,50 @@ fn terminate_ends_the_session() {
     assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
     assert!(rig.engine.client_ended);
     assert_eq!(rig.sent_to_backend(), frame(fe::TERMINATE, &[]));
+}
+
+#[test]
+fn transaction_mode_a_feature_that_lives_in_one_backend_pins_the_session() {
+    for (sql, pinned) in [
+        ("SELECT 1", None),
+        ("LISTEN jobs", Some(Pin::Listen)),
+        ("PREPARE p AS SELECT 1", Some(Pin::SqlPrepare)),
+        ("SELECT pg_advisory_lock(7)", Some(Pin::AdvisoryLock)),
+    ] {
+        let mut rig = Rig::pooled();
+        rig.client(&query(sql));
+        assert_eq!(rig.engine.link.pinned, pinned, "{sql}");
+        assert_eq!(rig.sent_to_backend(), query(sql), "{sql}: forwarded");
+    }
+    // Session mode has nothing to pin.
+    let mut rig = Rig::caching();
+    rig.client(&query("LISTEN jobs"));
+    assert_eq!(rig.engine.link.pinned, None);
+}
+
+#[test]
+fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
+    let mut rig = Rig::pooled();
+    rig.frames(&[
+        parse("s1", "SELECT v FROM items WHERE k = $1"),
+        bind("s1", &["1"]),
+        execute(0),
+        sync(),
+    ]);
+    let ctx = Ctx {
+        app: &rig.app,
+        client: &rig.entry.client,
+        now: Instant::now(),
+    };
+    let answers = rig.engine.translate_staged(&ctx);
+    assert!(answers.is_empty(), "the connection lacks the statement");
+    let sent = std::mem::take(&mut rig.engine.link.scratch);
+    let frames: Vec<&[u8]> = crate::protocol::codec::frames(&sent).collect();
+    assert_eq!(frames.len(), 4);
+    let parse = crate::protocol::extended::parse(&frames[0][5..]).expect("a Parse");
+    assert_ne!(parse.name, b"s1", "the server knows it by pgcache's name");
+    assert!(!parse.name.is_empty());
+    let (_, statement) = crate::protocol::extended::bind_names(&frames[1][5..]).expect("a Bind");
+    assert_eq!(statement, parse.name, "the Bind names it the same way");
+    assert!(rig.engine.pipeline.to_backend.is_empty());
 }

@@ -20,7 +20,7 @@ use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, backend as be, frontend as fe, messages};
 use crate::session::capture::Capture;
 use crate::session::known::Known;
-use crate::session::link::Link;
+use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Flow;
 use crate::session::pipeline::Inflight;
 use crate::session::reuse::ServerBook;
@@ -76,6 +76,19 @@ impl Rig {
             settings: Some(settings),
             settings_reads: 0,
         }
+    }
+
+    /// Transaction mode: a pool of the rig's database and user, holding no
+    /// connection yet.
+    fn pooled() -> Self {
+        let mut rig = Self::new();
+        let pool = rig.app.pool.pooled.pool("shop", "alice");
+        let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
+        rig.engine.link = Link::pooled(pool, state);
+        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        assert_eq!(sent, rfq(TxStatus::Idle));
+        rig.engine.actions.clear();
+        rig
     }
 
     /// Logged in: the login's ReadyForQuery was seen.
@@ -296,4 +309,44 @@ fn parse_complete() -> Vec<u8> {
 
 fn bind_complete() -> Vec<u8> {
     frame(be::BIND_COMPLETE, &[])
+}
+
+/// The fuzz target's body, over its seeds and many generated inputs: the
+/// engine never panics, whatever it is fed.
+mod arbitrary {
+    use proptest::prelude::*;
+
+    use crate::session::fuzz::feed;
+
+    #[test]
+    fn the_fuzz_seeds_are_decided_without_a_panic() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/engine");
+        let (mut fed, mut stored, mut served) = (0, 0, 0);
+        for entry in std::fs::read_dir(dir).expect("the engine's fuzz seeds") {
+            let seed = std::fs::read(entry.expect("a seed").path()).expect("readable");
+            let whole = feed(&seed);
+            (stored, served) = (stored + whole.stored, served + whole.served);
+            // Every shorter prefix too: a session cut anywhere.
+            for end in (0..seed.len()).step_by(7) {
+                feed(&seed[..end]);
+            }
+            fed += 1;
+        }
+        assert!(fed >= 5, "seeds found: {fed}");
+        // The seeds reach the engine's decisions: a fill and a hit at least.
+        assert!(
+            stored >= 2 && served >= 1,
+            "stored {stored}, served {served}"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn arbitrary_bytes_are_decided_without_a_panic(
+            data in proptest::collection::vec(any::<u8>(), 0..2048),
+        ) {
+            feed(&data);
+        }
+    }
 }

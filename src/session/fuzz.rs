@@ -1,0 +1,201 @@
+//! Arbitrary bytes into a session engine, as a client and a backend would
+//! send them: the body of the `engine` fuzz target, and of the stable test
+//! that runs it over the seeds and generated inputs. The engine must never
+//! panic, whatever it is fed.
+
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::engine::{Action, Ctx, Engine, Need};
+use super::known::Known;
+use super::link::Link;
+use super::pipeline::Flow;
+use super::reuse::ServerBook;
+use crate::App;
+use crate::cache::catalog::fetch::{Lookup, Rows};
+use crate::config::Config;
+use crate::pool::clients::{Arrival, ClientEntry};
+use crate::protocol::codec::frames;
+use crate::protocol::startup::Startup;
+use crate::upstream::UpstreamAddr;
+
+/// A pgcache of its own, never started, shared by every input.
+fn app() -> &'static (App, ClientEntry) {
+    static APP: OnceLock<(App, ClientEntry)> = OnceLock::new();
+    APP.get_or_init(|| {
+        let config = Config::from_toml("", Path::new("fuzz")).expect("empty config");
+        let app = App::new(config).expect("app");
+        let entry = app.clients.register(Arrival {
+            user: "fuzz",
+            database: "fuzz",
+            addr: "127.0.0.1:1".parse().expect("address"),
+            tls: false,
+            application_name: "",
+        });
+        (app, entry)
+    })
+}
+
+/// Feeds one engine `data`, read as a run of events: a control byte, a
+/// length byte and that many bytes. The control byte says whose the bytes
+/// are (client or backend), the tag of the frame they become, and how the
+/// driver meets what the engine needs.
+#[doc(hidden)]
+pub fn feed(data: &[u8]) -> Fed {
+    let mut fed = Fed::default();
+    let (app, entry) = app();
+    let startup = Startup {
+        version: 196_608,
+        params: vec![
+            ("user".into(), "fuzz".into()),
+            ("database".into(), "fuzz".into()),
+        ],
+    };
+    let mut engine = Engine::new(
+        true,
+        startup,
+        Known::new(app.policy()),
+        (Link::session(), ServerBook::new(false)),
+        UpstreamAddr::Tcp {
+            host: "db".into(),
+            port: 5432,
+        },
+    );
+    let mut backend = BytesMut::new();
+    let mut client = BytesMut::new();
+    let mut rest = data;
+    while let [control, len, tail @ ..] = rest {
+        let len = (*len as usize).min(tail.len());
+        let (chunk, tail) = tail.split_at(len);
+        rest = tail;
+        let ctx = Ctx {
+            app,
+            client: &entry.client,
+            now: Instant::now(),
+        };
+        let mut frame = BytesMut::new();
+        let (tag, body) = chunk.split_first().unwrap_or((&b'Q', &[]));
+        frame.put_u8(*tag);
+        frame.put_i32(4 + body.len() as i32);
+        frame.put_slice(body);
+        let ended = if control & 1 == 0 {
+            // Client frames arrive in runs, as one read would bring them.
+            client.extend_from_slice(&frame);
+            control & 4 != 0 && client_data(&mut engine, &ctx, &mut client, *control)
+        } else {
+            backend.extend_from_slice(&frame);
+            match engine.on_backend(&ctx, &mut backend) {
+                Ok(relayed) => {
+                    let _ = backend.split_to(relayed.end);
+                    false
+                }
+                Err(_) => true,
+            }
+        };
+        // What the driver would write and carry out.
+        fed.served += usize::from(!engine.out.is_empty() && control & 1 == 0);
+        engine.out.clear();
+        engine.pipeline.to_backend.clear();
+        for action in std::mem::take(&mut engine.actions) {
+            match action {
+                Action::Store(fill, bytes) => {
+                    app.cache.store(*fill, &bytes);
+                    fed.stored += 1;
+                }
+                Action::Fetch => every_name_a_table(&engine),
+                _ => {}
+            }
+        }
+        if ended {
+            return fed;
+        }
+    }
+    fed
+}
+
+/// The catalog fetcher of a database where every name asked for is a
+/// readable table and no function may write.
+fn every_name_a_table(engine: &Engine) {
+    let catalog = &engine.db.catalog;
+    let wanted = catalog.take_wanted();
+    let cell = |v: &str| Some(v.to_owned());
+    let mut rows: Rows = wanted
+        .rels
+        .iter()
+        .map(|(name, _)| {
+            let facts = ["r", name, "true", "false"].map(cell);
+            let more = [None, cell("true"), cell("true")];
+            facts.into_iter().chain(more).collect()
+        })
+        .collect();
+    rows.extend(wanted.funcs.iter().map(|(name, _)| {
+        let facts = ["f", name, "true", "false"].map(cell);
+        facts.into_iter().chain([None, None, None]).collect()
+    }));
+    let mut lookup = Lookup::new(&wanted, None);
+    while lookup.next_query().is_some() {
+        lookup.add(&rows);
+    }
+    catalog.install(&wanted, lookup.finish());
+}
+
+/// What one input did, so that a test of [`feed`] can tell it reached
+/// the engine's decisions.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct Fed {
+    /// Answers stored.
+    pub stored: usize,
+    /// Runs of client frames after which the client was sent something
+    /// the engine staged (a hit, a warning).
+    pub served: usize,
+}
+
+/// The client's buffered frames, as the driver hands them over: a whole
+/// batch at once when the engine takes one, else frame by frame. True if
+/// the session would end.
+fn client_data(engine: &mut Engine, ctx: &Ctx, client: &mut BytesMut, control: u8) -> bool {
+    while !client.is_empty() {
+        if let Some(ready) = engine.whole_batch(ctx, client, 1 << 20) {
+            if engine
+                .on_whole_batch(ctx, &ready, &client[..ready.len])
+                .is_err()
+            {
+                return true;
+            }
+            let _ = client.split_to(ready.len);
+            continue;
+        }
+        let len = frames(client).next().map_or(client.len(), <[u8]>::len);
+        let frame = client.split_to(len).freeze();
+        if client_frame(engine, ctx, frame, control) {
+            return true;
+        }
+    }
+    false
+}
+
+/// One client frame; true if the session would end.
+fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bool {
+    for _ in 0..8 {
+        match engine.on_client_frame(ctx, &frame) {
+            Ok(flow) => return flow == Flow::Close,
+            Err(Need::Settings { generation, .. }) => {
+                let row = ["fuzz", "fuzz", "read committed", "", "none", "{}"]
+                    .map(|v| Some(v.to_owned()))
+                    .to_vec();
+                let answer = (control & 2 == 0).then(|| vec![row]);
+                engine.on_settings(generation, answer);
+            }
+            Err(Need::Prerequisites) => engine.found.prerequisites = true,
+            Err(Need::Facts) => engine.found.facts = true,
+            // Only Redis or another session could answer: the driver
+            // would wait; this input ends here.
+            Err(Need::Cache(_)) => return true,
+        }
+    }
+    panic!("the engine asked for the same need again and again");
+}
