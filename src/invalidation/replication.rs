@@ -201,14 +201,20 @@ impl Streams {
 
     /// Waits until the walsender of `slot` has exited: a temporary slot is
     /// dropped only then, and an active slot makes `DROP DATABASE` fail.
+    /// A walsender that was still making the slot is waited for too: it
+    /// is visible by its application name from before it reads the
+    /// command, and it leaves `pg_stat_activity` before its slot goes.
     async fn wait_slot_gone(&self, slot: &str, via: &str) -> Result<(), ReplicationError> {
         let ctl = self.upstream.control(via).await?;
+        let name = walsender_name(slot);
         let gone = async {
             loop {
                 let rows = ctl
                     .query(
-                        "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
-                        &[&slot],
+                        "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1 \
+                         UNION ALL \
+                         SELECT 1 FROM pg_catalog.pg_stat_activity WHERE application_name = $2",
+                        &[&slot, &name],
                     )
                     .await?;
                 if rows.is_empty() {
@@ -297,11 +303,7 @@ impl Streams {
 
     /// Opens the replication connection and starts streaming from a new
     /// temporary slot named `slot`.
-    async fn start(
-        &self,
-        database: &str,
-        slot: &str,
-    ) -> Result<ReplicationClient, ReplicationError> {
+    async fn start(&self, database: &str, slot: &str) -> Result<Walsender, ReplicationError> {
         let pg = self.upstream.control_config(database);
         let (host, port, tls) = match self.upstream.addrs.first() {
             Some(UpstreamAddr::Tcp { host, port }) => {
@@ -335,9 +337,9 @@ impl Streams {
         )
         .with_port(port)
         .with_tls(tls)
-        .with_application_name("pgcache-invalidation")
+        .with_application_name(walsender_name(slot))
         .with_status_interval(Duration::from_secs(1));
-        let mut stream = ReplicationClient::connect_gated(cfg).await?;
+        let mut stream = Walsender(ReplicationClient::connect_gated(cfg).await?);
         stream
             .simple_query(&format!(
                 "CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'nothing')"
@@ -403,6 +405,37 @@ impl Streams {
             }
         }
         Ok(())
+    }
+}
+
+/// The application name of the walsender streaming into `slot`: how
+/// [`Streams::release`] finds one that is still being set up.
+fn walsender_name(slot: &str) -> String {
+    format!("pgcache-invalidation {slot}")
+}
+
+/// A replication session whose worker task ends with it. Dropping a
+/// `ReplicationClient` only asks its worker to stop, and the worker may
+/// still send a queued `CREATE_REPLICATION_SLOT` afterwards: a slot made
+/// after pgcache let go of the database would block `DROP DATABASE`.
+struct Walsender(ReplicationClient);
+
+impl std::ops::Deref for Walsender {
+    type Target = ReplicationClient;
+    fn deref(&self) -> &ReplicationClient {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Walsender {
+    fn deref_mut(&mut self) -> &mut ReplicationClient {
+        &mut self.0
+    }
+}
+
+impl Drop for Walsender {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
