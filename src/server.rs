@@ -51,9 +51,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                         Some(starting) => {
                             // A session's future is kilobytes; boxed, the
                             // task moves a pointer, not the future, each
-                            // time tokio moves its stage (callgrind,
-                            // pgbench -C: 61 % of instructions were those
-                            // copies).
+                            // time tokio moves its stage.
                             sessions.spawn(Box::pin(session::serve(
                                 Arc::clone(&app),
                                 socket,

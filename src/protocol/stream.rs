@@ -10,6 +10,7 @@
 //! frames can be relayed without copying.
 
 use bytes::{Buf, BytesMut};
+use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::codec::{self, FrameError, parse_frame};
@@ -90,6 +91,14 @@ impl<S> FramedStream<S> {
         Ok(self.frame_len_at(0)?.map(|len| self.buf.split_to(len)))
     }
 
+    /// Gives the buffer back while nothing is in it: an idle connection
+    /// then holds none until its peer sends again ([`Self::fill`]).
+    pub fn release_if_empty(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 0 {
+            self.buf = BytesMut::new();
+        }
+    }
+
     /// Gives memory back after a large frame, once the buffer is empty.
     pub fn shrink_if_empty(&mut self) {
         if self.buf.is_empty() && self.buf.capacity() > SHRINK_ABOVE {
@@ -107,6 +116,28 @@ impl<S: AsyncRead + Unpin> FramedStream<S> {
         let missing = codec::missing_bytes(&self.buf).min(self.max_frame);
         self.buf.reserve(missing.max(READ_CHUNK));
         self.io.read_buf(&mut self.buf).await
+    }
+
+    /// [`Self::fill`], but with no buffer while none is held
+    /// ([`Self::release_if_empty`]): the first bytes are read on the stack,
+    /// and a buffer is taken once they arrive. Cancel-safe.
+    pub async fn fill_lazily(&mut self) -> std::io::Result<usize> {
+        if self.buf.capacity() > 0 {
+            return self.fill().await;
+        }
+        let mut first = [0u8; 64];
+        let mut n = self.io.read(&mut first).await?;
+        if n > 0 {
+            self.buf.reserve(READ_CHUNK);
+            self.buf.extend_from_slice(&first[..n]);
+            // What arrived with them is read now too, as one read would
+            // have: a request must not reach the session in pieces it
+            // would not otherwise come in.
+            if let Some(Ok(more)) = self.io.read_buf(&mut self.buf).now_or_never() {
+                n += more;
+            }
+        }
+        Ok(n)
     }
 
     /// Reads one whole frame. `Ok(None)`: the stream ended cleanly, between
@@ -178,6 +209,25 @@ mod tests {
         let input = messages::query("SELECT 1");
         let mut s = framed(&input[..7], 1024);
         assert!(matches!(s.read_frame().await, Err(ReadError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn a_released_buffer_is_taken_again_with_everything_that_arrived() {
+        let (mut a, b) = tokio::io::duplex(1 << 16);
+        let mut s = FramedStream::new(b, BytesMut::with_capacity(READ_CHUNK), 1 << 20);
+        s.release_if_empty();
+        assert_eq!(s.buffer_mut().capacity(), 0, "idle: no buffer");
+        // A batch larger than the first read on the stack, sent at once.
+        let batch = messages::query(&"x".repeat(300));
+        a.write_all(&batch).await.unwrap();
+        let n = s.fill_lazily().await.unwrap();
+        assert_eq!(n, batch.len(), "all of what arrived, in one fill");
+        assert_eq!(s.buffered(), &batch[..]);
+        assert!(s.buffer_mut().capacity() >= READ_CHUNK);
+        drop(a);
+        s.consume(batch.len());
+        s.release_if_empty();
+        assert_eq!(s.fill_lazily().await.unwrap(), 0, "a clean end");
     }
 
     #[tokio::test]

@@ -11,8 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
 use super::SessionError;
-use super::link::{CAPTURE, ClientState, UNKNOWN_STATE, set_config_sql};
-use super::pipeline::Inflight;
+use super::link::{CAPTURE, ClientState, Link, UNKNOWN_STATE, set_config_sql};
 use super::relay::Session;
 use crate::backend::BackendStream;
 use crate::pool::Server;
@@ -34,35 +33,30 @@ where
     }
 
     /// Transaction mode, with no connection: takes one from the pool and
-    /// gives it the client's settings: queued before the client's
-    /// requests when `queued`, else at once (pgcache's own queries read
-    /// the settings; and the first time, a failure is the client's login
-    /// error, as PostgreSQL reports a bad startup parameter).
+    /// gives it the client's settings
+    /// ([`super::link::PooledLink::granted`]).
     pub(super) async fn attach(&mut self, queued: bool) -> Result<(), SessionError> {
         if self.attached() {
             return Ok(());
         }
-        let Some(pool) = self.engine.link.pool.clone() else {
+        let Link::Pooled(link) = &mut self.engine.link else {
             return Ok(());
         };
-        if let Some(e) = self.engine.link.no_connection.take() {
+        if let Some(e) = link.no_connection.take() {
             return Err(SessionError::Pool(e));
         }
-        let wait = self
-            .engine
-            .knobs(&super::relay::ctx(&self.app, &self.entry))
-            .wait;
+        let pool = Arc::clone(&link.pool);
+        let wait = link.knobs(&self.app).wait;
         tracing::trace!(status = ?self.engine.tx.status, "taking a server connection");
         let client = Arc::clone(&self.entry.client);
         client.set(Activity::Waiting);
-        let id = client.id;
         let taken = self
             .app
             .pool
             .pooled
-            .checkout(&pool, &self.app.upstream, wait, id)
+            .checkout(&pool, &self.app.upstream, wait, client.id)
             .await;
-        let (mut lease, stream) = match taken {
+        let (lease, stream) = match taken {
             Ok(taken) => taken,
             Err(e) => {
                 client.set(Activity::Idle);
@@ -80,24 +74,12 @@ where
         if let Some(cancel) = &self.engine.cancel {
             cancel.retarget(self.engine.backend_key.clone());
         }
-        let state = &self.engine.link.state;
-        let differs = server.state != state.id;
-        lease.server_mut().state = state.id;
-        self.engine.link.lease = Some(lease);
-        if !differs {
+        let Link::Pooled(link) = &mut self.engine.link else {
             return Ok(());
-        }
-        let apply = messages::query(&state.apply_sql());
-        if self.engine.link.state_checked && queued {
-            let mut queued = apply;
-            queued.extend_from_slice(&self.engine.pipeline.to_backend);
-            self.engine.pipeline.to_backend = queued;
-            self.engine.pipeline.push_front(Inflight::hidden(None));
+        };
+        let Some(apply) = link.granted(lease, queued, &mut self.engine.pipeline) else {
             return Ok(());
-        }
-        self.engine.link.state_checked = true;
-        // A simple Query: the server's unnamed statement is gone.
-        self.engine.link.server_statements().forget_unnamed();
+        };
         match Box::pin(self.run_hidden(&apply)).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(error)) => {
@@ -115,42 +97,45 @@ where
     /// Transaction mode: gives the connection back once the session is
     /// idle, reading its settings first if they may have changed.
     pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
-        if !self.engine.link.is_pooled()
-            || !self.attached()
-            || !self.backend_idle()
-            || self.engine.batch.holds()
-            || !self.backend.buffered().is_empty()
-            || self.engine.backend_fatal
-            || !self.engine.link.translator.is_idle()
+        if !self.attached()
+            || !self
+                .engine
+                .may_give_back(!self.backend.buffered().is_empty())
         {
             return Ok(());
         }
-        if self.engine.link.state_dirty {
+        let Link::Pooled(link) = &self.engine.link else {
+            return Ok(());
+        };
+        if link.state_dirty {
             if !Box::pin(self.settle_settings()).await? {
                 // Unreadable: the connection is closed, not given back.
                 self.drop_backend();
                 return Ok(());
             }
-            if !self.backend_idle() || !self.backend.buffered().is_empty() {
+            if !self
+                .engine
+                .may_give_back(!self.backend.buffered().is_empty())
+            {
                 return Ok(());
             }
         }
-        if self.engine.link.pinned.is_some() {
+        let Link::Pooled(link) = &mut self.engine.link else {
+            return Ok(());
+        };
+        if link.pinned.is_some() {
             return Ok(());
         }
         tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
-        let lifetime = self
-            .engine
-            .knobs(&super::relay::ctx(&self.app, &self.entry))
-            .lifetime;
+        let lifetime = link.knobs(&self.app).lifetime;
         let stream = std::mem::replace(&mut self.backend, detached());
-        match self.engine.link.lease.take() {
+        match link.lease.take() {
             Some(lease) => lease.give_back(stream, lifetime),
             None => {
                 // The connection the client logged in on: not the pool's.
+                link.own_statements.clear();
                 let mut stream = stream;
                 let _ = stream.write_all(&messages::TERMINATE).await;
-                self.engine.link.own_statements.clear();
             }
         }
         self.detached_now();
@@ -165,7 +150,10 @@ where
         let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
             return Ok(false);
         };
-        let (state, reset) = ClientState::captured(rows, &user, &self.engine.link.startup);
+        let Link::Pooled(link) = &mut self.engine.link else {
+            return Ok(false);
+        };
+        let (state, reset) = ClientState::captured(rows, &user, &link.startup);
         if !reset.is_empty() {
             debug!(?reset, "startup parameters set again after a reset");
             let again = messages::hidden_query(&set_config_sql(&reset));
@@ -173,11 +161,9 @@ where
                 return Ok(false);
             }
         }
-        self.engine.link.state = state;
-        self.engine.link.state_dirty = false;
-        debug!(settings = ?self.engine.link.state.settings, "session settings read back");
-        if let Some(lease) = &mut self.engine.link.lease {
-            lease.server_mut().state = self.engine.link.state.id;
+        debug!(settings = ?state.settings, "session settings read back");
+        if let Link::Pooled(link) = &mut self.engine.link {
+            link.settled(state);
         }
         Ok(true)
     }
@@ -194,8 +180,10 @@ where
     /// Closes the held connection: it is in a state no other client may
     /// see.
     pub(super) fn drop_backend(&mut self) {
-        self.engine.link.lease = None;
-        self.engine.link.translator.clear_owed();
+        if let Link::Pooled(link) = &mut self.engine.link {
+            link.lease = None;
+            link.translator.clear_owed();
+        }
         self.backend = detached();
         self.detached_now();
     }
@@ -203,24 +191,21 @@ where
     /// At the session's end: an idle pooled connection goes back to the
     /// pool; any other is closed.
     pub(super) fn release_at_end(&mut self) {
-        if !self.engine.link.is_pooled() || !self.attached() {
+        if !self.attached() {
             return;
         }
-        let clean = self.engine.link.pinned.is_none()
-            && self.backend_idle()
-            && !self.engine.batch.holds()
-            && self.backend.buffered().is_empty()
-            && !self.engine.backend_fatal
-            && self.engine.link.translator.is_idle();
-        match self.engine.link.lease.take() {
-            Some(mut lease) if clean => {
-                if self.engine.link.state_dirty {
+        let clean = self
+            .engine
+            .may_give_back(!self.backend.buffered().is_empty());
+        let Link::Pooled(link) = &mut self.engine.link else {
+            return;
+        };
+        match link.lease.take() {
+            Some(mut lease) if clean && link.pinned.is_none() => {
+                if link.state_dirty {
                     lease.server_mut().state = UNKNOWN_STATE;
                 }
-                let lifetime = self
-                    .engine
-                    .knobs(&super::relay::ctx(&self.app, &self.entry))
-                    .lifetime;
+                let lifetime = link.knobs(&self.app).lifetime;
                 let stream = std::mem::replace(&mut self.backend, detached());
                 lease.give_back(stream, lifetime);
             }
@@ -240,12 +225,10 @@ where
     /// with the client's own where it gave them), with a key of
     /// pgcache's, and no connection taken unless none ever logged in.
     pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
-        let pool = self
-            .engine
-            .link
-            .pool
-            .clone()
-            .expect("greet is for pooled sessions");
+        let Link::Pooled(link) = &self.engine.link else {
+            return Ok(());
+        };
+        let pool = Arc::clone(&link.pool);
         let statuses = match pool.statuses() {
             Some(statuses) => statuses,
             None => {

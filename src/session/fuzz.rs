@@ -25,18 +25,22 @@ use crate::upstream::UpstreamAddr;
 /// A pgcache of its own, never started, shared by every input.
 fn app() -> &'static (App, ClientEntry) {
     static APP: OnceLock<(App, ClientEntry)> = OnceLock::new();
-    APP.get_or_init(|| {
-        let config = Config::from_toml("", Path::new("fuzz")).expect("empty config");
-        let app = App::new(config).expect("app");
-        let entry = app.clients.register(Arrival {
-            user: "fuzz",
-            database: "fuzz",
-            addr: "127.0.0.1:1".parse().expect("address"),
-            tls: false,
-            application_name: "",
-        });
-        (app, entry)
-    })
+    APP.get_or_init(|| unstarted_app("fuzz", "fuzz"))
+}
+
+/// A pgcache of the default configuration, never started, and the line
+/// of one client of `user` on `database` in it.
+pub(super) fn unstarted_app(user: &str, database: &str) -> (App, ClientEntry) {
+    let config = Config::from_toml("", Path::new(database)).expect("empty config");
+    let app = App::new(config).expect("app");
+    let entry = app.clients.register(Arrival {
+        user,
+        database,
+        addr: "127.0.0.1:1".parse().expect("address"),
+        tls: false,
+        application_name: "",
+    });
+    (app, entry)
 }
 
 /// Feeds one engine `data`, read as a run of events: a control byte, a
@@ -47,23 +51,7 @@ fn app() -> &'static (App, ClientEntry) {
 pub fn feed(data: &[u8]) -> Fed {
     let mut fed = Fed::default();
     let (app, entry) = app();
-    let startup = Startup {
-        version: 196_608,
-        params: vec![
-            ("user".into(), "fuzz".into()),
-            ("database".into(), "fuzz".into()),
-        ],
-    };
-    let mut engine = Engine::new(
-        true,
-        startup,
-        Known::new(app.policy()),
-        (Link::session(), ServerBook::new(false)),
-        UpstreamAddr::Tcp {
-            host: "db".into(),
-            port: 5432,
-        },
-    );
+    let mut engine = session_engine(app, "fuzz", "fuzz");
     let mut backend = BytesMut::new();
     let mut client = BytesMut::new();
     let mut rest = data;
@@ -114,6 +102,28 @@ pub fn feed(data: &[u8]) -> Fed {
         }
     }
     fed
+}
+
+/// A caching session engine of `user` on `database`, in session mode, not
+/// logged in yet: what the fuzz target and the engine's tests feed.
+pub(super) fn session_engine(app: &App, user: &str, database: &str) -> Engine {
+    let startup = Startup {
+        version: 196_608,
+        params: vec![
+            ("user".into(), user.into()),
+            ("database".into(), database.into()),
+        ],
+    };
+    Engine::new(
+        true,
+        startup,
+        Known::new(app.policy()),
+        (Link::session(), ServerBook::new(false)),
+        UpstreamAddr::Tcp {
+            host: "db".into(),
+            port: 5432,
+        },
+    )
 }
 
 /// The catalog fetcher of a database where every name asked for is a

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
+use super::link::Link;
 use super::relay::Session;
 use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::protocol::codec::HEADER_LEN;
@@ -59,7 +60,9 @@ where
             Err(SessionError::Pool(e)) => {
                 // No connection: the statement goes on without the
                 // answer, and fails at once with the same error.
-                self.engine.link.no_connection = Some(e);
+                if let Link::Pooled(link) = &mut self.engine.link {
+                    link.no_connection = Some(e);
+                }
                 return Ok(None);
             }
             Err(e) => return Err(e),

@@ -21,7 +21,9 @@ use crate::invalidation::control::quote_literal;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool, PoolError};
+use crate::protocol::messages;
 use crate::protocol::startup::Startup;
+use crate::session::pipeline::{Inflight, Pipeline};
 
 /// [`crate::pool::transaction::Pooled::state`] of a connection left in a
 /// state pgcache did not read.
@@ -217,13 +219,33 @@ pub(super) struct Knobs {
     pub max_prepared: usize,
 }
 
-/// Where a session's server connections come from.
-pub(super) struct Link {
-    /// Transaction mode: the pool of the session's database and user.
-    pub pool: Option<Arc<Pool>>,
-    /// Session mode: the pool of the session's database and user that
-    /// pgcache's own requests for its hits run on, off its connection.
+/// Where a session's server connections come from: its mode, as typed
+/// state.
+pub(super) enum Link {
+    /// Session mode: the connection the session logged in on, for its
+    /// whole life.
+    Session(SessionLink),
+    /// Transaction mode: a connection from the pool whenever a request has
+    /// to go to PostgreSQL.
+    Pooled(Box<PooledLink>),
+}
+
+/// Session mode's link.
+#[derive(Default)]
+pub(super) struct SessionLink {
+    /// The pool of the session's database and user that pgcache's own
+    /// requests for its hits run on, off its connection.
     pub checks: Option<Arc<Pool>>,
+    /// The session's settings as last read with its cache key: what those
+    /// requests run in.
+    pub state: ClientState,
+}
+
+/// Transaction mode's link: the pool, the connection held now, and what
+/// of the client's state goes with it from one connection to the next.
+pub(super) struct PooledLink {
+    /// The pool of the session's database and user.
+    pub pool: Arc<Pool>,
     /// The pooled connection held now; its stream is the session's
     /// backend. `None` while attached means the connection the client
     /// logged in on, which no pool owns (passthrough authentication).
@@ -260,15 +282,18 @@ pub(super) struct Link {
 impl Link {
     /// Session mode: the session keeps the connection it logged in on.
     pub fn session() -> Self {
-        Self {
-            pool: None,
-            checks: None,
+        Link::Session(SessionLink::default())
+    }
+
+    pub fn pooled(pool: Arc<Pool>, state: ClientState) -> Self {
+        Link::Pooled(Box::new(PooledLink {
+            pool,
             lease: None,
             pinned: None,
-            state: ClientState::default(),
-            startup: Vec::new(),
+            startup: state.settings.clone(),
+            state,
             state_dirty: false,
-            state_checked: true,
+            state_checked: false,
             translator: Translator::default(),
             own_statements: ServerStatements::default(),
             no_connection: None,
@@ -276,25 +301,74 @@ impl Link {
             scratch: BytesMut::new(),
             schema_changes: false,
             knobs: Knobs::default(),
-        }
-    }
-
-    pub fn pooled(pool: Arc<Pool>, state: ClientState) -> Self {
-        Self {
-            pool: Some(pool),
-            startup: state.settings.clone(),
-            state,
-            state_checked: false,
-            ..Self::session()
-        }
+        }))
     }
 
     pub fn is_pooled(&self) -> bool {
-        self.pool.is_some()
+        matches!(self, Link::Pooled(_))
     }
 
+    /// The client's settings, for pgcache's own requests on its behalf.
+    pub fn state(&self) -> &ClientState {
+        match self {
+            Link::Session(own) => &own.state,
+            Link::Pooled(pooled) => &pooled.state,
+        }
+    }
+
+    /// A statement may have changed the session's settings on the
+    /// connection it holds.
+    pub fn settings_may_have_changed(&mut self) {
+        if let Link::Pooled(pooled) = self {
+            pooled.state_dirty = true;
+        }
+    }
+}
+
+impl PooledLink {
     pub fn lease(&self) -> Option<&Lease> {
         self.lease.as_ref()
+    }
+
+    /// A connection granted by the pool is the session's. Returns the
+    /// query that gives it the client's settings, to run at once, if they
+    /// differ from its own; or queues that query ahead of `to_backend`'s
+    /// requests when `queued` and the settings were checked once already
+    /// (a failure the first time is the client's login error, as
+    /// PostgreSQL reports a bad startup parameter).
+    pub(super) fn granted(
+        &mut self,
+        mut lease: Lease,
+        queued: bool,
+        pipeline: &mut Pipeline,
+    ) -> Option<BytesMut> {
+        let differs = lease.server().state != self.state.id;
+        lease.server_mut().state = self.state.id;
+        self.lease = Some(lease);
+        if !differs {
+            return None;
+        }
+        let apply = messages::query(&self.state.apply_sql());
+        if self.state_checked && queued {
+            let mut queued = apply;
+            queued.extend_from_slice(&pipeline.to_backend);
+            pipeline.to_backend = queued;
+            pipeline.push_front(Inflight::hidden(None));
+            return None;
+        }
+        self.state_checked = true;
+        // A simple Query: the server's unnamed statement is gone.
+        self.server_statements().forget_unnamed();
+        Some(apply)
+    }
+
+    /// The settings read back with [`CAPTURE`] are the session's.
+    pub(super) fn settled(&mut self, state: ClientState) {
+        self.state = state;
+        self.state_dirty = false;
+        if let Some(lease) = &mut self.lease {
+            lease.server_mut().state = self.state.id;
+        }
     }
 
     pub(super) fn server_statements(&mut self) -> &mut ServerStatements {
@@ -321,6 +395,21 @@ impl Link {
     pub fn on_server_frame(&mut self, frame: &[u8]) -> Answer {
         let server = statements_of(&mut self.lease, &mut self.own_statements);
         self.translator.on_frame(frame, server)
+    }
+
+    /// [`Knobs`], read again after a RELOAD.
+    pub fn knobs(&mut self, app: &crate::App) -> Knobs {
+        let generation = app.policy_generation();
+        if self.knobs.generation != generation {
+            let config = app.config();
+            self.knobs = Knobs {
+                generation,
+                wait: config.pool.query_wait_timeout(),
+                lifetime: config.pool.server_lifetime(),
+                max_prepared: config.pool.max_prepared_statements,
+            };
+        }
+        self.knobs
     }
 }
 

@@ -58,7 +58,7 @@ use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
 use crate::tls::ClientStream;
 pub use error::SessionError;
-use link::{ClientState, Link};
+use link::{ClientState, Link, SessionLink};
 use negotiate::Negotiated;
 pub use plan::SharedPlans;
 use relay::Session;
@@ -101,9 +101,12 @@ pub async fn serve(
         BytesMut::with_capacity(READ_CHUNK),
         config.server.max_message_bytes,
     );
+    // The steps of a login, and each mode's session, are boxed: each is a
+    // large future that lives once, and the task's own future is what
+    // every idle client keeps.
     let negotiated = tokio::time::timeout(
         config.startup_timeout(),
-        negotiate::negotiate(&app, &mut client),
+        Box::pin(negotiate::negotiate(&app, &mut client)),
     )
     .await
     .unwrap_or_else(|_| {
@@ -139,7 +142,7 @@ async fn admit(
     negotiated: Negotiated,
     limit: &Arc<tokio::sync::Semaphore>,
     peer: SocketAddr,
-) -> Result<(), (FramedStream<ClientStream>, SessionError)> {
+) -> Result<(), Refused> {
     let config = app.config();
     if app.tls.mode == SslMode::Require && !client.get_ref().is_tls() {
         let e = SessionError::refused(
@@ -157,10 +160,10 @@ async fn admit(
     };
     let startup = &negotiated.startup;
     if !config.admin.password.is_empty() && startup.database() == config.admin.database {
-        crate::admin::serve(Arc::clone(app), client, startup).await;
+        Box::pin(crate::admin::serve(Arc::clone(app), client, startup)).await;
         return Ok(());
     }
-    let secret = match authenticate(app, &mut client, startup.user()).await {
+    let secret = match Box::pin(authenticate(app, &mut client, startup.user())).await {
         Ok(secret) => secret,
         Err(e) => return Err((client, e)),
     };
@@ -171,9 +174,42 @@ async fn admit(
         tls: client.get_ref().is_tls(),
         application_name: startup.param("application_name").unwrap_or_default(),
     });
-    if config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some() {
-        return admit_pooled(app, client, negotiated, secret, entry).await;
+    let pooled = config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some();
+    let admitted = Admitted {
+        client,
+        negotiated,
+        secret,
+        entry,
+    };
+    match pooled {
+        true => Box::pin(admit_pooled(app, admitted)).await,
+        false => Box::pin(admit_session(app, admitted)).await,
     }
+}
+
+/// A client past authentication: what each mode's admission starts from.
+struct Admitted {
+    client: FramedStream<ClientStream>,
+    negotiated: Negotiated,
+    /// The client's SCRAM secret, when pgcache checked its password.
+    secret: Option<ClientSecret>,
+    entry: ClientEntry,
+}
+
+/// A client turned away, with why.
+type Refused = (FramedStream<ClientStream>, SessionError);
+
+/// Session mode: the session's own backend connection (a parked one when
+/// there is one it may have), and the session on it to its end.
+async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused> {
+    let Admitted {
+        client,
+        negotiated,
+        secret,
+        entry,
+    } = admitted;
+    let config = app.config();
+    let startup = &negotiated.startup;
     let checked_by_pgcache = secret.is_some();
     let pool = &config.pool;
     let key = (pool.max_idle_servers > 0)
@@ -182,7 +218,7 @@ async fn admit(
     let parked = match &key {
         // A client pgcache did not authenticate may only have a connection
         // PostgreSQL would have let it open without a password.
-        Some(key) => app.pool.take(pool, key, !checked_by_pgcache).await,
+        Some(key) => Box::pin(app.pool.take(pool, key, !checked_by_pgcache)).await,
         None => None,
     };
     let (backend, addr, book) = match parked {
@@ -191,7 +227,7 @@ async fn admit(
             let (stream, addr) = server.replay_login();
             (stream, addr, book)
         }
-        None => match crate::backend::connect(&app.upstream).await {
+        None => match Box::pin(crate::backend::connect(&app.upstream)).await {
             Ok((stream, addr)) => {
                 app.metrics.pool.fresh.inc();
                 let buf = BytesMut::with_capacity(READ_CHUNK);
@@ -201,14 +237,15 @@ async fn admit(
             Err(e) => return Err((client, e.into())),
         },
     };
-    let mut link = Link::session();
+    let mut own = SessionLink::default();
     if config.cache.enabled && (key.is_some() || PoolKey::of(startup).is_some()) {
         let checks = app.pool.pooled.pool(startup.database(), startup.user());
         if let Some(secret) = &secret {
             checks.learn_secret(secret.clone());
         }
-        link.checks = Some(checks);
+        own.checks = Some(checks);
     }
+    let link = Link::Session(own);
     let mut session = Session::new(
         Arc::clone(app),
         client,
@@ -250,13 +287,13 @@ async fn run(
 /// its password, or PostgreSQL trusts the pool's clients) takes none to
 /// log in; any other logs in on a connection of its own first, relayed,
 /// which teaches the pool whether PostgreSQL trusts its clients.
-async fn admit_pooled(
-    app: &Arc<App>,
-    client: FramedStream<ClientStream>,
-    negotiated: Negotiated,
-    secret: Option<ClientSecret>,
-    entry: ClientEntry,
-) -> Result<(), (FramedStream<ClientStream>, SessionError)> {
+async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused> {
+    let Admitted {
+        client,
+        negotiated,
+        secret,
+        entry,
+    } = admitted;
     let startup = &negotiated.startup;
     let state = match ClientState::from_startup(startup) {
         Ok(state) => state,
@@ -277,7 +314,7 @@ async fn admit_pooled(
         learning = None;
         (checkout::detached(), app.upstream.addrs[0].clone())
     } else {
-        match crate::backend::connect(&app.upstream).await {
+        match Box::pin(crate::backend::connect(&app.upstream)).await {
             Ok((stream, addr)) => {
                 let buf = BytesMut::with_capacity(READ_CHUNK);
                 (

@@ -107,7 +107,10 @@ async fn round(
                 return Ok(Round::Done);
             }
         };
-        let raw = client.split_to(len);
+        // A copy: the session keeps it, and a view would keep the whole
+        // read buffer alive with it.
+        let raw = BytesMut::from(&client.buffered()[..len]);
+        client.consume(len);
         match startup::parse(&raw)? {
             packet @ (StartupPacket::SslRequest | StartupPacket::GssEncRequest) => {
                 // GSS encryption is never offered, TLS when configured;

@@ -15,7 +15,7 @@ use tracing::debug;
 
 use super::capture::{Capture, Captured};
 use super::known::Known;
-use super::link::{ClientState, Link};
+use super::link::{ClientState, Link, SessionLink};
 use crate::App;
 use crate::backend::BackendStream;
 use crate::cache::DbState;
@@ -40,12 +40,14 @@ impl Job {
     /// settings or a statement the request names, or cannot log in for the
     /// client (passthrough authentication with a password).
     pub fn for_request(link: &Link, known: &Known, db: &DbState, request: &[u8]) -> Option<Job> {
-        let (pool, translator) = match (&link.pool, &link.checks) {
-            (Some(pool), _) if !link.state_dirty => {
-                (Arc::clone(pool), link.translator.for_request())
+        let (pool, translator) = match link {
+            Link::Pooled(link) if !link.state_dirty => {
+                (Arc::clone(&link.pool), link.translator.for_request())
             }
             // Session mode: the settings were read with the hit's key.
-            (None, Some(pool)) if known.prefix.is_some() && pool.can_log_in() => {
+            Link::Session(SessionLink {
+                checks: Some(pool), ..
+            }) if known.prefix.is_some() && pool.can_log_in() => {
                 (Arc::clone(pool), statements_for(known, db, request)?)
             }
             _ => return None,
@@ -53,7 +55,7 @@ impl Job {
         Some(Job {
             pool,
             translator,
-            state: link.state.clone(),
+            state: link.state().clone(),
             request: request.to_vec(),
         })
     }

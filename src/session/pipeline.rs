@@ -83,6 +83,11 @@ struct CopyTracker {
     ended_since_execute: bool,
     /// The backend is in copy-in mode and the client has not ended it yet.
     active: bool,
+    /// CopyDone/CopyFail frames sent before the backend announced the COPY
+    /// they end (a client that writes the whole exchange at once): that
+    /// many CopyInResponses to come find their COPY already ended. Not the
+    /// flag above, which the next Execute or Query clears.
+    ended_early: u32,
     /// Bookkeeping of ignored Syncs, for the next one that is answered.
     carry: Option<Inflight>,
 }
@@ -128,11 +133,27 @@ impl Pipeline {
     }
 
     pub fn pop(&mut self) -> Option<Inflight> {
-        self.inflight.pop_front()
+        let done = self.inflight.pop_front();
+        if self.inflight.is_empty() {
+            // Nothing owed: no CopyInResponse is to come for an early end
+            // (PostgreSQL ignored a CopyDone whose COPY failed).
+            self.copy.ended_early = 0;
+        }
+        done
     }
 
     pub fn len(&self) -> usize {
         self.inflight.len()
+    }
+
+    /// Gives back the memory of an empty queue and staging buffer.
+    pub fn release(&mut self) {
+        if self.inflight.is_empty() && self.inflight.capacity() > 0 {
+            self.inflight = VecDeque::new();
+        }
+        if self.to_backend.is_empty() && self.to_backend.capacity() > 0 {
+            self.to_backend = BytesMut::new();
+        }
     }
 
     /// Queues a request of pgcache's own (after the client's).
@@ -184,7 +205,11 @@ impl Pipeline {
     /// CopyDone or CopyFail went out.
     pub fn copy_ended(&mut self) {
         self.copy.ended_since_execute = true;
-        self.copy.active = false;
+        if self.copy.active {
+            self.copy.active = false;
+        } else {
+            self.copy.ended_early += 1;
+        }
     }
 
     /// Queues the request a Sync ends, marking whether PostgreSQL may
@@ -216,7 +241,8 @@ impl Pipeline {
     /// sent since the COPY's Execute (and before CopyDone/CopyFail) will
     /// never be answered: take them out of the queue.
     pub fn copy_in_started(&mut self) {
-        self.copy.active = !self.copy.ended_since_execute;
+        self.copy.active = self.copy.ended_early == 0;
+        self.copy.ended_early = self.copy.ended_early.saturating_sub(1);
         while self
             .inflight
             .front()
@@ -300,6 +326,23 @@ mod tests {
         p.copy_in_started();
         assert_eq!(p.len(), 1);
         assert!(p.pop().unwrap().effects.epoch);
+    }
+
+    #[test]
+    fn a_copy_ended_before_it_began_leaves_later_syncs_answered() {
+        // Query(COPY), CopyDone, then a batch, all written at once: the
+        // batch's Execute must not make the COPY look unended.
+        let mut p = Pipeline::default();
+        p.note_client_frame(fe::QUERY);
+        p.note_client_frame(fe::COPY_DONE);
+        p.note_client_frame(fe::EXECUTE);
+        p.push_sync(Inflight::default());
+        p.copy_in_started();
+        assert_eq!(p.len(), 2);
+        p.pop();
+        p.note_client_frame(fe::EXECUTE);
+        p.push_sync(with_effects());
+        assert_eq!(p.len(), 2, "the later Sync is answered: not carried");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use tracing::info;
 use super::SessionError;
 use super::engine::{Action, Ctx, Engine, ReadyBatch};
 use super::known::Known;
-use super::link::Link;
+use super::link::{Link, SessionLink};
 use super::pipeline::Flow;
 use super::reuse::ServerBook;
 use super::timeouts::{IdleTimeouts, sleep_until_or_never};
@@ -107,14 +107,15 @@ where
             Ok(Flow::Continue) // its login frames are replayed by the relay
         } else if self.engine.link.is_pooled() && !self.attached() {
             // pgcache logs in for the client on pooled connections.
-            self.greet().await.map(|()| Flow::Continue)
+            Box::pin(self.greet()).await.map(|()| Flow::Continue)
         } else {
-            let flow = self.log_in(startup_raw, secret).await;
-            if let Some(pool) = &self.engine.link.pool
+            // Boxed, as greet: login futures are large and live once.
+            let flow = Box::pin(self.log_in(startup_raw, secret)).await;
+            if let Link::Pooled(link) = &self.engine.link
                 && matches!(flow, Ok(Flow::Continue))
             {
                 if self.engine.server.trusted {
-                    pool.learn_trusted();
+                    link.pool.learn_trusted();
                 } else {
                     self.engine.pin(
                         &ctx(&self.app, &self.entry),
@@ -125,7 +126,10 @@ where
             self.learning = None;
             flow
         };
-        if let Some(checks) = &self.engine.link.checks
+        if let Link::Session(SessionLink {
+            checks: Some(checks),
+            ..
+        }) = &self.engine.link
             && matches!(logged_in, Ok(Flow::Continue))
             && self.engine.server.trusted
         {
@@ -176,6 +180,12 @@ where
         loop {
             // Waiting on the client: logged in and nothing asked of the backend.
             let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
+            if waiting && !self.attached() {
+                // Transaction mode, between transactions: an idle client
+                // costs its session's state and nothing of a request.
+                self.client.release_if_empty();
+                self.engine.release_buffers();
+            }
             let deadline = timeouts.deadline(waiting, self.engine.tx.status, last_activity);
             let flow = tokio::select! {
                 biased;
@@ -187,11 +197,12 @@ where
                     self.close_with(&e).await;
                     Flow::Close
                 }
-                r = self.backend.fill() => match r {
+                // A session holding no connection has no backend to read.
+                r = self.backend.fill(), if self.attached() => match r {
                     Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Flow::Close }
                     Ok(_) => self.on_backend_data().await?,
                 },
-                r = self.client.fill() => match r {
+                r = self.client.fill_lazily() => match r {
                     Ok(0) => { self.client_gone().await; Flow::Close }
                     Ok(n) => {
                         self.app.metrics.client_bytes_in.inc_by(n as u64);
@@ -247,7 +258,8 @@ where
     pub(super) async fn carry_out(&mut self) {
         for action in std::mem::take(&mut self.engine.actions) {
             match action {
-                Action::Publish(publication) => publication.send().await,
+                // Boxed: a Redis round trip is a large future, and rare.
+                Action::Publish(publication) => Box::pin(publication.send()).await,
                 Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
                 Action::Watch => self.app.streams.ensure(&self.engine.db),
                 Action::Fetch => self.app.fetch_catalog(&self.engine.db),
@@ -305,7 +317,7 @@ where
                             self.engine
                                 .note_marks(&super::relay::ctx(&self.app, &self.entry), marks);
                         } else if tag == fe::FUNCTION_CALL {
-                            self.engine.link.state_dirty = true;
+                            self.engine.link.settings_may_have_changed();
                         } else if tag == fe::TERMINATE {
                             self.engine.client_ended = true;
                             if self
@@ -421,7 +433,9 @@ where
     /// connection first if the session holds none.
     async fn flush_backend(&mut self) -> Result<(), SessionError> {
         if !self.engine.pipeline.to_backend.is_empty() && !self.attached() {
-            match self.attach(true).await {
+            // Boxed: taking a connection is a large future, and the
+            // session waits on its client far more often.
+            match Box::pin(self.attach(true)).await {
                 Ok(()) => {}
                 Err(SessionError::Pool(e)) if !self.engine.pipeline.unsynced => {
                     return self.fail_unsent(&e).await;
@@ -429,10 +443,13 @@ where
                 Err(e) => return Err(e),
             }
         }
-        if self.engine.link.is_pooled() && !self.engine.pipeline.to_backend.is_empty() {
-            let answers = self.engine.translate_staged(&ctx(&self.app, &self.entry));
-            let r = self.backend.write_all(&self.engine.link.scratch).await;
-            self.engine.link.scratch.clear();
+        if !self.engine.pipeline.to_backend.is_empty() {
+            let (staged, answers) = self.engine.staged(&self.app);
+            let r = self.backend.write_all(staged).await;
+            staged.clear();
+            if staged.capacity() > 1 << 20 {
+                *staged = BytesMut::new();
+            }
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
                 // Nothing was owed before them: as if they had arrived.
@@ -443,16 +460,6 @@ where
                 buf.extend_from_slice(&tail);
                 Box::pin(self.on_backend_data()).await?;
             }
-            return Ok(());
-        }
-        let queued = &mut self.engine.pipeline.to_backend;
-        if !queued.is_empty() {
-            let r = self.backend.write_all(queued).await;
-            queued.clear();
-            if queued.capacity() > 1 << 20 {
-                *queued = BytesMut::new();
-            }
-            r.map_err(SessionError::BackendIo)?;
         }
         Ok(())
     }
@@ -559,9 +566,10 @@ where
     /// The session ends: its backend is told, unless it is a pooled
     /// connection that goes back to its pool ([`Self::release_at_end`]).
     async fn end_backend(&mut self) {
-        if self.engine.link.lease().is_some()
+        if let Link::Pooled(link) = &self.engine.link
+            && link.lease().is_some()
+            && link.pinned.is_none()
             && self.backend_idle()
-            && self.engine.link.pinned.is_none()
         {
             return;
         }

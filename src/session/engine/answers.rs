@@ -17,6 +17,7 @@ use crate::protocol::codec::{HEADER_LEN, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
+use crate::session::link::Link;
 use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -54,8 +55,8 @@ impl Engine {
                 pos = end;
                 continue;
             }
-            if pooled {
-                let answer = self.link.on_server_frame(&buf[pos..pos + len]);
+            if let Link::Pooled(link) = &mut self.link {
+                let answer = link.on_server_frame(&buf[pos..pos + len]);
                 if !answer.to_client.is_empty() {
                     // pgcache's answers in the server's place come next.
                     let tail = buf.split_off(pos + len);
@@ -122,7 +123,7 @@ impl Engine {
             backend_secret: body[4..].to_vec(),
         });
         self.backend_key = Some(Arc::clone(&target));
-        if self.link.is_pooled() {
+        if let Link::Pooled(_) = self.link {
             // The connection the client logged in on, for now: the client
             // gets a key of pgcache's that follows it to the next one.
             let (pid, secret, guard) = ctx.app.cancel.register_pooled();
@@ -151,7 +152,7 @@ impl Engine {
             if self.ready && !own {
                 self.known.prefix = None;
                 self.server.login_state = false;
-                self.link.state_dirty = true;
+                self.link.settings_may_have_changed();
             }
             self.server.statuses.note(frame);
         }
@@ -222,18 +223,21 @@ impl Engine {
             // Logged in: only now does the database get shared state, so
             // clients naming made-up databases cannot grow the registry.
             self.db = ctx.app.cache.db(self.startup.database());
-            self.link
-                .translator
-                .follow(Arc::clone(&self.db.versions.schema));
+            if let Link::Pooled(link) = &mut self.link {
+                link.translator.follow(Arc::clone(&self.db.versions.schema));
+            }
             if self.caching {
                 self.actions.push(Action::Watch);
             }
             self.ready = true;
         }
         tracing::trace!(?status, inflight = self.pipeline.len(), "ready for query");
-        if self.link.schema_changes && status == TxStatus::Idle {
+        if let Link::Pooled(link) = &mut self.link
+            && link.schema_changes
+            && status == TxStatus::Idle
+        {
             // Before the client hears the DDL is done.
-            self.link.schema_changes = false;
+            link.schema_changes = false;
             self.db.versions.schema_changed();
         }
         let (effects, result) = match self.pipeline.pop() {

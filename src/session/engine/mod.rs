@@ -32,7 +32,7 @@ use crate::session::capture::Capture;
 use crate::session::known::Known;
 use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row, settings_sql};
 use crate::session::link::ClientState;
-use crate::session::link::{Knobs, Link};
+use crate::session::link::Link;
 use crate::session::offload::Job;
 use crate::session::pipeline::{Inflight, Pipeline};
 use crate::session::plan::Plan;
@@ -197,9 +197,9 @@ impl Engine {
         if marks.evicts {
             ctx.app.pool.evict_all();
         }
-        if self.link.is_pooled() {
-            self.link.state_dirty |= marks.settings;
-            self.link.schema_changes |= marks.schema;
+        if let Link::Pooled(pooled) = &mut self.link {
+            pooled.state_dirty |= marks.settings;
+            pooled.schema_changes |= marks.schema;
             if let Some(why) = marks.pin {
                 self.pin(ctx, why);
             }
@@ -209,7 +209,10 @@ impl Engine {
     /// Transaction mode: a feature that lives in one backend keeps the
     /// session on its connection from now on.
     pub fn pin(&mut self, ctx: &Ctx, why: Pin) {
-        if !self.link.is_pooled() || self.link.pinned.is_some() {
+        let Link::Pooled(pooled) = &mut self.link else {
+            return;
+        };
+        if pooled.pinned.is_some() {
             return;
         }
         debug!(
@@ -218,8 +221,36 @@ impl Engine {
         );
         let pins = &ctx.app.metrics.pooled.pins;
         pins.with_label_values(&[why.as_str()]).inc();
-        self.link.pinned = Some(why);
+        pooled.pinned = Some(why);
         ctx.client.pin(why.as_str());
+    }
+
+    /// Gives back the memory of requests past: staging buffers and the
+    /// queue of requests in flight, where empty.
+    pub fn release_buffers(&mut self) {
+        if self.out.is_empty() {
+            self.out = BytesMut::new();
+        }
+        self.pipeline.release();
+        if let Link::Pooled(link) = &mut self.link
+            && link.scratch.is_empty()
+        {
+            link.scratch = BytesMut::new();
+        }
+    }
+
+    /// Transaction mode: the held connection is in a state another client
+    /// may be given it in (apart from settings, which are read back);
+    /// `unread`: the backend sent bytes not read yet.
+    pub fn may_give_back(&self, unread: bool) -> bool {
+        let Link::Pooled(link) = &self.link else {
+            return false;
+        };
+        self.backend_idle()
+            && !self.batch.holds()
+            && !unread
+            && !self.backend_fatal
+            && link.translator.is_idle()
     }
 
     /// At the client's Terminate: true if the connection is kept for the
@@ -239,40 +270,26 @@ impl Engine {
     pub fn settings_may_have_changed(&mut self) {
         self.known.prefix = None;
         self.server.login_state = false;
-        self.link.state_dirty = true;
+        self.link.settings_may_have_changed();
     }
 
-    /// Transaction mode: the frames staged for the backend, with the
-    /// client's statement names turned into the held connection's, into
-    /// `link.scratch` for the driver to write (and clear). Returns the
-    /// answers pgcache gives in the server's place, for statements the
-    /// connection already has.
-    pub fn translate_staged(&mut self, ctx: &Ctx) -> BytesMut {
-        let queued = std::mem::take(&mut self.pipeline.to_backend);
-        let max = self.knobs(ctx).max_prepared;
+    /// The frames staged for the backend, for the driver to write (and
+    /// clear), and the answers pgcache gives in the server's place. In
+    /// transaction mode the client's statement names are turned into the
+    /// held connection's (into `scratch`), and a statement the connection
+    /// already has is answered by pgcache.
+    pub fn staged(&mut self, app: &App) -> (&mut BytesMut, BytesMut) {
+        let Link::Pooled(pooled) = &mut self.link else {
+            return (&mut self.pipeline.to_backend, BytesMut::new());
+        };
+        let max = pooled.knobs(app).max_prepared;
         let idle = self.tx.status == TxStatus::Idle;
         // Both buffers keep their memory from one flush to the next.
-        let mut out = std::mem::take(&mut self.link.scratch);
-        let answers = self.link.translate(&queued, max, idle, &mut out);
-        self.link.scratch = out;
-        self.pipeline.to_backend = queued;
+        let mut out = std::mem::take(&mut pooled.scratch);
+        let answers = pooled.translate(&self.pipeline.to_backend, max, idle, &mut out);
+        pooled.scratch = out;
         self.pipeline.to_backend.clear();
-        answers
-    }
-
-    /// [`Knobs`], read again after a RELOAD.
-    pub fn knobs(&mut self, ctx: &Ctx) -> Knobs {
-        let generation = ctx.app.policy_generation();
-        if self.link.knobs.generation != generation {
-            let config = ctx.app.config();
-            self.link.knobs = Knobs {
-                generation,
-                wait: config.pool.query_wait_timeout(),
-                lifetime: config.pool.server_lifetime(),
-                max_prepared: config.pool.max_prepared_statements,
-            };
-        }
-        self.link.knobs
+        (&mut pooled.scratch, answers)
     }
 
     /// Queues a frame for the backend, first replaying any Parse the
@@ -467,9 +484,16 @@ impl Engine {
         let generation = self.db.catalog.policy_settings_generation();
         // Transaction mode: settings read under other login settings of
         // the pool's connections are out of date.
-        let pool = self.link.pool.clone();
+        let (pool, prefix_generation, state) = match &self.link {
+            Link::Pooled(p) => (
+                Some(Arc::clone(&p.pool)),
+                p.prefix_generation,
+                (!p.state_dirty).then_some(p.state.id),
+            ),
+            Link::Session(_) => (None, None, None),
+        };
         let pool_generation = pool.as_ref().map(|p| p.generation());
-        if pool_generation != self.link.prefix_generation {
+        if pool_generation != prefix_generation {
             self.known.prefix = None;
         }
         if let Some((prefix, g)) = self.known.prefix
@@ -479,11 +503,12 @@ impl Engine {
         }
         // Transaction mode: clients in the same state have the same
         // settings, read once per pool.
-        let state = (!self.link.state_dirty).then_some(self.link.state.id);
         if let (Some(pool), Some(state)) = (&pool, state)
             && let Some(row) = pool.settings(state, generation)
         {
-            self.link.prefix_generation = pool_generation;
+            if let Link::Pooled(p) = &mut self.link {
+                p.prefix_generation = pool_generation;
+            }
             return Ok(Ok(self.adopt_settings(&row, generation)));
         }
         // A reused connection still in its login state is in the state an
@@ -517,14 +542,16 @@ impl Engine {
         };
         let row = settings_row(row);
         self.adopt_settings(&row, generation);
-        if let Some(pool) = self.link.pool.clone() {
+        if let Link::Pooled(p) = &mut self.link {
             // The generation of the connection the settings were read on.
-            let read_in = self.link.lease().map(|l| l.server().generation);
-            self.link.prefix_generation = read_in;
+            let read_in = p.lease().map(|l| l.server().generation);
+            p.prefix_generation = read_in;
             if let Some(read_in) = read_in
-                && !self.link.state_dirty
+                && !p.state_dirty
             {
-                pool.remember_settings(self.link.state.id, generation, read_in, Arc::clone(&row));
+                let row = Arc::clone(&row);
+                p.pool
+                    .remember_settings(p.state.id, generation, read_in, row);
             }
         }
         if self.server.login_state {
@@ -541,11 +568,11 @@ impl Engine {
             row.cells.get(2).and_then(|v| v.as_deref()),
             Some("read committed" | "read uncommitted")
         );
-        if !self.link.is_pooled() {
+        if let Link::Session(own) = &mut self.link {
             // Session mode: what pgcache's own requests for this session's
             // hits run in, on a connection of their own.
             let cell = |i: usize| row.cells.get(i).and_then(|v| v.as_deref());
-            self.link.state = ClientState::read(
+            own.state = ClientState::read(
                 self.startup.user(),
                 cell(1),
                 cell(ROLE_COLUMN),

@@ -227,11 +227,13 @@ impl Engine {
         let Some(p) = extended::parse(body) else {
             return false;
         };
-        let name = body.slice_ref(p.name);
+        // Copies, not views of the frame: a view would keep the whole read
+        // buffer it came in alive for as long as the statement lives.
+        let name = Bytes::copy_from_slice(p.name);
         let statement = Statement {
             hash: key::sql_hash(p.query),
-            sql: body.slice_ref(p.query),
-            param_types: body.slice_ref(p.param_types),
+            sql: Bytes::copy_from_slice(p.query),
+            param_types: Bytes::copy_from_slice(p.param_types),
         };
         self.known.define(name.clone(), statement);
         self.batch.parsed.push(name.clone());
@@ -326,7 +328,12 @@ impl Engine {
                             if let Some(parse) = self.batch.parse.take() {
                                 self.known.unsent_parses.retain(|(n, _)| *n != parse.0);
                                 if !refreshed {
-                                    self.known.unsent_parses.push(parse);
+                                    // A copy: it may wait while the session
+                                    // idles, and a view keeps the read
+                                    // buffer alive.
+                                    let (name, raw) = parse;
+                                    let raw = Bytes::copy_from_slice(&raw);
+                                    self.known.unsent_parses.push((name, raw));
                                 }
                             }
                             self.batch.give_back(request);

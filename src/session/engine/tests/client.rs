@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::pool::marks::Pin;
+use crate::session::link::Link;
 
 const READ: &str = "SELECT v FROM items WHERE k = 1";
 
@@ -286,13 +287,17 @@ fn transaction_mode_a_feature_that_lives_in_one_backend_pins_the_session() {
     ] {
         let mut rig = Rig::pooled();
         rig.client(&query(sql));
-        assert_eq!(rig.engine.link.pinned, pinned, "{sql}");
+        let Link::Pooled(link) = &rig.engine.link else {
+            panic!("transaction mode");
+        };
+        assert_eq!(link.pinned, pinned, "{sql}");
         assert_eq!(rig.sent_to_backend(), query(sql), "{sql}: forwarded");
     }
-    // Session mode has nothing to pin.
+    // Session mode has nothing to pin: the session stays in its mode.
     let mut rig = Rig::caching();
     rig.client(&query("LISTEN jobs"));
-    assert_eq!(rig.engine.link.pinned, None);
+    assert!(matches!(rig.engine.link, Link::Session(_)));
+    assert_eq!(rig.sent_to_backend(), query("LISTEN jobs"));
 }
 
 #[test]
@@ -304,14 +309,9 @@ fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
         execute(0),
         sync(),
     ]);
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-    };
-    let answers = rig.engine.translate_staged(&ctx);
+    let (staged, answers) = rig.engine.staged(&rig.app);
     assert!(answers.is_empty(), "the connection lacks the statement");
-    let sent = std::mem::take(&mut rig.engine.link.scratch);
+    let sent = std::mem::take(staged);
     let frames: Vec<&[u8]> = crate::protocol::codec::frames(&sent).collect();
     assert_eq!(frames.len(), 4);
     let parse = crate::protocol::extended::parse(&frames[0][5..]).expect("a Parse");

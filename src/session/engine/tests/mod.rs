@@ -4,8 +4,9 @@
 
 mod backend;
 mod client;
+pub(crate) mod model;
+mod property;
 
-use std::path::Path;
 use std::time::Instant;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -14,18 +15,13 @@ use super::{Action, Ctx, Engine, Need};
 use crate::App;
 use crate::cache::Fill;
 use crate::cache::catalog::fetch::Lookup;
-use crate::config::Config;
-use crate::pool::clients::{Arrival, ClientEntry};
-use crate::protocol::startup::Startup;
+use crate::pool::clients::ClientEntry;
 use crate::protocol::{TxStatus, backend as be, frontend as fe, messages};
 use crate::session::capture::Capture;
-use crate::session::known::Known;
 use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Flow;
 use crate::session::pipeline::Inflight;
-use crate::session::reuse::ServerBook;
 use crate::session::row_limit::{PORTAL_SUSPENDED, RowCut};
-use crate::upstream::UpstreamAddr;
 
 /// An engine and what it reads: a pgcache of its own, never started.
 struct Rig {
@@ -40,32 +36,8 @@ struct Rig {
 
 impl Rig {
     fn new() -> Self {
-        let config = Config::from_toml("", Path::new("test")).expect("empty config");
-        let app = App::new(config).expect("app");
-        let startup = Startup {
-            version: 196_608,
-            params: vec![
-                ("user".into(), "alice".into()),
-                ("database".into(), "shop".into()),
-            ],
-        };
-        let engine = Engine::new(
-            true,
-            startup,
-            Known::new(app.policy()),
-            (Link::session(), ServerBook::new(false)),
-            UpstreamAddr::Tcp {
-                host: "db".into(),
-                port: 5432,
-            },
-        );
-        let entry = app.clients.register(Arrival {
-            user: "alice",
-            database: "shop",
-            addr: "127.0.0.1:1".parse().expect("address"),
-            tls: false,
-            application_name: "",
-        });
+        let (app, entry) = crate::session::fuzz::unstarted_app("alice", "shop");
+        let engine = crate::session::fuzz::session_engine(&app, "alice", "shop");
         let settings = ["alice", "alice", "read committed", "a=b", "none", "{}"]
             .map(|v| Some(v.to_owned()))
             .to_vec();

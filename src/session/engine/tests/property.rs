@@ -1,0 +1,211 @@
+//! The engine between a client and the model backend ([`super::model`]),
+//! on generated programs. What the client sees through the engine must be
+//! what the model backend would have sent it directly (a hit's rows are
+//! the same rows); nothing incomplete, failed or suspended is stored; no
+//! hit follows a write in its transaction; nothing panics.
+//! `tests/model.rs` checks the model against PostgreSQL.
+
+use std::cell::RefCell;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+
+use super::model::{self, Backend, Exec, Program, Seen, Sql, Step};
+use super::{Action, Flow, Rig};
+
+/// How often a run met what the invariants are about.
+#[derive(Debug, Default)]
+struct Counts {
+    fills: usize,
+    hits: usize,
+    /// Hits of a row-limited Execute.
+    limited_hits: usize,
+    suspended: usize,
+    errors_mid_batch: usize,
+    copies: usize,
+    cancels: usize,
+    pipelines: usize,
+}
+
+/// The model backend's answers to each step of `program`, sent directly.
+fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
+    let mut backend = Backend::default();
+    let mut answers = Vec::new();
+    for step in program.0.iter().flatten() {
+        let wrote = backend.block_wrote();
+        let mut answer = Vec::new();
+        for frame in step.frames() {
+            answer.extend(backend.receive(&frame));
+        }
+        let readies = model::seen(&answer).iter().filter(|m| m.tag == 'Z').count();
+        assert_eq!(readies, step.readies(), "{step:?}");
+        answers.push((answer, wrote));
+    }
+    answers
+}
+
+/// Runs `program` through an engine in front of the model backend.
+fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCaseError> {
+    let answers = direct(program);
+    let mut rig = Rig::caching();
+    rig.knows_table("log");
+    rig.knows_table("other");
+    let mut backend = Backend::default();
+    let mut seen = Vec::new();
+    let mut steps = answers.iter();
+    for group in &program.0 {
+        counts.pipelines += usize::from(group.len() > 1);
+        let mut closed = false;
+        for step in group {
+            let (_, wrote) = steps.next().expect("an answer per step");
+            let mut staged = Vec::new();
+            for frame in step.frames() {
+                closed = rig.client(&frame) == Flow::Close;
+                staged.extend(rig.sent_to_client());
+                if closed {
+                    break;
+                }
+            }
+            let served = model::seen(&staged);
+            if served.iter().any(|m| m.tag == 'D' || m.tag == 'C') {
+                counts.hits += 1;
+                if let Step::Batch(execs) = step
+                    && execs.iter().any(|e| e.max_rows > 0)
+                {
+                    counts.limited_hits += 1;
+                }
+                prop_assert!(
+                    !wrote && !writes_then_reads(step),
+                    "{step:?} was served from the cache after a write in its transaction"
+                );
+            }
+            seen.extend(staged);
+            if closed {
+                break;
+            }
+        }
+        answer_forwarded(&mut rig, &mut backend, &mut seen, counts)?;
+        if closed {
+            break;
+        }
+    }
+    let expected: Vec<u8> = answers.iter().flat_map(|(a, _)| a.clone()).collect();
+    if seen != expected {
+        let (seen, expected) = (model::seen(&seen), model::seen(&expected));
+        let at = seen
+            .iter()
+            .zip(&expected)
+            .take_while(|(a, b)| a == b)
+            .count();
+        return Err(TestCaseError::fail(format!(
+            "the client saw other messages from message {at}: {:?} where the backend sends {:?}",
+            &seen[at.min(seen.len())..],
+            &expected[at.min(expected.len())..],
+        )));
+    }
+    count(&answers, program, counts);
+    Ok(())
+}
+
+/// The backend answers whatever the engine forwarded, until nothing is;
+/// the stores the engine asks for are checked and carried out.
+fn answer_forwarded(
+    rig: &mut Rig,
+    backend: &mut Backend,
+    seen: &mut Vec<u8>,
+    counts: &mut Counts,
+) -> Result<(), TestCaseError> {
+    loop {
+        let sent = rig.sent_to_backend();
+        if sent.is_empty() {
+            return Ok(());
+        }
+        let answer = backend.receive(&sent);
+        seen.extend(rig.backend(&[answer]));
+        if std::mem::take(&mut backend.touched) {
+            // What the replication stream would report of the trigger's
+            // committed write.
+            rig.engine.db.versions.family("items").version.bump_local();
+        }
+        for action in rig.engine.actions.drain(..) {
+            if let Action::Store(fill, bytes) = action {
+                let stored = model::seen(&bytes);
+                prop_assert!(
+                    stored.iter().all(|m| !matches!(m.tag, 'E' | 's'))
+                        && stored.iter().any(|m| m.tag == 'C'),
+                    "stored an answer that failed, was cut short or is incomplete: {stored:?}"
+                );
+                rig.app.cache.store(*fill, &bytes);
+                counts.fills += 1;
+            }
+        }
+    }
+}
+
+/// A batch with a read after a write: the read sees the write.
+fn writes_then_reads(step: &Step) -> bool {
+    let Step::Batch(execs) = step else {
+        return false;
+    };
+    let first_write = execs
+        .iter()
+        .position(|e| matches!(e.sql, Sql::Write(_) | Sql::Touch(_)));
+    first_write.is_some_and(|w| execs[w..].iter().any(|e: &Exec| e.sql.is_read()))
+}
+
+fn count(answers: &[(Vec<u8>, bool)], program: &Program, counts: &mut Counts) {
+    for (step, (answer, _)) in program.0.iter().flatten().zip(answers) {
+        let answer: Vec<Seen> = model::seen(answer);
+        let has = |tag: char, what: &str| {
+            answer
+                .iter()
+                .any(|m| m.tag == tag && (what.is_empty() || m.what == what))
+        };
+        counts.suspended += answer.iter().filter(|m| m.tag == 's').count();
+        counts.copies += usize::from(has('G', ""));
+        match step {
+            Step::Query(Sql::Sleep) => counts.cancels += usize::from(has('E', "57014")),
+            Step::Batch(_) => {
+                let error = answer.iter().position(|m| m.tag == 'E');
+                counts.errors_mid_batch += usize::from(error.is_some_and(|at| at > 0));
+            }
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn the_engine_answers_as_the_model_backend_does() {
+    // The same programs every run: the counts below hold, and a failure
+    // comes back.
+    let config = Config {
+        cases: 600,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
+    let mut runner = TestRunner::new_with_rng(config, rng);
+    let counts = RefCell::new(Counts::default());
+    let result = runner.run(&model::program(), |program| {
+        through_engine(&program, &mut counts.borrow_mut())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    // Not vacuous: every kind of event the invariants are about happened,
+    // many times.
+    let c = counts.into_inner();
+    eprintln!("{c:?}");
+    for (what, n) in [
+        ("fills", c.fills),
+        ("hits", c.hits),
+        ("hits of a row-limited Execute", c.limited_hits),
+        ("suspended portals", c.suspended),
+        ("errors mid-batch", c.errors_mid_batch),
+        ("COPYs", c.copies),
+        ("cancels", c.cancels),
+        ("pipelines", c.pipelines),
+    ] {
+        assert!(n >= 20, "only {n} {what} in 600 programs: {c:?}");
+    }
+}

@@ -1,0 +1,124 @@
+//! The engine's property test runs programs against a model of PostgreSQL
+//! (`src/session/engine/tests/model.rs`). This test keeps the model
+//! honest: it replays a few hundred generated programs against a
+//! throwaway PostgreSQL, directly, and checks that the same messages come
+//! back (types, rows, command tags, SQLSTATEs, transaction status). A
+//! cancel is a real CancelRequest, sent once the statement runs.
+
+mod common;
+#[path = "../src/session/engine/tests/model.rs"]
+#[allow(dead_code, reason = "the engine's property test reads the rest")]
+mod model;
+
+use std::time::Duration;
+
+use common::wire::{raw_login, read_message};
+use model::{Backend, SETUP, Seen, Sql, Step};
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const PROGRAMS: usize = 200;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_answers_as_postgresql_does() {
+    let pg = common::pg();
+    let db = pg.create_db("model");
+    let admin = pg.direct(&db).await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg.port).parse().unwrap();
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]);
+    let mut runner = TestRunner::new_with_rng(Config::default(), rng);
+    let strategy = model::program();
+    let mut messages = 0;
+    for n in 0..PROGRAMS {
+        let program = strategy.new_tree(&mut runner).unwrap().current();
+        let (mut socket, login) = raw_login(addr, &db).await;
+        let key = login
+            .iter()
+            .find(|(tag, _)| *tag == b'K')
+            .map(|(_, body)| body.clone())
+            .expect("BackendKeyData");
+        socket
+            .write_all(&model::frame(b'Q', &cstr(SETUP)))
+            .await
+            .unwrap();
+        read_answer(&mut socket, 1).await;
+        let mut backend = Backend::default();
+        for (i, step) in program.0.iter().flatten().enumerate() {
+            let mut expected = Vec::new();
+            for frame in step.frames() {
+                expected.extend(backend.receive(&frame));
+                socket.write_all(&frame).await.unwrap();
+            }
+            let expected = model::seen(&expected);
+            let cancelled = expected.iter().any(|m| m.what == "57014");
+            if *step == Step::Query(Sql::Sleep) && cancelled {
+                cancel_when_running(&admin, addr, &key).await;
+            }
+            let got = read_answer(&mut socket, step.readies()).await;
+            assert_eq!(
+                got, expected,
+                "program {n}, step {i} ({step:?}) of {program:?}"
+            );
+            messages += got.len();
+            if *step == Step::Terminate {
+                assert!(read_message(&mut socket).await.is_none(), "closed");
+            }
+        }
+    }
+    assert!(messages > PROGRAMS * 10, "{messages} messages compared");
+}
+
+/// Messages until `readies` ReadyForQuery messages, as [`Seen`].
+async fn read_answer(socket: &mut TcpStream, readies: usize) -> Vec<Seen> {
+    let mut bytes = Vec::new();
+    let mut left = readies;
+    while left > 0 {
+        let (tag, body) = tokio::time::timeout(Duration::from_secs(30), read_message(socket))
+            .await
+            .expect("an answer within 30 s")
+            .expect("a message");
+        left -= usize::from(tag == b'Z');
+        bytes.extend(model::frame(tag, &body));
+    }
+    model::seen(&bytes)
+}
+
+/// Cancels the statement of the backend with `key` once it runs (a
+/// cancel that arrives before is ignored by PostgreSQL).
+async fn cancel_when_running(
+    admin: &tokio_postgres::Client,
+    addr: std::net::SocketAddr,
+    key: &[u8],
+) {
+    let pid = i32::from_be_bytes(key[..4].try_into().unwrap());
+    common::eventually(Duration::from_secs(10), "the sleep to run", || async {
+        let row = admin
+            .query_opt(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active' \
+                 AND wait_event = 'PgSleep'",
+                &[&pid],
+            )
+            .await
+            .unwrap();
+        row.map(|_| ())
+    })
+    .await;
+    let mut request = Vec::with_capacity(16);
+    request.extend(16u32.to_be_bytes());
+    request.extend(80_877_102u32.to_be_bytes());
+    request.extend(key);
+    let mut socket = TcpStream::connect(addr).await.unwrap();
+    socket.write_all(&request).await.unwrap();
+    // PostgreSQL signals the backend twice (the process, then its group);
+    // the second must not land on a later statement. The cancel's
+    // connection closes once both are sent.
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(10), socket.read(&mut byte)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "the cancel connection closes");
+}
+
+fn cstr(s: &str) -> Vec<u8> {
+    [s.as_bytes(), &[0]].concat()
+}
