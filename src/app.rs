@@ -89,10 +89,7 @@ impl App {
         );
         let cache = Arc::new(Cache::new(local, Arc::clone(&metrics)));
         let drain = CancellationToken::new();
-        let pooled = crate::pool::transaction::Pools::new(
-            config.pool.default_pool_size,
-            metrics.pooled.clone(),
-        );
+        let pooled = crate::pool::Pools::new(config.pool.default_pool_size, metrics.pooled.clone());
         let pool = Arc::new(ServerPool::new(metrics.pool.clone(), pooled));
         let streams = Arc::new(Streams::new(
             Arc::clone(&cache),

@@ -1,12 +1,12 @@
 //! The engine's property test runs programs against a model of PostgreSQL
-//! (`src/session/engine/tests/model.rs`). This test keeps the model
+//! (`src/session/engine/tests/model/`). This test keeps the model
 //! honest: it replays a few hundred generated programs against a
 //! throwaway PostgreSQL, directly, and checks that the same messages come
 //! back (types, rows, command tags, SQLSTATEs, transaction status). A
 //! cancel is a real CancelRequest, sent once the statement runs.
 
 mod common;
-#[path = "../src/session/engine/tests/model.rs"]
+#[path = "../src/session/engine/tests/model/mod.rs"]
 #[allow(dead_code, reason = "the engine's property test reads the rest")]
 mod model;
 

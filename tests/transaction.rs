@@ -935,12 +935,10 @@ async fn prepared_statements_survive_migrations(via: Via, trigger: bool, caching
             // The client that prepared it before the migration.
             let got = at_most_one_error(&mut a, &who, "a", None, m.param).await;
             assert_eq!(got, want, "{who}: the old client, at last");
+            let then = run_prepared(&mut a, "a", None, m.param).await;
             assert!(
-                matches!(
-                    run_prepared(&mut a, "a", None, m.param).await,
-                    Ran::Rows { .. }
-                ),
-                "{who}: the old client, from then on"
+                matches!(then, Ran::Rows { .. }),
+                "{who}: the old client, from then on: {then:?}"
             );
         }
     }

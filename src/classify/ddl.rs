@@ -3,8 +3,8 @@
 //! [`Ddl::All`].
 
 use sqlparser::ast::{
-    AlterTableOperation, ColumnOption, ObjectName, ObjectType, RenameTableNameKind, Statement,
-    TableConstraint,
+    AlterTable, AlterTableOperation, ColumnOption, CreateTable, ObjectName, ObjectType,
+    RenameTableNameKind, Statement, TableConstraint,
 };
 
 use super::visitor::rel_name;
@@ -60,70 +60,10 @@ impl Ddl {
 pub(super) fn ddl_of(stmt: &Statement) -> Ddl {
     let mut names = Names::default();
     let known = match stmt {
-        Statement::CreateTable(t) => {
-            names.add(&t.name);
-            // New children change their parents' facts; foreign keys with
-            // cascading actions change the referenced table's.
-            for parent in t.inherits.iter().flatten().chain(&t.partition_of) {
-                names.add(parent);
-            }
-            for c in &t.constraints {
-                if let TableConstraint::ForeignKey(fk) = c {
-                    names.add(&fk.foreign_table);
-                }
-            }
-            for col in &t.columns {
-                for option in &col.options {
-                    if let ColumnOption::ForeignKey(fk) = &option.option {
-                        names.add(&fk.foreign_table);
-                    }
-                }
-            }
-            t.like.is_none()
-        }
+        Statement::CreateTable(t) => created_table(t, &mut names),
         Statement::CreateView(v) => names.add(&v.name),
         Statement::AlterView { name, .. } => names.add(name),
-        Statement::AlterTable(t) => {
-            names.add(&t.name);
-            t.operations.iter().all(|op| match op {
-                AlterTableOperation::RenameTable { table_name } => match table_name {
-                    RenameTableNameKind::As(n) | RenameTableNameKind::To(n) => names.add(n),
-                },
-                AlterTableOperation::AddConstraint { constraint, .. } => match constraint {
-                    TableConstraint::ForeignKey(fk) => names.add(&fk.foreign_table),
-                    _ => true,
-                },
-                // Only the table's own facts change.
-                AlterTableOperation::AddColumn { .. }
-                | AlterTableOperation::DropColumn { .. }
-                | AlterTableOperation::AlterColumn { .. }
-                | AlterTableOperation::RenameColumn { .. }
-                | AlterTableOperation::RenameConstraint { .. }
-                | AlterTableOperation::DropConstraint { .. }
-                | AlterTableOperation::DropPrimaryKey { .. }
-                | AlterTableOperation::DropForeignKey { .. }
-                | AlterTableOperation::ValidateConstraint { .. }
-                | AlterTableOperation::EnableRowLevelSecurity
-                | AlterTableOperation::DisableRowLevelSecurity
-                | AlterTableOperation::ForceRowLevelSecurity
-                | AlterTableOperation::NoForceRowLevelSecurity
-                | AlterTableOperation::EnableTrigger { .. }
-                | AlterTableOperation::DisableTrigger { .. }
-                | AlterTableOperation::EnableAlwaysTrigger { .. }
-                | AlterTableOperation::EnableReplicaTrigger { .. }
-                | AlterTableOperation::EnableRule { .. }
-                | AlterTableOperation::DisableRule { .. }
-                | AlterTableOperation::EnableAlwaysRule { .. }
-                | AlterTableOperation::EnableReplicaRule { .. }
-                | AlterTableOperation::ReplicaIdentity { .. }
-                | AlterTableOperation::SetLogged
-                | AlterTableOperation::SetUnlogged
-                | AlterTableOperation::OwnerTo { .. }
-                | AlterTableOperation::SetOptionsParens { .. } => true,
-                // Partitions attached or detached, and the rest: anything.
-                _ => false,
-            })
-        }
+        Statement::AlterTable(t) => altered_table(t, &mut names),
         Statement::Drop {
             object_type,
             names: dropped,
@@ -151,6 +91,73 @@ pub(super) fn ddl_of(stmt: &Statement) -> Ddl {
         _ => false,
     };
     if known { names.into_ddl() } else { Ddl::All }
+}
+
+/// Names what `CREATE TABLE t` changes: `t`, its parents, and the tables
+/// its foreign keys reference; false if it cannot tell (`LIKE`).
+fn created_table(t: &CreateTable, names: &mut Names) -> bool {
+    names.add(&t.name);
+    // New children change their parents' facts; foreign keys with
+    // cascading actions change the referenced table's.
+    for parent in t.inherits.iter().flatten().chain(&t.partition_of) {
+        names.add(parent);
+    }
+    for c in &t.constraints {
+        if let TableConstraint::ForeignKey(fk) = c {
+            names.add(&fk.foreign_table);
+        }
+    }
+    for col in &t.columns {
+        for option in &col.options {
+            if let ColumnOption::ForeignKey(fk) = &option.option {
+                names.add(&fk.foreign_table);
+            }
+        }
+    }
+    t.like.is_none()
+}
+
+/// Names what `ALTER TABLE t` changes; false if it cannot tell.
+fn altered_table(t: &AlterTable, names: &mut Names) -> bool {
+    names.add(&t.name);
+    t.operations.iter().all(|op| match op {
+        AlterTableOperation::RenameTable { table_name } => match table_name {
+            RenameTableNameKind::As(n) | RenameTableNameKind::To(n) => names.add(n),
+        },
+        AlterTableOperation::AddConstraint { constraint, .. } => match constraint {
+            TableConstraint::ForeignKey(fk) => names.add(&fk.foreign_table),
+            _ => true,
+        },
+        // Only the table's own facts change.
+        AlterTableOperation::AddColumn { .. }
+        | AlterTableOperation::DropColumn { .. }
+        | AlterTableOperation::AlterColumn { .. }
+        | AlterTableOperation::RenameColumn { .. }
+        | AlterTableOperation::RenameConstraint { .. }
+        | AlterTableOperation::DropConstraint { .. }
+        | AlterTableOperation::DropPrimaryKey { .. }
+        | AlterTableOperation::DropForeignKey { .. }
+        | AlterTableOperation::ValidateConstraint { .. }
+        | AlterTableOperation::EnableRowLevelSecurity
+        | AlterTableOperation::DisableRowLevelSecurity
+        | AlterTableOperation::ForceRowLevelSecurity
+        | AlterTableOperation::NoForceRowLevelSecurity
+        | AlterTableOperation::EnableTrigger { .. }
+        | AlterTableOperation::DisableTrigger { .. }
+        | AlterTableOperation::EnableAlwaysTrigger { .. }
+        | AlterTableOperation::EnableReplicaTrigger { .. }
+        | AlterTableOperation::EnableRule { .. }
+        | AlterTableOperation::DisableRule { .. }
+        | AlterTableOperation::EnableAlwaysRule { .. }
+        | AlterTableOperation::EnableReplicaRule { .. }
+        | AlterTableOperation::ReplicaIdentity { .. }
+        | AlterTableOperation::SetLogged
+        | AlterTableOperation::SetUnlogged
+        | AlterTableOperation::OwnerTo { .. }
+        | AlterTableOperation::SetOptionsParens { .. } => true,
+        // Partitions attached or detached, and the rest: anything.
+        _ => false,
+    })
 }
 
 #[derive(Default)]

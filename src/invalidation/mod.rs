@@ -25,6 +25,7 @@
 //! ```
 
 pub mod control;
+mod decoder;
 pub mod heartbeat;
 pub mod listen;
 pub mod pgoutput;

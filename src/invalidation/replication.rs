@@ -1,24 +1,23 @@
 //! The replication stream of one database: a temporary slot, pgoutput
 //! decoded into version bumps (see the module documentation of [`super`]).
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 use tokio_util::task::AbortOnDropHandle;
 
-use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
+use pgwire_replication::{ReplicationClient, ReplicationConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::ReplicationError;
 use super::control::{
-    ObjectAddress, ddl_names, full_message, install_ddl_trigger, sync_publication, wait_visible,
+    ddl_names, full_message, install_ddl_trigger, sync_publication, wait_visible,
 };
-use super::heartbeat::{self, HEARTBEAT_PREFIX, Heartbeats};
+use super::decoder::{Announced, Decoder};
+use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
-use super::pgoutput::{self, Change};
-use super::{DDL_MESSAGE_PREFIX, ReplicationError};
 use crate::cache::hold::Paused;
 use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
@@ -466,214 +465,5 @@ impl Streams {
                 "tables without a replica identity (no primary key, identity index or FULL) are not cached; SHOW TABLES lists them"
             );
         }
-    }
-}
-
-/// What one replication event asks of the stream.
-#[derive(Default)]
-struct Step {
-    /// Acknowledge this LSN as applied.
-    ack: Option<pgwire_replication::Lsn>,
-    bumps: Bumps,
-    /// A transaction that ran DDL committed: its xid and what it changed.
-    ddl_committed: Option<(u32, Announced)>,
-}
-
-/// What the event trigger's messages of one transaction announced.
-#[derive(Debug, Default, PartialEq)]
-struct Announced {
-    /// Names of what was dropped (or anything).
-    names: Ddl,
-    /// Objects created or altered, to be named once the transaction is
-    /// visible.
-    objects: Vec<ObjectAddress>,
-}
-
-impl Announced {
-    fn is_empty(&self) -> bool {
-        self.names.is_none() && self.objects.is_empty()
-    }
-
-    fn merge(&mut self, other: Announced) {
-        self.names.merge(&other.names);
-        self.objects.extend(other.objects);
-    }
-}
-
-/// Turns pgoutput events into version bumps, transaction by transaction,
-/// notes heartbeats coming back, and keeps the byte lag.
-struct Decoder {
-    beats: Arc<Heartbeats>,
-    relations: HashMap<u32, String>,
-    touched: HashSet<u32>,
-    in_transaction: bool,
-    current_xid: u32,
-    /// The current transaction's DDL, as its messages announce it.
-    ddl: Announced,
-    /// Server WAL position seen and position applied, for the byte lag.
-    server_lsn: u64,
-    applied_lsn: u64,
-}
-
-impl Decoder {
-    fn new(beats: Arc<Heartbeats>) -> Self {
-        Self {
-            beats,
-            relations: HashMap::new(),
-            touched: HashSet::new(),
-            in_transaction: false,
-            current_xid: 0,
-            ddl: Announced::default(),
-            server_lsn: 0,
-            applied_lsn: 0,
-        }
-    }
-
-    /// `None`: the stream ended.
-    fn on_event(&mut self, db: &DbState, event: ReplicationEvent) -> Option<Step> {
-        let mut step = Step::default();
-        match event {
-            ReplicationEvent::Begin { xid, .. } => {
-                self.in_transaction = true;
-                self.current_xid = xid;
-                self.touched.clear();
-            }
-            ReplicationEvent::XLogData { data, wal_end, .. } => {
-                self.server_lsn = self.server_lsn.max(wal_end.0);
-                self.on_change(&db.name, &data);
-            }
-            ReplicationEvent::Commit { end_lsn, .. } => {
-                self.in_transaction = false;
-                for oid in self.touched.drain() {
-                    match self.relations.get(&oid) {
-                        Some(name) => db.relation_families(name, &mut step.bumps),
-                        // A change without its Relation message cannot be
-                        // attributed: assume anything changed.
-                        None => step.bumps.epoch = true,
-                    }
-                }
-                step.ack = Some(end_lsn);
-                self.applied_lsn = self.applied_lsn.max(end_lsn.0);
-                self.server_lsn = self.server_lsn.max(end_lsn.0);
-            }
-            ReplicationEvent::Message {
-                prefix, content, ..
-            } if prefix == HEARTBEAT_PREFIX => {
-                // Delivered in commit order: everything committed before
-                // it was sent is applied by now.
-                if let Some(sent) = self.beats.back(&content) {
-                    db.stream.heartbeat_applied(sent);
-                }
-            }
-            ReplicationEvent::Message {
-                prefix, content, ..
-            } if prefix == DDL_MESSAGE_PREFIX => {
-                let announced = ddl_message(&content);
-                debug!(database = %db.name, ?announced, "DDL seen in the stream");
-                // What is named already is forgotten at once; the rest once
-                // the transaction is visible and its objects named.
-                step.bumps = Bumps::ddl(announced.names.clone());
-                self.ddl.merge(announced);
-            }
-            ReplicationEvent::Message { lsn, .. } => step.ack = Some(lsn),
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
-                self.server_lsn = self.server_lsn.max(wal_end.0);
-                if !self.in_transaction {
-                    // Idle and told where WAL ends: caught up.
-                    step.ack = Some(wal_end);
-                    self.applied_lsn = self.applied_lsn.max(wal_end.0);
-                }
-            }
-            ReplicationEvent::StoppedAt { .. } => return None,
-        }
-        db.stream
-            .set_lag_bytes(self.server_lsn.saturating_sub(self.applied_lsn));
-        db.stream.set_applied_lsn(self.applied_lsn);
-        if !self.in_transaction && !self.ddl.is_empty() {
-            step.ddl_committed = Some((self.current_xid, std::mem::take(&mut self.ddl)));
-        }
-        Some(step)
-    }
-
-    fn on_change(&mut self, database: &str, data: &[u8]) {
-        match pgoutput::decode(data) {
-            Some(Change::Relation { oid, name, .. }) => {
-                self.relations.insert(oid, name);
-            }
-            Some(Change::Row { oid }) => {
-                self.touched.insert(oid);
-            }
-            Some(Change::Truncate { oids }) => self.touched.extend(oids),
-            Some(Change::Other) => {}
-            None => warn!(database, "malformed pgoutput message ignored"),
-        }
-    }
-}
-
-/// What the event trigger's message says a DDL command changed: its tag,
-/// then one line per thing: a bare name, `@classid,objid,objsubid` for an
-/// object to name later, `*` for anything. A message with nothing after its
-/// tag (an older trigger) changed anything.
-fn ddl_message(content: &[u8]) -> Announced {
-    let text = String::from_utf8_lossy(content);
-    let mut announced = Announced::default();
-    let mut lines = text.split('\n').skip(1).peekable();
-    if lines.peek().is_none() {
-        announced.names = Ddl::All;
-        return announced;
-    }
-    let mut names: Vec<&str> = Vec::new();
-    for line in lines.filter(|l| !l.is_empty()) {
-        if line == "*" {
-            announced.names = Ddl::All;
-            return announced;
-        }
-        match line.strip_prefix('@') {
-            Some(address) => match parse_address(address) {
-                Some(object) => announced.objects.push(object),
-                None => {
-                    announced.names = Ddl::All;
-                    return announced;
-                }
-            },
-            None => names.push(line),
-        }
-    }
-    names.sort_unstable();
-    names.dedup();
-    announced.names = Ddl::objects(names);
-    announced
-}
-
-fn parse_address(text: &str) -> Option<ObjectAddress> {
-    let mut parts = text.split(',');
-    let address = (
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-        parts.next()?.parse().ok()?,
-    );
-    parts.next().is_none().then_some(address)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ddl_messages_name_what_changed() {
-        let names = |text: &[u8]| ddl_message(text).names;
-        assert_eq!(names(b"DROP TABLE\nt"), Ddl::objects(["t"]));
-        assert_eq!(names(b"DROP TABLE\nu\nt\nu\n"), Ddl::objects(["t", "u"]));
-        assert_eq!(names(b"CREATE INDEX\n"), Ddl::objects(Vec::<String>::new()));
-        assert_eq!(names(b"DROP SCHEMA\ns\n*"), Ddl::All);
-        assert_eq!(names(b"CREATE TABLE"), Ddl::All, "an older trigger");
-        assert_eq!(
-            ddl_message(b"CREATE TABLE\n@1259,16384,0\n@2606,16390,0"),
-            Announced {
-                names: Ddl::objects(Vec::<String>::new()),
-                objects: vec![(1259, 16384, 0), (2606, 16390, 0)],
-            }
-        );
-        assert_eq!(names(b"ALTER TABLE\n@1259,x,0"), Ddl::All, "unreadable");
     }
 }

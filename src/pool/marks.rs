@@ -252,6 +252,19 @@ const WORD_BYTE: [bool; 256] = {
     table
 };
 
+/// Whether a simple Query's text deallocates prepared statements
+/// (`DEALLOCATE`, `DISCARD ALL`/`PLANS`... are scanned for cheaply; a false
+/// positive only costs a re-prepare).
+pub(super) fn deallocates(sql: &[u8]) -> bool {
+    // Every simple Query passes here: memchr jumps from one 'd' to the
+    // next rather than looking at every byte.
+    let at = |i: usize, word: &[u8]| {
+        sql.get(i..i + word.len())
+            .is_some_and(|w| w.eq_ignore_ascii_case(word))
+    };
+    memchr::memchr2_iter(b'd', b'D', sql).any(|i| at(i, b"deallocate") || at(i, b"discard"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,5 +346,20 @@ mod tests {
         assert!(marks(b"ALTER TABLE t SET UNLOGGED").unlogged);
         assert!(marks(b"alter table t set unlogged, set (fillfactor = 50)").unlogged);
         assert!(!marks(b"ALTER TABLE t SET LOGGED").unlogged);
+    }
+
+    #[test]
+    fn texts_that_may_deallocate_are_spotted_in_any_case() {
+        for sql in [
+            "DEALLOCATE ALL",
+            "deallocate q",
+            "SELECT 1; Discard All",
+            "discard plans",
+        ] {
+            assert!(deallocates(sql.as_bytes()), "{sql}");
+        }
+        for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
+            assert!(!deallocates(sql.as_bytes()), "{sql}");
+        }
     }
 }

@@ -21,11 +21,17 @@
 //! connection reused after pgcache starts is closed for that reason.)
 
 pub mod clients;
+mod error;
+mod login;
 pub mod marks;
 mod owed;
+mod pools;
 pub mod prepared;
 mod statement;
 pub mod transaction;
+
+pub use error::PoolError;
+pub use pools::Pools;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};
@@ -224,11 +230,11 @@ pub struct ServerPool {
     idle: Mutex<Idle>,
     metrics: PoolMetrics,
     /// Transaction mode's pools ([`transaction`]).
-    pub pooled: Arc<transaction::Pools>,
+    pub pooled: Arc<Pools>,
 }
 
 impl ServerPool {
-    pub fn new(metrics: PoolMetrics, pooled: transaction::Pools) -> Self {
+    pub fn new(metrics: PoolMetrics, pooled: Pools) -> Self {
         Self {
             idle: Mutex::new(Idle::default()),
             metrics,

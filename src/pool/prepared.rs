@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{Bytes, BytesMut};
 
+use super::marks::deallocates;
 use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin, stale_statement};
 pub use super::statement::{ServerName, ServerStatements, server_name};
 use super::statement::{Statement, UNNAMED, Unnamed, frame_of};
@@ -179,46 +180,9 @@ impl Translator {
         }
         match tag {
             fe::PARSE => self.parse(frame, server, max, out),
-            fe::BIND => match extended::bind_names(body) {
-                Some((_, statement)) => {
-                    let binds = self.with_statement(statement, server, max, out, |name, out| {
-                        let (portal, _) = extended::bind_names(body).expect("read above");
-                        let rest = &body[portal.len() + 1 + statement.len() + 1..];
-                        frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
-                    });
-                    self.owe(Kind::One(be::BIND_COMPLETE));
-                    if let Some(bind) = self.expect.back_mut() {
-                        bind.binds = binds;
-                    }
-                }
-                None => self.send(out, frame, Kind::One(be::BIND_COMPLETE), None),
-            },
-            fe::DESCRIBE => match extended::target(body) {
-                Some((fe::TARGET_STATEMENT, name)) => {
-                    self.with_statement(name, server, max, out, |server_name, out| {
-                        frame_of(
-                            out,
-                            fe::DESCRIBE,
-                            &[&[fe::TARGET_STATEMENT], server_name, &[0]],
-                        );
-                    });
-                    self.owe(Kind::DescribeStatement);
-                }
-                _ => self.send(out, frame, Kind::DescribePortal, None),
-            },
-            fe::CLOSE => match extended::target(body) {
-                Some((fe::TARGET_STATEMENT, name)) if !name.is_empty() => {
-                    // The server keeps it for the pool's other clients.
-                    self.statements.remove(name);
-                    self.answer(&[be::CLOSE_COMPLETE, 0, 0, 0, 4]);
-                }
-                Some((fe::TARGET_STATEMENT, _)) => {
-                    self.unnamed = None;
-                    server.unnamed = None;
-                    self.send(out, frame, Kind::One(be::CLOSE_COMPLETE), None);
-                }
-                _ => self.send(out, frame, Kind::One(be::CLOSE_COMPLETE), None),
-            },
+            fe::BIND => self.bind(frame, server, out),
+            fe::DESCRIBE => self.describe(frame, server, out),
+            fe::CLOSE => self.close(frame, server, out),
             fe::EXECUTE => {
                 self.copy_may_start = true;
                 self.send(out, frame, Kind::Execute, None);
@@ -248,6 +212,65 @@ impl Translator {
             }
             // Flush and COPY data: no answer of their own.
             _ => out.extend_from_slice(frame),
+        }
+    }
+
+    /// A Bind: the statement it names goes out under the server's name,
+    /// prepared there first if the server lacks it.
+    fn bind(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
+        let max = self.max;
+        let body = &frame[HEADER_LEN..];
+        match extended::bind_names(body) {
+            Some((_, statement)) => {
+                let binds = self.with_statement(statement, server, max, out, |name, out| {
+                    let (portal, _) = extended::bind_names(body).expect("read above");
+                    let rest = &body[portal.len() + 1 + statement.len() + 1..];
+                    frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
+                });
+                self.owe(Kind::One(be::BIND_COMPLETE));
+                if let Some(bind) = self.expect.back_mut() {
+                    bind.binds = binds;
+                }
+            }
+            None => self.send(out, frame, Kind::One(be::BIND_COMPLETE), None),
+        }
+    }
+
+    /// A Describe of a statement names it as the server knows it.
+    fn describe(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
+        let max = self.max;
+        let body = &frame[HEADER_LEN..];
+        match extended::target(body) {
+            Some((fe::TARGET_STATEMENT, name)) => {
+                self.with_statement(name, server, max, out, |server_name, out| {
+                    frame_of(
+                        out,
+                        fe::DESCRIBE,
+                        &[&[fe::TARGET_STATEMENT], server_name, &[0]],
+                    );
+                });
+                self.owe(Kind::DescribeStatement);
+            }
+            _ => self.send(out, frame, Kind::DescribePortal, None),
+        }
+    }
+
+    /// A Close of a named statement is answered here: the server keeps
+    /// it for the pool's other clients.
+    fn close(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
+        let body = &frame[HEADER_LEN..];
+        match extended::target(body) {
+            Some((fe::TARGET_STATEMENT, name)) if !name.is_empty() => {
+                // The server keeps it for the pool's other clients.
+                self.statements.remove(name);
+                self.answer(&[be::CLOSE_COMPLETE, 0, 0, 0, 4]);
+            }
+            Some((fe::TARGET_STATEMENT, _)) => {
+                self.unnamed = None;
+                server.unnamed = None;
+                self.send(out, frame, Kind::One(be::CLOSE_COMPLETE), None);
+            }
+            _ => self.send(out, frame, Kind::One(be::CLOSE_COMPLETE), None),
         }
     }
 
@@ -574,19 +597,6 @@ impl Translator {
     }
 }
 
-/// Whether a simple Query's text deallocates prepared statements
-/// (`DEALLOCATE`, `DISCARD ALL`/`PLANS`... are scanned for cheaply; a false
-/// positive only costs a re-prepare).
-fn deallocates(sql: &[u8]) -> bool {
-    // Every simple Query passes here: memchr jumps from one 'd' to the
-    // next rather than looking at every byte.
-    let at = |i: usize, word: &[u8]| {
-        sql.get(i..i + word.len())
-            .is_some_and(|w| w.eq_ignore_ascii_case(word))
-    };
-    memchr::memchr2_iter(b'd', b'D', sql).any(|i| at(i, b"deallocate") || at(i, b"discard"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,21 +614,6 @@ mod tests {
                 server_name(hash).as_bytes(),
                 format!("__pgcache_{hash:032x}").as_bytes()
             );
-        }
-    }
-
-    #[test]
-    fn texts_that_may_deallocate_are_spotted_in_any_case() {
-        for sql in [
-            "DEALLOCATE ALL",
-            "deallocate q",
-            "SELECT 1; Discard All",
-            "discard plans",
-        ] {
-            assert!(deallocates(sql.as_bytes()), "{sql}");
-        }
-        for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
-            assert!(!deallocates(sql.as_bytes()), "{sql}");
         }
     }
 

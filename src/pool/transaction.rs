@@ -22,70 +22,25 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use futures_util::FutureExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::PoolError;
 use super::Statuses;
-use crate::auth::{self, AUTH_OK, LoginError};
-use crate::backend::{BackendError, BackendStream};
+use super::login::{self, Credentials, LoggedIn};
+use crate::backend::BackendStream;
 use crate::cancel::CancelTarget;
-use crate::config::{PoolConfig, PoolMode};
+use crate::config::PoolConfig;
 use crate::metrics::TransactionPoolMetrics;
-use crate::protocol::codec::{HEADER_LEN, read_i32};
-use crate::protocol::startup::encode_startup;
-use crate::protocol::stream::{FramedStream, READ_CHUNK};
-use crate::protocol::{backend as be, extended, messages, sqlstate};
+use crate::protocol::stream::FramedStream;
 use crate::scram::ClientSecret;
 use crate::upstream::{Upstream, UpstreamAddr};
-
-/// The backend is trusted; this only stops a corrupt length from allocating
-/// without bound.
-const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
 
 /// Which clients share a pool.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolId {
     pub database: Box<str>,
     pub user: Box<str>,
-}
-
-/// How pgcache logs in for a pool's connections.
-#[derive(Clone, Default)]
-enum Credentials {
-    #[default]
-    Unknown,
-    /// PostgreSQL let a client of this pool in without a password.
-    Trusted,
-    /// A secret of a client pgcache authenticated itself.
-    Secret(ClientSecret),
-}
-
-/// Why no server connection could be had.
-#[derive(Debug, thiserror::Error)]
-pub enum PoolError {
-    #[error(
-        "canceling statement: no server connection became free within pool.query_wait_timeout_secs ({0}s)"
-    )]
-    WaitTimeout(u64),
-    #[error(transparent)]
-    Connect(#[from] BackendError),
-    /// PostgreSQL refused the login (its own message).
-    #[error("{message}")]
-    Server { code: String, message: String },
-    #[error("pgcache could not log in to PostgreSQL for the pool: {0}")]
-    Login(String),
-}
-
-impl PoolError {
-    pub fn sqlstate(&self) -> &str {
-        match self {
-            PoolError::WaitTimeout(_) => sqlstate::QUERY_CANCELED,
-            PoolError::Connect(_) => sqlstate::CONNECTION_FAILURE,
-            PoolError::Server { code, .. } => code,
-            PoolError::Login(_) => sqlstate::INVALID_AUTHORIZATION,
-        }
-    }
 }
 
 /// A server connection of a pool, apart from its stream (which the
@@ -283,6 +238,20 @@ impl Drop for Lease {
 }
 
 impl Pool {
+    pub(super) fn new(id: PoolId, size: usize, metrics: TransactionPoolMetrics) -> Self {
+        Self {
+            id,
+            learning: Arc::default(),
+            generation: AtomicU64::new(0),
+            slots: Arc::new(Semaphore::new(size)),
+            books: Mutex::default(),
+            waiting: AtomicUsize::new(0),
+            checkouts: AtomicU64::new(0),
+            wait_us: AtomicU64::new(0),
+            metrics,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Books> {
         // Every critical section leaves the books whole.
         self.books.lock().unwrap_or_else(|e| e.into_inner())
@@ -475,51 +444,29 @@ impl Pool {
         next_id: &AtomicU64,
     ) -> Result<(Box<Pooled>, FramedStream<BackendStream>), PoolError> {
         let credentials = self.lock().credentials.clone();
-        let login = async {
-            let (stream, addr) = crate::backend::connect(upstream).await?;
-            let buf = BytesMut::with_capacity(READ_CHUNK);
-            let mut stream = FramedStream::new(stream, buf, MAX_BACKEND_FRAME);
-            let startup =
-                encode_startup(&[("user", &self.id.user), ("database", &self.id.database)]);
-            match &credentials {
-                Credentials::Secret(secret) => {
-                    auth::login_backend(&mut stream, &startup, &self.id.user, secret)
-                        .await
-                        .map_err(|e| match e {
-                            LoginError::Server(frame) => server_error(&frame),
-                            LoginError::Failed(reason) => PoolError::Login(reason),
-                        })?;
+        let login = login::log_in(upstream, &self.id.user, &self.id.database, &credentials);
+        let LoggedIn {
+            addr,
+            key,
+            statuses,
+            check: answer,
+            stream,
+        } = match tokio::time::timeout(upstream.connect_timeout, login).await {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) => {
+                if matches!(e, PoolError::Login(_)) {
+                    // Trust was withdrawn (pg_hba.conf changed), or the
+                    // secret no longer works: learn again.
+                    self.lock().credentials = Credentials::Unknown;
                 }
-                Credentials::Trusted => {
-                    stream.write_all(&startup).await.map_err(io_error)?;
-                }
-                Credentials::Unknown => {
-                    return Err(PoolError::Login(
-                        "no client of this user and database has logged in yet".into(),
-                    ));
-                }
+                return Err(e);
             }
-            let (key, statuses) = read_login(&mut stream, &addr).await?;
-            let answer = check(&mut stream).await?;
-            Ok::<_, PoolError>((addr, key, statuses, answer, stream))
+            Err(_) => {
+                return Err(PoolError::Login(
+                    "PostgreSQL did not finish the login in time".into(),
+                ));
+            }
         };
-        let (addr, key, statuses, answer, stream) =
-            match tokio::time::timeout(upstream.connect_timeout, login).await {
-                Ok(Ok(done)) => done,
-                Ok(Err(e)) => {
-                    if matches!(e, PoolError::Login(_)) {
-                        // Trust was withdrawn (pg_hba.conf changed), or the
-                        // secret no longer works: learn again.
-                        self.lock().credentials = Credentials::Unknown;
-                    }
-                    return Err(e);
-                }
-                Err(_) => {
-                    return Err(PoolError::Login(
-                        "PostgreSQL did not finish the login in time".into(),
-                    ));
-                }
-            };
         let generation = self.saw(answer);
         self.lock().statuses = Some(statuses);
         let now = Instant::now();
@@ -539,7 +486,7 @@ impl Pool {
 
     /// Closes idle connections past their idle time or lifetime, keeping
     /// `min` open.
-    fn reap(&self, config: &PoolConfig) {
+    pub(super) fn reap(&self, config: &PoolConfig) {
         let idle_timeout = config.server_idle_timeout();
         let lifetime = config.server_lifetime();
         let mut books = self.lock();
@@ -562,7 +509,7 @@ impl Pool {
     }
 
     /// Connections to open now to keep `min` open.
-    fn missing(&self, min: usize) -> usize {
+    pub(super) fn missing(&self, min: usize) -> usize {
         let books = self.lock();
         if matches!(books.credentials, Credentials::Unknown) {
             return 0;
@@ -571,7 +518,7 @@ impl Pool {
     }
 
     /// Closes every idle connection.
-    fn evict(&self) -> usize {
+    pub(super) fn evict(&self) -> usize {
         let mut books = self.lock();
         let n = books.idle.len();
         books.idle.clear();
@@ -639,209 +586,4 @@ fn alive(stream: &mut FramedStream<BackendStream>) -> bool {
     }
     // `fill` is cancel-safe: polled once, it reads what is there or nothing.
     stream.fill().now_or_never().is_none()
-}
-
-fn io_error(e: std::io::Error) -> PoolError {
-    PoolError::Login(format!("connection to PostgreSQL: {e}"))
-}
-
-fn server_error(frame: &[u8]) -> PoolError {
-    let fallback = (sqlstate::CONNECTION_FAILURE, "PostgreSQL refused the login");
-    let (code, message) = messages::error_parts(frame, fallback);
-    PoolError::Server { code, message }
-}
-
-/// Reads a login from AuthenticationOk to the first ReadyForQuery: the
-/// backend's key and the parameters it reported.
-/// The next frame of a connection logging in.
-async fn login_frame(stream: &mut FramedStream<BackendStream>) -> Result<BytesMut, PoolError> {
-    match stream.read_frame().await {
-        Ok(Some(frame)) => Ok(frame),
-        Ok(None) => Err(PoolError::Login("PostgreSQL closed the connection".into())),
-        Err(e) => Err(PoolError::Login(e.to_string())),
-    }
-}
-
-async fn read_login(
-    stream: &mut FramedStream<BackendStream>,
-    addr: &UpstreamAddr,
-) -> Result<(CancelTarget, Statuses), PoolError> {
-    let mut statuses = Statuses::default();
-    let mut key = None;
-    loop {
-        let frame = login_frame(stream).await?;
-        let body = &frame[HEADER_LEN..];
-        match frame[0] {
-            be::AUTHENTICATION => {
-                let mut p = 0;
-                if read_i32(body, &mut p) != Some(AUTH_OK) {
-                    return Err(PoolError::Login(
-                        "PostgreSQL asked for a password: set auth.mode = \"terminate\" to pool \
-                         connections of users that need one"
-                            .into(),
-                    ));
-                }
-            }
-            be::PARAMETER_STATUS => statuses.note(&frame),
-            be::BACKEND_KEY_DATA if body.len() >= 8 => {
-                let mut p = 0;
-                key = Some(CancelTarget {
-                    addr: addr.clone(),
-                    backend_pid: read_i32(body, &mut p).unwrap_or(0) as u32,
-                    backend_secret: body[4..].to_vec(),
-                });
-            }
-            be::ERROR_RESPONSE => return Err(server_error(&frame)),
-            be::READY_FOR_QUERY => {
-                let key = key
-                    .ok_or_else(|| PoolError::Login("PostgreSQL sent no BackendKeyData".into()))?;
-                return Ok((key, statuses));
-            }
-            _ => {}
-        }
-    }
-}
-
-/// Runs [`super::CHECK`] on a new connection: its answer as one text.
-async fn check(stream: &mut FramedStream<BackendStream>) -> Result<Box<str>, PoolError> {
-    stream
-        .write_all(&messages::query(super::CHECK))
-        .await
-        .map_err(io_error)?;
-    let mut answer = String::new();
-    let mut failed = None;
-    loop {
-        let frame = login_frame(stream).await?;
-        match frame[0] {
-            be::DATA_ROW => {
-                for value in extended::data_row(&frame[HEADER_LEN..]).unwrap_or_default() {
-                    answer.push_str(value.as_deref().unwrap_or("\\N"));
-                    answer.push('\n');
-                }
-            }
-            be::ERROR_RESPONSE => failed = Some(server_error(&frame)),
-            be::READY_FOR_QUERY => {
-                return match failed {
-                    Some(e) => Err(e),
-                    None => Ok(answer.into()),
-                };
-            }
-            _ => {}
-        }
-    }
-}
-
-/// Every pool of the instance.
-pub struct Pools {
-    pools: Mutex<HashMap<PoolId, Arc<Pool>>>,
-    size: usize,
-    next_server_id: AtomicU64,
-    metrics: TransactionPoolMetrics,
-}
-
-impl Pools {
-    pub fn new(size: usize, metrics: TransactionPoolMetrics) -> Self {
-        Self {
-            pools: Mutex::default(),
-            size,
-            next_server_id: AtomicU64::new(0),
-            metrics,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PoolId, Arc<Pool>>> {
-        self.pools.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The pool of a database and user, made on first use.
-    pub fn pool(&self, database: &str, user: &str) -> Arc<Pool> {
-        let id = PoolId {
-            database: database.into(),
-            user: user.into(),
-        };
-        let mut pools = self.lock();
-        let pool = pools.entry(id.clone()).or_insert_with(|| {
-            Arc::new(Pool {
-                id,
-                learning: Arc::default(),
-                generation: AtomicU64::new(0),
-                slots: Arc::new(Semaphore::new(self.size)),
-                books: Mutex::default(),
-                waiting: AtomicUsize::new(0),
-                checkouts: AtomicU64::new(0),
-                wait_us: AtomicU64::new(0),
-                metrics: self.metrics.clone(),
-            })
-        });
-        Arc::clone(pool)
-    }
-
-    /// A connection of `pool` for client `client` (0: pgcache itself).
-    pub async fn checkout(
-        &self,
-        pool: &Arc<Pool>,
-        upstream: &Upstream,
-        wait: Option<Duration>,
-        client: u64,
-    ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
-        pool.checkout(upstream, wait, &self.next_server_id, client)
-            .await
-    }
-
-    pub fn all(&self) -> Vec<Arc<Pool>> {
-        let mut pools: Vec<_> = self.lock().values().cloned().collect();
-        pools.sort_by(|a, b| (&a.id.database, &a.id.user).cmp(&(&b.id.database, &b.id.user)));
-        pools
-    }
-
-    /// Closes idle connections past their time, and in transaction mode
-    /// opens connections up to `min_pool_size` where pgcache can log in.
-    pub fn maintain(self: &Arc<Self>, config: &PoolConfig, upstream: &Arc<Upstream>) {
-        let min = match config.mode {
-            PoolMode::Transaction => config.min_pool_size,
-            PoolMode::Session => 0,
-        };
-        for pool in self.all() {
-            pool.reap(config);
-            for _ in 0..pool.missing(min) {
-                let pools = Arc::clone(self);
-                let pool = Arc::clone(&pool);
-                let upstream = Arc::clone(upstream);
-                let lifetime = config.server_lifetime();
-                tokio::spawn(async move {
-                    if let Ok((lease, stream)) = pools.checkout(&pool, &upstream, None, 0).await {
-                        lease.give_back(stream, lifetime);
-                    }
-                });
-            }
-        }
-    }
-
-    /// Closes the idle connections to `database` (all if `None`): a
-    /// statement needs the databases free.
-    pub fn evict(&self, database: Option<&str>) -> usize {
-        self.all()
-            .iter()
-            .filter(|p| database.is_none_or(|d| *p.id.database == *d))
-            .map(|p| p.evict())
-            .sum()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pool_errors_know_their_sqlstate() {
-        assert_eq!(PoolError::WaitTimeout(5).sqlstate(), "57014");
-        assert!(PoolError::WaitTimeout(5).to_string().contains("(5s)"));
-        let refused = server_error(&{
-            let mut f = BytesMut::new();
-            messages::error_response(&mut f, "FATAL", "53300", "too many");
-            f
-        });
-        assert_eq!(refused.sqlstate(), "53300");
-        assert_eq!(refused.to_string(), "too many");
-    }
 }

@@ -67,6 +67,34 @@ pub fn frames(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+/// The complete frames at the start of `buf`, each checked against
+/// `max_len`: `Ok(frame)` for each, then the first bad header's `Err`, if
+/// any; an incomplete frame ends them.
+pub fn checked_frames(
+    buf: &[u8],
+    max_len: usize,
+) -> impl Iterator<Item = Result<&[u8], FrameError>> {
+    let mut pos = 0;
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed {
+            return None;
+        }
+        match parse_frame(&buf[pos..], max_len) {
+            Ok(Some(len)) => {
+                let frame = &buf[pos..pos + len];
+                pos += len;
+                Some(Ok(frame))
+            }
+            Ok(None) => None,
+            Err(e) => {
+                failed = true;
+                Some(Err(e))
+            }
+        }
+    })
+}
+
 pub fn read_cstr<'a>(buf: &'a [u8], pos: &mut usize) -> Option<&'a [u8]> {
     let rest = buf.get(*pos..)?;
     let end = rest.iter().position(|&b| b == 0)?;
@@ -91,6 +119,23 @@ mod tests {
         ];
         let found: Vec<&[u8]> = frames(&buf).collect();
         assert_eq!(found, [&buf[..5], &buf[5..11]]);
+    }
+
+    #[test]
+    fn checked_frames_end_at_the_first_bad_header() {
+        let buf = [b'1', 0, 0, 0, 4, b'D', 0, 0, 0, 2, b'Z', 0, 0, 0, 5, b'I'];
+        let found: Vec<_> = checked_frames(&buf, 1024).collect();
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].as_ref().ok(), Some(&&buf[..5]));
+        assert!(matches!(
+            found[1],
+            Err(FrameError::BadLength { tag: b'D', len: 2 })
+        ));
+        let big = [b'D', 0, 0, 1, 0];
+        let found: Vec<_> = checked_frames(&big, 64).collect();
+        assert!(matches!(found[..], [Err(FrameError::TooLarge { .. })]));
+        let incomplete = [b'Z', 0, 0, 0, 5];
+        assert_eq!(checked_frames(&incomplete, 64).count(), 0);
     }
 
     use super::*;

@@ -12,7 +12,7 @@ use super::known::Statement;
 use super::plan::Plan;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::classify::{BypassReason, is_time_literal_text};
-use crate::protocol::codec::{HEADER_LEN, parse_frame};
+use crate::protocol::codec::{HEADER_LEN, checked_frames};
 use crate::protocol::extended;
 use crate::protocol::frontend as fe;
 
@@ -86,15 +86,19 @@ impl WholeBatch {
         if buf.first() != Some(&fe::BIND) {
             return None;
         }
-        let frame = |pos: usize| -> Option<(u8, usize)> {
-            let len = parse_frame(&buf[pos..], max_frame).ok()??;
-            Some((buf[pos], pos + len))
-        };
-        let (_, bind_end) = frame(0)?;
-        let (mut tag, mut end) = frame(bind_end)?;
+        // Each frame's tag and where it ends.
+        let mut frames =
+            checked_frames(buf, max_frame)
+                .map_while(Result::ok)
+                .scan(0, |end, frame| {
+                    *end += frame.len();
+                    Some((frame[0], *end))
+                });
+        let (_, bind_end) = frames.next()?;
+        let (mut tag, mut end) = frames.next()?;
         let describe_end = if tag == fe::DESCRIBE {
             let describe_end = end;
-            (tag, end) = frame(describe_end)?;
+            (tag, end) = frames.next()?;
             Some(describe_end)
         } else {
             None
@@ -103,7 +107,7 @@ impl WholeBatch {
         if tag != fe::EXECUTE {
             return None;
         }
-        let (tag, len) = frame(execute_end)?;
+        let (tag, len) = frames.next()?;
         (tag == fe::SYNC && len <= MAX_HELD_BYTES).then_some(Self {
             bind_end,
             describe_end,

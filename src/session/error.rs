@@ -37,7 +37,7 @@ pub enum SessionError {
     Refused { code: &'static str, message: String },
     /// Transaction mode: no server connection could be had.
     #[error(transparent)]
-    Pool(#[from] crate::pool::transaction::PoolError),
+    Pool(#[from] crate::pool::PoolError),
     /// PostgreSQL refused what pgcache did for the client (applying its
     /// startup parameters): PostgreSQL's own code and message.
     #[error("{message}")]

@@ -18,9 +18,10 @@ use std::sync::Arc;
 use bytes::BytesMut;
 
 use crate::invalidation::control::quote_literal;
+use crate::pool::PoolError;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
-use crate::pool::transaction::{Lease, Pool, PoolError};
+use crate::pool::transaction::{Lease, Pool};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::session::pipeline::{Inflight, Pipeline};

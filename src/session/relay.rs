@@ -20,11 +20,10 @@ use super::timeouts::{IdleTimeouts, sleep_until_or_never};
 use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
-use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::messages;
+use crate::protocol::sqlstate;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{frontend as fe, sqlstate};
 use crate::scram::ClientSecret;
 use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
@@ -307,29 +306,13 @@ where
             while flow == Flow::Continue {
                 match self.client.frame_len_at(pos) {
                     Ok(Some(len)) => {
-                        let tag = self.client.buffered()[pos];
-                        let pooled = self.engine.link.is_pooled();
-                        if (self.engine.server.pooling || pooled)
-                            && (tag == fe::QUERY || tag == fe::PARSE)
-                        {
-                            let sql = &self.client.buffered()[pos + HEADER_LEN..pos + len];
-                            let marks = self.engine.known.body_marks(sql);
-                            self.engine
-                                .note_marks(&super::relay::ctx(&self.app, &self.entry), marks);
-                        } else if tag == fe::FUNCTION_CALL {
-                            self.engine.link.settings_may_have_changed();
-                        } else if tag == fe::TERMINATE {
-                            self.engine.client_ended = true;
-                            if self
-                                .engine
-                                .hand_back(&super::relay::ctx(&self.app, &self.entry))
-                                || pooled
-                            {
-                                flow = Flow::Close;
-                                break;
-                            }
-                        }
-                        flow = self.engine.pipeline.note_client_frame(tag);
+                        let ctx = ctx(&self.app, &self.entry);
+                        let frame = &self.client.buffered()[pos..pos + len];
+                        let Some(next) = self.engine.on_relayed(&ctx, frame) else {
+                            flow = Flow::Close;
+                            break;
+                        };
+                        flow = next;
                         pos += len;
                     }
                     Ok(None) => break,
@@ -467,10 +450,7 @@ where
     /// Transaction mode, when no connection could be had: each request
     /// the client is owed an answer for fails with the pool's error, and
     /// the session goes on.
-    async fn fail_unsent(
-        &mut self,
-        error: &crate::pool::transaction::PoolError,
-    ) -> Result<(), SessionError> {
+    async fn fail_unsent(&mut self, error: &crate::pool::PoolError) -> Result<(), SessionError> {
         tracing::info!(code = error.sqlstate(), "{error}");
         let mut out = BytesMut::new();
         for request in self.engine.pipeline.drop_unsent() {

@@ -13,7 +13,7 @@ use crate::cache::Bumps;
 use crate::cache::stats::QueryStats;
 use crate::cancel::{CancelTarget, ClientPid};
 use crate::pool::prepared::Reply;
-use crate::protocol::codec::{HEADER_LEN, parse_frame, read_i32};
+use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
@@ -201,13 +201,12 @@ impl Engine {
             return None;
         }
         let capture = front.capture.as_mut()?;
-        let mut end = pos;
-        while let Ok(Some(len)) = parse_frame(&buf[end..], MAX_BACKEND_FRAME) {
-            if !capture::plain(buf[end]) {
-                break;
-            }
-            end += len;
-        }
+        let run: usize = checked_frames(&buf[pos..], MAX_BACKEND_FRAME)
+            .map_while(Result::ok)
+            .take_while(|frame| capture::plain(frame[0]))
+            .map(<[u8]>::len)
+            .sum();
+        let end = pos + run;
         if end == pos {
             return None;
         }

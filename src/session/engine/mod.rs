@@ -25,8 +25,9 @@ use crate::pool::LoginSettings;
 use crate::pool::clients::Client;
 use crate::pool::marks::{Marks, Pin};
 use crate::pool::transaction::SettingsRow;
+use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
-use crate::protocol::{TxStatus, messages};
+use crate::protocol::{TxStatus, frontend as fe, messages};
 use crate::session::batch::Batch;
 use crate::session::capture::Capture;
 use crate::session::known::Known;
@@ -34,7 +35,7 @@ use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row, sett
 use crate::session::link::ClientState;
 use crate::session::link::Link;
 use crate::session::offload::Job;
-use crate::session::pipeline::{Inflight, Pipeline};
+use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
@@ -263,6 +264,26 @@ impl Engine {
             && !self.batch.holds()
             && !ctx.app.drain.is_cancelled();
         self.server.handed_back
+    }
+
+    /// A client frame relayed untouched (caching off): what it tells of
+    /// the session. `None` for a Terminate that is not forwarded (the
+    /// connection is handed back, or held for a pool): the session ends.
+    pub fn on_relayed(&mut self, ctx: &Ctx, frame: &[u8]) -> Option<Flow> {
+        let tag = frame[0];
+        let pooled = self.link.is_pooled();
+        if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
+            let marks = self.known.body_marks(&frame[HEADER_LEN..]);
+            self.note_marks(ctx, marks);
+        } else if tag == fe::FUNCTION_CALL {
+            self.link.settings_may_have_changed();
+        } else if tag == fe::TERMINATE {
+            self.client_ended = true;
+            if self.hand_back(ctx) || pooled {
+                return None;
+            }
+        }
+        Some(self.pipeline.note_client_frame(tag))
     }
 
     /// A statement may have changed the session's settings: they are read

@@ -301,6 +301,25 @@ fn transaction_mode_a_feature_that_lives_in_one_backend_pins_the_session() {
 }
 
 #[test]
+fn relayed_frames_still_pin_the_session_and_end_it() {
+    let mut rig = Rig::pooled();
+    rig.engine.caching = false;
+    assert_eq!(rig.relayed(&query("LISTEN jobs")), Some(Flow::Continue));
+    let Link::Pooled(link) = &rig.engine.link else {
+        panic!("transaction mode");
+    };
+    assert_eq!(link.pinned, Some(Pin::Listen));
+    // The pool's connection outlives the client: its Terminate stays here.
+    assert_eq!(rig.relayed(&frame(fe::TERMINATE, &[])), None);
+    assert!(rig.engine.client_ended);
+    // Session mode without reuse: PostgreSQL hears the Terminate.
+    let mut rig = Rig::logged_in();
+    rig.engine.caching = false;
+    let terminate = frame(fe::TERMINATE, &[]);
+    assert_eq!(rig.relayed(&terminate), Some(Flow::Close));
+}
+
+#[test]
 fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
     let mut rig = Rig::pooled();
     rig.frames(&[

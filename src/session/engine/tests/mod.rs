@@ -115,6 +115,16 @@ impl Rig {
         }
     }
 
+    /// Feeds a client frame relayed untouched, as with caching off.
+    fn relayed(&mut self, frame: &[u8]) -> Option<Flow> {
+        let ctx = Ctx {
+            app: &self.app,
+            client: &self.entry.client,
+            now: Instant::now(),
+        };
+        self.engine.on_relayed(&ctx, frame)
+    }
+
     /// Feeds several client frames in turn.
     fn frames(&mut self, frames: &[Vec<u8>]) {
         for f in frames {

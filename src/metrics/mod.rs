@@ -13,6 +13,10 @@ use prometheus::{
 
 use crate::classify::BypassReason;
 
+mod pools;
+
+pub use pools::{PoolMetrics, TransactionPoolMetrics};
+
 pub struct Metrics {
     registry: Registry,
     /// Requests answered from the cache.
@@ -73,162 +77,6 @@ pub struct VerifyMetrics {
     pub ttl_expected: IntCounter,
     pub changed: IntCounter,
     pub skipped: IntCounter,
-}
-
-/// The server-connection pool ([`crate::pool`]).
-#[derive(Clone)]
-pub struct PoolMetrics {
-    /// Connections parked for the next client now, and ever.
-    pub idle: IntGauge,
-    pub parked: IntCounter,
-    /// Logins served by a parked connection, and by a new one.
-    pub reused: IntCounter,
-    pub fresh: IntCounter,
-    /// Parked or returning connections closed, by why.
-    pub closed_stale: IntCounter,
-    pub closed_failed: IntCounter,
-    pub closed_full: IntCounter,
-    pub closed_expired: IntCounter,
-    pub closed_evicted: IntCounter,
-    pub closed_tainted: IntCounter,
-}
-
-impl PoolMetrics {
-    fn new(r: &Registrar<'_>) -> Self {
-        let logins = r.counter_vec(
-            "pgcache_pool_logins_total",
-            "Client logins by the server connection they got: a parked one (reused) or a new one (fresh)",
-            &["server"],
-        );
-        let closed = r.counter_vec(
-            "pgcache_pool_closed_total",
-            "Server connections closed instead of parked or reused, by reason: settings changed \
-             or first seen (stale), reset or check failed (failed), pool full (full), idle too long \
-             (expired), closed for a database statement (evicted), session state DISCARD ALL \
-             keeps (tainted)",
-            &["reason"],
-        );
-        let by = |family: &IntCounterVec, label: &str| family.with_label_values(&[label]);
-        Self {
-            idle: r.gauge(
-                "pgcache_pool_idle_servers",
-                "Server connections parked for the next client",
-            ),
-            parked: r.counter(
-                "pgcache_pool_parked_total",
-                "Server connections reset and parked when their session ended",
-            ),
-            reused: by(&logins, "reused"),
-            fresh: by(&logins, "fresh"),
-            closed_stale: by(&closed, "stale"),
-            closed_failed: by(&closed, "failed"),
-            closed_full: by(&closed, "full"),
-            closed_expired: by(&closed, "expired"),
-            closed_evicted: by(&closed, "evicted"),
-            closed_tainted: by(&closed, "tainted"),
-        }
-    }
-}
-
-/// Transaction pooling ([`crate::pool::transaction`]).
-#[derive(Clone)]
-pub struct TransactionPoolMetrics {
-    /// Clients waiting for a server connection now.
-    pub waiting: IntGauge,
-    pub wait: Histogram,
-    pub wait_timeouts: IntCounter,
-    pub checkouts: IntCounter,
-    /// Server connections open, held by a client, idle.
-    pub open: IntGauge,
-    pub active: IntGauge,
-    pub idle: IntGauge,
-    pub logins: IntCounter,
-    pub login_failures: IntCounter,
-    pub closed_idle: IntCounter,
-    pub closed_lifetime: IntCounter,
-    pub closed_broken: IntCounter,
-    pub closed_stale: IntCounter,
-    /// Sessions pinned to one server connection, by why.
-    pub pins: IntCounterVec,
-}
-
-impl TransactionPoolMetrics {
-    fn new(r: &Registrar<'_>) -> Self {
-        let closed = r.counter_vec(
-            "pgcache_pool_server_closed_total",
-            "Transaction-mode server connections closed, by reason: idle past \
-             pool.server_idle_timeout_secs (idle), past pool.server_lifetime_secs (lifetime), \
-             found dead or left in an unknown state (broken), logged in under role or database \
-             settings that changed since (stale)",
-            &["reason"],
-        );
-        let servers = r.add(
-            IntGaugeVec::new(
-                Opts::new(
-                    "pgcache_pool_servers",
-                    "Transaction-mode server connections, by state: held by a client (active), \
-                     idle in the pool (idle), open in all (open)",
-                ),
-                &["state"],
-            )
-            .expect("valid metric"),
-        );
-        let by = |family: &IntCounterVec, label: &str| family.with_label_values(&[label]);
-        Self {
-            waiting: r.gauge(
-                "pgcache_pool_waiting_clients",
-                "Clients waiting for a transaction-mode server connection",
-            ),
-            wait: r.add(
-                Histogram::with_opts(
-                    HistogramOpts::new(
-                        "pgcache_pool_wait_seconds",
-                        "Time clients waited for a transaction-mode server connection (waits only)",
-                    )
-                    .buckets(
-                        prometheus::exponential_buckets(0.000_1, 4.0, 10).expect("valid buckets"),
-                    ),
-                )
-                .expect("valid metric"),
-            ),
-            wait_timeouts: r.counter(
-                "pgcache_pool_wait_timeouts_total",
-                "Statements failed with 57014 after pool.query_wait_timeout_secs",
-            ),
-            checkouts: r.counter(
-                "pgcache_pool_checkouts_total",
-                "Times a client took a transaction-mode server connection",
-            ),
-            open: servers.with_label_values(&["open"]),
-            active: servers.with_label_values(&["active"]),
-            idle: servers.with_label_values(&["idle"]),
-            logins: r.counter(
-                "pgcache_pool_server_logins_total",
-                "Transaction-mode server connections opened",
-            ),
-            login_failures: r.counter(
-                "pgcache_pool_server_login_failures_total",
-                "Transaction-mode server connections that could not be opened",
-            ),
-            closed_idle: by(&closed, "idle"),
-            closed_lifetime: by(&closed, "lifetime"),
-            closed_broken: by(&closed, "broken"),
-            closed_stale: by(&closed, "stale"),
-            pins: {
-                let pins = r.counter_vec(
-                    "pgcache_pool_pins_total",
-                    "Transaction-mode sessions pinned to one server connection for the rest of the \
-                     session, by the feature that needs it",
-                    &["reason"],
-                );
-                // Every reason is exported from the start, at 0.
-                for pin in crate::pool::marks::Pin::ALL {
-                    pins.with_label_values(&[pin.as_str()]);
-                }
-                pins
-            },
-        }
-    }
 }
 
 /// Local-tier entries that left, by cause.
@@ -386,6 +234,11 @@ impl Registrar<'_> {
         self.add(IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
     }
 
+    /// A counter of seconds, or anything else not whole.
+    fn float_counter(&self, name: &str, help: &str) -> prometheus::Counter {
+        self.add(prometheus::Counter::new(name, help).expect("valid metric"))
+    }
+
     fn gauge(&self, name: &str, help: &str) -> IntGauge {
         self.add(IntGauge::new(name, help).expect("valid metric"))
     }
@@ -525,6 +378,48 @@ impl Families {
     }
 }
 
+impl Evictions {
+    /// `ttl` is the invalidations' counter that expiry also counts in.
+    fn new(by_cause: &IntCounterVec, ttl: IntCounter) -> Self {
+        let cause = |label: &str| by_cause.with_label_values(&[label]);
+        Self {
+            size: cause("size"),
+            expired: cause("expired"),
+            ttl,
+            replaced: cause("replaced"),
+            explicit: cause("explicit"),
+        }
+    }
+}
+
+impl Invalidations {
+    fn new(by_source: &IntCounterVec) -> Self {
+        let source = |label: &str| by_source.with_label_values(&[label]);
+        Self {
+            write: source("write"),
+            replication: source("replication"),
+            admin: source("admin"),
+            notify: source("notify"),
+            verify: source("verify"),
+            peer: source("peer"),
+            resync: source("resync"),
+        }
+    }
+}
+
+impl VerifyMetrics {
+    fn new(by_result: &IntCounterVec) -> Self {
+        let result = |label: &str| by_result.with_label_values(&[label]);
+        Self {
+            matched: result("match"),
+            mismatch: result("mismatch"),
+            ttl_expected: result("ttl_expected"),
+            changed: result("changed"),
+            skipped: result("skipped"),
+        }
+    }
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
@@ -544,22 +439,8 @@ impl Metrics {
                 .collect(),
             latency_hit: f.latency.with_label_values(&["hit"]),
             latency_miss: f.latency.with_label_values(&["miss"]),
-            evictions: Evictions {
-                size: by(&f.evictions, "size"),
-                expired: by(&f.evictions, "expired"),
-                ttl: invalidation("ttl"),
-                replaced: by(&f.evictions, "replaced"),
-                explicit: by(&f.evictions, "explicit"),
-            },
-            invalidations: Invalidations {
-                write: invalidation("write"),
-                replication: invalidation("replication"),
-                admin: invalidation("admin"),
-                notify: invalidation("notify"),
-                verify: invalidation("verify"),
-                peer: invalidation("peer"),
-                resync: invalidation("resync"),
-            },
+            evictions: Evictions::new(&f.evictions, invalidation("ttl")),
+            invalidations: Invalidations::new(&f.invalidations),
             client_bytes_in: by(&f.client_bytes, "in"),
             client_bytes_out: by(&f.client_bytes, "out"),
             auth_failures: AuthFailures {
@@ -585,21 +466,12 @@ impl Metrics {
                 "Settings queries pgcache ran on clients' connections (a session's first cacheable \
                  read, and after a settings change; none on a reused connection's first read)",
             ),
-            verify: VerifyMetrics {
-                matched: by(&f.verify, "match"),
-                mismatch: by(&f.verify, "mismatch"),
-                ttl_expected: by(&f.verify, "ttl_expected"),
-                changed: by(&f.verify, "changed"),
-                skipped: by(&f.verify, "skipped"),
-            },
+            verify: VerifyMetrics::new(&f.verify),
             shadow_match: by(&f.shadow, "match"),
             shadow_mismatch: by(&f.shadow, "mismatch"),
-            shadow_saved: r.add(
-                prometheus::Counter::new(
-                    "pgcache_shadow_saved_seconds_total",
-                    "Shadow mode: PostgreSQL's time on the would-be hits, which serving them would have saved",
-                )
-                .expect("valid metric"),
+            shadow_saved: r.float_counter(
+                "pgcache_shadow_saved_seconds_total",
+                "Shadow mode: PostgreSQL's time on the would-be hits, which serving them would have saved",
             ),
             client_connections: r.gauge("pgcache_client_connections", "Client connections open"),
             backend_connections: r.gauge(

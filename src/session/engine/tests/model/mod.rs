@@ -1,0 +1,241 @@
+//! A model of PostgreSQL for the engine's property test: programs of
+//! client messages (simple, extended and pipelined requests, COPY, errors,
+//! cancels, Terminate) on two tables, and what PostgreSQL answers them.
+//!
+//! It uses nothing of pgcache's, so `tests/model.rs` replays the same
+//! programs against a real PostgreSQL and checks the model against it.
+//! The tables: `items (k int primary key, v text)` holding `(1,'a')`,
+//! `(2,'b')`, `(3,'c')`, and `log (line text)`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use bytes::{BufMut, BytesMut};
+use proptest::prelude::*;
+
+mod backend;
+
+pub use backend::*;
+
+/// What a program sets up before it runs, on a fresh session (of a real
+/// PostgreSQL: the model starts so).
+#[allow(dead_code, reason = "the replay against PostgreSQL runs it")]
+pub const SETUP: &str = "DROP TABLE IF EXISTS items, log, other; \
+     CREATE TABLE items (k int PRIMARY KEY, v text); \
+     INSERT INTO items VALUES (1, 'a'), (2, 'b'), (3, 'c'); \
+     CREATE TABLE log (line text); \
+     CREATE TABLE other (k int PRIMARY KEY, n int); \
+     INSERT INTO other VALUES (1, 0), (2, 0), (3, 0); \
+     CREATE OR REPLACE FUNCTION touch() RETURNS trigger LANGUAGE plpgsql AS \
+     'BEGIN UPDATE items SET v = v || ''y'' WHERE k = NEW.k; RETURN NEW; END'; \
+     CREATE TRIGGER touch AFTER UPDATE ON other FOR EACH ROW EXECUTE FUNCTION touch()";
+
+/// One statement of a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sql {
+    /// The row of key `k` (4 has none).
+    ReadOne(u8),
+    ReadAll,
+    /// Appends `x` to the value of key `k`.
+    Write(u8),
+    /// Writes `other`'s row `k`, whose trigger appends `y` to the value of
+    /// key `k` of `items`: a write pgcache cannot see the tables of.
+    Touch(u8),
+    Begin,
+    Commit,
+    Rollback,
+    /// Fails at parse analysis (42703).
+    Bad,
+    /// Runs until cancelled (57014).
+    Sleep,
+    /// COPY-in, followed by its data in [`Step::Copy`].
+    Copy,
+}
+
+impl Sql {
+    pub fn text(self) -> String {
+        match self {
+            Sql::ReadOne(k) => format!("SELECT v FROM items WHERE k = {k}"),
+            Sql::ReadAll => "SELECT k, v FROM items ORDER BY k".into(),
+            Sql::Write(k) => format!("UPDATE items SET v = v || 'x' WHERE k = {k}"),
+            Sql::Touch(k) => format!("UPDATE other SET n = n + 1 WHERE k = {k}"),
+            Sql::Begin => "BEGIN".into(),
+            Sql::Commit => "COMMIT".into(),
+            Sql::Rollback => "ROLLBACK".into(),
+            Sql::Bad => "SELECT nosuch FROM items".into(),
+            Sql::Sleep => "SELECT pg_sleep(60)".into(),
+            Sql::Copy => "COPY log FROM STDIN".into(),
+        }
+    }
+
+    fn of(text: &str) -> Option<Sql> {
+        let all = [
+            Sql::ReadAll,
+            Sql::Begin,
+            Sql::Commit,
+            Sql::Rollback,
+            Sql::Bad,
+            Sql::Sleep,
+            Sql::Copy,
+        ];
+        let keyed = (1..=4).flat_map(|k| [Sql::ReadOne(k), Sql::Write(k), Sql::Touch(k)]);
+        all.into_iter().chain(keyed).find(|sql| sql.text() == text)
+    }
+
+    pub fn is_read(self) -> bool {
+        matches!(self, Sql::ReadOne(_) | Sql::ReadAll)
+    }
+}
+
+/// One statement of an extended batch: Parse, Bind, a Describe of the
+/// portal if `describe`, and an Execute of at most `max_rows` (0: all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exec {
+    pub sql: Sql,
+    pub describe: bool,
+    pub max_rows: u8,
+}
+
+/// One request of a program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// A simple Query.
+    Query(Sql),
+    /// COPY-in of `lines` lines, ended by CopyDone, or by CopyFail if
+    /// `fail`.
+    Copy {
+        lines: u8,
+        fail: bool,
+    },
+    /// Extended statements, then one Sync.
+    Batch(Vec<Exec>),
+    /// A Sync on its own.
+    Sync,
+    Terminate,
+}
+
+impl Step {
+    /// The client's frames for this step.
+    pub fn frames(&self) -> Vec<Vec<u8>> {
+        match self {
+            Step::Query(sql) => vec![frame(b'Q', &cstr(&sql.text()))],
+            Step::Copy { lines, fail } => {
+                let mut out = vec![frame(b'Q', &cstr(&Sql::Copy.text()))];
+                for i in 0..*lines {
+                    out.push(frame(b'd', format!("line {i}\n").as_bytes()));
+                }
+                out.push(match fail {
+                    true => frame(b'f', &cstr("given up")),
+                    false => frame(b'c', &[]),
+                });
+                out
+            }
+            Step::Batch(execs) => {
+                let mut out = Vec::new();
+                for exec in execs {
+                    let mut parse = cstr("");
+                    parse.extend(cstr(&exec.sql.text()));
+                    parse.extend([0, 0]);
+                    out.push(frame(b'P', &parse));
+                    // Unnamed portal and statement, no parameters, text.
+                    out.push(frame(b'B', &[0, 0, 0, 0, 0, 0, 0, 0]));
+                    if exec.describe {
+                        out.push(frame(b'D', b"P\0"));
+                    }
+                    let mut execute = cstr("");
+                    execute.put_i32(i32::from(exec.max_rows));
+                    out.push(frame(b'E', &execute));
+                }
+                out.push(frame(b'S', &[]));
+                out
+            }
+            Step::Sync => vec![frame(b'S', &[])],
+            Step::Terminate => vec![frame(b'X', &[])],
+        }
+    }
+
+    /// How many ReadyForQuery messages answer it.
+    pub fn readies(&self) -> usize {
+        usize::from(*self != Step::Terminate)
+    }
+}
+
+/// Groups of steps; a group's steps are sent together, before any answer
+/// is read (a pipeline).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Program(pub Vec<Vec<Step>>);
+
+impl fmt::Debug for Program {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, group) in self.0.iter().enumerate() {
+            writeln!(f)?;
+            write!(f, "  {i}:")?;
+            for step in group {
+                write!(f, " {step:?};")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Few distinct reads, so that they repeat: a row, no row, all rows.
+fn read() -> impl Strategy<Value = Sql> {
+    prop_oneof![
+        2 => Just(Sql::ReadOne(1)),
+        1 => Just(Sql::ReadOne(4)),
+        2 => Just(Sql::ReadAll),
+    ]
+}
+
+fn statement() -> impl Strategy<Value = Sql> {
+    prop_oneof![
+        8 => read(),
+        2 => (1u8..=4).prop_map(Sql::Write),
+        1 => (1u8..=3).prop_map(Sql::Touch),
+        1 => Just(Sql::Bad),
+    ]
+}
+
+fn exec() -> impl Strategy<Value = Exec> {
+    let max_rows = prop_oneof![3 => Just(0u8), 2 => 1u8..=3];
+    (statement(), any::<bool>(), max_rows).prop_map(|(sql, describe, max_rows)| Exec {
+        sql,
+        describe,
+        max_rows,
+    })
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        8 => statement().prop_map(Step::Query),
+        2 => prop_oneof![Just(Sql::Begin), Just(Sql::Commit), Just(Sql::Rollback)]
+            .prop_map(Step::Query),
+        1 => Just(Step::Query(Sql::Sleep)),
+        1 => (0u8..3, any::<bool>()).prop_map(|(lines, fail)| Step::Copy { lines, fail }),
+        // One statement a batch is what the cache answers whole.
+        8 => prop_oneof![
+            3 => proptest::collection::vec(exec(), 1..2),
+            1 => proptest::collection::vec(exec(), 2..4),
+        ]
+        .prop_map(Step::Batch),
+        1 => Just(Step::Sync),
+    ]
+}
+
+/// Programs of up to 19 groups of 1 to 3 steps, ending in a Terminate
+/// one time in four. Reads repeat often, so the cache has work.
+pub fn program() -> impl Strategy<Value = Program> {
+    // Most requests wait for their answer; one group in four is a
+    // pipeline.
+    let group = prop_oneof![
+        3 => proptest::collection::vec(step(), 1..2),
+        1 => proptest::collection::vec(step(), 2..4),
+    ];
+    let groups = proptest::collection::vec(group, 1..20);
+    (groups, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(|(mut groups, end)| {
+        if end {
+            groups.push(vec![Step::Terminate]);
+        }
+        Program(groups)
+    })
+}
