@@ -76,7 +76,7 @@ async fn connect_secured(
         let tcp = TcpStream::connect((host.as_str(), *port))
             .await
             .map_err(StartTls::Connect)?;
-        tcp.set_nodelay(true).map_err(StartTls::Connect)?;
+        tune(&tcp).map_err(StartTls::Connect)?;
         start_tls(tcp, host, &connector, tls).await
     };
     match tokio::time::timeout(timeout, attempt).await {
@@ -132,6 +132,21 @@ async fn start_tls(
     }
 }
 
+/// The kernel buffer pgcache asks for on each leg of a relay: what it has
+/// read from a client and not yet passed on, and what it has written to
+/// PostgreSQL and PostgreSQL has not read. Left to autotuning, loopback
+/// buffers grow to megabytes, and a client pipelining a batch that
+/// failed early keeps writing that much more before the error reaches it
+/// than it would directly. The kernel doubles the figure.
+pub const RELAY_SOCKET_BUFFER: usize = 128 * 1024;
+
+/// A backend TCP connection, tuned for relaying: no Nagle delay, and a
+/// bounded send buffer (see [`RELAY_SOCKET_BUFFER`]).
+fn tune(tcp: &TcpStream) -> io::Result<()> {
+    tcp.set_nodelay(true)?;
+    socket2::SockRef::from(tcp).set_send_buffer_size(RELAY_SOCKET_BUFFER)
+}
+
 async fn connect_one(
     addr: &UpstreamAddr,
     timeout: Duration,
@@ -141,7 +156,7 @@ async fn connect_one(
         match addr {
             UpstreamAddr::Tcp { host, port } => {
                 let s = TcpStream::connect((host.as_str(), *port)).await?;
-                s.set_nodelay(true)?;
+                tune(&s)?;
                 Ok(BackendStream::Tcp(s))
             }
             UpstreamAddr::Unix { path } => {

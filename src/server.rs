@@ -44,8 +44,12 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((socket, peer)) => {
-                    if let Err(e) = socket.set_nodelay(true) {
-                        warn!(%peer, error = %e, "could not set TCP_NODELAY");
+                    let tuned = socket.set_nodelay(true).and_then(|()| {
+                        socket2::SockRef::from(&socket)
+                            .set_recv_buffer_size(crate::backend::RELAY_SOCKET_BUFFER)
+                    });
+                    if let Err(e) = tuned {
+                        warn!(%peer, error = %e, "could not tune the client's socket");
                     }
                     match startups.enter(peer.ip()) {
                         Some(starting) => {
