@@ -1024,3 +1024,60 @@ async fn prepared_statements_survive_ddl_with_caching_off() {
     prepared_statements_survive_migrations(Via::Pgcache, true, false).await;
     prepared_statements_survive_migrations(Via::Direct, true, false).await;
 }
+
+/// The `client_encoding` a client asking for `asked` is told at login.
+async fn reported_encoding(addr: std::net::SocketAddr, db: &str, asked: &str) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(&pgcache::protocol::startup::encode_startup(&[
+        ("user", "postgres"),
+        ("database", db),
+        ("client_encoding", asked),
+    ]))
+    .await
+    .unwrap();
+    let login = wire::read_until_ready(&mut s).await;
+    assert_eq!(login.last().map(|m| m.0), Some(b'Z'), "{asked}: logged in");
+    login
+        .iter()
+        .filter(|(tag, _)| *tag == b'S')
+        .find_map(|(_, body)| {
+            let mut parts = body.split(|b| *b == 0);
+            (parts.next() == Some(b"client_encoding".as_slice()))
+                .then(|| String::from_utf8_lossy(parts.next().unwrap_or_default()).into_owned())
+        })
+        .expect("client_encoding is reported")
+}
+
+/// PostgreSQL reports the encoding's own name, however the client spelled
+/// it; so does pgcache when it greets a pooled client itself.
+#[tokio::test]
+async fn a_pooled_client_is_told_its_encoding_as_postgresql_names_it() {
+    let pg = pg();
+    let db = pg.create_db("tx_encoding");
+    let direct: std::net::SocketAddr = format!("127.0.0.1:{}", pg.port).parse().unwrap();
+    let proxy = Proxy::start(config(pg, 2)).await;
+    for asked in ["utf8", "UTF-8", "unicode", "euc-jp", "Latin-1", "win-1252"] {
+        let want = reported_encoding(direct, &db, asked).await;
+        // The first login of a pool may be relayed; the next are greeted
+        // by pgcache.
+        for _ in 0..2 {
+            let got = reported_encoding(proxy.addr, &db, asked).await;
+            assert_eq!(got, want, "asked for {asked}");
+        }
+    }
+    assert!(
+        checkouts(&proxy) <= 1,
+        "greeted without a server connection"
+    );
+    // pgcache's table of names against PostgreSQL's own.
+    let client = pg.direct(&db).await;
+    for (spelling, name) in pgcache::protocol::encoding::names() {
+        let sql = format!("SELECT pg_encoding_to_char(pg_char_to_encoding('{spelling}'))");
+        assert_eq!(
+            scalar(&client, &sql).await.as_deref(),
+            Some(*name),
+            "{spelling}"
+        );
+    }
+}

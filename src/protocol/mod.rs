@@ -7,6 +7,7 @@
 //! unknown message types and future protocol additions survive the trip.
 
 pub mod codec;
+pub mod encoding;
 pub mod extended;
 pub mod messages;
 pub mod sqlstate;

@@ -17,7 +17,7 @@ use crate::backend::BackendStream;
 use crate::pool::Server;
 use crate::pool::clients::Activity;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, messages};
+use crate::protocol::{TxStatus, encoding, messages};
 
 /// A session's backend while it holds no server connection.
 pub(super) fn detached() -> FramedStream<BackendStream> {
@@ -240,15 +240,20 @@ where
         guard.retarget(self.engine.backend_key.clone());
         self.engine.cancel = Some(guard);
         // The client's own values where it gave them (a name reported
-        // once is only ever replaced).
+        // once is only ever replaced), its encoding as PostgreSQL names it.
         let mut shown = statuses;
         for (name, value) in &self.engine.startup.params {
             if shown.has(name) {
+                let value = match name.as_str() {
+                    "client_encoding" => encoding::canonical(value).unwrap_or(value),
+                    _ => value,
+                };
                 shown.set(name, value);
             }
         }
+        // Not kept: a pooled session's connection is never handed back
+        // whole, which is what the statuses are kept for.
         let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
-        self.engine.server.statuses = shown;
         let ctx = super::relay::ctx(&self.app, &self.entry);
         self.engine.on_ready_for_query(&ctx, TxStatus::Idle);
         self.carry_out().await;

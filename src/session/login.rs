@@ -28,7 +28,7 @@ where
     pub(super) async fn log_in(
         &mut self,
         startup_raw: &[u8],
-        secret: Option<ClientSecret>,
+        secret: Option<Box<ClientSecret>>,
     ) -> Result<Flow, SessionError> {
         let Some(secret) = secret else {
             self.backend

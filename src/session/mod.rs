@@ -175,12 +175,14 @@ async fn admit(
         application_name: startup.param("application_name").unwrap_or_default(),
     });
     let pooled = config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some();
-    let admitted = Admitted {
+    // Boxed: each mode's admission future keeps its argument's room for
+    // the whole session.
+    let admitted = Box::new(Admitted {
         client,
         negotiated,
         secret,
         entry,
-    };
+    });
     match pooled {
         true => Box::pin(admit_pooled(app, admitted)).await,
         false => Box::pin(admit_session(app, admitted)).await,
@@ -191,8 +193,9 @@ async fn admit(
 struct Admitted {
     client: FramedStream<ClientStream>,
     negotiated: Negotiated,
-    /// The client's SCRAM secret, when pgcache checked its password.
-    secret: Option<ClientSecret>,
+    /// The client's SCRAM secret, when pgcache checked its password;
+    /// boxed, as every future that carries it keeps room for it.
+    secret: Option<Box<ClientSecret>>,
     entry: ClientEntry,
 }
 
@@ -201,13 +204,13 @@ type Refused = (FramedStream<ClientStream>, SessionError);
 
 /// Session mode: the session's own backend connection (a parked one when
 /// there is one it may have), and the session on it to its end.
-async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused> {
+async fn admit_session(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Refused> {
     let Admitted {
         client,
         negotiated,
         secret,
         entry,
-    } = admitted;
+    } = *admitted;
     let config = app.config();
     let startup = &negotiated.startup;
     let checked_by_pgcache = secret.is_some();
@@ -241,7 +244,7 @@ async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused
     if config.cache.enabled && (key.is_some() || PoolKey::of(startup).is_some()) {
         let checks = app.pool.pooled.pool(startup.database(), startup.user());
         if let Some(secret) = &secret {
-            checks.learn_secret(secret.clone());
+            checks.learn_secret(ClientSecret::clone(secret));
         }
         own.checks = Some(checks);
     }
@@ -271,7 +274,7 @@ async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused
 async fn run(
     session: &mut Session<ClientStream>,
     startup_raw: &[u8],
-    secret: Option<ClientSecret>,
+    secret: Option<Box<ClientSecret>>,
 ) {
     let startup = &session.engine.startup;
     let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
@@ -287,15 +290,14 @@ async fn run(
 /// its password, or PostgreSQL trusts the pool's clients) takes none to
 /// log in; any other logs in on a connection of its own first, relayed,
 /// which teaches the pool whether PostgreSQL trusts its clients.
-async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused> {
+async fn admit_pooled(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Refused> {
     let Admitted {
         client,
-        negotiated,
+        negotiated: Negotiated { raw, startup },
         secret,
         entry,
-    } = admitted;
-    let startup = &negotiated.startup;
-    let state = match ClientState::from_startup(startup) {
+    } = *admitted;
+    let state = match ClientState::from_startup(&startup) {
         Ok(state) => state,
         Err(message) => {
             let e = SessionError::refused(sqlstate::FEATURE_NOT_SUPPORTED, message);
@@ -303,8 +305,10 @@ async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused>
         }
     };
     let pool = app.pool.pooled.pool(startup.database(), startup.user());
-    if let Some(secret) = &secret {
-        pool.learn_secret(secret.clone());
+    // Taught to the pool, which logs in with it: the session has no more
+    // use for it.
+    if let Some(secret) = secret {
+        pool.learn_secret(*secret);
     }
     let mut learning = match pool.can_log_in() {
         true => None,
@@ -331,10 +335,10 @@ async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<(), Refused>
         (backend, addr),
         ServerBook::new(false),
         (Link::pooled(pool, state), learning),
-        negotiated.startup,
+        startup,
         entry,
     );
-    run(&mut session, &negotiated.raw, None).await;
+    run(&mut session, &raw, None).await;
     session.release_at_end();
     Ok(())
 }
@@ -345,7 +349,7 @@ async fn authenticate(
     app: &App,
     client: &mut FramedStream<ClientStream>,
     user: &str,
-) -> Result<Option<ClientSecret>, SessionError> {
+) -> Result<Option<Box<ClientSecret>>, SessionError> {
     let config = app.config();
     if config.auth.mode != AuthMode::Terminate {
         return Ok(None);
@@ -365,7 +369,7 @@ async fn authenticate(
     )
     .await;
     match checked {
-        Ok(Ok(secret)) => Ok(Some(secret)),
+        Ok(Ok(secret)) => Ok(Some(Box::new(secret))),
         Ok(Err(refusal)) => {
             app.metrics.auth_failures.client.inc();
             info!(user, reason = %refusal.message, "authentication failed");

@@ -100,7 +100,7 @@ where
     pub async fn run(
         &mut self,
         startup_raw: &[u8],
-        secret: Option<ClientSecret>,
+        secret: Option<Box<ClientSecret>>,
     ) -> Result<(), SessionError> {
         let logged_in = if self.engine.server.reused {
             Ok(Flow::Continue) // its login frames are replayed by the relay

@@ -8,7 +8,8 @@ use crate::pool::{LoginSettings, Server, Statuses};
 
 /// What the session knows of its backend connection beyond the relay.
 pub(super) struct ServerBook {
-    /// The parameters PostgreSQL reported, latest value each.
+    /// The parameters PostgreSQL reported, latest value each; kept in
+    /// session mode only, for a connection handed back whole.
     pub statuses: Statuses,
     /// PostgreSQL let the login in without a password.
     pub trusted: bool,

@@ -154,7 +154,10 @@ impl Engine {
                 self.server.login_state = false;
                 self.link.settings_may_have_changed();
             }
-            self.server.statuses.note(frame);
+            if let Link::Session(_) = self.link {
+                // For a connection handed back whole (session mode).
+                self.server.statuses.note(frame);
+            }
         }
         let max = ctx.app.cache.local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {
