@@ -7,10 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::wire::{cstr, frame, parse, raw_login, sync};
+use common::wire::{cstr, frame, parse, raw_login, read_message, sync};
 use common::{Proxy, pg};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::AsyncWriteExt;
 
 const ROWS: usize = 2048;
 const ROW_BYTES: usize = 32 * 1024;
@@ -41,7 +40,7 @@ async fn rows_written_before_the_error(addr: std::net::SocketAddr, db: &str) -> 
     let reader = tokio::spawn({
         let failed = Arc::clone(&failed);
         async move {
-            while let Some((tag, _)) = next_message(&mut read).await {
+            while let Some((tag, _)) = read_message(&mut read).await {
                 if tag == b'E' {
                     failed.store(true, Ordering::Release);
                 }
@@ -72,16 +71,6 @@ async fn rows_written_before_the_error(addr: std::net::SocketAddr, db: &str) -> 
     reader.await.unwrap();
     assert!(failed.load(Ordering::Acquire), "the duplicate key failed");
     written
-}
-
-/// The next message on a read half: its tag and body.
-async fn next_message(read: &mut OwnedReadHalf) -> Option<(u8, Vec<u8>)> {
-    let mut header = [0u8; 5];
-    read.read_exact(&mut header).await.ok()?;
-    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-    let mut body = vec![0u8; len - 4];
-    read.read_exact(&mut body).await.ok()?;
-    Some((header[0], body))
 }
 
 /// Rows of slack over the most the client wrote directly: pgcache's two

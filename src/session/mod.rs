@@ -210,7 +210,11 @@ async fn admit_session(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Re
         negotiated,
         secret,
         entry,
-    } = *admitted;
+    } = {
+        // Its allocation freed here, not when the session ends.
+        let boxed = admitted;
+        *boxed
+    };
     let config = app.config();
     let startup = &negotiated.startup;
     let checked_by_pgcache = secret.is_some();
@@ -296,7 +300,11 @@ async fn admit_pooled(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Ref
         negotiated: Negotiated { raw, startup },
         secret,
         entry,
-    } = *admitted;
+    } = {
+        // Its allocation freed here, not when the session ends.
+        let boxed = admitted;
+        *boxed
+    };
     let state = match ClientState::from_startup(&startup) {
         Ok(state) => state,
         Err(message) => {

@@ -3,7 +3,7 @@
 //! chooses to.
 
 use bytes::{BufMut, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 pub fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
@@ -106,7 +106,8 @@ pub async fn read_until_ready(s: &mut TcpStream) -> Vec<(u8, Vec<u8>)> {
     }
 }
 
-pub async fn read_message(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+/// The next message: its tag and body.
+pub async fn read_message<R: AsyncRead + Unpin>(s: &mut R) -> Option<(u8, Vec<u8>)> {
     let mut header = [0u8; 5];
     s.read_exact(&mut header).await.ok()?;
     let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
