@@ -118,7 +118,7 @@ where
                 }
                 be::NOTIFICATION | be::PARAMETER_STATUS => {
                     if frame[0] == be::PARAMETER_STATUS {
-                        self.engine.server.statuses.note(&frame);
+                        self.engine.note_status(&frame);
                     }
                     // Before the client's first ReadyForQuery, pgcache is
                     // still greeting it (transaction mode, a pool

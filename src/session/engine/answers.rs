@@ -140,6 +140,14 @@ impl Engine {
         messages::backend_key_data(pid, &secret)
     }
 
+    /// A ParameterStatus the backend sent, kept for a connection handed
+    /// back whole: session mode only (a pooled connection never is).
+    pub fn note_status(&mut self, frame: &[u8]) {
+        if let Link::Session(_) = self.link {
+            self.server.statuses.note(frame);
+        }
+    }
+
     /// A response frame (not ReadyForQuery) for the oldest request in
     /// flight. Returns what the client is sent of it.
     fn on_response_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> Cut {
@@ -154,10 +162,7 @@ impl Engine {
                 self.server.login_state = false;
                 self.link.settings_may_have_changed();
             }
-            if let Link::Session(_) = self.link {
-                // For a connection handed back whole (session mode).
-                self.server.statuses.note(frame);
-            }
+            self.note_status(frame);
         }
         let max = ctx.app.cache.local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {

@@ -172,3 +172,13 @@ fn a_partial_frame_waits_for_the_rest() {
     );
     assert!(rig.stored().is_empty());
 }
+
+#[test]
+fn parameter_statuses_are_kept_only_where_a_connection_is_handed_back() {
+    let status = frame(be::PARAMETER_STATUS, b"DateStyle\0ISO, DMY\0");
+    for (mut rig, kept) in [(Rig::caching(), true), (Rig::pooled(), false)] {
+        rig.client(&query("SET datestyle = 'dmy'"));
+        rig.backend(&[status.clone(), complete("SET"), rfq(TxStatus::Idle)]);
+        assert_eq!(rig.engine.server.statuses.has("DateStyle"), kept);
+    }
+}
