@@ -85,6 +85,9 @@ pub struct Marks {
     /// It may change the session's settings (`SET`, `RESET`, `DISCARD`,
     /// `set_config`): read them again before the connection goes back.
     pub settings: bool,
+    /// It may free prepared statements (`DEALLOCATE`, `DISCARD ALL`): the
+    /// session forgets those it frees ([`crate::pool::reference::freed`]).
+    pub frees: bool,
     /// A statement starts with `ALTER`, `CREATE` or `DROP`: statements
     /// prepared on server connections before it may be stale.
     pub schema: bool,
@@ -148,6 +151,10 @@ pub fn marks(sql: &[u8]) -> Marks {
             None
         } else if is(word, b"reset") || is(word, b"discard") {
             marks.settings |= first;
+            marks.frees |= is(word, b"discard");
+            None
+        } else if is(word, b"deallocate") {
+            marks.frees = true;
             None
         } else if is(word, b"listen") && first {
             Some(Pin::Listen)
@@ -252,19 +259,6 @@ const WORD_BYTE: [bool; 256] = {
     table
 };
 
-/// Whether a simple Query's text deallocates prepared statements
-/// (`DEALLOCATE`, `DISCARD ALL`/`PLANS`... are scanned for cheaply; a false
-/// positive only costs a re-prepare).
-pub(super) fn deallocates(sql: &[u8]) -> bool {
-    // Every simple Query passes here: memchr jumps from one 'd' to the
-    // next rather than looking at every byte.
-    let at = |i: usize, word: &[u8]| {
-        sql.get(i..i + word.len())
-            .is_some_and(|w| w.eq_ignore_ascii_case(word))
-    };
-    memchr::memchr2_iter(b'd', b'D', sql).any(|i| at(i, b"deallocate") || at(i, b"discard"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,10 +350,10 @@ mod tests {
             "SELECT 1; Discard All",
             "discard plans",
         ] {
-            assert!(deallocates(sql.as_bytes()), "{sql}");
+            assert!(marks(sql.as_bytes()).frees, "{sql}");
         }
         for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
-            assert!(!deallocates(sql.as_bytes()), "{sql}");
+            assert!(!marks(sql.as_bytes()).frees, "{sql}");
         }
     }
 }

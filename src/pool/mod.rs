@@ -27,6 +27,7 @@ pub mod marks;
 mod owed;
 mod pools;
 pub mod prepared;
+pub mod reference;
 mod statement;
 pub mod transaction;
 

@@ -4,6 +4,7 @@
 
 use bytes::Bytes;
 
+use super::statement::Named;
 use crate::protocol::{backend as be, messages, sqlstate};
 
 /// What the server answers a message with, as far as the translation
@@ -33,6 +34,10 @@ pub(super) enum Origin {
     Injected,
     /// No message was sent: pgcache answers in the server's place.
     Synthetic(Bytes),
+    /// No simple Query was sent: pgcache refuses it with this SQLSTATE and
+    /// message, in the server's place (with the transaction status of the
+    /// moment it is answered).
+    Refusal(&'static str, String),
 }
 
 #[derive(Debug)]
@@ -47,6 +52,12 @@ pub(super) struct Expect {
     pub(super) prepares: Option<(u128, Option<Bytes>)>,
     /// A client's Bind of a named statement: its server name's hash.
     pub(super) binds: Option<u128>,
+    /// SQL naming a client's statement (`EXECUTE s`), sent under the
+    /// statement's server name.
+    pub(super) named: Option<Named>,
+    /// The client already got an error for this message (pgcache's Parse
+    /// for it failed): the server's own error for it is not passed on.
+    pub(super) answered: bool,
     /// That Bind is the first statement of its implicit transaction: the
     /// client's messages from it through its Sync, to send again if the
     /// server's statement was stale.
@@ -61,7 +72,26 @@ impl Expect {
             may_be_ignored: false,
             prepares: None,
             binds: None,
+            named: None,
+            answered: false,
             retry: None,
+        }
+    }
+
+    /// Whether a frame tagged `tag` is the last of the answer owed.
+    pub(super) fn ended_by(&self, tag: u8) -> bool {
+        match self.kind {
+            // A Query's or Sync's error comes before its ReadyForQuery.
+            Kind::Ready => tag == be::READY_FOR_QUERY,
+            _ if tag == be::ERROR_RESPONSE => true,
+            Kind::One(t) => tag == t,
+            Kind::DescribeStatement | Kind::DescribePortal => {
+                tag == be::ROW_DESCRIPTION || tag == be::NO_DATA
+            }
+            Kind::Execute => matches!(
+                tag,
+                be::COMMAND_COMPLETE | be::EMPTY_QUERY_RESPONSE | be::PORTAL_SUSPENDED
+            ),
         }
     }
 

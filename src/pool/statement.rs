@@ -7,7 +7,8 @@ use std::sync::atomic::AtomicU64;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::protocol::frontend as fe;
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{backend as be, frontend as fe};
 
 /// Statements prepared on one server connection, by content hash, with
 /// when each was last used.
@@ -103,6 +104,8 @@ pub(super) struct Unnamed {
     /// The number of its Parse.
     pub(super) token: u128,
     pub(super) parse: Bytes,
+    /// The client's statement its SQL text names (`EXECUTE s`).
+    pub(super) named: Option<Named>,
 }
 
 /// A client's named statement: its text and parameter types, and the
@@ -164,6 +167,36 @@ fn server_hash(content: u128, generation: u64) -> u128 {
     key.bytes(&content.to_le_bytes())
         .bytes(&generation.to_le_bytes());
     key.finish().0
+}
+
+/// A client's statement that SQL text names, sent under its server name.
+#[derive(Debug, Clone)]
+pub(super) struct Named {
+    /// Its server name's hash.
+    pub(super) hash: u128,
+    /// Its name as the client knows it.
+    pub(super) name: Bytes,
+    /// The SQL is a `DEALLOCATE`: both names are freed once it is done.
+    pub(super) frees: bool,
+}
+
+/// An ErrorResponse about the statement `named` (`prepared statement
+/// "__pgcache_..." already exists`), with the client's name for it.
+pub(super) fn renamed(frame: &[u8], named: &Named) -> BytesMut {
+    let server = server_name(named.hash);
+    let from = server.as_bytes();
+    let body = &frame[HEADER_LEN.min(frame.len())..];
+    let mut renamed = Vec::with_capacity(body.len());
+    let mut at = 0;
+    while let Some(found) = memchr::memmem::find(&body[at..], from) {
+        renamed.extend_from_slice(&body[at..at + found]);
+        renamed.extend_from_slice(&named.name);
+        at += found + from.len();
+    }
+    renamed.extend_from_slice(&body[at..]);
+    let mut out = BytesMut::with_capacity(renamed.len() + HEADER_LEN);
+    frame_of(&mut out, be::ERROR_RESPONSE, &[&renamed]);
+    out
 }
 
 /// Writes one message of `parts`.

@@ -66,9 +66,10 @@ pub mod backend {
 }
 
 /// Transaction status carried by ReadyForQuery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TxStatus {
     /// Not in a transaction block.
+    #[default]
     Idle,
     /// In a transaction block.
     InTransaction,

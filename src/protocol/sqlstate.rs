@@ -31,6 +31,11 @@ pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
 /// PostgreSQL's refusal of a Bind whose statement names a type dropped
 /// since (`cache lookup failed for type`).
 pub const INTERNAL_ERROR: &str = "XX000";
+/// Transaction mode: a client's statement name is taken, by a Parse or a
+/// SQL `PREPARE` (pgcache answers in the server's place).
+pub const DUPLICATE_PSTATEMENT: &str = "42P05";
+/// A statement pgcache answers itself, in a failed transaction block.
+pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
 /// RELOAD found a broken configuration.
 pub const CONFIG_FILE_ERROR: &str = "F0000";
 /// A warning notice (a hint pgcache ignored, a change that needs a restart).

@@ -11,8 +11,11 @@ use super::plan::Plan;
 use crate::cache::key::{self, sql_hash};
 use crate::policy::Policy;
 use crate::pool::marks::{Marks, marks};
+use crate::pool::reference::{Freed, freed};
 use crate::pool::transaction::SettingsRow;
+use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
+use crate::protocol::{extended, frontend as fe};
 
 const MAX_PLANS: usize = 4096;
 
@@ -219,6 +222,27 @@ impl Known {
             self.unnamed_portal = None;
         } else {
             self.portals.remove(name);
+        }
+    }
+
+    /// A Query or Parse (`frame`) that may free prepared statements
+    /// (`DEALLOCATE`, `DISCARD ALL`): they are forgotten from now on,
+    /// whether or not it runs, so that no Bind of theirs is answered from
+    /// the cache (PostgreSQL would refuse it). Their unsent Parses stay,
+    /// to go out before it.
+    pub fn forget_freed(&mut self, frame: &[u8]) {
+        let body = &frame[HEADER_LEN.min(frame.len())..];
+        let sql = match frame.first() {
+            Some(&fe::PARSE) => extended::parse(body).map_or(&[][..], |p| p.query),
+            _ => body.strip_suffix(&[0]).unwrap_or(body),
+        };
+        match freed(&String::from_utf8_lossy(sql)) {
+            Freed::All => self.statements.clear(),
+            Freed::Some(names) => {
+                for name in names {
+                    self.statements.remove(name.as_slice());
+                }
+            }
         }
     }
 

@@ -274,6 +274,9 @@ pub(super) struct PooledLink {
     pub prefix_generation: Option<u64>,
     /// The translated frames of one flush.
     pub scratch: BytesMut,
+    /// pgcache's own answers spliced into the backend's buffer, where they
+    /// are: read as if the server had sent them, but not translated again.
+    pub spliced: std::ops::Range<usize>,
     /// A statement that may change the schema went out: the database's
     /// schema generation moves when the session is next idle.
     pub schema_changes: bool,
@@ -300,6 +303,7 @@ impl Link {
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
+            spliced: 0..0,
             schema_changes: false,
             knobs: Knobs::default(),
         }))

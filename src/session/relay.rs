@@ -441,6 +441,9 @@ where
                 let tail = buf.split_off(at);
                 buf.extend_from_slice(&answers);
                 buf.extend_from_slice(&tail);
+                if let Link::Pooled(link) = &mut self.engine.link {
+                    link.spliced = at..at + answers.len();
+                }
                 Box::pin(self.on_backend_data()).await?;
             }
         }

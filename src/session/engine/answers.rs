@@ -55,13 +55,16 @@ impl Engine {
                 pos = end;
                 continue;
             }
-            if let Link::Pooled(link) = &mut self.link {
+            if let Link::Pooled(link) = &mut self.link
+                && !link.spliced.contains(&pos)
+            {
                 let answer = link.on_server_frame(&buf[pos..pos + len]);
                 if !answer.to_client.is_empty() {
                     // pgcache's answers in the server's place come next.
                     let tail = buf.split_off(pos + len);
                     buf.extend_from_slice(&answer.to_client);
                     buf.extend_from_slice(&tail);
+                    link.spliced = pos + len..buf.len() - tail.len();
                 }
                 resend.extend_from_slice(&answer.to_server);
                 if answer.reply == Reply::Drop {
@@ -104,6 +107,9 @@ impl Engine {
                 }
             }
             pos += len;
+        }
+        if let Link::Pooled(link) = &mut self.link {
+            link.spliced = 0..0;
         }
         Ok(Relayed {
             end: pos,

@@ -72,7 +72,7 @@ impl Engine {
             fe::QUERY => self.on_query(ctx, frame)?,
             fe::PARSE => {
                 let marks = self.known.body_marks(&frame[HEADER_LEN..]);
-                self.prerequisites(ctx, marks)?;
+                self.prerequisites(ctx, marks, frame)?;
                 self.on_extended(ctx, frame)?
             }
             fe::BIND | fe::DESCRIBE | fe::CLOSE | fe::EXECUTE => self.on_extended(ctx, frame)?,
@@ -120,7 +120,10 @@ impl Engine {
 
     /// Notes a Query's or Parse's marks; asks for its prerequisites (a
     /// database let go of, a table out of the publication) to be met once.
-    fn prerequisites(&mut self, ctx: &Ctx, marks: Marks) -> Result<(), Need> {
+    fn prerequisites(&mut self, ctx: &Ctx, marks: Marks, frame: &[u8]) -> Result<(), Need> {
+        if marks.frees {
+            self.known.forget_freed(frame);
+        }
         if self.server.pooling || self.link.is_pooled() {
             self.note_marks(ctx, marks);
         }
@@ -143,7 +146,7 @@ impl Engine {
             self.known
                 .text(hash, generation, ctx.app.policy_generation());
         let marks = known_marks.unwrap_or_else(|| marks(body));
-        self.prerequisites(ctx, marks)?;
+        self.prerequisites(ctx, marks, frame)?;
         if self.found.prerequisites {
             // Meeting them may have changed the catalog.
             memo = None;

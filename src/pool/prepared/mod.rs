@@ -24,18 +24,20 @@
 //! under the new name. Names and the statements a connection holds are in
 //! [`super::statement`]; the answers owed, in [`super::owed`].
 
+mod replies;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{Bytes, BytesMut};
 
-use super::marks::deallocates;
-use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin, stale_statement};
+use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin};
+use super::reference::{Reference, Verb, may_refer, reference};
+use super::statement::{Named, Statement, UNNAMED, Unnamed, frame_of};
 pub use super::statement::{ServerName, ServerStatements, server_name};
-use super::statement::{Statement, UNNAMED, Unnamed, frame_of};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{backend as be, extended, frontend as fe, messages};
+use crate::protocol::{TxStatus, backend as be, extended, frontend as fe, messages, sqlstate};
 
 /// What to do with one server frame.
 #[derive(Debug, PartialEq, Eq)]
@@ -72,6 +74,12 @@ pub struct Translator {
     schema: Arc<AtomicU64>,
     /// `pool.max_prepared_statements`, as last given.
     max: usize,
+    /// The session's transaction status, as the last ReadyForQuery the
+    /// client got said: what an answer of pgcache's own must carry.
+    status: TxStatus,
+    /// The client's statement that the SQL text of the statement last
+    /// bound names, for the Execute that runs it.
+    bound: Option<Named>,
 }
 
 impl Translator {
@@ -170,7 +178,6 @@ impl Translator {
     fn message(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
         let max = self.max;
         let tag = frame[0];
-        let body = &frame[HEADER_LEN..];
         if self.skipping {
             if tag == fe::SYNC {
                 self.skipping = false;
@@ -186,6 +193,9 @@ impl Translator {
             fe::EXECUTE => {
                 self.copy_may_start = true;
                 self.send(out, frame, Kind::Execute, None);
+                if let Some(execute) = self.expect.back_mut() {
+                    execute.named = self.bound.take();
+                }
             }
             fe::SYNC => {
                 self.send(out, frame, Kind::Ready, None);
@@ -200,15 +210,9 @@ impl Translator {
             }
             fe::QUERY => {
                 self.copy_may_start = false;
-                // A simple Query replaces the unnamed statement; one that
-                // deallocates statements takes the server's with it.
+                // A simple Query replaces the unnamed statement.
                 server.unnamed = None;
-                if deallocates(body) {
-                    self.statements.clear();
-                    self.unnamed = None;
-                    server.clear();
-                }
-                self.send(out, frame, Kind::Ready, None);
+                self.query(frame, server, out);
             }
             // Flush and COPY data: no answer of their own.
             _ => out.extend_from_slice(frame),
@@ -220,6 +224,10 @@ impl Translator {
     fn bind(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
         let max = self.max;
         let body = &frame[HEADER_LEN..];
+        self.bound = match extended::bind_names(body) {
+            Some((_, b"")) => self.unnamed.as_ref().and_then(|u| u.named.clone()),
+            _ => None,
+        };
         match extended::bind_names(body) {
             Some((_, statement)) => {
                 let binds = self.with_statement(statement, server, max, out, |name, out| {
@@ -290,12 +298,33 @@ impl Translator {
             // Unnamed statements are not shared: a token tells this Parse
             // apart, with no hash of its text on every query.
             let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
+            let mut parse = Bytes::copy_from_slice(frame);
+            let mut named = None;
+            if let Some((r, verb)) = self.reference(p.query) {
+                let (query, types) = (p.query, p.param_types);
+                let hash = self.with_statement(&r.name, server, max, out, |name, _| {
+                    let mut rewritten = BytesMut::new();
+                    let text = [&query[..r.span.start], name, &query[r.span.end..]];
+                    frame_of(
+                        &mut rewritten,
+                        fe::PARSE,
+                        &[&[0], &text.concat(), &[0], types],
+                    );
+                    parse = rewritten.freeze();
+                });
+                named = hash.map(|hash| Named {
+                    hash,
+                    name: Bytes::from(r.name),
+                    frees: verb == Verb::Deallocate,
+                });
+            }
             self.unnamed = Some(Arc::new(Unnamed {
                 token,
-                parse: Bytes::copy_from_slice(frame),
+                parse: parse.clone(),
+                named,
             }));
             server.unnamed = Some(token);
-            return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
+            return self.send(out, &parse, Kind::One(be::PARSE_COMPLETE), None);
         }
         let name = Bytes::copy_from_slice(p.name);
         if self.statements.contains_key(&name) {
@@ -304,7 +333,12 @@ impl Translator {
                 "prepared statement \"{}\" already exists",
                 String::from_utf8_lossy(p.name)
             );
-            messages::error_response(&mut error, "ERROR", "42P05", &message);
+            messages::error_response(
+                &mut error,
+                "ERROR",
+                sqlstate::DUPLICATE_PSTATEMENT,
+                &message,
+            );
             self.answer(&error);
             self.skipping = true;
             return;
@@ -338,12 +372,74 @@ impl Translator {
             self.unnamed = Some(Arc::new(Unnamed {
                 token: u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed)),
                 parse: parse.freeze(),
+                named: None,
             }));
             return;
         }
         let statement = Statement::new(query, param_types, self.generation());
         self.statements
             .insert(Bytes::copy_from_slice(name), statement);
+    }
+
+    /// A simple Query. One that names a statement the client prepared
+    /// through the protocol (`EXECUTE`, `DEALLOCATE`, `PREPARE`) goes out
+    /// with the server's name for it, prepared there first; errors that
+    /// name it are given the client's name back.
+    fn query(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
+        let max = self.max;
+        let sql = frame[HEADER_LEN..].strip_suffix(&[0]).unwrap_or_default();
+        let Some((r, verb)) = self.reference(sql) else {
+            return self.send(out, frame, Kind::Ready, None);
+        };
+        if verb == Verb::Prepare && self.status == TxStatus::Idle && self.expect.is_empty() {
+            // Outside a transaction block the refusal changes nothing on
+            // the server: pgcache gives it. Inside one it must fail the
+            // server's transaction too, so the server is asked to prepare
+            // the statement's server name again (below), and refuses.
+            let message = format!(
+                "prepared statement \"{}\" already exists",
+                String::from_utf8_lossy(&r.name)
+            );
+            self.expect.push_back(Expect::new(
+                Kind::One(0),
+                Origin::Refusal(sqlstate::DUPLICATE_PSTATEMENT, message),
+            ));
+            return;
+        }
+        let owed = self.expect.len();
+        let mut query = BytesMut::new();
+        let hash = self.with_statement(&r.name, server, max, out, |name, _| {
+            let text = [&sql[..r.span.start], name, &sql[r.span.end..], &[0]];
+            frame_of(&mut query, fe::QUERY, &text);
+        });
+        if self.expect.len() > owed {
+            // A Parse went first: should it fail, PostgreSQL would skip
+            // messages up to a Sync, the Query too.
+            out.extend_from_slice(&messages::SYNC);
+            self.expect
+                .push_back(Expect::new(Kind::Ready, Origin::Injected));
+        }
+        out.extend_from_slice(&query);
+        self.owe(Kind::Ready);
+        if let Some(query) = self.expect.back_mut() {
+            query.named = hash.map(|hash| Named {
+                hash,
+                name: Bytes::from(r.name),
+                frees: verb == Verb::Deallocate,
+            });
+        }
+    }
+
+    /// The statement of the client's that SQL text names, if any.
+    fn reference(&self, sql: &[u8]) -> Option<(Reference, Verb)> {
+        if !may_refer(sql) {
+            return None;
+        }
+        let r = reference(std::str::from_utf8(sql).ok()?)?;
+        let verb = r.verb;
+        self.statements
+            .contains_key(r.name.as_slice())
+            .then_some((r, verb))
     }
 
     /// Writes a message naming a statement, with pgcache's name for it,
@@ -439,161 +535,6 @@ impl Translator {
             Kind::One(0),
             Origin::Synthetic(Bytes::copy_from_slice(frames)),
         ));
-    }
-
-    /// The answers pgcache gives that nothing sent before them holds up.
-    fn leading_synthetic(&mut self) -> BytesMut {
-        let mut out = BytesMut::new();
-        while let Some(Expect {
-            origin: Origin::Synthetic(frames),
-            ..
-        }) = self.expect.front()
-        {
-            out.extend_from_slice(frames);
-            self.expect.pop_front();
-        }
-        out
-    }
-
-    /// One frame from the server (header included): whether the client
-    /// gets it, the answers pgcache gives right after it, and what to send
-    /// the server again.
-    pub fn on_frame(&mut self, frame: &[u8], server: &mut ServerStatements) -> Answer {
-        let tag = frame[0];
-        let answer = |reply, to_client| Answer {
-            reply,
-            to_client,
-            to_server: BytesMut::new(),
-        };
-        if matches!(
-            tag,
-            be::NOTICE_RESPONSE | be::NOTIFICATION | be::PARAMETER_STATUS
-        ) {
-            return answer(Reply::Pass, BytesMut::new());
-        }
-        if tag == be::COPY_IN_RESPONSE {
-            // The front is what started COPY FROM STDIN: the Syncs sent
-            // after it, before CopyDone, will not be answered.
-            while self.expect.get(1).is_some_and(|e| e.may_be_ignored) {
-                self.expect.remove(1);
-            }
-            return answer(Reply::Pass, BytesMut::new());
-        }
-        let Some(front) = self.expect.front() else {
-            return answer(Reply::Pass, BytesMut::new());
-        };
-        let error = tag == be::ERROR_RESPONSE;
-        if error
-            && front.binds.is_some()
-            && stale_statement(&frame[HEADER_LEN.min(frame.len())..])
-            && let Some(to_server) = self.stale(server)
-        {
-            return Answer {
-                reply: Reply::Drop,
-                to_client: BytesMut::new(),
-                to_server,
-            };
-        }
-        let Some(front) = self.expect.front() else {
-            return answer(Reply::Pass, BytesMut::new());
-        };
-        let ends = error
-            || match front.kind {
-                Kind::One(t) => tag == t,
-                Kind::DescribeStatement | Kind::DescribePortal => {
-                    tag == be::ROW_DESCRIPTION || tag == be::NO_DATA
-                }
-                Kind::Execute => matches!(
-                    tag,
-                    be::COMMAND_COMPLETE | be::EMPTY_QUERY_RESPONSE | be::PORTAL_SUSPENDED
-                ),
-                Kind::Ready => tag == be::READY_FOR_QUERY,
-            };
-        let reply = match front.origin {
-            Origin::Injected if !error => Reply::Drop,
-            _ => Reply::Pass,
-        };
-        if !ends {
-            return answer(reply, BytesMut::new());
-        }
-        let done = self.expect.pop_front().expect("front above");
-        if error && done.kind != Kind::Ready {
-            self.failed(&done, server);
-            // The server skips the rest of the batch, up to its Sync.
-            while let Some(next) = self.expect.front() {
-                if next.kind == Kind::Ready && matches!(next.origin, Origin::Client) {
-                    break;
-                }
-                let skipped = self.expect.pop_front().expect("front above");
-                self.failed(&skipped, server);
-            }
-            return answer(reply, BytesMut::new());
-        }
-        if error {
-            self.failed(&done, server);
-        }
-        answer(reply, self.leading_synthetic())
-    }
-
-    /// The server refused the Bind in front because its statement is
-    /// stale. Retires the name: the client's statements under it take the
-    /// current generation, and the generation moves if pgcache had not
-    /// seen the DDL. Returns the messages to send again when the Bind is
-    /// retried unseen; `None`: the client gets the error.
-    fn stale(&mut self, server: &mut ServerStatements) -> Option<BytesMut> {
-        let front = self.expect.front_mut()?;
-        let stale = front.binds?;
-        let retry = front.retry.take();
-        let mut generation = self.generation();
-        // Named in the current generation: DDL pgcache did not see.
-        let unseen = self
-            .statements
-            .values()
-            .any(|s| s.hash == stale && s.generation == generation);
-        if unseen {
-            generation = self.schema.fetch_add(1, Ordering::AcqRel) + 1;
-        }
-        for statement in self.statements.values_mut().filter(|s| s.hash == stale) {
-            statement.renew(generation);
-        }
-        let retry = retry.filter(|_| unseen)?;
-        // Only when nothing follows the batch's Sync: the answers to what
-        // is sent again come last.
-        let sync = self
-            .expect
-            .iter()
-            .position(|e| e.kind == Kind::Ready && matches!(e.origin, Origin::Client))?;
-        if sync + 1 != self.expect.len() {
-            return None;
-        }
-        tracing::debug!("a Bind's statement was stale on the server: prepared again and retried");
-        for skipped in self.expect.drain(..).collect::<Vec<_>>() {
-            self.failed(&skipped, server);
-        }
-        // The server's ReadyForQuery for that Sync is not the client's.
-        self.expect
-            .push_back(Expect::new(Kind::Ready, Origin::Injected));
-        let mut out = BytesMut::new();
-        self.skipping = false;
-        self.translate_frames(&retry, server, false, &mut out);
-        Some(out)
-    }
-
-    /// A Parse that failed (or was skipped) prepared nothing.
-    fn failed(&mut self, expect: &Expect, server: &mut ServerStatements) {
-        if let Some((hash, name)) = &expect.prepares {
-            server.remove(*hash);
-            if let Some(name) = name {
-                self.statements.remove(name);
-            }
-        }
-    }
-
-    /// The connection is gone or changed with answers still owed (it was
-    /// lost): nothing more will come.
-    pub fn clear_owed(&mut self) {
-        self.expect.clear();
-        self.skipping = false;
     }
 }
 
@@ -828,6 +769,226 @@ mod tests {
             "prepared before the DDL: its error"
         );
         assert_eq!(schema.load(Ordering::Acquire), 1, "already retired");
+    }
+
+    fn query(sql: &str) -> Vec<u8> {
+        frame(fe::QUERY, &[sql.as_bytes(), &[0]])
+    }
+
+    fn ready(status: u8) -> Vec<u8> {
+        vec![be::READY_FOR_QUERY, 0, 0, 0, 5, status]
+    }
+
+    fn complete(tag: &str) -> Vec<u8> {
+        frame(be::COMMAND_COMPLETE, &[tag.as_bytes(), &[0]])
+    }
+
+    /// The texts of the simple Queries and Parses in `bytes`.
+    fn texts_in(bytes: &[u8]) -> Vec<String> {
+        crate::protocol::codec::frames(bytes)
+            .filter_map(|f| {
+                let body = &f[HEADER_LEN..];
+                let text = match f[0] {
+                    fe::QUERY => body.strip_suffix(&[0])?,
+                    fe::PARSE => extended::parse(body)?.query,
+                    _ => return None,
+                };
+                Some(String::from_utf8_lossy(text).into_owned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sql_execute_of_a_protocol_statement_names_it_as_the_server_does() {
+        let (mut t, mut server, _) = prepared();
+        let name = names_in(&t.statements["s".as_bytes()].parse())[0].clone();
+        for sql in [
+            "EXECUTE s",
+            "explain (costs off) execute S",
+            "create table t as execute s with no data",
+        ] {
+            let mut out = BytesMut::new();
+            t.translate(&query(sql), &mut server, 10, true, &mut out);
+            assert_eq!(server_tags(&out), "Q", "prepared there already");
+            let expected = sql.replacen(" s", &format!(" {name}"), 1);
+            let expected = expected.replacen(" S", &format!(" {name}"), 1);
+            assert_eq!(texts_in(&out), [expected]);
+            for answer in [complete("SELECT 1"), ready(b'I')] {
+                assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
+            }
+        }
+        // On a connection without it, it is prepared first.
+        let mut fresh = ServerStatements::default();
+        let mut out = BytesMut::new();
+        t.translate(&query("execute s"), &mut fresh, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PSQ");
+        assert_eq!(
+            texts_in(&out),
+            ["select 1".to_owned(), format!("execute {name}")]
+        );
+        // Should that Parse fail (its table dropped, say), the client gets
+        // its error and one ReadyForQuery, as for the Query directly.
+        let mut parse_error = BytesMut::new();
+        messages::error_response(
+            &mut parse_error,
+            "ERROR",
+            "42P01",
+            "relation does not exist",
+        );
+        let mut query_error = BytesMut::new();
+        messages::error_response(&mut query_error, "ERROR", "26000", "does not exist");
+        let replies: Vec<Reply> = [
+            parse_error.to_vec(),
+            ready(b'I'),
+            query_error.to_vec(),
+            ready(b'I'),
+        ]
+        .iter()
+        .map(|f| t.on_frame(f, &mut fresh).reply)
+        .collect();
+        assert_eq!(
+            replies,
+            [Reply::Pass, Reply::Drop, Reply::Drop, Reply::Pass]
+        );
+        assert!(t.is_idle() && !fresh.contains(t.statements["s".as_bytes()].hash));
+        // Names the client never prepared go out as written.
+        let mut out = BytesMut::new();
+        t.clear_owed();
+        t.translate(&query("execute other"), &mut server, 10, true, &mut out);
+        assert_eq!(texts_in(&out), ["execute other"]);
+    }
+
+    #[test]
+    fn a_sql_deallocate_frees_the_statement_once_the_server_did() {
+        let (mut t, mut server, _) = prepared();
+        let hash = t.statements["s".as_bytes()].hash;
+        // In a failed transaction the server refuses it: nothing is freed.
+        let mut out = BytesMut::new();
+        t.translate(&query("DEALLOCATE s"), &mut server, 10, false, &mut out);
+        assert_eq!(
+            texts_in(&out),
+            [format!(
+                "DEALLOCATE {}",
+                String::from_utf8_lossy(server_name(hash).as_bytes())
+            )]
+        );
+        let mut refused = BytesMut::new();
+        messages::error_response(&mut refused, "ERROR", "25P02", replies::FAILED);
+        // (It names no statement: the client gets it as it was.)
+        let answer = t.on_frame(&refused, &mut server);
+        assert_eq!(
+            (answer.reply, &answer.to_client[..]),
+            (Reply::Drop, &refused[..])
+        );
+        assert_eq!(t.on_frame(&ready(b'E'), &mut server).reply, Reply::Pass);
+        assert!(t.statements.contains_key("s".as_bytes()) && server.contains(hash));
+        // Done: gone from the client and from the server, which prepares
+        // it again for the next client that needs it.
+        let mut out = BytesMut::new();
+        t.translate(
+            &query("deallocate prepare s"),
+            &mut server,
+            10,
+            true,
+            &mut out,
+        );
+        for answer in [complete("DEALLOCATE"), ready(b'I')] {
+            assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
+        }
+        assert!(!t.statements.contains_key("s".as_bytes()));
+        assert!(!server.contains(hash));
+        let mut out = BytesMut::new();
+        run_s(&mut t, &mut server, true, &mut out);
+        assert_eq!(names_in(&out), ["s"], "unknown now: the server says so");
+    }
+
+    #[test]
+    fn an_unnamed_statement_that_deallocates_frees_at_its_execute() {
+        let (mut t, mut server, _) = prepared();
+        let hash = t.statements["s".as_bytes()].hash;
+        let batch = [parse("", "DEALLOCATE s"), bind(""), execute(), sync()].concat();
+        let mut out = BytesMut::new();
+        t.translate(&batch, &mut server, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PBES");
+        assert_eq!(
+            texts_in(&out),
+            [format!(
+                "DEALLOCATE {}",
+                String::from_utf8_lossy(server_name(hash).as_bytes())
+            )]
+        );
+        for answer in [
+            vec![be::PARSE_COMPLETE, 0, 0, 0, 4],
+            vec![be::BIND_COMPLETE, 0, 0, 0, 4],
+            complete("DEALLOCATE"),
+            ready(b'I'),
+        ] {
+            assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
+        }
+        assert!(!t.statements.contains_key("s".as_bytes()) && !server.contains(hash));
+    }
+
+    #[test]
+    fn deallocate_all_and_discard_all_free_every_statement() {
+        for tag in ["DEALLOCATE ALL", "DISCARD ALL"] {
+            let (mut t, mut server, _) = prepared();
+            let mut out = BytesMut::new();
+            t.translate(&query(tag), &mut server, 10, true, &mut out);
+            assert_eq!(texts_in(&out), [tag], "the server's go too");
+            t.on_frame(&complete(tag), &mut server);
+            t.on_frame(&ready(b'I'), &mut server);
+            assert!(t.statements.is_empty() && server.is_empty(), "{tag}");
+        }
+    }
+
+    #[test]
+    fn a_sql_prepare_of_a_protocol_name_is_refused_as_postgresql_would() {
+        let (mut t, mut server, _) = prepared();
+        let mut out = BytesMut::new();
+        let now = t.translate(
+            &query("PREPARE s AS select 2"),
+            &mut server,
+            10,
+            true,
+            &mut out,
+        );
+        assert!(out.is_empty(), "outside a block the server never sees it");
+        let frames: Vec<&[u8]> = crate::protocol::codec::frames(&now).collect();
+        assert_eq!(frames.len(), 2);
+        assert_eq!(
+            messages::error_code(&frames[0][HEADER_LEN..]),
+            Some("42P05")
+        );
+        assert!(String::from_utf8_lossy(frames[0]).contains("\"s\" already exists"));
+        assert_eq!(frames[1], ready(b'I'));
+        assert!(t.is_idle());
+        // In a block, the server refuses it (its transaction fails too),
+        // under the name the client knows.
+        t.translate(&query("BEGIN"), &mut server, 10, true, &mut out);
+        t.on_frame(&complete("BEGIN"), &mut server);
+        t.on_frame(&ready(b'T'), &mut server);
+        let mut out = BytesMut::new();
+        t.translate(
+            &query("PREPARE s AS select 2"),
+            &mut server,
+            10,
+            false,
+            &mut out,
+        );
+        let name = server_name(t.statements["s".as_bytes()].hash);
+        let name = String::from_utf8_lossy(name.as_bytes()).into_owned();
+        assert_eq!(texts_in(&out), [format!("PREPARE {name} AS select 2")]);
+        let mut refusal = BytesMut::new();
+        let message = format!("prepared statement \"{name}\" already exists");
+        messages::error_response(&mut refusal, "ERROR", "42P05", &message);
+        let answer = t.on_frame(&refusal, &mut server);
+        assert_eq!(answer.reply, Reply::Drop);
+        let mut expected = BytesMut::new();
+        let message = "prepared statement \"s\" already exists";
+        messages::error_response(&mut expected, "ERROR", "42P05", message);
+        assert_eq!(answer.to_client, expected);
+        assert_eq!(t.on_frame(&ready(b'E'), &mut server).reply, Reply::Pass);
+        assert!(t.is_idle());
     }
 
     #[test]

@@ -1,0 +1,220 @@
+//! What a transaction-mode client gets of its server connection's
+//! answers: each frame matched with what it answers ([`super::owed`]),
+//! pgcache's own answers put in their place, errors about a statement
+//! given the client's name for it, and a stale statement's Bind retried.
+
+use std::sync::atomic::Ordering;
+
+use bytes::BytesMut;
+
+use super::{Answer, Reply, Translator};
+use crate::pool::owed::{Expect, Kind, Origin, stale_statement};
+use crate::pool::statement::{ServerStatements, renamed};
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{TxStatus, backend as be, messages, sqlstate};
+
+/// PostgreSQL's words for a statement refused in a failed transaction.
+pub(super) const FAILED: &str =
+    "current transaction is aborted, commands ignored until end of transaction block";
+
+impl Translator {
+    /// The answers pgcache gives that nothing sent before them holds up.
+    pub(super) fn leading_synthetic(&mut self) -> BytesMut {
+        let mut out = BytesMut::new();
+        while let Some(front) = self.expect.front() {
+            match &front.origin {
+                Origin::Synthetic(frames) => out.extend_from_slice(frames),
+                Origin::Refusal(code, message) => {
+                    // As PostgreSQL answers a Query it refuses.
+                    let (code, message) = match self.status {
+                        TxStatus::Failed => (sqlstate::IN_FAILED_SQL_TRANSACTION, FAILED),
+                        _ => (*code, message.as_str()),
+                    };
+                    messages::error_response(&mut out, "ERROR", code, message);
+                    if self.status == TxStatus::InTransaction {
+                        self.status = TxStatus::Failed;
+                    }
+                    out.extend_from_slice(&messages::ready_for_query(self.status));
+                }
+                _ => break,
+            }
+            self.expect.pop_front();
+        }
+        out
+    }
+
+    /// One frame from the server (header included): whether the client
+    /// gets it, the answers pgcache gives right after it, and what to send
+    /// the server again.
+    pub fn on_frame(&mut self, frame: &[u8], server: &mut ServerStatements) -> Answer {
+        let tag = frame[0];
+        let answer = |reply, to_client| Answer {
+            reply,
+            to_client,
+            to_server: BytesMut::new(),
+        };
+        if matches!(
+            tag,
+            be::NOTICE_RESPONSE | be::NOTIFICATION | be::PARAMETER_STATUS
+        ) {
+            return answer(Reply::Pass, BytesMut::new());
+        }
+        if tag == be::READY_FOR_QUERY
+            && let Some(status) = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b))
+        {
+            self.status = status;
+        }
+        if tag == be::COMMAND_COMPLETE {
+            self.completed(&frame[HEADER_LEN.min(frame.len())..], server);
+        }
+        if tag == be::COPY_IN_RESPONSE {
+            // The front is what started COPY FROM STDIN: the Syncs sent
+            // after it, before CopyDone, will not be answered.
+            while self.expect.get(1).is_some_and(|e| e.may_be_ignored) {
+                self.expect.remove(1);
+            }
+            return answer(Reply::Pass, BytesMut::new());
+        }
+        let Some(front) = self.expect.front() else {
+            return answer(Reply::Pass, BytesMut::new());
+        };
+        let error = tag == be::ERROR_RESPONSE;
+        if error
+            && front.binds.is_some()
+            && stale_statement(&frame[HEADER_LEN.min(frame.len())..])
+            && let Some(to_server) = self.stale(server)
+        {
+            return Answer {
+                reply: Reply::Drop,
+                to_client: BytesMut::new(),
+                to_server,
+            };
+        }
+        let Some(front) = self.expect.front() else {
+            return answer(Reply::Pass, BytesMut::new());
+        };
+        let ends = front.ended_by(tag);
+        let (reply, renamed) = match &front.origin {
+            Origin::Injected if !error => (Reply::Drop, BytesMut::new()),
+            _ if error && front.answered => (Reply::Drop, BytesMut::new()),
+            // The server's error names the statement as the server knows
+            // it: the client gets it under its own name.
+            _ if error && let Some(named) = &front.named => (Reply::Drop, renamed(frame, named)),
+            _ => (Reply::Pass, BytesMut::new()),
+        };
+        if !ends {
+            return answer(reply, renamed);
+        }
+        let done = self.expect.pop_front().expect("front above");
+        if error {
+            self.skip_batch(&done, server);
+            return answer(reply, renamed);
+        }
+        let mut to_client = renamed;
+        to_client.extend_from_slice(&self.leading_synthetic());
+        answer(reply, to_client)
+    }
+
+    /// `done` failed: the server skips the rest of its batch, up to a Sync.
+    fn skip_batch(&mut self, done: &Expect, server: &mut ServerStatements) {
+        self.failed(done, server);
+        while let Some(next) = self.expect.front() {
+            if next.kind == Kind::Ready {
+                break;
+            }
+            let skipped = self.expect.pop_front().expect("front above");
+            self.failed(&skipped, server);
+        }
+        // A Sync of pgcache's own ended a Parse of its own: the client got
+        // that error for the Query behind, whose own is not its.
+        if matches!(done.origin, Origin::Injected)
+            && let Some(sync) = self.expect.front()
+            && matches!(sync.origin, Origin::Injected)
+            && let Some(query) = self.expect.get_mut(1)
+        {
+            query.answered = true;
+        }
+    }
+
+    /// The client's statement in front completed with `tag`: statements
+    /// it freed on the server are freed here too.
+    fn completed(&mut self, tag: &[u8], server: &mut ServerStatements) {
+        let Some(front) = self.expect.front_mut() else {
+            return;
+        };
+        if !matches!(front.origin, Origin::Client) {
+            return;
+        }
+        if tag == b"DEALLOCATE ALL\0" || tag == b"DISCARD ALL\0" {
+            // Every statement on the server went, the pool's others too.
+            self.statements.clear();
+            server.clear();
+        } else if tag == b"DEALLOCATE\0"
+            && let Some(named) = front.named.take_if(|n| n.frees)
+        {
+            server.remove(named.hash);
+            self.statements.remove(&named.name);
+        }
+    }
+
+    /// The server refused the Bind in front because its statement is
+    /// stale. Retires the name: the client's statements under it take the
+    /// current generation, and the generation moves if pgcache had not
+    /// seen the DDL. Returns the messages to send again when the Bind is
+    /// retried unseen; `None`: the client gets the error.
+    fn stale(&mut self, server: &mut ServerStatements) -> Option<BytesMut> {
+        let front = self.expect.front_mut()?;
+        let stale = front.binds?;
+        let retry = front.retry.take();
+        let mut generation = self.generation();
+        // Named in the current generation: DDL pgcache did not see.
+        let unseen = self
+            .statements
+            .values()
+            .any(|s| s.hash == stale && s.generation == generation);
+        if unseen {
+            generation = self.schema.fetch_add(1, Ordering::AcqRel) + 1;
+        }
+        for statement in self.statements.values_mut().filter(|s| s.hash == stale) {
+            statement.renew(generation);
+        }
+        let retry = retry.filter(|_| unseen)?;
+        // Only when nothing follows the batch's Sync: the answers to what
+        // is sent again come last.
+        let sync = self
+            .expect
+            .iter()
+            .position(|e| e.kind == Kind::Ready && matches!(e.origin, Origin::Client))?;
+        if sync + 1 != self.expect.len() {
+            return None;
+        }
+        tracing::debug!("a Bind's statement was stale on the server: prepared again and retried");
+        for skipped in self.expect.drain(..).collect::<Vec<_>>() {
+            self.failed(&skipped, server);
+        }
+        // The server's ReadyForQuery for that Sync is not the client's.
+        self.expect
+            .push_back(Expect::new(Kind::Ready, Origin::Injected));
+        let mut out = BytesMut::new();
+        self.skipping = false;
+        self.translate_frames(&retry, server, false, &mut out);
+        Some(out)
+    }
+
+    /// A Parse that failed (or was skipped) prepared nothing.
+    fn failed(&mut self, expect: &Expect, server: &mut ServerStatements) {
+        if let Some((hash, name)) = &expect.prepares {
+            server.remove(*hash);
+            if let Some(name) = name {
+                self.statements.remove(name);
+            }
+        }
+    }
+
+    /// The connection is gone or changed with answers still owed (it was
+    /// lost): nothing more will come.
+    pub fn clear_owed(&mut self) {
+        self.expect.clear();
+        self.skipping = false;
+    }
+}
