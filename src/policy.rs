@@ -15,6 +15,8 @@ pub struct Policy {
     pub default_ttl: Option<Duration>,
     pub refresh_after: Option<Duration>,
     pub coalesce_wait: Duration,
+    /// `cache.first_read_wait_ms`.
+    pub first_read_wait: Duration,
     /// The share of hits the correctness sampler checks, and at most how
     /// many a second.
     pub verify_rate: f64,
@@ -33,6 +35,7 @@ impl Policy {
             default_ttl: nonzero(config.default_ttl_secs),
             refresh_after: nonzero(config.refresh_after_secs),
             coalesce_wait: Duration::from_millis(config.coalesce_wait_ms),
+            first_read_wait: Duration::from_millis(config.first_read_wait_ms),
             verify_rate: config.verify_sample_rate,
             verify_max_per_sec: config.verify_max_per_sec,
             tables: config

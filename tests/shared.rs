@@ -92,6 +92,95 @@ async fn a_result_computed_by_one_instance_is_served_by_another_without_the_back
     assert_eq!(b.app.metrics.shared.hit.get(), before + 1);
 }
 
+/// A read answered by `proxy`'s cache: its hit count moves.
+async fn is_hit(proxy: &Proxy, client: &Client, sql: &str, want: &str) -> bool {
+    let before = proxy.hits();
+    assert_eq!(scalar(client, sql).await.as_deref(), Some(want));
+    proxy.hits() > before
+}
+
+/// Starting an instance neither ignores what Redis holds nor voids what
+/// another live instance keeps current. B starts while a direct session
+/// holds ACCESS EXCLUSIVE on the table (B's own stream cannot start then:
+/// its slot waits for that transaction); B's first read is answered from
+/// Redis at once. A keeps its hits across B's start and B's restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_instance_answers_from_redis_and_voids_nothing_another_kept_current() {
+    let db = pg().create_db("shared_start");
+    pg().psql_db(&db, ITEMS);
+    let url = redis().url();
+    let a = Proxy::start(config(&url)).await;
+    let ca = a.connect(&db).await;
+    shared_ready(&a, &db).await;
+    a.wait_stream(&db).await;
+    let sql = "SELECT sum(v) FROM items WHERE id <= 20";
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("2100"));
+    stored(&a, 1).await;
+    assert!(is_hit(&a, &ca, sql, "2100").await);
+    let epoch = a.app.cache.db(&db).versions.epoch.shared();
+
+    let locker = lock_table(&db, "items").await;
+    let b = Proxy::start(config(&url)).await;
+    // Not `connect`, which waits for B's stream and its catalog facts.
+    let cb = connect_dsn(&b.dsn("postgres", &db)).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), scalar(&cb, sql)).await;
+    let answer = answer.expect("B's first read is answered from Redis, not by PostgreSQL");
+    assert_eq!(answer.as_deref(), Some("2100"));
+    assert_eq!(b.app.metrics.shared.hit.get(), 1);
+    assert!(
+        !b.app.cache.db(&db).stream.is_streaming(),
+        "B's own stream is still waiting for the lock"
+    );
+    drop(locker);
+
+    b.wait_stream(&db).await;
+    shared_ready(&b, &db).await;
+    assert_eq!(
+        b.app.cache.db(&db).versions.epoch.shared(),
+        epoch,
+        "B's stream started without voiding Redis's entries"
+    );
+    assert!(is_hit(&a, &ca, sql, "2100").await, "A keeps its hits");
+
+    drop(cb);
+    drop(b);
+    let b = Proxy::start(config(&url)).await;
+    let cb = b.connect(&db).await;
+    b.wait_stream(&db).await;
+    shared_ready(&b, &db).await;
+    assert_eq!(
+        b.app.cache.db(&db).versions.epoch.shared(),
+        epoch,
+        "restarted, B voided nothing"
+    );
+    assert!(
+        is_hit(&a, &ca, sql, "2100").await,
+        "A keeps its hits across B's restart"
+    );
+    assert!(
+        is_hit(&b, &cb, sql, "2100").await,
+        "and B answers from Redis"
+    );
+
+    // With no other live instance, a start still voids what Redis holds:
+    // changes made while no stream ran were seen by no one.
+    drop((ca, cb));
+    drop((a, b));
+    pg().psql_db(&db, "UPDATE items SET v = v + 1 WHERE id = 1");
+    let c = Proxy::start(config(&url)).await;
+    let cc = c.connect(&db).await;
+    c.wait_stream(&db).await;
+    assert!(
+        c.app.cache.db(&db).versions.epoch.shared() > epoch,
+        "the epoch moved"
+    );
+    assert_eq!(
+        scalar(&cc, sql).await.as_deref(),
+        Some("2101"),
+        "never the old answer"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_redis_key_has_a_ttl_and_large_results_stay_local() {
     let redis = Redis::dedicated();

@@ -114,12 +114,28 @@ pub struct StreamHealth {
     slot: Mutex<Option<String>>,
     /// Signalled when the stream task ends.
     ended: tokio::sync::Notify,
+    /// When the newest heartbeat another instance's stream vouched for was
+    /// sent (see [`StreamHealth::vouch`]); 0: none yet.
+    vouched_as_of: AtomicU64,
+    /// The lease a vouch is good for, in microseconds.
+    vouch_lease: AtomicU64,
+    /// The database's first statements may still wait for the cache to
+    /// be able to answer them (`cache.first_read_wait_ms`): until it could
+    /// once, or one wait ran out.
+    warming: AtomicBool,
+    /// Signalled when the database's cache may have become servable: a
+    /// heartbeat back, a vouch, a stream up.
+    pub changed: tokio::sync::Notify,
 }
 
 impl Default for StreamHealth {
     fn default() -> Self {
         Self {
-            anchor: Instant::now(),
+            // Far enough back that a time sent before the state existed
+            // (a vouch) still reads as the past.
+            anchor: Instant::now()
+                .checked_sub(Duration::from_secs(3600))
+                .unwrap_or_else(Instant::now),
             claimed: AtomicBool::new(false),
             streaming: AtomicBool::new(false),
             fresh_as_of: AtomicU64::new(0),
@@ -132,6 +148,10 @@ impl Default for StreamHealth {
             unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
             ended: tokio::sync::Notify::new(),
+            vouched_as_of: AtomicU64::new(0),
+            vouch_lease: AtomicU64::new(0),
+            warming: AtomicBool::new(true),
+            changed: tokio::sync::Notify::new(),
         }
     }
 }
@@ -187,6 +207,42 @@ impl StreamHealth {
 
     pub fn set_streaming(&self, up: bool) {
         self.streaming.store(up, Ordering::Release);
+        self.changed.notify_waiters();
+    }
+
+    /// Another instance's stream, continuous since Redis's counters were
+    /// last voided, applied every change committed before a heartbeat sent
+    /// at `sent` (this instance's clock) to those counters: while this
+    /// instance's mirrors are in sync, its cache is as fresh as that, for
+    /// `lease`.
+    pub fn vouch(&self, sent: Instant, lease: Duration) {
+        self.vouch_lease
+            .store(lease.as_micros() as u64, Ordering::Release);
+        self.vouched_as_of
+            .fetch_max(self.micros(sent), Ordering::AcqRel);
+        self.changed.notify_waiters();
+    }
+
+    /// A vouch sent at most `within` ago was received.
+    pub fn vouched_within(&self, within: Duration) -> bool {
+        let as_of = self.vouched_as_of.load(Ordering::Acquire);
+        as_of != 0 && self.micros(Instant::now()).saturating_sub(as_of) <= within.as_micros() as u64
+    }
+
+    /// Another instance vouches for the database within its lease.
+    pub fn vouched(&self) -> bool {
+        let lease = self.vouch_lease.load(Ordering::Acquire);
+        self.vouched_within(Duration::from_micros(lease))
+    }
+
+    /// Whether the database's first statements may still wait.
+    pub fn is_warming(&self) -> bool {
+        self.warming.load(Ordering::Acquire)
+    }
+
+    /// Statements no longer wait for the cache to be able to answer.
+    pub fn warmed(&self) {
+        self.warming.store(false, Ordering::Release);
     }
 
     fn micros(&self, at: Instant) -> u64 {
@@ -236,6 +292,7 @@ impl StreamHealth {
     pub fn heartbeat_applied(&self, sent: Instant) {
         self.fresh_as_of
             .fetch_max(self.micros(sent), Ordering::AcqRel);
+        self.changed.notify_waiters();
     }
 
     /// Whether everything committed before `at` has been applied: a
@@ -373,6 +430,24 @@ impl Databases {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vouch_is_good_for_its_lease_from_when_its_heartbeat_was_sent() {
+        let stream = StreamHealth::default();
+        assert!(!stream.vouched(), "none yet");
+        let lease = Duration::from_secs(1);
+        stream.vouch(Instant::now() - Duration::from_secs(2), lease);
+        assert!(!stream.vouched(), "sent longer ago than the lease");
+        assert!(stream.vouched_within(Duration::from_secs(3)));
+        stream.vouch(Instant::now() - Duration::from_millis(100), lease);
+        assert!(stream.vouched());
+        stream.vouch(Instant::now() - Duration::from_secs(5), lease);
+        assert!(stream.vouched(), "an older vouch takes nothing back");
+        assert!(
+            stream.freshness().is_err(),
+            "a vouch is not this stream's freshness"
+        );
+    }
 
     #[test]
     fn a_migration_of_many_unpublished_tables_warns_once() {

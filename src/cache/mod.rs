@@ -85,6 +85,8 @@ pub struct Request<'a> {
     /// waits for nor holds up other sessions, and is never refreshed.
     pub in_transaction: bool,
     pub coalesce_wait: Duration,
+    /// `cache.first_read_wait_ms`.
+    pub first_read_wait: Duration,
     pub started: Instant,
     /// Shadow mode: a hit is not served ([`Lookup::WouldHit`]).
     pub shadow: bool,
@@ -131,6 +133,9 @@ pub enum Wait {
     Confirm { db: Arc<DbState>, reads: Reads },
     /// The shared tier's entry for this key and these versions.
     Shared { key: u128, stamp: Vec<u64> },
+    /// The database's cache able to answer (its stream, or another
+    /// instance's vouch), for at most so long.
+    Warm { db: Arc<DbState>, at_most: Duration },
     /// The end of a concurrent identical miss, for at most so long.
     Fill {
         filled: tokio::sync::watch::Receiver<()>,
@@ -145,11 +150,12 @@ pub struct Waited {
     confirmed: Option<bool>,
     shared: Option<(u128, Vec<u64>, Option<shared::entry::Entry>)>,
     filled: bool,
+    warmed: bool,
 }
 
 impl Waited {
     pub fn is_empty(&self) -> bool {
-        self.confirmed.is_none() && self.shared.is_none() && !self.filled
+        self.confirmed.is_none() && self.shared.is_none() && !self.filled && !self.warmed
     }
 }
 
@@ -205,10 +211,44 @@ impl Cache {
         if !self.replication_on() {
             return Ok(());
         }
-        db.stream.freshness().map_err(|unfresh| match unfresh {
-            Unfresh::Down => BypassReason::ReplicationDown,
-            Unfresh::Stale => BypassReason::ReplicationStale,
-        })
+        match db.stream.freshness() {
+            Ok(()) => Ok(()),
+            // Another instance's stream keeps Redis's counters current,
+            // and this instance's mirrors of them (see `SharedTier::usable`).
+            Err(_) if db.stream.vouched() && self.shared().is_some_and(|t| t.usable(db)) => Ok(()),
+            Err(Unfresh::Down) => Err(BypassReason::ReplicationDown),
+            Err(Unfresh::Stale) => Err(BypassReason::ReplicationStale),
+        }
+    }
+
+    /// Whether a statement of `db` may wait (`cache.first_read_wait_ms`)
+    /// for the cache to be able to answer it: only with a shared tier that
+    /// could (it may still be connecting), and only for the database's
+    /// first statements.
+    pub fn may_warm(&self, db: &DbState, wait: Duration) -> bool {
+        !wait.is_zero()
+            && db.stream.is_warming()
+            && self.shared().is_some_and(|t| !t.breaker_open())
+    }
+
+    /// Waits up to `at_most` for the catalog facts of `rels` and `funcs`.
+    pub async fn wait_for_facts(
+        &self,
+        db: &DbState,
+        (rels, funcs): (&[&str], &[&str]),
+        at_most: Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + at_most;
+        loop {
+            let settled = db.catalog.settled.notified();
+            if db.catalog.knows(rels, funcs) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                db.stream.warmed();
+                return;
+            }
+        }
     }
 
     /// The state of `db`'s replication stream, as the admin console and
@@ -261,8 +301,7 @@ impl Cache {
     /// session awaits with [`Cache::wait`] into `waited` before it asks
     /// again.
     pub fn lookup(&self, req: &Request<'_>, waited: &mut Waited) -> Result<Lookup, Wait> {
-        if let Err(reason) = self.freshness(req.db) {
-            self.bypassed(req.db, reason);
+        if let Err(reason) = self.servable(req, waited)? {
             return Ok(Lookup::Bypass(reason));
         }
         if self.shared().is_some_and(|t| t.read_your_writes) {
@@ -339,6 +378,29 @@ impl Cache {
         Ok(Lookup::Miss(Fill::new(req, local, shared, guard)))
     }
 
+    /// Whether the database's cache may answer now (see
+    /// [`Cache::freshness`]); a first statement waits a little for it.
+    fn servable(
+        &self,
+        req: &Request<'_>,
+        waited: &Waited,
+    ) -> Result<Result<(), BypassReason>, Wait> {
+        if let Err(reason) = self.freshness(req.db) {
+            if !waited.warmed && self.may_warm(req.db, req.first_read_wait) {
+                return Err(Wait::Warm {
+                    db: Arc::clone(req.db),
+                    at_most: req.first_read_wait,
+                });
+            }
+            self.bypassed(req.db, reason);
+            return Ok(Err(reason));
+        }
+        if req.db.stream.is_warming() {
+            req.db.stream.warmed();
+        }
+        Ok(Ok(()))
+    }
+
     /// Waits for what a [`Cache::lookup`] asked, and notes what came of it
     /// in `waited` for the lookup's next try.
     pub async fn wait(&self, wait: Wait, waited: &mut Waited) {
@@ -359,6 +421,21 @@ impl Cache {
                     None => None,
                 };
                 waited.shared = Some((key, stamp, found));
+            }
+            Wait::Warm { db, at_most } => {
+                let deadline = tokio::time::Instant::now() + at_most;
+                loop {
+                    let changed = db.stream.changed.notified();
+                    if self.freshness(&db).is_ok() {
+                        break;
+                    }
+                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                        // It would not come: the next statements go on.
+                        db.stream.warmed();
+                        break;
+                    }
+                }
+                waited.warmed = true;
             }
             Wait::Fill {
                 mut filled,

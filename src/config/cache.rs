@@ -24,6 +24,12 @@ pub struct CacheConfig {
     /// How long a miss waits for a concurrent identical one to fill the
     /// cache before going to PostgreSQL itself.
     pub coalesce_wait_ms: u64,
+    /// With a shared tier, how long a statement waits for this instance to
+    /// be able to answer it from the cache (its catalog facts fetched, its
+    /// stream or another instance's vouching for the shared counters)
+    /// before it goes to PostgreSQL; 0 = never waits. Only a database's
+    /// first statements wait, and never for names DDL made since start.
+    pub first_read_wait_ms: u64,
     /// The share of hits checked against PostgreSQL after they are served
     /// (0: none). See docs/trust.md.
     pub verify_sample_rate: f64,
@@ -219,6 +225,7 @@ impl Default for CacheConfig {
             mode: CacheMode::Auto,
             refresh_after_secs: 0,
             coalesce_wait_ms: 2000,
+            first_read_wait_ms: 300,
             verify_sample_rate: 0.001,
             verify_max_per_sec: 10,
             tables: Vec::new(),

@@ -119,6 +119,12 @@ impl Config {
                 self.cache.coalesce_wait_ms
             ));
         }
+        if self.cache.first_read_wait_ms > 10_000 {
+            problems.push(format!(
+                "cache.first_read_wait_ms: {} is above 10000",
+                self.cache.first_read_wait_ms
+            ));
+        }
         if self.replication.publication.is_empty() {
             problems.push("replication.publication: must not be empty".to_owned());
         }

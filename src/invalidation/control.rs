@@ -319,10 +319,8 @@ pub async fn install_ddl_trigger(
     // a command created or altered (named later, by [`ddl_names`], off the
     // user's transaction: naming it here costed a third more per DDL
     // statement), "*" for anything. The tag alone means anything.
-    let sql = format!(
-        "CREATE SCHEMA IF NOT EXISTS pgcache;
-         CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
-           LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+    let body = format!(
+        "
            DECLARE
              names text;
              rel text;
@@ -343,7 +341,17 @@ pub async fn install_ddl_trigger(
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
              END;
            EXCEPTION WHEN OTHERS THEN NULL;
-           END $$;
+           END"
+    );
+    // Installing is DDL, which the trigger announces and every instance
+    // treats as a change of everything: only when it differs.
+    if installed(ctl, &body).await {
+        return;
+    }
+    let sql = format!(
+        "CREATE SCHEMA IF NOT EXISTS pgcache;
+         CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
+           LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $pgcache${body}$pgcache$;
          DO $$ BEGIN
            IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl') THEN
              CREATE EVENT TRIGGER pgcache_ddl ON ddl_command_end EXECUTE FUNCTION pgcache.announce_ddl();
@@ -355,6 +363,19 @@ pub async fn install_ddl_trigger(
     );
     if let Err(e) = ctl.batch_execute(&sql).await {
         warn!(database, error = %e, "cannot install the DDL event trigger (needs superuser): DDL made outside pgcache is not seen");
+    }
+}
+
+/// Whether the DDL trigger is in place with the function body `body`.
+async fn installed(ctl: &tokio_postgres::Client, body: &str) -> bool {
+    const INSTALLED: &str =
+        "SELECT p.prosrc = $1 AND (SELECT count(*) FROM pg_catalog.pg_event_trigger
+           WHERE evtname IN ('pgcache_ddl', 'pgcache_ddl_drop')) = 2
+         FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = 'pgcache' AND p.proname = 'announce_ddl'";
+    match ctl.query_opt(INSTALLED, &[&body]).await {
+        Ok(Some(row)) => row.get::<_, Option<bool>>(0) == Some(true),
+        _ => false,
     }
 }
 

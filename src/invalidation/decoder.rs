@@ -23,6 +23,9 @@ pub(super) struct Step {
     pub(super) bumps: Bumps,
     /// A transaction that ran DDL committed: its xid and what it changed.
     pub(super) ddl_committed: Option<(u32, Announced)>,
+    /// A heartbeat of this instance came back: when it was sent, and its
+    /// position (every change committed before it is applied).
+    pub(super) beat: Option<(std::time::Instant, u64)>,
 }
 
 /// What the event trigger's messages of one transaction announced.
@@ -103,12 +106,16 @@ impl Decoder {
                 self.server_lsn = self.server_lsn.max(end_lsn.0);
             }
             ReplicationEvent::Message {
-                prefix, content, ..
+                prefix,
+                content,
+                lsn,
+                ..
             } if prefix == HEARTBEAT_PREFIX => {
                 // Delivered in commit order: everything committed before
                 // it was sent is applied by now.
                 if let Some(sent) = self.beats.back(&content) {
                     db.stream.heartbeat_applied(sent);
+                    step.beat = Some((sent, lsn.0));
                 }
             }
             ReplicationEvent::Message {

@@ -256,10 +256,7 @@ impl Streams {
             every,
         )));
         let mut listener = listen(&self.upstream, database).await?;
-        // Changes made while no stream was running were missed: everything
-        // cached for this database is stale, and so may be what this
-        // instance knows of the catalog.
-        self.invalidate(db, Bumps::opaque()).await;
+        let start = self.missed(&ctl, db).await?;
         db.stream
             .started(Duration::from_millis(self.settings.max_staleness_ms));
         db.stream.set_streaming(true);
@@ -297,7 +294,51 @@ impl Streams {
             if let Some((xid, announced)) = step.ddl_committed {
                 self.after_ddl(&ctl, db, xid, announced).await?;
             }
+            // After the bumps of what it follows are in Redis.
+            if let Some((sent, lsn)) = step.beat
+                && let Some(tier) = self.cache.shared()
+            {
+                tier.cover(db, start, lsn, sent).await;
+            }
         }
+    }
+
+    /// The stream just started: changes made while no stream of this
+    /// instance ran were missed. Everything this instance cached for the
+    /// database is void, and so is what it knows of the catalog; what Redis
+    /// holds is void too, unless another live instance's stream covered the
+    /// gap (see [`crate::cache::shared`]'s coverage). Returns the position
+    /// the stream covers from.
+    async fn missed(
+        &self,
+        ctl: &tokio_postgres::Client,
+        db: &Arc<DbState>,
+    ) -> Result<u64, ReplicationError> {
+        // At or past the slot's consistent point: the slot was made before.
+        let row = ctl
+            .query_one("SELECT pg_catalog.pg_current_wal_insert_lsn()::text", &[])
+            .await?;
+        let start = pgwire_replication::Lsn::parse(row.get(0))
+            .map_err(|e| ReplicationError::Config(format!("the server's WAL position: {e}")))?
+            .0;
+        let heartbeat = Duration::from_millis(self.settings.heartbeat_ms);
+        let covered = match self.cache.shared() {
+            Some(tier) => {
+                let lease = Duration::from_millis(self.settings.max_staleness_ms);
+                tier.covered(db, start, 2 * heartbeat, lease).await
+            }
+            None => false,
+        };
+        if covered {
+            info!(database = %db.name, "another instance's stream covered the gap: shared entries kept");
+            db.apply_local(&Bumps::opaque());
+        } else {
+            self.invalidate(db, Bumps::opaque()).await;
+            if let Some(tier) = self.cache.shared() {
+                tier.claim_cover(db, start).await;
+            }
+        }
+        Ok(start)
     }
 
     /// Opens the replication connection and starts streaming from a new

@@ -201,7 +201,7 @@ fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bo
                 engine.on_settings(generation, answer);
             }
             Err(Need::Prerequisites) => engine.found.prerequisites = true,
-            Err(Need::Facts) => engine.found.facts = true,
+            Err(Need::Facts | Need::Fetched { .. }) => engine.found.facts = true,
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.
             Err(Need::Cache(_)) => return true,

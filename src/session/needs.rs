@@ -30,6 +30,20 @@ where
                 self.look_up_facts().await?;
                 self.engine.found.facts = true;
             }
+            Need::Fetched { rels, funcs } => {
+                let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
+                let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
+                let wait = self.engine.known.policy.first_read_wait;
+                let db = &self.engine.db;
+                // Asked for with the statement's other actions, which run
+                // once it is decided: the fetch must start now.
+                self.app.fetch_catalog(db);
+                self.app
+                    .cache
+                    .wait_for_facts(db, (&rels, &funcs), wait)
+                    .await;
+                self.engine.found.facts = true;
+            }
             Need::Settings { sql, generation } => {
                 self.app.metrics.settings_queries.inc();
                 let rows = self.hidden_query(&sql).await?;

@@ -18,7 +18,7 @@
 
 pub mod fetch;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -177,6 +177,11 @@ pub struct Catalog {
     fetcher_down: AtomicBool,
     /// Lookups installed: a DDL statement must cause none (tested).
     fetches: AtomicU64,
+    /// Signalled when a fetch was installed or abandoned.
+    pub settled: Notify,
+    /// Names DDL made or changed since this instance started (bounded): no
+    /// tier can hold an answer about them worth waiting for.
+    made_by_ddl: Mutex<HashSet<Box<str>>>,
 }
 
 impl Catalog {
@@ -270,6 +275,8 @@ impl Catalog {
         let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
         settle(&mut names.rels, &asked.rels, fetched.rels, now);
         settle(&mut names.funcs, &asked.funcs, fetched.funcs, now);
+        drop(names);
+        self.settled.notify_waiters();
     }
 
     /// A fetch of `asked` failed: the names are asked for again by the
@@ -278,6 +285,14 @@ impl Catalog {
         let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
         release(&mut names.rels, &asked.rels);
         release(&mut names.funcs, &asked.funcs);
+        drop(names);
+        self.settled.notify_waiters();
+    }
+
+    /// Whether DDL made or changed one of `names` since start.
+    pub fn made_by_ddl<'a>(&self, mut names: impl Iterator<Item = &'a str>) -> bool {
+        let made = self.made_by_ddl.lock().unwrap_or_else(|e| e.into_inner());
+        !made.is_empty() && names.any(|n| made.contains(n))
     }
 
     /// DDL changed `ddl`: forget what it touched (and relations whose
@@ -289,9 +304,14 @@ impl Catalog {
             Ddl::None => return,
             Ddl::Objects(objects) if objects.is_empty() => return,
             Ddl::Objects(objects) => {
+                let mut made = self.made_by_ddl.lock().unwrap_or_else(|e| e.into_inner());
+                if made.len() + objects.len() > MAX_NAMES {
+                    made.clear();
+                }
                 for name in objects {
                     names.rels.remove(&**name);
                     names.funcs.remove(&**name);
+                    made.insert(name.to_string().into_boxed_str());
                 }
                 names.rels.retain(|_, entry| match entry {
                     Entry::Known(f) => !f
@@ -444,6 +464,19 @@ mod tests {
             table: true,
             policy_functions: Vec::new(),
         }
+    }
+
+    #[test]
+    fn names_ddl_made_are_known_as_such_and_the_rest_are_not() {
+        let catalog = Catalog::default();
+        assert!(!catalog.made_by_ddl(["t"].into_iter()));
+        catalog.forget(&Ddl::objects(["t"]));
+        assert!(catalog.made_by_ddl(["u", "t"].into_iter()));
+        catalog.forget(&Ddl::All);
+        assert!(
+            !catalog.made_by_ddl(["u"].into_iter()),
+            "forgetting everything (a stream's start) names nothing"
+        );
     }
 
     #[test]

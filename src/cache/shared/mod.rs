@@ -33,6 +33,7 @@
 mod breaker;
 pub mod confirm;
 mod conn;
+mod cover;
 pub mod entry;
 pub mod state;
 mod sync;
@@ -59,6 +60,9 @@ use sync::{apply_field, message_header};
 const EPOCH: &str = "e";
 const DDL: &str = "d";
 const TABLE: &str = "t:";
+/// Coverage: the LSN before which every change is bumped, and on the
+/// channel, a vouch ([`cover`]).
+const WATCH: &str = "w";
 
 /// Increments fields and announces the new values, in one round trip.
 /// KEYS[1]: the version hash. ARGV[1]: channel; ARGV[2]: message header
@@ -162,6 +166,10 @@ pub struct SharedTier {
     stores: Arc<Semaphore>,
     bump: Script,
     resync_script: Script,
+    cover_script: Script,
+    claim_script: Script,
+    /// `replication.max_staleness_ms`: how long a vouch is good for.
+    lease: Duration,
     metrics: SharedMetrics,
     /// `cache.shared.consistency = "read_your_writes"`: every read
     /// confirms its versions with Redis first ([`confirm`]).
@@ -197,6 +205,9 @@ impl SharedTier {
             stores: Arc::new(Semaphore::new(shared.max_pending_stores)),
             bump: Script::new(BUMP),
             resync_script: Script::new(RESYNC),
+            cover_script: Script::new(cover::COVER),
+            claim_script: Script::new(cover::CLAIM),
+            lease: config.max_staleness(),
             metrics,
             read_your_writes: shared.consistency == Consistency::ReadYourWrites,
         }

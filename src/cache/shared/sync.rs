@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
-use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE};
+use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WATCH};
 use crate::cache::database::DbState;
 use crate::cache::versions::Version;
 
@@ -148,6 +148,11 @@ impl SharedTier {
         let Some(db) = bg.databases.get(&database) else {
             return;
         };
+        if let [(field, age)] = updates.as_slice()
+            && field == WATCH
+        {
+            return self.vouched(&db, *age);
+        }
         self.metrics
             .invalidations_received
             .inc_by(updates.len() as u64);

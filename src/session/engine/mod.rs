@@ -84,6 +84,13 @@ pub(super) enum Need {
     /// The facts of the names the statement uses, looked up on the
     /// session's idle backend (pgcache has no connection of its own).
     Facts,
+    /// The facts of these relations and functions, being fetched: a
+    /// database's first statements wait for them a little while a tier
+    /// could answer (`cache.first_read_wait_ms`).
+    Fetched {
+        rels: Vec<String>,
+        funcs: Vec<String>,
+    },
     /// The session's settings, read on its idle backend by this query
     /// under the policy's `generation` of settings.
     Settings { sql: String, generation: u64 },
@@ -453,7 +460,7 @@ impl Engine {
         }
         let analysis = ctx.app.cache.analyzed(scanned, sql);
         let (rels, funcs) = Plan::names(&analysis);
-        let facts = self.facts(&rels, &funcs)?;
+        let facts = self.facts(ctx, &rels, &funcs)?;
         let plan = Arc::new(Plan::new(
             &analysis,
             &facts,
@@ -478,7 +485,7 @@ impl Engine {
     /// own connection while this statement goes on without them. Only when
     /// pgcache cannot open a connection of its own does the session look
     /// them up itself, on its idle backend.
-    fn facts(&mut self, rels: &[&str], funcs: &[&str]) -> Result<Facts, Need> {
+    fn facts(&mut self, ctx: &Ctx, rels: &[&str], funcs: &[&str]) -> Result<Facts, Need> {
         if rels.is_empty() && funcs.is_empty() {
             return Ok(Facts::default());
         }
@@ -489,12 +496,24 @@ impl Engine {
         if queued {
             self.actions.push(Action::Fetch);
         }
-        if !facts.complete()
-            && self.db.catalog.fetcher_down()
-            && self.backend_idle()
-            && !self.found.facts
-        {
+        if facts.complete() || self.found.facts {
+            return Ok(facts);
+        }
+        if self.db.catalog.fetcher_down() && self.backend_idle() {
             return Err(Need::Facts);
+        }
+        let names = || rels.iter().chain(funcs).copied();
+        if ctx
+            .app
+            .cache
+            .may_warm(&self.db, self.known.policy.first_read_wait)
+            && !self.db.catalog.made_by_ddl(names())
+        {
+            let owned = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
+            return Err(Need::Fetched {
+                rels: owned(rels),
+                funcs: owned(funcs),
+            });
         }
         Ok(facts)
     }

@@ -49,8 +49,7 @@ use crate::session::row_limit::{RowCut, cut_stored, set_row_limit};
 
 /// What became of a read the cache was asked for.
 enum Answer {
-    /// Answered from the cache; the backend never sees it (unless a
-    /// refresh of the entry was sent).
+    /// Answered from the cache; the backend sees only a refresh, if any.
     Served { refreshed: bool },
     /// To forward, with a capture if its result is to be stored.
     Forward(Option<Capture>),
@@ -515,6 +514,7 @@ impl Engine {
             stats: &plan.stats,
             in_transaction: self.tx.status != TxStatus::Idle,
             coalesce_wait: self.known.policy.coalesce_wait,
+            first_read_wait: self.known.policy.first_read_wait,
             started: ctx.now,
             shadow: self.known.policy.mode == CacheMode::Shadow,
         };

@@ -340,3 +340,48 @@ fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
     assert_eq!(statement, parse.name, "the Bind names it the same way");
     assert!(rig.engine.pipeline.to_backend.is_empty());
 }
+
+/// What the engine does with `frame` now, needs and all.
+fn decide(rig: &mut Rig, frame: &[u8]) -> Result<Flow, Need> {
+    let ctx = Ctx {
+        app: &rig.app,
+        client: &rig.entry.client,
+        now: Instant::now(),
+    };
+    let frame = Bytes::copy_from_slice(frame);
+    rig.engine.on_client_frame(&ctx, &frame)
+}
+
+#[test]
+fn a_first_statement_waits_for_its_facts_only_where_a_shared_tier_could_answer() {
+    let read = query("SELECT v FROM fresh WHERE k = 1");
+    // No shared tier: forwarded at once (the facts are fetched meanwhile).
+    let mut rig = Rig::logged_in();
+    assert!(matches!(decide(&mut rig, &read), Ok(Flow::Continue)));
+    assert_eq!(rig.sent_to_backend(), read);
+
+    let mut rig = Rig::logged_in();
+    let config = crate::Config::from_toml("[redis]\nurl = \"redis://127.0.0.1:1\"\n", "t".as_ref())
+        .expect("config");
+    let nodes = config.redis.nodes().expect("a Redis");
+    let metrics = rig.app.metrics.shared.clone();
+    let tier = crate::cache::shared::SharedTier::new(&config, nodes, "t", metrics);
+    rig.app.cache.set_shared(std::sync::Arc::new(tier));
+    match decide(&mut rig, &read) {
+        Err(Need::Fetched { rels, .. }) => assert_eq!(rels, ["fresh"]),
+        _ => panic!("a shared tier could answer: wait for the facts"),
+    }
+    assert!(rig.sent_to_backend().is_empty());
+    // Waited once: decided.
+    rig.engine.found.facts = true;
+    assert!(matches!(decide(&mut rig, &read), Ok(Flow::Continue)));
+    rig.engine.found.clear();
+
+    // A name DDL made since start: no tier can hold an answer about it.
+    rig.engine
+        .db
+        .catalog
+        .forget(&crate::cache::Ddl::objects(["made"]));
+    let read = query("SELECT v FROM made WHERE k = 1");
+    assert!(matches!(decide(&mut rig, &read), Ok(Flow::Continue)));
+}

@@ -109,7 +109,7 @@ impl Rig {
                     self.engine.on_settings(generation, answer);
                 }
                 Err(Need::Prerequisites) => self.engine.found.prerequisites = true,
-                Err(Need::Facts) => panic!("facts are known or fetched"),
+                Err(Need::Facts | Need::Fetched { .. }) => panic!("facts are known or fetched"),
                 Err(Need::Cache(_)) => panic!("no shared tier, no concurrent fill"),
             }
         }
