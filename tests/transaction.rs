@@ -1027,26 +1027,87 @@ async fn prepared_statements_survive_ddl_with_caching_off() {
 
 /// The `client_encoding` a client asking for `asked` is told at login.
 async fn reported_encoding(addr: std::net::SocketAddr, db: &str, asked: &str) -> String {
+    reported(addr, db, "client_encoding", asked)
+        .await
+        .expect("logged in")
+}
+
+/// What a login with startup parameter `name=asked` is told of `name`;
+/// `Err`: the login's error, as its SQLSTATE.
+async fn reported(
+    addr: std::net::SocketAddr,
+    db: &str,
+    name: &str,
+    asked: &str,
+) -> Result<String, String> {
     use tokio::io::AsyncWriteExt;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(&pgcache::protocol::startup::encode_startup(&[
         ("user", "postgres"),
         ("database", db),
-        ("client_encoding", asked),
+        (name, asked),
     ]))
     .await
     .unwrap();
     let login = wire::read_until_ready(&mut s).await;
+    if let Some((_, error)) = login.iter().find(|(tag, _)| *tag == b'E') {
+        return Err(wire::sqlstate_of(error).unwrap_or_default());
+    }
     assert_eq!(login.last().map(|m| m.0), Some(b'Z'), "{asked}: logged in");
-    login
+    Ok(login
         .iter()
         .filter(|(tag, _)| *tag == b'S')
         .find_map(|(_, body)| {
             let mut parts = body.split(|b| *b == 0);
-            (parts.next() == Some(b"client_encoding".as_slice()))
+            (parts.next() == Some(name.as_bytes()))
                 .then(|| String::from_utf8_lossy(parts.next().unwrap_or_default()).into_owned())
         })
-        .expect("client_encoding is reported")
+        .unwrap_or_else(|| panic!("{name} is reported")))
+}
+
+/// Every startup value a pooled client is told is the one PostgreSQL
+/// reports (`ISO, MDY` for `iso, mdy`), learnt once per pool and value;
+/// a value PostgreSQL refuses fails the login, as directly.
+#[tokio::test]
+async fn a_pooled_client_is_told_its_startup_values_as_postgresql_reports_them() {
+    let pg = pg();
+    let db = pg.create_db("tx_reported");
+    let direct: std::net::SocketAddr = format!("127.0.0.1:{}", pg.port).parse().unwrap();
+    let proxy = Proxy::start(config(pg, 2)).await;
+    // The pool's first login, relayed.
+    reported_encoding(proxy.addr, &db, "UTF8").await;
+    let cases = [
+        ("DateStyle", "iso, mdy"),
+        ("DateStyle", "german"),
+        ("DateStyle", "sql,dmy"),
+        ("TimeZone", "europe/paris"),
+        ("TimeZone", "utc"),
+        ("IntervalStyle", "POSTGRES_verbose"),
+        ("application_name", "caf\u{e9} app"),
+    ];
+    let before = checkouts(&proxy);
+    for (name, asked) in cases {
+        let want = reported(direct, &db, name, asked)
+            .await
+            .expect("direct login");
+        for _ in 0..2 {
+            let got = reported(proxy.addr, &db, name, asked).await;
+            assert_eq!(got.as_deref(), Ok(want.as_str()), "{name}={asked}");
+        }
+    }
+    assert!(
+        checkouts(&proxy) - before <= cases.len() as u64,
+        "a connection only the first time a value is met"
+    );
+    for (name, asked) in [("DateStyle", "bogus"), ("TimeZone", "nowhere/at_all")] {
+        let want = reported(direct, &db, name, asked).await;
+        assert!(want.is_err(), "PostgreSQL refuses {name}={asked}");
+        assert_eq!(
+            reported(proxy.addr, &db, name, asked).await,
+            want,
+            "{name}={asked}"
+        );
+    }
 }
 
 /// PostgreSQL reports the encoding's own name, however the client spelled

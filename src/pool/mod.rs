@@ -28,6 +28,7 @@ mod owed;
 mod pools;
 pub mod prepared;
 pub mod reference;
+pub mod reported;
 mod statement;
 pub mod transaction;
 

@@ -178,6 +178,8 @@ pub struct Pool {
     checkouts: AtomicU64,
     wait_us: AtomicU64,
     metrics: TransactionPoolMetrics,
+    /// How the server reports the startup values clients gave.
+    pub reported: super::reported::Reported,
 }
 
 /// A server connection held by a session; back with [`Lease::give_back`],
@@ -249,6 +251,7 @@ impl Pool {
             checkouts: AtomicU64::new(0),
             wait_us: AtomicU64::new(0),
             metrics,
+            reported: Default::default(),
         }
     }
 

@@ -14,8 +14,10 @@ use super::SessionError;
 use super::link::{CAPTURE, ClientState, Link, UNKNOWN_STATE, set_config_sql};
 use super::relay::Session;
 use crate::backend::BackendStream;
-use crate::pool::Server;
+use crate::invalidation::quote_literal;
 use crate::pool::clients::Activity;
+use crate::pool::transaction::Pool;
+use crate::pool::{Server, Statuses};
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{TxStatus, encoding, messages};
 
@@ -240,15 +242,16 @@ where
         guard.retarget(self.engine.backend_key.clone());
         self.engine.cancel = Some(guard);
         // The client's own values where it gave them (a name reported
-        // once is only ever replaced), its encoding as PostgreSQL names it.
+        // once is only ever replaced), as PostgreSQL reports them.
         let mut shown = statuses;
+        self.learn_reported(&pool, &shown).await?;
         for (name, value) in &self.engine.startup.params {
             if shown.has(name) {
-                let value = match name.as_str() {
-                    "client_encoding" => encoding::canonical(value).unwrap_or(value),
-                    _ => value,
+                let reported = match name.as_str() {
+                    "client_encoding" => encoding::canonical(value).map(str::to_owned),
+                    _ => pool.reported.get(name, value),
                 };
-                shown.set(name, value);
+                shown.set(name, reported.as_deref().unwrap_or(value));
             }
         }
         // Not kept: a pooled session's connection is never handed back
@@ -262,6 +265,42 @@ where
             .await
             .map_err(SessionError::ClientIo)?;
         self.detach_if_idle().await
+    }
+
+    /// Learns how the server reports the client's startup values that
+    /// the pool has not met yet, on a connection with the client's
+    /// settings applied: a value PostgreSQL refuses fails the login, as
+    /// it would directly.
+    async fn learn_reported(&mut self, pool: &Pool, shown: &Statuses) -> Result<(), SessionError> {
+        let missing: Vec<(String, String)> = self
+            .engine
+            .startup
+            .params
+            .iter()
+            .filter(|(name, value)| {
+                shown.has(name)
+                    && name != "client_encoding"
+                    && pool.reported.get(name, value).is_none()
+            })
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.attach(false).await?;
+        let names: Vec<String> = missing.iter().map(|(n, _)| quote_literal(n)).collect();
+        let sql = format!(
+            "SELECT pg_catalog.current_setting(n) FROM pg_catalog.unnest(ARRAY[{}]::text[]) \
+             WITH ORDINALITY AS t(n, i) ORDER BY i",
+            names.join(",")
+        );
+        let rows = self.hidden_query(&sql).await?.unwrap_or_default();
+        for ((name, value), row) in missing.iter().zip(rows) {
+            if let Some(Some(reported)) = row.into_iter().next() {
+                pool.reported.learn(name, value, &reported);
+            }
+        }
+        Ok(())
     }
 
     /// The backend connection, if this session handed it back clean.
