@@ -17,17 +17,6 @@ use tokio::net::TcpStream;
 
 const WAIT: Duration = Duration::from_secs(20);
 
-/// Bind of `statement` to the unnamed portal with one text parameter.
-fn bind_text(statement: &str, value: &str) -> Vec<u8> {
-    let mut body = [wire::cstr(""), wire::cstr(statement)].concat();
-    body.extend_from_slice(&0u16.to_be_bytes());
-    body.extend_from_slice(&1u16.to_be_bytes());
-    body.extend_from_slice(&(value.len() as u32).to_be_bytes());
-    body.extend_from_slice(value.as_bytes());
-    body.extend_from_slice(&0u16.to_be_bytes());
-    wire::frame(b'B', &body)
-}
-
 /// Sends `bytes`, reads up to the ReadyForQuery, and renders what came
 /// back: tags, with SQLSTATEs, command tags, statuses and row values.
 async fn exchange(s: &mut TcpStream, bytes: &[u8]) -> Vec<String> {
@@ -60,7 +49,7 @@ fn script(table: &str) -> Vec<(bool, Vec<u8>)> {
         (
             false,
             [
-                bind_text(name, value),
+                wire::bind_text(name, value),
                 wire::describe_portal(),
                 wire::execute(),
                 wire::sync(),
@@ -77,7 +66,7 @@ fn script(table: &str) -> Vec<(bool, Vec<u8>)> {
     let run_mine = || {
         (
             true,
-            [bind_text("mine", "1"), wire::execute(), wire::sync()].concat(),
+            [wire::bind_text("mine", "1"), wire::execute(), wire::sync()].concat(),
         )
     };
     vec![
@@ -180,7 +169,7 @@ fn script(table: &str) -> Vec<(bool, Vec<u8>)> {
 fn freed_read() -> Vec<Vec<u8>> {
     vec![
         wire::query("DEALLOCATE r"),
-        [bind_text("r", "1"), wire::execute(), wire::sync()].concat(),
+        [wire::bind_text("r", "1"), wire::execute(), wire::sync()].concat(),
     ]
 }
 
@@ -193,7 +182,7 @@ fn prepare_read() -> Vec<u8> {
 }
 
 fn run_read() -> Vec<u8> {
-    [bind_text("r", "1"), wire::execute(), wire::sync()].concat()
+    [wire::bind_text("r", "1"), wire::execute(), wire::sync()].concat()
 }
 
 /// What the script and the freed read give at `addr`; `proxy`: warm the

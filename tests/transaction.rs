@@ -783,17 +783,6 @@ enum Via {
     Direct,
 }
 
-/// Bind of `statement` with one text parameter, to the unnamed portal.
-fn bind_text(statement: &str, value: &str) -> Vec<u8> {
-    let mut body = [wire::cstr(""), wire::cstr(statement)].concat();
-    body.extend_from_slice(&0u16.to_be_bytes());
-    body.extend_from_slice(&1u16.to_be_bytes());
-    body.extend_from_slice(&(value.len() as u32).to_be_bytes());
-    body.extend_from_slice(value.as_bytes());
-    body.extend_from_slice(&0u16.to_be_bytes());
-    wire::frame(b'B', &body)
-}
-
 /// What one run of a prepared statement answered.
 #[derive(Debug)]
 enum Ran {
@@ -814,7 +803,7 @@ async fn run_prepared(
     if let Some(sql) = parse {
         batch.extend(wire::parse(name, sql));
     }
-    batch.extend(bind_text(name, param));
+    batch.extend(wire::bind_text(name, param));
     batch.extend(wire::describe_portal());
     batch.extend(wire::execute());
     batch.extend(wire::sync());

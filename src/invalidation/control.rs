@@ -379,18 +379,23 @@ async fn installed(ctl: &tokio_postgres::Client, body: &str) -> bool {
     }
 }
 
-/// Waits until transaction `xid` (32-bit, from the stream) is visible in a
-/// new snapshot of the control connection. Gives up after two seconds.
-pub async fn wait_visible(ctl: &tokio_postgres::Client, xid: u32) -> Result<(), ReplicationError> {
-    // Widen the xid with the epoch of the current snapshot's xmax.
-    const VISIBLE: &str = "SELECT pg_catalog.pg_visible_in_snapshot(
-        ((((x >> 32) - CASE WHEN $1 > (x & 4294967295) THEN 1 ELSE 0 END) << 32) | $1)::text::xid8, s)
+/// Waits until transactions `xids` (32-bit, from the stream) are visible
+/// in a new snapshot of the control connection. Gives up after two seconds.
+pub async fn wait_visible(
+    ctl: &tokio_postgres::Client,
+    xids: &[u32],
+) -> Result<(), ReplicationError> {
+    // Widen each xid with the epoch of the current snapshot's xmax.
+    const VISIBLE: &str = "SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
+        ((((m.x >> 32) - CASE WHEN d.xid > (m.x & 4294967295) THEN 1 ELSE 0 END) << 32) | d.xid)::text::xid8, s))
         FROM pg_catalog.pg_current_snapshot() s,
-             LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m";
+             LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m,
+             pg_catalog.unnest($1::int8[]) d(xid)";
+    let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     loop {
-        let visible: bool = ctl.query_one(VISIBLE, &[&i64::from(xid)]).await?.get(0);
-        if visible || tokio::time::Instant::now() >= deadline {
+        let visible: Option<bool> = ctl.query_one(VISIBLE, &[&xids]).await?.get(0);
+        if visible != Some(false) || tokio::time::Instant::now() >= deadline {
             return Ok(());
         }
         // The window is the few microseconds between a commit's WAL flush

@@ -43,7 +43,7 @@ impl Announced {
         self.names.is_none() && self.objects.is_empty()
     }
 
-    fn merge(&mut self, other: Announced) {
+    pub(super) fn merge(&mut self, other: Announced) {
         self.names.merge(&other.names);
         self.objects.extend(other.objects);
     }

@@ -34,6 +34,17 @@ pub fn bind(statement: &str) -> Vec<u8> {
     )
 }
 
+/// Bind of `statement` to the unnamed portal with one text parameter.
+pub fn bind_text(statement: &str, value: &str) -> Vec<u8> {
+    let mut body = [cstr(""), cstr(statement)].concat();
+    body.extend_from_slice(&0u16.to_be_bytes());
+    body.extend_from_slice(&1u16.to_be_bytes());
+    body.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    body.extend_from_slice(value.as_bytes());
+    body.extend_from_slice(&0u16.to_be_bytes());
+    frame(b'B', &body)
+}
+
 /// Execute of the unnamed portal, all rows.
 pub fn execute() -> Vec<u8> {
     execute_limited(0)
