@@ -11,10 +11,6 @@ ROUNDS=${1:-2}
 
 build_pgcache
 start_postgres
-psql_at() { # PORT DB [psql args...]
-    local port=$1 db=$2; shift 2
-    "$PGBIN/psql" -h 127.0.0.1 -p "$port" -U postgres -d "$db" -X -q -v ON_ERROR_STOP=1 "$@"
-}
 python3 - "$RUNDIR" <<'PY'
 import sys
 with open(f"{sys.argv[1]}/ddl.sql", "w") as f:

@@ -61,6 +61,11 @@ build_pgcache() {
     PGCACHE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/pgcache"
 }
 
+psql_at() { # PORT DB [psql args...]: psql as postgres, stopping at the first error
+    local port=$1 db=$2; shift 2
+    "$PGBIN/psql" -h 127.0.0.1 -p "$port" -U postgres -d "$db" -X -q -v ON_ERROR_STOP=1 "$@"
+}
+
 # start_pgcache PORT [flags...]; its metrics port is left in $METRICS_PORT.
 # $UPSTREAM_URL replaces the default upstream URL.
 start_pgcache() {

@@ -20,10 +20,6 @@ start_pgbouncer
 PGCACHE_PORT=$(free_port)
 start_pgcache "$PGCACHE_PORT"
 
-psql_at() { # PORT DB [psql args...]
-    local port=$1 db=$2; shift 2
-    "$PGBIN/psql" -h 127.0.0.1 -p "$port" -U postgres -d "$db" -X -q -v ON_ERROR_STOP=1 "$@"
-}
 
 # A database with t(k, v) of 10,000 rows; with $2 = big, also 20,000 tables
 # and 5,000 functions, made in transactions of 1,000 (the lock table's size).
