@@ -234,18 +234,29 @@ impl Streams {
         }
     }
 
-    async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
-        let database = db.name.as_str();
-        let ctl = self.upstream.control(database).await?;
+    /// What the stream needs of the database: the publication current, the
+    /// DDL event trigger in place.
+    async fn prepare(
+        &self,
+        ctl: &tokio_postgres::Client,
+        db: &DbState,
+    ) -> Result<(), ReplicationError> {
         if self.settings.manage_publication {
-            let synced = sync_publication(&ctl, &self.settings.publication, None).await?;
+            let synced = sync_publication(ctl, &self.settings.publication, None).await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
             let managed = self.settings.manage_publication;
             let publication = managed.then_some(self.settings.publication.as_str());
-            install_ddl_trigger(&ctl, database, publication).await;
+            install_ddl_trigger(ctl, &db.name, publication).await;
         }
+        Ok(())
+    }
+
+    async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
+        let database = db.name.as_str();
+        let ctl = self.upstream.control(database).await?;
+        self.prepare(&ctl, db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());

@@ -97,6 +97,9 @@ impl SharedTier {
                     // A failure from now on moves the generation again.
                     db.sync.dirty.store(false, Ordering::Release);
                     db.sync.synced.store(generation, Ordering::Release);
+                    // A statement waiting for the database's cache to be
+                    // servable may be now.
+                    db.stream.changed.notify_waiters();
                     self.metrics.resyncs.inc();
                 }
                 Err(e) => {
