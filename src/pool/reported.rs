@@ -11,29 +11,39 @@ use std::sync::Mutex;
 /// Past this many values the memo starts again.
 const MAX_VALUES: usize = 1024;
 
-/// A setting's name and a value as a client gave it.
-type Given = (Box<str>, Box<str>);
+/// What the server reports for each value of one setting, by the value as
+/// a client gave it.
+type Values = HashMap<Box<str>, Box<str>>;
 
-/// The values a pool's server reported, by setting and value as given.
+/// The values a pool's server reported, by setting.
 #[derive(Default)]
-pub struct Reported(Mutex<HashMap<Given, Box<str>>>);
+pub struct Reported(Mutex<HashMap<Box<str>, Values>>);
 
 impl Reported {
     /// How the server reports `value` of setting `name`, if learnt.
     pub fn get(&self, name: &str, value: &str) -> Option<String> {
-        let values = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        values
-            .get(&(Box::from(name), Box::from(value)))
-            .map(|v| v.to_string())
+        let settings = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        settings.get(name)?.get(value).map(|v| v.to_string())
+    }
+
+    /// Whether the pool learnt `value` of setting `name`.
+    pub fn knows(&self, name: &str, value: &str) -> bool {
+        let settings = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        settings
+            .get(name)
+            .is_some_and(|values| values.contains_key(value))
     }
 
     /// The server reports `value` of setting `name` as `reported`.
     pub fn learn(&self, name: &str, value: &str, reported: &str) {
-        let mut values = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if values.len() >= MAX_VALUES {
-            values.clear();
+        let mut settings = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if settings.values().map(Values::len).sum::<usize>() >= MAX_VALUES {
+            settings.clear();
         }
-        values.insert((name.into(), value.into()), reported.into());
+        settings
+            .entry(name.into())
+            .or_default()
+            .insert(value.into(), reported.into());
     }
 }
 
@@ -55,6 +65,8 @@ mod tests {
         for n in 0..MAX_VALUES {
             reported.learn("TimeZone", &n.to_string(), "x");
         }
-        assert!(reported.0.lock().unwrap().len() <= MAX_VALUES, "bounded");
+        let total: usize = reported.0.lock().unwrap().values().map(HashMap::len).sum();
+        assert!(total <= MAX_VALUES, "bounded");
+        assert!(reported.knows("TimeZone", &(MAX_VALUES - 1).to_string()));
     }
 }

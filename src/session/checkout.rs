@@ -278,9 +278,7 @@ where
             .params
             .iter()
             .filter(|(name, value)| {
-                shown.has(name)
-                    && name != "client_encoding"
-                    && pool.reported.get(name, value).is_none()
+                shown.has(name) && name != "client_encoding" && !pool.reported.knows(name, value)
             })
             .cloned()
             .collect();
