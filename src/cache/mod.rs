@@ -238,17 +238,8 @@ impl Cache {
         (rels, funcs): (&[&str], &[&str]),
         at_most: Duration,
     ) {
-        let deadline = tokio::time::Instant::now() + at_most;
-        loop {
-            let settled = db.catalog.settled.notified();
-            if db.catalog.knows(rels, funcs) {
-                return;
-            }
-            if tokio::time::timeout_at(deadline, settled).await.is_err() {
-                db.stream.warmed();
-                return;
-            }
-        }
+        let known = || db.catalog.knows(rels, funcs);
+        warm_until(db, &db.catalog.settled, at_most, known).await;
     }
 
     /// The state of `db`'s replication stream, as the admin console and
@@ -423,18 +414,8 @@ impl Cache {
                 waited.shared = Some((key, stamp, found));
             }
             Wait::Warm { db, at_most } => {
-                let deadline = tokio::time::Instant::now() + at_most;
-                loop {
-                    let changed = db.stream.changed.notified();
-                    if self.freshness(&db).is_ok() {
-                        break;
-                    }
-                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                        // It would not come: the next statements go on.
-                        db.stream.warmed();
-                        break;
-                    }
-                }
+                let servable = || self.freshness(&db).is_ok();
+                warm_until(&db, &db.stream.changed, at_most, servable).await;
                 waited.warmed = true;
             }
             Wait::Fill {
@@ -543,6 +524,27 @@ impl Cache {
                 db.apply_local(&bumps);
                 Publication(Some((Arc::clone(tier), Arc::clone(db), bumps, pending)))
             }
+        }
+    }
+}
+
+/// Waits up to `at_most` for `ready`, looking again whenever `changed` is
+/// signalled. If it runs out, `db`'s next statements wait no more.
+async fn warm_until(
+    db: &DbState,
+    changed: &tokio::sync::Notify,
+    at_most: Duration,
+    ready: impl Fn() -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + at_most;
+    loop {
+        let signalled = changed.notified();
+        if ready() {
+            return;
+        }
+        if tokio::time::timeout_at(deadline, signalled).await.is_err() {
+            db.stream.warmed();
+            return;
         }
     }
 }

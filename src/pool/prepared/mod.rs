@@ -224,14 +224,14 @@ impl Translator {
     fn bind(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
         let max = self.max;
         let body = &frame[HEADER_LEN..];
-        self.bound = match extended::bind_names(body) {
+        let names = extended::bind_names(body);
+        self.bound = match names {
             Some((_, b"")) => self.unnamed.as_ref().and_then(|u| u.named.clone()),
             _ => None,
         };
-        match extended::bind_names(body) {
-            Some((_, statement)) => {
+        match names {
+            Some((portal, statement)) => {
                 let binds = self.with_statement(statement, server, max, out, |name, out| {
-                    let (portal, _) = extended::bind_names(body).expect("read above");
                     let rest = &body[portal.len() + 1 + statement.len() + 1..];
                     frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
                 });
@@ -300,7 +300,7 @@ impl Translator {
             let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
             let mut parse = Bytes::copy_from_slice(frame);
             let mut named = None;
-            if let Some((r, verb)) = self.reference(p.query) {
+            if let Some(r) = self.reference(p.query) {
                 let (query, types) = (p.query, p.param_types);
                 let hash = self.with_statement(&r.name, server, max, out, |name, _| {
                     let mut rewritten = BytesMut::new();
@@ -315,7 +315,7 @@ impl Translator {
                 named = hash.map(|hash| Named {
                     hash,
                     name: Bytes::from(r.name),
-                    frees: verb == Verb::Deallocate,
+                    frees: r.verb == Verb::Deallocate,
                 });
             }
             self.unnamed = Some(Arc::new(Unnamed {
@@ -388,10 +388,10 @@ impl Translator {
     fn query(&mut self, frame: &[u8], server: &mut ServerStatements, out: &mut BytesMut) {
         let max = self.max;
         let sql = frame[HEADER_LEN..].strip_suffix(&[0]).unwrap_or_default();
-        let Some((r, verb)) = self.reference(sql) else {
+        let Some(r) = self.reference(sql) else {
             return self.send(out, frame, Kind::Ready, None);
         };
-        if verb == Verb::Prepare && self.status == TxStatus::Idle && self.expect.is_empty() {
+        if r.verb == Verb::Prepare && self.status == TxStatus::Idle && self.expect.is_empty() {
             // Outside a transaction block the refusal changes nothing on
             // the server: pgcache gives it. Inside one it must fail the
             // server's transaction too, so the server is asked to prepare
@@ -425,21 +425,18 @@ impl Translator {
             query.named = hash.map(|hash| Named {
                 hash,
                 name: Bytes::from(r.name),
-                frees: verb == Verb::Deallocate,
+                frees: r.verb == Verb::Deallocate,
             });
         }
     }
 
     /// The statement of the client's that SQL text names, if any.
-    fn reference(&self, sql: &[u8]) -> Option<(Reference, Verb)> {
+    fn reference(&self, sql: &[u8]) -> Option<Reference> {
         if !may_refer(sql) {
             return None;
         }
         let r = reference(std::str::from_utf8(sql).ok()?)?;
-        let verb = r.verb;
-        self.statements
-            .contains_key(r.name.as_slice())
-            .then_some((r, verb))
+        self.statements.contains_key(r.name.as_slice()).then_some(r)
     }
 
     /// Writes a message naming a statement, with pgcache's name for it,
