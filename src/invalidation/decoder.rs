@@ -24,7 +24,8 @@ pub(super) struct Step {
     /// A transaction that ran DDL committed: its xid and what it changed.
     pub(super) ddl_committed: Option<(u32, Announced)>,
     /// A heartbeat of this instance came back: when it was sent, and its
-    /// position (every change committed before it is applied).
+    /// position (every change committed before it is applied once this
+    /// step is handled).
     pub(super) beat: Option<(std::time::Instant, u64)>,
 }
 
@@ -112,9 +113,9 @@ impl Decoder {
                 ..
             } if prefix == HEARTBEAT_PREFIX => {
                 // Delivered in commit order: everything committed before
-                // it was sent is applied by now.
+                // it was sent is applied once the stream has handled this
+                // step (DDL waiting for a heartbeat included).
                 if let Some(sent) = self.beats.back(&content) {
-                    db.stream.heartbeat_applied(sent);
                     step.beat = Some((sent, lsn.0));
                 }
             }

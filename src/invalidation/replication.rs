@@ -315,11 +315,14 @@ impl Streams {
             if !ddl.is_empty() && (step.beat.is_some() || ddl.len() >= MAX_DDL_BATCH) {
                 self.after_ddl(&ctl, db, std::mem::take(&mut ddl)).await?;
             }
-            // After the bumps of what it follows are in Redis.
-            if let Some((sent, lsn)) = step.beat
-                && let Some(tier) = self.cache.shared()
-            {
-                tier.cover(db, start, lsn, sent).await;
+            if let Some((sent, lsn)) = step.beat {
+                // Only now: a heartbeat back proves what came before it,
+                // DDL named and invalidated included.
+                db.stream.heartbeat_applied(sent);
+                // After the bumps of what it follows are in Redis.
+                if let Some(tier) = self.cache.shared() {
+                    tier.cover(db, start, lsn, sent).await;
+                }
             }
         }
     }
