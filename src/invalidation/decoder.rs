@@ -44,7 +44,7 @@ impl Announced {
         self.names.is_none() && self.objects.is_empty()
     }
 
-    pub(super) fn merge(&mut self, other: Announced) {
+    fn merge(&mut self, other: Announced) {
         self.names.merge(&other.names);
         self.objects.extend(other.objects);
     }

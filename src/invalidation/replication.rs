@@ -27,10 +27,6 @@ use crate::upstream::{Upstream, UpstreamAddr};
 /// How long letting go of a database may take.
 const RELEASE_WAIT: Duration = Duration::from_secs(5);
 
-/// DDL handled together at most: past it, the batch does not wait for the
-/// next heartbeat back.
-const MAX_DDL_BATCH: usize = 256;
-
 /// Starts and keeps the replication streams, one per database served.
 pub struct Streams {
     cache: Arc<Cache>,
@@ -277,7 +273,6 @@ impl Streams {
         db.stream.set_streaming(true);
         info!(database, slot, "replication stream up");
         let mut state = Decoder::new(beats);
-        let mut ddl = Vec::new();
         loop {
             let event = tokio::select! {
                 event = stream.recv() => event?,
@@ -307,17 +302,12 @@ impl Streams {
             if !step.bumps.is_empty() {
                 self.invalidate(db, step.bumps).await;
             }
-            ddl.extend(step.ddl_committed);
-            // DDL comes in bursts (a migration, a test suite's set-up): it
-            // is named and the publication brought up to date once for all
-            // committed since the last heartbeat back, not once per
-            // statement. Its versions were bumped already, at its commit.
-            if !ddl.is_empty() && (step.beat.is_some() || ddl.len() >= MAX_DDL_BATCH) {
-                self.after_ddl(&ctl, db, std::mem::take(&mut ddl)).await?;
+            if let Some(committed) = step.ddl_committed {
+                self.after_ddl(&ctl, db, committed).await?;
             }
             if let Some((sent, lsn)) = step.beat {
-                // Only now: a heartbeat back proves what came before it,
-                // DDL named and invalidated included.
+                // After the step: a heartbeat back proves what came before
+                // it, DDL named and invalidated included.
                 db.stream.heartbeat_applied(sent);
                 // After the bumps of what it follows are in Redis.
                 if let Some(tier) = self.cache.shared() {
@@ -423,14 +413,9 @@ impl Streams {
         &self,
         ctl: &tokio_postgres::Client,
         db: &Arc<DbState>,
-        committed: Vec<(u32, Announced)>,
+        (xid, announced): (u32, Announced),
     ) -> Result<(), ReplicationError> {
-        let xids: Vec<u32> = committed.iter().map(|(xid, _)| *xid).collect();
-        wait_visible(ctl, &xids).await?;
-        let mut announced = Announced::default();
-        for (_, one) in committed {
-            announced.merge(one);
-        }
+        wait_visible(ctl, &[xid]).await?;
         let mut ddl = announced.names;
         if !announced.objects.is_empty() {
             let named = ddl_names(ctl, &announced.objects).await?;
