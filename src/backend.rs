@@ -31,10 +31,6 @@ pub enum BackendStream {
     Tcp(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
     Unix(UnixStream),
-    /// No server connection: a pooled session between transactions
-    /// ([`crate::pool::transaction`]). Nothing ever arrives on it, so a
-    /// relay waiting on it waits on its client alone; a write fails.
-    Detached,
 }
 
 /// Opens a connection to the first upstream address that answers in time,
@@ -202,7 +198,6 @@ impl AsyncRead for BackendStream {
             BackendStream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
             BackendStream::Tls(s) => Pin::new(s).poll_read(cx, buf),
             BackendStream::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            BackendStream::Detached => Poll::Pending,
         }
     }
 }
@@ -217,7 +212,6 @@ impl AsyncWrite for BackendStream {
             BackendStream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
             BackendStream::Tls(s) => Pin::new(s).poll_write(cx, buf),
             BackendStream::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            BackendStream::Detached => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 
@@ -226,7 +220,6 @@ impl AsyncWrite for BackendStream {
             BackendStream::Tcp(s) => Pin::new(s).poll_flush(cx),
             BackendStream::Tls(s) => Pin::new(s).poll_flush(cx),
             BackendStream::Unix(s) => Pin::new(s).poll_flush(cx),
-            BackendStream::Detached => Poll::Ready(Ok(())),
         }
     }
 
@@ -235,7 +228,6 @@ impl AsyncWrite for BackendStream {
             BackendStream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
             BackendStream::Tls(s) => Pin::new(s).poll_shutdown(cx),
             BackendStream::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            BackendStream::Detached => Poll::Ready(Ok(())),
         }
     }
 }

@@ -60,7 +60,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                                 Arc::clone(&app),
                                 socket,
                                 peer,
-                                Arc::clone(&limit),
+                                (Arc::clone(&limit), sessions.clone()),
                                 starting,
                             )));
                         }

@@ -148,7 +148,10 @@ pub enum Wait {
 #[derive(Default)]
 pub struct Waited {
     confirmed: Option<bool>,
-    shared: Option<(u128, Vec<u64>, Option<shared::entry::Entry>)>,
+    /// Boxed: every session keeps a `Waited`, and Redis is waited on
+    /// rarely next to the statements that never wait.
+    #[allow(clippy::type_complexity)]
+    shared: Option<Box<(u128, Vec<u64>, Option<shared::entry::Entry>)>>,
     filled: bool,
     warmed: bool,
 }
@@ -335,7 +338,7 @@ impl Cache {
                 let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.reads);
                 // Redis's answer counts only for the key and versions it
                 // was asked under.
-                match waited.shared.take() {
+                match waited.shared.take().map(|b| *b) {
                     Some((k, s, found)) if k == key && s == stamp => {
                         if let Some(entry) = found {
                             return Ok(self.shared_hit(req, local, entry));
@@ -411,7 +414,7 @@ impl Cache {
                     Some(tier) => tier.get(key, &stamp).await,
                     None => None,
                 };
-                waited.shared = Some((key, stamp, found));
+                waited.shared = Some(Box::new((key, stamp, found)));
             }
             Wait::Warm { db, at_most } => {
                 let servable = || self.freshness(&db).is_ok();

@@ -25,8 +25,23 @@ pub(super) struct Batch {
     raw: BytesMut,
     /// Tags (and Describe kinds) of the held messages, for the key.
     shape: Vec<u8>,
+    /// The held messages; boxed, and given up while the session idles
+    /// ([`Batch::release_memory`]), as most sessions hold none most of the
+    /// time.
+    held: Option<Box<Held>>,
+    /// Part of the batch already went to the backend: nothing more is held.
+    pub forwarded: bool,
+    /// What the batch's statements change, applied at its ReadyForQuery.
+    pub effects: crate::cache::Bumps,
+    /// Statements the batch defines: forgotten if it fails.
+    pub parsed: Vec<Bytes>,
+}
+
+/// The messages a batch holds, one of each kind.
+#[derive(Default)]
+struct Held {
     /// The held Parse: (statement name, frame).
-    pub parse: Option<(Bytes, Bytes)>,
+    parse: Option<(Bytes, Bytes)>,
     bind: Option<Bytes>,
     describe: Option<(u8, Bytes)>,
     /// The held Execute: its portal, row limit and the plan of the
@@ -34,12 +49,6 @@ pub(super) struct Batch {
     execute: Option<(Bytes, i32, Arc<Plan>)>,
     /// Where the held Execute frame is in `raw`.
     execute_at: Option<std::ops::Range<usize>>,
-    /// Part of the batch already went to the backend: nothing more is held.
-    pub forwarded: bool,
-    /// What the batch's statements change, applied at its ReadyForQuery.
-    pub effects: crate::cache::Bumps,
-    /// Statements the batch defines: forgotten if it fails.
-    pub parsed: Vec<Bytes>,
 }
 
 /// The one query of a held batch: its Bind, plan and row limit.
@@ -144,41 +153,55 @@ impl Batch {
     }
 
     pub fn holds_tag(&self, tag: u8) -> bool {
+        let Some(held) = &self.held else {
+            return !matches!(tag, fe::PARSE | fe::BIND | fe::DESCRIBE | fe::EXECUTE);
+        };
         match tag {
-            fe::PARSE => self.parse.is_some(),
-            fe::BIND => self.bind.is_some(),
-            fe::DESCRIBE => self.describe.is_some(),
-            fe::EXECUTE => self.execute.is_some(),
+            fe::PARSE => held.parse.is_some(),
+            fe::BIND => held.bind.is_some(),
+            fe::DESCRIBE => held.describe.is_some(),
+            fe::EXECUTE => held.execute.is_some(),
             _ => true,
         }
     }
 
+    fn held(&mut self) -> &mut Held {
+        self.held.get_or_insert_with(Box::default)
+    }
+
     pub fn hold_parse(&mut self, name: Bytes, frame: &Bytes) {
-        self.parse = Some((name, frame.clone()));
+        self.held().parse = Some((name, frame.clone()));
         self.hold(frame);
     }
 
+    /// Takes the held Parse out: (statement name, frame).
+    pub fn take_parse(&mut self) -> Option<(Bytes, Bytes)> {
+        self.held.as_mut().and_then(|h| h.parse.take())
+    }
+
     pub fn hold_bind(&mut self, frame: &Bytes) {
-        self.bind = Some(frame.clone());
+        self.held().bind = Some(frame.clone());
         self.hold(frame);
     }
 
     pub fn hold_describe(&mut self, kind: u8, name: Bytes, frame: &Bytes) {
-        self.describe = Some((kind, name));
+        self.held().describe = Some((kind, name));
         self.hold(frame);
         self.shape.push(kind);
     }
 
     pub fn hold_execute(&mut self, portal: Bytes, max_rows: i32, plan: Arc<Plan>, frame: &Bytes) {
-        self.execute = Some((portal, max_rows, plan));
-        self.execute_at = Some(self.raw.len()..self.raw.len() + frame.len());
+        let at = self.raw.len()..self.raw.len() + frame.len();
+        let held = self.held();
+        held.execute = Some((portal, max_rows, plan));
+        held.execute_at = Some(at);
         self.hold(frame);
     }
 
     /// Where the held Execute frame is in the frames [`Batch::release`]
     /// returns.
     pub fn execute_at(&self) -> Option<std::ops::Range<usize>> {
-        self.execute_at.clone()
+        self.held.as_ref().and_then(|h| h.execute_at.clone())
     }
 
     fn hold(&mut self, frame: &Bytes) {
@@ -201,6 +224,13 @@ impl Batch {
         raw
     }
 
+    /// Gives back the memory of batches past while nothing is held.
+    pub fn release_memory(&mut self) {
+        if !self.holds() {
+            *self = Batch::default();
+        }
+    }
+
     /// Returns the buffer [`Batch::release`] took, emptied, for reuse.
     pub fn give_back(&mut self, mut raw: BytesMut) {
         raw.clear();
@@ -211,11 +241,9 @@ impl Batch {
     pub fn reset(&mut self) -> (crate::cache::Bumps, Vec<Bytes>) {
         self.raw.clear();
         self.shape.clear();
-        self.parse = None;
-        self.bind = None;
-        self.describe = None;
-        self.execute = None;
-        self.execute_at = None;
+        if let Some(held) = &mut self.held {
+            **held = Held::default();
+        }
         self.forwarded = false;
         (
             std::mem::take(&mut self.effects),
@@ -228,12 +256,15 @@ impl Batch {
     /// Describe naming what the Bind names. A row limit is kept for the
     /// lookup ([`crate::cache::Request::row_limit`]).
     pub fn single_query(&self) -> Result<SingleQuery, BypassReason> {
-        let (Some(bind_frame), Some((portal, max_rows, plan))) = (&self.bind, &self.execute) else {
+        let Some(held) = &self.held else {
+            return Err(BypassReason::UnsupportedShape);
+        };
+        let (Some(bind_frame), Some((portal, max_rows, plan))) = (&held.bind, &held.execute) else {
             return Err(BypassReason::UnsupportedShape);
         };
         let (bound_portal, statement) = extended::bind_names(&bind_frame[HEADER_LEN..])
             .ok_or(BypassReason::UnsupportedShape)?;
-        let describe_ok = self
+        let describe_ok = held
             .describe
             .as_ref()
             .is_none_or(|(kind, name)| describes_the_bound(*kind, name, bound_portal, statement));

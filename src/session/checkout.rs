@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
@@ -21,17 +20,26 @@ use crate::pool::{Server, Statuses};
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{TxStatus, encoding, messages};
 
-/// A session's backend while it holds no server connection.
-pub(super) fn detached() -> FramedStream<BackendStream> {
-    FramedStream::new(BackendStream::Detached, BytesMut::new(), 0)
-}
-
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
     pub(super) fn attached(&self) -> bool {
-        !matches!(self.backend.get_ref(), BackendStream::Detached)
+        self.backend.is_some()
+    }
+
+    /// The held connection; writing to none fails as a closed one would.
+    pub(super) fn server(&mut self) -> Result<&mut FramedStream<BackendStream>, SessionError> {
+        self.backend
+            .as_mut()
+            .ok_or_else(|| SessionError::BackendIo(std::io::ErrorKind::NotConnected.into()))
+    }
+
+    /// The held connection sent bytes not read yet.
+    pub(super) fn unread(&self) -> bool {
+        self.backend
+            .as_ref()
+            .is_some_and(|b| !b.buffered().is_empty())
     }
 
     /// Transaction mode, with no connection: takes one from the pool and
@@ -45,7 +53,7 @@ where
             return Ok(());
         };
         if let Some(e) = link.no_connection.take() {
-            return Err(SessionError::Pool(e));
+            return Err(SessionError::Pool(*e));
         }
         let pool = Arc::clone(&link.pool);
         let wait = link.knobs(&self.app).wait;
@@ -67,7 +75,7 @@ where
         };
         let server = lease.server();
         client.hold(server.id, server.key.backend_pid);
-        self.backend = stream;
+        self.backend = Some(stream);
         // One address for the whole pool: copied once, not per checkout.
         if self.engine.backend_addr != server.addr {
             self.engine.backend_addr = server.addr.clone();
@@ -99,11 +107,7 @@ where
     /// Transaction mode: gives the connection back once the session is
     /// idle, reading its settings first if they may have changed.
     pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
-        if !self.attached()
-            || !self
-                .engine
-                .may_give_back(!self.backend.buffered().is_empty())
-        {
+        if !self.attached() || !self.engine.may_give_back(self.unread()) {
             return Ok(());
         }
         let Link::Pooled(link) = &self.engine.link else {
@@ -115,10 +119,7 @@ where
                 self.drop_backend();
                 return Ok(());
             }
-            if !self
-                .engine
-                .may_give_back(!self.backend.buffered().is_empty())
-            {
+            if !self.engine.may_give_back(self.unread()) {
                 return Ok(());
             }
         }
@@ -130,13 +131,14 @@ where
         }
         tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
         let lifetime = link.knobs(&self.app).lifetime;
-        let stream = std::mem::replace(&mut self.backend, detached());
+        let Some(mut stream) = self.backend.take() else {
+            return Ok(());
+        };
         match link.lease.take() {
             Some(lease) => lease.give_back(stream, lifetime),
             None => {
                 // The connection the client logged in on: not the pool's.
-                link.own_statements.clear();
-                let mut stream = stream;
+                link.own_statements = None;
                 let _ = stream.write_all(&messages::TERMINATE).await;
             }
         }
@@ -186,7 +188,7 @@ where
             link.lease = None;
             link.translator.clear_owed();
         }
-        self.backend = detached();
+        self.backend = None;
         self.detached_now();
     }
 
@@ -196,10 +198,11 @@ where
         if !self.attached() {
             return;
         }
-        let clean = self
-            .engine
-            .may_give_back(!self.backend.buffered().is_empty());
+        let clean = self.engine.may_give_back(self.unread());
         let Link::Pooled(link) = &mut self.engine.link else {
+            return;
+        };
+        let Some(mut stream) = self.backend.take() else {
             return;
         };
         match link.lease.take() {
@@ -208,12 +211,10 @@ where
                     lease.server_mut().state = UNKNOWN_STATE;
                 }
                 let lifetime = link.knobs(&self.app).lifetime;
-                let stream = std::mem::replace(&mut self.backend, detached());
                 lease.give_back(stream, lifetime);
             }
             _ => {
                 // Closed, with a word, so PostgreSQL does not log a lost client.
-                let mut stream = std::mem::replace(&mut self.backend, detached());
                 tokio::spawn(async move {
                     let _ = stream.write_all(&messages::TERMINATE).await;
                 });
@@ -306,17 +307,14 @@ where
         if self.engine.server.pooling && self.engine.server.tainted {
             self.app.metrics.pool.closed_tainted.inc();
         }
-        if !self.engine.server.handed_back
-            || self.engine.backend_fatal
-            || !self.backend.buffered().is_empty()
-        {
+        if !self.engine.server.handed_back || self.engine.backend_fatal || self.unread() {
             return None;
         }
         let key = self.engine.backend_key?;
         let mut key_data = key.backend_pid.to_be_bytes().to_vec();
         key_data.extend_from_slice(&key.backend_secret);
         Some(Server {
-            stream: self.backend,
+            stream: self.backend?,
             addr: self.engine.backend_addr,
             statuses: self.engine.server.statuses,
             key_data,

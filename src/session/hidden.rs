@@ -61,7 +61,7 @@ where
                 // No connection: the statement goes on without the
                 // answer, and fails at once with the same error.
                 if let Link::Pooled(link) = &mut self.engine.link {
-                    link.no_connection = Some(e);
+                    link.no_connection = Some(Box::new(e));
                 }
                 return Ok(None);
             }
@@ -79,14 +79,14 @@ where
         &mut self,
         request: &[u8],
     ) -> Result<Result<Rows, Option<bytes::BytesMut>>, SessionError> {
-        self.backend
+        self.server()?
             .write_all(request)
             .await
             .map_err(SessionError::BackendIo)?;
         let mut rows = Vec::new();
         let mut failed = None;
         loop {
-            let frame = match self.backend.read_frame().await {
+            let frame = match self.server()?.read_frame().await {
                 Ok(Some(frame)) => frame,
                 Ok(None) => {
                     let eof = std::io::ErrorKind::UnexpectedEof.into();

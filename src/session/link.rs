@@ -1,9 +1,8 @@
 //! Transaction mode: a session's server connection comes from its pool
 //! ([`crate::pool::transaction`]) when a request has to go to PostgreSQL,
 //! and goes back once the session is idle again (no transaction, nothing
-//! in flight, no batch half sent). Between the two the session's backend
-//! is [`BackendStream::Detached`], and cache hits are answered without a
-//! connection.
+//! in flight, no batch half sent). Between the two the session holds no
+//! backend, and cache hits are answered without a connection.
 //!
 //! What the client set stays the client's ([`ClientState`]): its startup
 //! parameters and every setting it changed are applied to each connection
@@ -266,10 +265,12 @@ pub(super) struct PooledLink {
     /// connection.
     pub translator: Translator,
     /// The statements of the connection the client logged in on.
-    pub(super) own_statements: ServerStatements,
+    /// Boxed, and made only when used: most pooled sessions log in on
+    /// no connection of their own.
+    pub(super) own_statements: Option<Box<ServerStatements>>,
     /// Why pgcache's own query for the statement under way found no
     /// connection: the statement fails with it rather than wait again.
-    pub no_connection: Option<PoolError>,
+    pub no_connection: Option<Box<PoolError>>,
     /// The pool generation the session's settings were read in.
     pub prefix_generation: Option<u64>,
     /// The translated frames of one flush.
@@ -299,7 +300,7 @@ impl Link {
             state_dirty: false,
             state_checked: false,
             translator: Translator::default(),
-            own_statements: ServerStatements::default(),
+            own_statements: None,
             no_connection: None,
             prefix_generation: None,
             scratch: BytesMut::new(),
@@ -423,11 +424,11 @@ impl PooledLink {
 /// the two).
 fn statements_of<'a>(
     lease: &'a mut Option<Lease>,
-    own: &'a mut ServerStatements,
+    own: &'a mut Option<Box<ServerStatements>>,
 ) -> &'a mut ServerStatements {
     match lease {
         Some(lease) => &mut lease.server_mut().prepared,
-        None => own,
+        None => own.get_or_insert_with(Box::default),
     }
 }
 

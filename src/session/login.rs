@@ -31,15 +31,16 @@ where
         secret: Option<Box<ClientSecret>>,
     ) -> Result<Flow, SessionError> {
         let Some(secret) = secret else {
-            self.backend
+            self.server()?
                 .write_all(startup_raw)
                 .await
                 .map_err(SessionError::BackendIo)?;
             return self.relay_authentication().await;
         };
         let user = self.engine.startup.user().to_owned();
-        let login = auth::login_backend(&mut self.backend, startup_raw, &user, &secret);
-        let result = tokio::time::timeout(self.app.upstream.connect_timeout, login).await;
+        let connect_timeout = self.app.upstream.connect_timeout;
+        let login = auth::login_backend(self.server()?, startup_raw, &user, &secret);
+        let result = tokio::time::timeout(connect_timeout, login).await;
         let message = match result {
             Ok(Ok(())) => return Ok(Flow::Continue),
             Ok(Err(LoginError::Server(frame))) => {
@@ -75,7 +76,7 @@ where
             self.relay_client_auth(&mut plus_hidden).await?;
             tokio::select! {
                 _ = force.cancelled() => return Ok(Flow::Close),
-                r = self.backend.fill() => match r {
+                r = super::relay::fill(&mut self.backend) => match r {
                     Ok(0) | Err(_) => {
                         self.backend_lost(r.err()).await;
                         return Ok(Flow::Close);
@@ -95,12 +96,13 @@ where
     async fn relay_backend_auth(&mut self, plus_hidden: &mut bool) -> Result<bool, SessionError> {
         let mut pos = 0;
         let mut done = false;
-        while let Some(len) = self
-            .backend
+        let not_connected = || SessionError::BackendIo(std::io::ErrorKind::NotConnected.into());
+        let backend = self.backend.as_mut().ok_or_else(not_connected)?;
+        while let Some(len) = backend
             .frame_len_at(pos)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
-            let frame = &self.backend.buffered()[pos..pos + len];
+            let frame = &backend.buffered()[pos..pos + len];
             let code = (frame[0] == be::AUTHENTICATION && len >= HEADER_LEN + 4)
                 .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
             if code == Some(AUTH_OK) {
@@ -129,7 +131,7 @@ where
             }
             pos += len;
         }
-        self.backend.consume(pos);
+        backend.consume(pos);
         self.flush_out().await?;
         Ok(done)
     }
@@ -164,7 +166,10 @@ where
             pos += len;
         }
         if pos > 0 {
-            let r = self.backend.write_all(&self.client.buffered()[..pos]).await;
+            let r = match &mut self.backend {
+                Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
+                None => Err(std::io::ErrorKind::NotConnected.into()),
+            };
             self.client.consume(pos);
             r.map_err(SessionError::BackendIo)?;
         }

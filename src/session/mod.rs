@@ -46,6 +46,7 @@ use std::sync::Arc;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::App;
@@ -90,7 +91,7 @@ pub async fn serve(
     app: Arc<App>,
     socket: tokio::net::TcpStream,
     peer: SocketAddr,
-    limit: Arc<tokio::sync::Semaphore>,
+    (limit, sessions): (Arc<tokio::sync::Semaphore>, TaskTracker),
     starting: impl Send,
 ) {
     let config = app.config();
@@ -117,11 +118,24 @@ pub async fn serve(
     });
     drop(starting);
     let result = match negotiated {
-        Ok(Some(negotiated)) => admit(&app, client, negotiated, &limit, peer).await,
+        Ok(Some(negotiated)) => Box::pin(admit(&app, client, negotiated, &limit, peer)).await,
         Ok(None) => return, // a cancel request, or the client went away
         Err(e) => Err((client, e)),
     };
-    if let Err((mut client, e)) = result {
+    match result {
+        // A task of its own, whose future is the session's run alone: an
+        // idle client keeps nothing of how it logged in.
+        Ok(Some(ready)) => {
+            sessions.spawn(Box::new(ready).live(app));
+        }
+        Ok(None) => {}
+        Err((client, e)) => refused(client, e, peer).await,
+    }
+}
+
+/// Tells a client it was turned away, and why.
+async fn refused(mut client: FramedStream<ClientStream>, e: SessionError, peer: SocketAddr) {
+    {
         match &e {
             SessionError::Refused { message, .. } => info!(%peer, "{message}"),
             SessionError::Connect(e) => warn!(%peer, error = %e, "backend unreachable"),
@@ -133,16 +147,16 @@ pub async fn serve(
     }
 }
 
-/// From a StartupMessage to the end of the session: the checks, the admin
-/// console, authentication, the backend connection and the relay. An error
-/// comes back with the client, to be told.
+/// From a StartupMessage to a session ready to run: the checks, the admin
+/// console (served here: `None`), authentication and the backend
+/// connection. An error comes back with the client, to be told.
 async fn admit(
     app: &Arc<App>,
     mut client: FramedStream<ClientStream>,
     negotiated: Negotiated,
     limit: &Arc<tokio::sync::Semaphore>,
     peer: SocketAddr,
-) -> Result<(), Refused> {
+) -> Result<Option<Ready>, Refused> {
     let config = app.config();
     if app.tls.mode == SslMode::Require && !client.get_ref().is_tls() {
         let e = SessionError::refused(
@@ -151,7 +165,7 @@ async fn admit(
         );
         return Err((client, e));
     }
-    let Ok(_permit) = Arc::clone(limit).try_acquire_owned() else {
+    let Ok(permit) = Arc::clone(limit).try_acquire_owned() else {
         let e = SessionError::refused(
             sqlstate::TOO_MANY_CONNECTIONS,
             "sorry, too many clients already",
@@ -161,7 +175,7 @@ async fn admit(
     let startup = &negotiated.startup;
     if !config.admin.password.is_empty() && startup.database() == config.admin.database {
         Box::pin(crate::admin::serve(Arc::clone(app), client, startup)).await;
-        return Ok(());
+        return Ok(None);
     }
     let secret = match Box::pin(authenticate(app, &mut client, startup.user())).await {
         Ok(secret) => secret,
@@ -175,18 +189,20 @@ async fn admit(
         application_name: startup.param("application_name").unwrap_or_default(),
     });
     let pooled = config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some();
-    // Boxed: each mode's admission future keeps its argument's room for
-    // the whole session.
-    let admitted = Box::new(Admitted {
+    let admitted = Admitted {
         client,
         negotiated,
         secret,
         entry,
-    });
-    match pooled {
+    };
+    let ready = match pooled {
         true => Box::pin(admit_pooled(app, admitted)).await,
         false => Box::pin(admit_session(app, admitted)).await,
-    }
+    }?;
+    Ok(Some(Ready {
+        _permit: Some(permit),
+        ..ready
+    }))
 }
 
 /// A client past authentication: what each mode's admission starts from.
@@ -202,19 +218,81 @@ struct Admitted {
 /// A client turned away, with why.
 type Refused = (FramedStream<ClientStream>, SessionError);
 
+/// A session ready to run, with what its login still needs (the
+/// StartupMessage as the client sent it, and the client's secret when
+/// pgcache checked it and logs in with it), and what becomes of its
+/// connection at its end.
+struct Ready {
+    session: Session<ClientStream>,
+    login: Option<Box<Login>>,
+    end: End,
+    /// Its place under `server.max_client_connections`.
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// What becomes of a session's connection at its end.
+enum End {
+    /// Session mode: parked for the next client under `key`, if the
+    /// session handed it back and may (`checked_by_pgcache`: pgcache
+    /// authenticated the client itself).
+    Session {
+        key: Option<PoolKey>,
+        checked_by_pgcache: bool,
+    },
+    /// Transaction mode: an idle pooled connection goes back to its pool.
+    Pooled,
+}
+
+/// What a session's login to PostgreSQL needs: the StartupMessage as the
+/// client sent it, and the client's secret when pgcache checked it.
+pub(super) struct Login {
+    pub raw: BytesMut,
+    pub secret: Option<Box<ClientSecret>>,
+}
+
+impl Ready {
+    /// Runs the session to its end, in a span naming its user and
+    /// database, then settles its connection.
+    async fn live(mut self: Box<Self>, app: Arc<App>) {
+        let startup = &self.session.engine.startup;
+        let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
+        let login = self.login.take();
+        match self.session.run(login).instrument(span).await {
+            Ok(()) => debug!("session closed"),
+            Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
+            Err(e) => info!(error = %e, "session ended"),
+        }
+        let Ready {
+            mut session, end, ..
+        } = *self;
+        match end {
+            // A connection PostgreSQL asked a password for is kept only
+            // for clients pgcache authenticates itself.
+            End::Session {
+                key: Some(key),
+                checked_by_pgcache,
+            } => {
+                if let Some(server) = session.into_server()
+                    && (server.trusted || checked_by_pgcache)
+                {
+                    app.pool.give_back(&app.config().pool, key, server);
+                }
+            }
+            End::Session { key: None, .. } => {}
+            End::Pooled => session.release_at_end(),
+        }
+    }
+}
+
 /// Session mode: the session's own backend connection (a parked one when
-/// there is one it may have), and the session on it to its end.
-async fn admit_session(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Refused> {
+/// there is one it may have).
+async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refused> {
     let Admitted {
         client,
         negotiated,
         secret,
         entry,
-    } = {
-        // Its allocation freed here, not when the session ends.
-        let boxed = admitted;
-        *boxed
-    };
+    } = admitted;
     let config = app.config();
     let startup = &negotiated.startup;
     let checked_by_pgcache = secret.is_some();
@@ -253,40 +331,28 @@ async fn admit_session(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Re
         own.checks = Some(checks);
     }
     let link = Link::Session(own);
-    let mut session = Session::new(
+    let session = Session::new(
         Arc::clone(app),
         client,
-        (backend, addr),
+        (Some(backend), addr),
         book,
         (link, None),
         negotiated.startup,
         entry,
     );
-    run(&mut session, &negotiated.raw, secret).await;
-    // A connection PostgreSQL asked a password for is kept only for
-    // clients pgcache authenticates itself.
-    if let Some(key) = key
-        && let Some(server) = session.into_server()
-        && (server.trusted || checked_by_pgcache)
-    {
-        app.pool.give_back(&app.config().pool, key, server);
-    }
-    Ok(())
-}
-
-/// Runs a session to its end, in a span naming its user and database.
-async fn run(
-    session: &mut Session<ClientStream>,
-    startup_raw: &[u8],
-    secret: Option<Box<ClientSecret>>,
-) {
-    let startup = &session.engine.startup;
-    let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
-    match session.run(startup_raw, secret).instrument(span).await {
-        Ok(()) => debug!("session closed"),
-        Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
-        Err(e) => info!(error = %e, "session ended"),
-    }
+    let end = End::Session {
+        key,
+        checked_by_pgcache,
+    };
+    Ok(Ready {
+        session,
+        login: Some(Box::new(Login {
+            raw: negotiated.raw,
+            secret,
+        })),
+        end,
+        _permit: None,
+    })
 }
 
 /// Transaction mode: the session takes server connections from the pool
@@ -294,17 +360,13 @@ async fn run(
 /// its password, or PostgreSQL trusts the pool's clients) takes none to
 /// log in; any other logs in on a connection of its own first, relayed,
 /// which teaches the pool whether PostgreSQL trusts its clients.
-async fn admit_pooled(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Refused> {
+async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refused> {
     let Admitted {
         client,
         negotiated: Negotiated { raw, startup },
         secret,
         entry,
-    } = {
-        // Its allocation freed here, not when the session ends.
-        let boxed = admitted;
-        *boxed
-    };
+    } = admitted;
     let state = match ClientState::from_startup(&startup) {
         Ok(state) => state,
         Err(message) => {
@@ -324,20 +386,20 @@ async fn admit_pooled(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Ref
     };
     let (backend, addr) = if pool.can_log_in() {
         learning = None;
-        (checkout::detached(), app.upstream.addrs[0].clone())
+        (None, app.upstream.addrs[0].clone())
     } else {
         match Box::pin(crate::backend::connect(&app.upstream)).await {
             Ok((stream, addr)) => {
                 let buf = BytesMut::with_capacity(READ_CHUNK);
                 (
-                    FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME),
+                    Some(FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME)),
                     addr,
                 )
             }
             Err(e) => return Err((client, e.into())),
         }
     };
-    let mut session = Session::new(
+    let session = Session::new(
         Arc::clone(app),
         client,
         (backend, addr),
@@ -346,9 +408,12 @@ async fn admit_pooled(app: &Arc<App>, admitted: Box<Admitted>) -> Result<(), Ref
         startup,
         entry,
     );
-    run(&mut session, &raw, None).await;
-    session.release_at_end();
-    Ok(())
+    Ok(Ready {
+        session,
+        login: Some(Box::new(Login { raw, secret: None })),
+        end: End::Pooled,
+        _permit: None,
+    })
 }
 
 /// Terminate mode: pgcache checks the password before PostgreSQL is asked

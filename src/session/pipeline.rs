@@ -88,8 +88,9 @@ struct CopyTracker {
     /// many CopyInResponses to come find their COPY already ended. Not the
     /// flag above, which the next Execute or Query clears.
     ended_early: u32,
-    /// Bookkeeping of ignored Syncs, for the next one that is answered.
-    carry: Option<Inflight>,
+    /// Bookkeeping of ignored Syncs, for the next one that is answered;
+    /// boxed, as it is rare and every idle session keeps the room.
+    carry: Option<Box<Inflight>>,
 }
 
 /// What a client frame asks of the relay.
@@ -227,12 +228,12 @@ impl Pipeline {
         if self.copy.active && request.may_be_ignored {
             match &mut self.copy.carry {
                 Some(carry) => carry.absorb(request),
-                None => self.copy.carry = Some(request),
+                None => self.copy.carry = Some(Box::new(request)),
             }
             return;
         }
         if let Some(ignored) = self.copy.carry.take() {
-            request.absorb(ignored);
+            request.absorb(*ignored);
         }
         self.inflight.push_back(request);
     }
@@ -251,13 +252,13 @@ impl Pipeline {
             let ignored = self.inflight.pop_front().expect("checked above");
             match &mut self.copy.carry {
                 Some(carry) => carry.absorb(ignored),
-                None => self.copy.carry = Some(ignored),
+                None => self.copy.carry = Some(Box::new(ignored)),
             }
         }
         if let Some(carry) = self.copy.carry.take() {
             // The Sync after CopyDone may already be queued: it inherits.
             match self.inflight.front_mut() {
-                Some(next) => next.absorb(carry),
+                Some(next) => next.absorb(*carry),
                 None => self.copy.carry = Some(carry),
             }
         }

@@ -3,6 +3,13 @@
 //! in one write); a frame is decoded only when the session needs something
 //! from it. Reads use [`FramedStream::fill`], which is cancel-safe, so the
 //! `select!` never loses bytes.
+//!
+//! A session is either serving (a request in flight, or a connection
+//! held) or parked: in transaction mode, between transactions, holding no
+//! connection. Serving is a boxed future that lives until the session
+//! parks (in session mode, for the whole session); parked, the session
+//! waits on its client, the shutdown word and its idle timeout in a small
+//! future of its own, so an idle client costs its state and little more.
 
 use std::sync::Arc;
 
@@ -24,14 +31,15 @@ use crate::protocol::messages;
 use crate::protocol::sqlstate;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::scram::ClientSecret;
 use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
 
 pub(super) struct Session<C> {
     pub app: Arc<App>,
     pub client: FramedStream<C>,
-    pub backend: FramedStream<BackendStream>,
+    /// The server connection held now: in transaction mode, none between
+    /// transactions.
+    pub backend: Option<FramedStream<BackendStream>>,
     /// Everything the session knows and decides.
     pub(super) engine: Engine,
     /// Transaction mode: the pool's lesson in how to log in, held until
@@ -70,7 +78,7 @@ where
     pub fn new(
         app: Arc<App>,
         client: FramedStream<C>,
-        (backend, backend_addr): (FramedStream<BackendStream>, UpstreamAddr),
+        (backend, backend_addr): (Option<FramedStream<BackendStream>>, UpstreamAddr),
         server: ServerBook,
         (link, learning): (Link, Option<tokio::sync::OwnedMutexGuard<()>>),
         startup: Startup,
@@ -97,19 +105,30 @@ where
         self.engine.backend_idle()
     }
 
-    pub async fn run(
-        &mut self,
-        startup_raw: &[u8],
-        secret: Option<Box<ClientSecret>>,
-    ) -> Result<(), SessionError> {
+    /// The session from its login to its end. Only the relay's future is
+    /// kept whole while the session lives: the login and the ending are
+    /// boxed, large and live once.
+    pub async fn run(&mut self, login: Option<Box<super::Login>>) -> Result<(), SessionError> {
+        let result = match Box::pin(self.start(login)).await {
+            Ok(Flow::Continue) => self.relay().await,
+            other => other.map(|_| ()),
+        };
+        Box::pin(self.end(result)).await
+    }
+
+    /// Logs the client in: replayed for a parked connection, greeted by
+    /// pgcache on pooled connections, else with PostgreSQL.
+    async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
         let logged_in = if self.engine.server.reused {
             Ok(Flow::Continue) // its login frames are replayed by the relay
         } else if self.engine.link.is_pooled() && !self.attached() {
             // pgcache logs in for the client on pooled connections.
-            Box::pin(self.greet()).await.map(|()| Flow::Continue)
+            self.greet().await.map(|()| Flow::Continue)
         } else {
-            // Boxed, as greet: login futures are large and live once.
-            let flow = Box::pin(self.log_in(startup_raw, secret)).await;
+            let flow = match login {
+                Some(login) => self.log_in(&login.raw, login.secret).await,
+                None => Ok(Flow::Close),
+            };
             if let Link::Pooled(link) = &self.engine.link
                 && matches!(flow, Ok(Flow::Continue))
             {
@@ -134,10 +153,12 @@ where
         {
             checks.learn_trusted();
         }
-        let result = match logged_in {
-            Ok(Flow::Continue) => self.relay().await,
-            other => other.map(|_| ()),
-        };
+        logged_in
+    }
+
+    /// The session's end, as its result says: a lost backend or an error
+    /// told to the client.
+    async fn end(&mut self, result: Result<(), SessionError>) -> Result<(), SessionError> {
         match result {
             Ok(()) => Ok(()),
             Err(SessionError::BackendIo(e)) => {
@@ -156,14 +177,6 @@ where
     }
 
     async fn relay(&mut self) -> Result<(), SessionError> {
-        // What came with PostgreSQL's AuthenticationOk (and anything the
-        // client sent early) is handled before waiting for more.
-        if !self.backend.buffered().is_empty() && self.on_backend_data().await? == Flow::Close {
-            return Ok(());
-        }
-        if !self.client.buffered().is_empty() && self.on_client_data().await? == Flow::Close {
-            return Ok(());
-        }
         // Shutting down reaches a registered session through its entry
         // ([`crate::shutdown`]); one that registered after it began sees
         // the app's tokens here.
@@ -176,67 +189,130 @@ where
         }
         let timeouts = IdleTimeouts::new(&self.app.config().server);
         let mut last_activity = tokio::time::Instant::now();
+        let mut woke = None;
         loop {
-            // Waiting on the client: logged in and nothing asked of the backend.
-            let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
-            if waiting && !self.attached() {
-                // Transaction mode, between transactions: an idle client
-                // costs its session's state and nothing of a request.
-                self.client.release_if_empty();
-                self.engine.release_buffers();
+            let serving = self.serve(shutdown, &timeouts, &mut last_activity, woke.take());
+            // Boxed: parked, the session keeps none of it.
+            if Box::pin(serving).await? == Flow::Close {
+                return Ok(());
             }
-            let deadline = timeouts.deadline(waiting, self.engine.tx.status, last_activity);
-            let flow = tokio::select! {
+            self.client.release_if_empty();
+            self.engine.release_buffers();
+            let deadline = timeouts.deadline(true, self.engine.tx.status, last_activity);
+            woke = Some(tokio::select! {
                 biased;
-                _ = shutdown.wait(Stage::Force) => {
-                    let e = SessionError::refused(
-                        sqlstate::ADMIN_SHUTDOWN,
-                        "terminating connection: pgcache shutdown timeout reached",
-                    );
-                    self.close_with(&e).await;
-                    Flow::Close
-                }
-                // A session holding no connection has no backend to read.
-                r = self.backend.fill(), if self.attached() => match r {
-                    Ok(0) | Err(_) => { self.backend_lost(r.err()).await; Flow::Close }
-                    Ok(_) => self.on_backend_data().await?,
-                },
-                r = self.client.fill_lazily() => match r {
-                    Ok(0) => { self.client_gone().await; Flow::Close }
-                    Ok(n) => {
-                        self.app.metrics.client_bytes_in.inc_by(n as u64);
-                        self.on_client_data().await?
-                    }
-                    Err(e) => { self.client_gone().await; return Err(SessionError::ClientIo(e)) }
-                },
-                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => {
-                    self.engine.draining = true;
-                    self.close_if_drained().await
-                }
-                _ = sleep_until_or_never(deadline) => {
-                    let e = timeouts.error(self.engine.tx.status);
-                    info!(code = e.sqlstate(), "{e}");
-                    self.close_with(&e).await;
-                    Flow::Close
-                }
-            };
+                _ = shutdown.wait(Stage::Force) => Woke::Force,
+                r = self.client.fill_lazily() => Woke::Client(r),
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
+                _ = sleep_until_or_never(deadline) => Woke::Timeout,
+            });
             if timeouts.any {
                 last_activity = tokio::time::Instant::now();
             }
-            if flow == Flow::Close {
-                return Ok(());
+        }
+    }
+
+    /// Serves the session until it parks (`Flow::Continue`: in transaction
+    /// mode, waiting on its client and holding no connection) or ends.
+    /// `woke`: what ended the last parked wait.
+    async fn serve(
+        &mut self,
+        shutdown: &crate::shutdown::Shutdown,
+        timeouts: &IdleTimeouts,
+        last_activity: &mut tokio::time::Instant,
+        mut woke: Option<Woke>,
+    ) -> Result<Flow, SessionError> {
+        if woke.is_none() {
+            // What came with PostgreSQL's AuthenticationOk (and anything
+            // the client sent early) is handled before waiting for more.
+            if self.unread() && self.on_backend_data().await? == Flow::Close {
+                return Ok(Flow::Close);
+            }
+            if !self.client.buffered().is_empty() && self.on_client_data().await? == Flow::Close {
+                return Ok(Flow::Close);
             }
         }
+        loop {
+            if let Some(w) = woke.take()
+                && self.on_woke(w, timeouts).await? == Flow::Close
+            {
+                return Ok(Flow::Close);
+            }
+            // Waiting on the client: logged in and nothing asked of the backend.
+            let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
+            if waiting && !self.attached() {
+                return Ok(Flow::Continue);
+            }
+            let deadline = timeouts.deadline(waiting, self.engine.tx.status, *last_activity);
+            woke = Some(tokio::select! {
+                biased;
+                _ = shutdown.wait(Stage::Force) => Woke::Force,
+                // A session holding no connection has no backend to read.
+                r = fill(&mut self.backend) => Woke::Backend(r),
+                r = self.client.fill_lazily() => Woke::Client(r),
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
+                _ = sleep_until_or_never(deadline) => Woke::Timeout,
+            });
+            if timeouts.any {
+                *last_activity = tokio::time::Instant::now();
+            }
+        }
+    }
+
+    /// What woke the session, handled.
+    async fn on_woke(&mut self, woke: Woke, timeouts: &IdleTimeouts) -> Result<Flow, SessionError> {
+        Ok(match woke {
+            Woke::Force => {
+                let e = SessionError::refused(
+                    sqlstate::ADMIN_SHUTDOWN,
+                    "terminating connection: pgcache shutdown timeout reached",
+                );
+                self.close_with(&e).await;
+                Flow::Close
+            }
+            Woke::Backend(r) => match r {
+                Ok(n) if n > 0 => self.on_backend_data().await?,
+                r => {
+                    self.backend_lost(r.err()).await;
+                    Flow::Close
+                }
+            },
+            Woke::Client(Ok(0)) => {
+                self.client_gone().await;
+                Flow::Close
+            }
+            Woke::Client(Ok(n)) => {
+                self.app.metrics.client_bytes_in.inc_by(n as u64);
+                self.on_client_data().await?
+            }
+            Woke::Client(Err(e)) => {
+                self.client_gone().await;
+                return Err(SessionError::ClientIo(e));
+            }
+            Woke::Drain => {
+                self.engine.draining = true;
+                self.close_if_drained().await
+            }
+            Woke::Timeout => {
+                let e = timeouts.error(self.engine.tx.status);
+                info!(code = e.sqlstate(), "{e}");
+                self.close_with(&e).await;
+                Flow::Close
+            }
+        })
     }
 
     /// Relays every complete backend frame now buffered to the client,
     /// as the engine has it.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
         let ctx = ctx(&self.app, &self.entry);
-        let relayed = self.engine.on_backend(&ctx, self.backend.buffer_mut())?;
+        let Some(backend) = &mut self.backend else {
+            return Ok(Flow::Continue);
+        };
+        let relayed = self.engine.on_backend(&ctx, backend.buffer_mut())?;
         if !relayed.resend.is_empty() {
             // A retry: the server is waiting for it.
-            self.backend
+            self.server()?
                 .write_all(&relayed.resend)
                 .await
                 .map_err(SessionError::BackendIo)?;
@@ -245,7 +321,9 @@ where
         if relayed.end > 0 {
             self.relay_to_client(relayed.end, relayed.from).await?;
         }
-        self.backend.shrink_if_empty();
+        if let Some(backend) = &mut self.backend {
+            backend.shrink_if_empty();
+        }
         if self.engine.draining {
             return Ok(self.close_if_drained().await);
         }
@@ -274,12 +352,15 @@ where
     async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
         let sent = pos - copied + self.engine.out.len();
         self.app.metrics.client_bytes_out.inc_by(sent as u64);
+        let Some(backend) = &mut self.backend else {
+            return Ok(());
+        };
         let result = if self.engine.out.is_empty() && copied == 0 {
-            self.client.write_all(&self.backend.buffered()[..pos]).await
+            self.client.write_all(&backend.buffered()[..pos]).await
         } else {
             self.engine
                 .out
-                .extend_from_slice(&self.backend.buffered()[copied..pos]);
+                .extend_from_slice(&backend.buffered()[copied..pos]);
             let r = if self.engine.out.is_empty() {
                 Ok(())
             } else {
@@ -288,7 +369,7 @@ where
             self.engine.out.clear();
             r
         };
-        self.backend.consume(pos);
+        backend.consume(pos);
         if let Err(e) = result {
             self.client_gone().await;
             return Err(SessionError::ClientIo(e));
@@ -333,7 +414,10 @@ where
                     self.client.consume(pos);
                     self.flush_backend().await?;
                 } else {
-                    let r = self.backend.write_all(&self.client.buffered()[..pos]).await;
+                    let r = match &mut self.backend {
+                        Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
+                        None => Err(std::io::ErrorKind::NotConnected.into()),
+                    };
                     self.client.consume(pos);
                     r.map_err(SessionError::BackendIo)?;
                 }
@@ -428,7 +512,10 @@ where
         }
         if !self.engine.pipeline.to_backend.is_empty() {
             let (staged, answers) = self.engine.staged(&self.app);
-            let r = self.backend.write_all(staged).await;
+            let r = match &mut self.backend {
+                Some(backend) => backend.write_all(staged).await,
+                None => Err(std::io::ErrorKind::NotConnected.into()),
+            };
             staged.clear();
             if staged.capacity() > 1 << 20 {
                 *staged = BytesMut::new();
@@ -436,7 +523,7 @@ where
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
                 // Nothing was owed before them: as if they had arrived.
-                let buf = self.backend.buffer_mut();
+                let buf = self.server()?.buffer_mut();
                 let at = complete_frames(buf);
                 let tail = buf.split_off(at);
                 buf.extend_from_slice(&answers);
@@ -556,8 +643,29 @@ where
         {
             return;
         }
-        let _ = self.backend.write_all(&messages::TERMINATE).await;
+        if let Some(backend) = &mut self.backend {
+            let _ = backend.write_all(&messages::TERMINATE).await;
+        }
         self.drop_backend();
+    }
+}
+
+/// What ended a wait of the relay loop.
+enum Woke {
+    Force,
+    Backend(std::io::Result<usize>),
+    Client(std::io::Result<usize>),
+    Drain,
+    Timeout,
+}
+
+/// Reads more of the held connection; never ready while none is held.
+pub(super) async fn fill(
+    backend: &mut Option<FramedStream<BackendStream>>,
+) -> std::io::Result<usize> {
+    match backend {
+        Some(backend) => backend.fill().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -54,9 +54,11 @@ impl IdleTimeouts {
     }
 }
 
+/// Ready at `deadline`, never without one. The timer is boxed: the relay
+/// loop's waits keep its room, and most sessions have no deadline.
 pub(super) async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
     match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
+        Some(d) => Box::pin(tokio::time::sleep_until(d)).await,
         None => std::future::pending().await,
     }
 }

@@ -240,6 +240,7 @@ impl Engine {
             self.out = BytesMut::new();
         }
         self.pipeline.release();
+        self.batch.release_memory();
         if let Link::Pooled(link) = &mut self.link
             && link.scratch.is_empty()
         {

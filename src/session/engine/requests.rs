@@ -327,7 +327,7 @@ impl Engine {
                             // The backend never saw the held Parse: replay it
                             // before anything else it is sent, unless the
                             // refresh just sent it.
-                            if let Some(parse) = self.batch.parse.take() {
+                            if let Some(parse) = self.batch.take_parse() {
                                 self.known.unsent_parses.retain(|(n, _)| *n != parse.0);
                                 if !refreshed {
                                     // A copy: it may wait while the session
