@@ -10,6 +10,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::debug;
 
 use super::SessionError;
+use super::engine::LinkStep;
 use super::link::{CAPTURE, ClientState, Link, UNKNOWN_STATE, set_config_sql};
 use super::relay::Session;
 use crate::backend::BackendStream;
@@ -105,31 +106,31 @@ where
     }
 
     /// Transaction mode: gives the connection back once the session is
-    /// idle, reading its settings first if they may have changed.
+    /// idle, reading its settings first if they may have changed, as
+    /// [`Engine::link_step`](super::engine::Engine::link_step) says.
     pub(super) async fn detach_if_idle(&mut self) -> Result<(), SessionError> {
-        if !self.attached() || !self.engine.may_give_back(self.unread()) {
-            return Ok(());
-        }
-        let Link::Pooled(link) = &self.engine.link else {
-            return Ok(());
-        };
-        if link.state_dirty {
-            if !Box::pin(self.settle_settings()).await? {
-                // Unreadable: the connection is closed, not given back.
-                self.drop_backend();
-                return Ok(());
-            }
-            if !self.engine.may_give_back(self.unread()) {
-                return Ok(());
+        loop {
+            match self.engine.link_step(self.attached(), self.unread()) {
+                Some(LinkStep::ReadBack) => {
+                    if !Box::pin(self.settle_settings()).await? {
+                        // Unreadable: the connection is closed, not given back.
+                        self.drop_backend();
+                        return Ok(());
+                    }
+                }
+                Some(LinkStep::GiveBack) => return self.give_back().await,
+                Some(LinkStep::CheckOut) | None => return Ok(()),
             }
         }
+    }
+
+    /// Hands the held connection back to its pool (or closes the one the
+    /// client logged in on, which no pool owns).
+    async fn give_back(&mut self) -> Result<(), SessionError> {
+        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
         let Link::Pooled(link) = &mut self.engine.link else {
             return Ok(());
         };
-        if link.pinned.is_some() {
-            return Ok(());
-        }
-        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
         let lifetime = link.knobs(&self.app).lifetime;
         let Some(mut stream) = self.backend.take() else {
             return Ok(());

@@ -57,9 +57,9 @@ pub(super) struct Known {
     pub role: Option<String>,
     /// Statement texts whose hint problems this client was told of.
     warned: HashSet<u128>,
-    /// Plans by text, and by plan key (one shape, the same hints).
+    /// Plans by text. (Another text of a known shape finds its plan in
+    /// the database's plans, [`crate::session::SharedPlans`].)
     plans: HashMap<u128, KnownText>,
-    shape_plans: HashMap<u128, Arc<Plan>>,
     pub statements: HashMap<Bytes, Arc<Statement>>,
     /// The unnamed portal, which nearly every Bind makes: apart, as
     /// hashing its empty name into `portals` was most of a Bind's cost.
@@ -84,7 +84,6 @@ impl Known {
             role: None,
             warned: HashSet::new(),
             plans: HashMap::default(),
-            shape_plans: HashMap::default(),
             statements: HashMap::default(),
             unnamed_portal: None,
             portals: HashMap::default(),
@@ -156,22 +155,9 @@ impl Known {
         found
     }
 
-    /// The memoised plan of another text with this plan key.
-    pub fn shape_plan(
-        &self,
-        key: u128,
-        generation: u64,
-        policy_generation: u64,
-    ) -> Option<Arc<Plan>> {
-        current(self.shape_plans.get(&key), generation, policy_generation)
-    }
-
-    pub fn remember_plan(&mut self, hash: u128, plan_key: u128, plan: &Arc<Plan>) {
+    pub fn remember_plan(&mut self, hash: u128, plan: &Arc<Plan>) {
         if self.plans.len() >= MAX_PLANS {
             self.plans.clear();
-        }
-        if self.shape_plans.len() >= MAX_PLANS {
-            self.shape_plans.clear();
         }
         self.plans
             .entry(hash)
@@ -180,7 +166,6 @@ impl Known {
                 plan: Arc::clone(plan),
                 marks: None,
             });
-        self.shape_plans.insert(plan_key, Arc::clone(plan));
     }
 
     /// True the first time a text's hint problems come up.

@@ -18,7 +18,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
-use super::engine::{Action, Ctx, Engine, ReadyBatch};
+use super::engine::{Action, Ctx, Engine, LinkStep, ReadyBatch};
 use super::known::Known;
 use super::link::{Link, SessionLink};
 use super::pipeline::Flow;
@@ -499,7 +499,7 @@ where
     /// Writes the queued client frames to the backend, taking a pooled
     /// connection first if the session holds none.
     async fn flush_backend(&mut self) -> Result<(), SessionError> {
-        if !self.engine.pipeline.to_backend.is_empty() && !self.attached() {
+        if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
             // Boxed: taking a connection is a large future, and the
             // session waits on its client far more often.
             match Box::pin(self.attach(true)).await {

@@ -75,6 +75,19 @@ pub(super) enum Action {
     Offload(Box<Job>, Capture),
 }
 
+/// What a session in transaction mode is to do with its server connection
+/// now: the engine decides, the driver takes and gives back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LinkStep {
+    /// Frames wait for the backend and no connection is held: take one.
+    CheckOut,
+    /// The connection could go back, but the client's settings may have
+    /// changed on it: read them back first (then decide again).
+    ReadBack,
+    /// The connection is in a state another client may be given it in.
+    GiveBack,
+}
+
 /// What a client frame's decision waits for. The driver meets it, notes
 /// what it found in [`Found`], and feeds the engine the same frame again.
 pub(super) enum Need {
@@ -262,6 +275,28 @@ impl Engine {
             && link.translator.is_idle()
     }
 
+    /// Transaction mode: what to do with the server connection now.
+    /// `attached`: one is held; `unread`: it sent bytes not read yet.
+    /// A pinned session keeps its connection, but its settings are still
+    /// read back, as they are what pgcache's own requests for it run in.
+    pub fn link_step(&self, attached: bool, unread: bool) -> Option<LinkStep> {
+        let Link::Pooled(link) = &self.link else {
+            return None;
+        };
+        if !attached {
+            return (!self.pipeline.to_backend.is_empty()).then_some(LinkStep::CheckOut);
+        }
+        if !self.may_give_back(unread) {
+            None
+        } else if link.state_dirty {
+            Some(LinkStep::ReadBack)
+        } else if link.pinned.is_some() {
+            None
+        } else {
+            Some(LinkStep::GiveBack)
+        }
+    }
+
     /// At the client's Terminate: true if the connection is kept for the
     /// pool of parked connections, in which case the Terminate is not
     /// forwarded.
@@ -444,19 +479,14 @@ impl Engine {
         if !scanned.scan().hints.problems.is_empty() {
             self.warn_hints(ctx, hash, &scanned.scan().hints.problems);
         }
-        // Another text of this shape, planned by this session or by
-        // another session of the database.
+        // Another text of this shape, planned by a session of the database.
         let plan_key = scanned.plan_key();
-        let known = self
-            .known
-            .shape_plan(plan_key, generation, policy_generation)
-            .or_else(|| {
-                ctx.app
-                    .plans
-                    .get(&self.db, plan_key, generation, policy_generation)
-            });
+        let known = ctx
+            .app
+            .plans
+            .get(&self.db, plan_key, generation, policy_generation);
         if let Some(plan) = known {
-            self.known.remember_plan(hash, plan_key, &plan);
+            self.known.remember_plan(hash, &plan);
             return Ok(plan);
         }
         let analysis = ctx.app.cache.analyzed(scanned, sql);
@@ -475,7 +505,7 @@ impl Engine {
         // A plan made while facts were being fetched is made again once
         // they are known.
         if facts.complete() {
-            self.known.remember_plan(hash, analysis.plan_key, &plan);
+            self.known.remember_plan(hash, &plan);
             ctx.app.plans.put(&self.db, analysis.plan_key, &plan);
         }
         Ok(plan)

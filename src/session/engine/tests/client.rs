@@ -385,3 +385,52 @@ fn a_first_statement_waits_for_its_facts_only_where_a_shared_tier_could_answer()
     let read = query("SELECT v FROM made WHERE k = 1");
     assert!(matches!(decide(&mut rig, &read), Ok(Flow::Continue)));
 }
+
+#[test]
+fn transaction_mode_the_engine_says_when_a_connection_is_taken_and_given_back() {
+    use crate::session::engine::LinkStep::{CheckOut, GiveBack, ReadBack};
+    let mut rig = Rig::pooled();
+    rig.knows_table("items");
+    let step = |rig: &Rig, attached: bool, unread: bool| rig.engine.link_step(attached, unread);
+    // Nothing staged and nothing held: nothing to do.
+    assert_eq!(step(&rig, false, false), None);
+    let write = query("UPDATE items SET v = 1");
+    rig.client(&write);
+    assert_eq!(step(&rig, false, false), Some(CheckOut), "a request waits");
+    assert_eq!(rig.sent_to_backend(), write);
+    // Taken, and the request sent: kept until it is answered.
+    assert_eq!(step(&rig, true, false), None);
+    rig.backend(&[complete("UPDATE 1"), rfq(TxStatus::Idle)]);
+    assert_eq!(step(&rig, true, false), Some(GiveBack));
+    assert_eq!(step(&rig, true, true), None, "bytes not read yet");
+    // Inside a transaction block: kept until it ends.
+    rig.client(&query("BEGIN"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
+    assert_eq!(step(&rig, true, false), None);
+    rig.client(&query("COMMIT"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("COMMIT"), rfq(TxStatus::Idle)]);
+    assert_eq!(step(&rig, true, false), Some(GiveBack));
+    // A SET: the client's settings are read back before it goes back.
+    rig.client(&query("SET search_path = a"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("SET"), rfq(TxStatus::Idle)]);
+    assert_eq!(step(&rig, true, false), Some(ReadBack));
+    let Link::Pooled(link) = &mut rig.engine.link else {
+        panic!("transaction mode");
+    };
+    link.settled(link.state.clone());
+    assert_eq!(step(&rig, true, false), Some(GiveBack));
+    // A feature that lives in one backend: the connection is the
+    // session's for good.
+    rig.client(&query("LISTEN jobs"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("LISTEN"), rfq(TxStatus::Idle)]);
+    assert_eq!(step(&rig, true, false), None);
+    // Session mode takes nothing and gives nothing back.
+    let mut rig = Rig::caching();
+    rig.client(&write);
+    assert_eq!(rig.engine.link_step(true, false), None);
+    assert_eq!(rig.engine.link_step(false, false), None);
+}
