@@ -17,6 +17,7 @@ use crate::config::{self, Config, ConfigError};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
 use crate::pool::ServerPool;
+use crate::replica::{Out, Replicas};
 use crate::upstream::Upstream;
 use crate::{auth, cancel, policy, tls};
 
@@ -39,6 +40,8 @@ pub struct App {
     /// Statement plans, shared by the sessions of each database.
     pub plans: crate::session::SharedPlans,
     pub streams: Arc<Streams>,
+    /// Read replicas, watched for health and lag.
+    pub replicas: Arc<Replicas>,
     pub metrics: Arc<Metrics>,
     /// Bound by [`App::start`], served by [`crate::serve`].
     metrics_listener: Mutex<Option<TcpListener>>,
@@ -66,6 +69,8 @@ pub enum StartError {
     Tls(#[from] tls::TlsError),
     #[error("upstream.url: {0}")]
     Upstream(#[from] crate::upstream::UpstreamError),
+    #[error("upstream.replicas: {0}")]
+    Replica(String),
     #[error("cannot listen on {addr} (metrics.listen): {source}")]
     MetricsListen {
         addr: SocketAddr,
@@ -100,7 +105,10 @@ impl App {
             metrics.invalidations.notify.clone(),
             Arc::clone(&pool),
         ));
+        let replicas =
+            Replicas::new(&config, &metrics).map_err(|e| StartError::Replica(e.to_string()))?;
         Ok(Self {
+            replicas: Arc::new(replicas),
             auth: auth::Authenticator::new(&config.auth, Arc::clone(&upstream)),
             cache,
             plans: Default::default(),
@@ -177,10 +185,50 @@ impl App {
                 peers: app.metrics.invalidations.peer.clone(),
             });
         }
+        app.start_replicas().await?;
         let app = Arc::new(app);
         // Session mode has pools too: pgcache's own requests for hits.
         tokio::spawn(maintain_pools(Arc::downgrade(&app)));
         Ok(app)
+    }
+
+    /// Checks each replica and starts watching it: one that answers but
+    /// is not a standby of the primary is refused with the reason; one
+    /// that cannot be reached starts out of rotation.
+    async fn start_replicas(&self) -> Result<(), StartError> {
+        if !self.replicas.enabled() {
+            return Ok(());
+        }
+        let Some(primary_id) = invalidation::cluster_id(&self.upstream).await else {
+            return Err(StartError::Replica(
+                "cannot read the primary's system identifier (pg_control_system()), which every                  replica must share"
+                    .to_owned(),
+            ));
+        };
+        for replica in &self.replicas.servers {
+            match crate::replica::monitor::check(&replica.upstream, &primary_id).await {
+                Ok(_) => {}
+                Err(why @ (Out::OtherCluster { .. } | Out::NotInRecovery)) => {
+                    return Err(StartError::Replica(format!("{}: {why}", replica.name)));
+                }
+                Err(why) => warn!(replica = %replica.name, "replica out of rotation: {why}"),
+            }
+        }
+        let _ = self.replicas.primary_id.set(primary_id);
+        let drain = self.drain.clone();
+        tokio::spawn(crate::replica::monitor::watch_primary(
+            Arc::clone(&self.upstream),
+            Arc::clone(&self.replicas),
+            drain.clone(),
+        ));
+        for replica in &self.replicas.servers {
+            tokio::spawn(crate::replica::monitor::watch(
+                Arc::clone(replica),
+                Arc::clone(&self.replicas),
+                drain.clone(),
+            ));
+        }
+        Ok(())
     }
 
     /// The configuration in force.

@@ -15,6 +15,7 @@
 //! - [`invalidation`]: logical replication streams that bump versions.
 //! - [`backend`], [`cancel`], [`tls`], [`auth`]: connections and logins.
 //! - [`pool`]: server connections parked between sessions.
+//! - [`replica`]: read replicas, their health and lag, the choice of one.
 //! - [`app`]: the state one instance shares between its sessions.
 //! - [`session`]: one client, from startup to the relay loop.
 //! - [`admin`], [`http`], [`server`]: the console, the HTTP endpoint,
@@ -35,6 +36,7 @@ pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod protocol;
+pub mod replica;
 pub mod scram;
 pub mod server;
 pub mod session;

@@ -5,9 +5,11 @@
 //! values are refused at start-up with the key's name.
 
 mod cache;
+mod replicas;
 mod validate;
 
 pub use cache::*;
+pub use replicas::*;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -43,6 +45,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub pool: PoolConfig,
     pub log: LogConfig,
+    pub replicas: ReplicasConfig,
 }
 
 /// How pgcache writes its log (levels follow `RUST_LOG`).
@@ -259,6 +262,8 @@ pub struct UpstreamConfig {
     pub url: String,
     /// Time allowed to open a backend connection.
     pub connect_timeout_ms: u64,
+    /// Streaming standbys of `url` that take reads ([`ReplicasConfig`]).
+    pub replicas: Vec<ReplicaConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
@@ -289,6 +294,7 @@ impl Default for UpstreamConfig {
         Self {
             url: "postgres://127.0.0.1:5432".to_owned(),
             connect_timeout_ms: 5_000,
+            replicas: Vec::new(),
         }
     }
 }

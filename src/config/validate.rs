@@ -17,6 +17,11 @@ impl Config {
         self.check_cache(&mut problems);
         self.check_shared(&mut problems);
         self.check_access(&mut problems);
+        self.replicas.check(
+            &self.upstream.replicas,
+            self.replication.max_staleness_ms,
+            &mut problems,
+        );
         if problems.is_empty() {
             Ok(())
         } else {
@@ -35,7 +40,7 @@ impl Config {
             ));
         }
         if self.server.workers > 1024 {
-            problems.push("server.workers: at most 1024 (0 = half the CPUs)".to_owned());
+            problems.push("server.workers: at most 1024 (0 = one per CPU)".to_owned());
         }
         if self.server.max_startups_per_ip == 0 {
             problems.push("server.max_startups_per_ip: must be at least 1".to_owned());

@@ -14,8 +14,10 @@ use prometheus::{
 use crate::classify::BypassReason;
 
 mod pools;
+mod replicas;
 
 pub use pools::{PoolMetrics, TransactionPoolMetrics};
+pub use replicas::{ReplicaFamilies, ReplicaMetrics};
 
 pub struct Metrics {
     registry: Registry,
@@ -67,6 +69,8 @@ pub struct Metrics {
     pub shared: SharedMetrics,
     pub pool: PoolMetrics,
     pub pooled: TransactionPoolMetrics,
+    /// The read replicas', by server.
+    pub replicas: ReplicaFamilies,
 }
 
 /// The correctness sampler's checks ([`crate::cache::sampler`]).
@@ -496,6 +500,7 @@ impl Metrics {
             shared: SharedMetrics::new(&r),
             pool: PoolMetrics::new(&r),
             pooled: TransactionPoolMetrics::new(&r),
+            replicas: ReplicaFamilies::new(&r),
             registry,
         }
     }

@@ -138,6 +138,60 @@ impl Pg {
         );
     }
 
+    /// A streaming standby of this server (`pg_basebackup -R`), started on
+    /// a port of its own and stopped when dropped.
+    pub fn standby(&self) -> Pg {
+        let dir = scratch_dir("standby-");
+        let data = dir.join("data");
+        let out = server_cmd(self.bindir.join("pg_basebackup"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-X", "stream", "-R", "-c", "fast", "-D"])
+            .arg(&data)
+            .output()
+            .expect("run pg_basebackup");
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut standby = Pg {
+            port: 0,
+            dir,
+            bindir: self.bindir.clone(),
+            owned: true,
+            extra: self.extra.clone(),
+        };
+        for _attempt in 0..5 {
+            standby.port = free_port();
+            if standby.ctl_start() {
+                return standby;
+            }
+        }
+        panic!(
+            "the standby did not start; see {}",
+            standby.dir.join("log").display()
+        );
+    }
+
+    /// Promotes a standby to a primary of its own.
+    pub fn promote(&self) {
+        let status = server_cmd(self.bindir.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.data())
+            .args(["-w", "promote"])
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "pg_ctl promote failed");
+    }
+
     fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
