@@ -34,16 +34,31 @@ impl DbState {
     /// Bumps the local counters only (see [`super::Cache::invalidate`] for
     /// the order that keeps the shared tier coherent).
     pub fn apply_local(&self, bumps: &Bumps) {
+        let bump = |version: &super::versions::Version| match bumps.lsn {
+            Some(lsn) => version.bump_at(lsn),
+            None => version.bump_local(),
+        };
         for f in &bumps.families {
-            f.version.bump_local();
+            bump(&f.version);
         }
         self.catalog.forget(&bumps.ddl);
         if !bumps.ddl.is_none() {
             self.versions.schema_changed();
         }
         if !bumps.ddl.is_none() || bumps.epoch {
-            self.versions.epoch.bump_local();
+            bump(&self.versions.epoch);
         }
+        if bumps.lsn.is_none() && !bumps.is_empty() {
+            // Seen here before the stream tells where it is: reads after
+            // it go only to replicas that are known to have it.
+            self.versions.writes.bump_local();
+        }
+    }
+
+    /// The position a server must have replayed past to answer as of
+    /// `version` of this database; `None` while a bump's is not known.
+    pub fn floor(&self, version: &super::versions::Version) -> Option<u64> {
+        version.floor(|at| self.stream.covers(at), self.stream.covered_lsn())
     }
 
     /// The bumps a user asks for by name (an admin command, or a NOTIFY on
@@ -103,6 +118,8 @@ pub struct StreamHealth {
     lag_bytes: AtomicU64,
     /// The last commit LSN applied.
     applied_lsn: AtomicU64,
+    /// The position of the newest heartbeat back ([`Self::covered_lsn`]).
+    covered_lsn: AtomicU64,
     /// How many times the stream (re)started.
     starts: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity:
@@ -143,6 +160,7 @@ impl Default for StreamHealth {
             lease: AtomicU64::new(0),
             lag_bytes: AtomicU64::new(0),
             applied_lsn: AtomicU64::new(0),
+            covered_lsn: AtomicU64::new(0),
             starts: AtomicU64::new(0),
             unpublished: Mutex::default(),
             unpublished_warned: Mutex::default(),
@@ -287,12 +305,20 @@ impl StreamHealth {
         self.starts.load(Ordering::Acquire)
     }
 
-    /// A heartbeat sent at `sent` came back through the stream: every
-    /// change committed before `sent` has been applied.
-    pub fn heartbeat_applied(&self, sent: Instant) {
+    /// A heartbeat sent at `sent`, written at WAL position `lsn`, came
+    /// back through the stream: every change committed before `sent` has
+    /// been applied, and lies before `lsn`.
+    pub fn heartbeat_applied(&self, sent: Instant, lsn: u64) {
+        self.covered_lsn.fetch_max(lsn, Ordering::AcqRel);
         self.fresh_as_of
             .fetch_max(self.micros(sent), Ordering::AcqRel);
         self.changed.notify_waiters();
+    }
+
+    /// The position of the newest heartbeat back: past every change
+    /// committed before it was sent.
+    pub fn covered_lsn(&self) -> u64 {
+        self.covered_lsn.load(Ordering::Acquire)
     }
 
     /// Whether everything committed before `at` has been applied: a

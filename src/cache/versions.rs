@@ -11,11 +11,19 @@ pub use crate::classify::Ddl;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 #[derive(Debug, Default)]
 pub struct Version {
     local: AtomicU64,
     shared: AtomicU64,
+    /// The WAL position of the change behind the current value, where
+    /// the replication stream told it: a replica must have replayed past
+    /// it for its answer to be stored ([`Version::floor`]).
+    lsn: AtomicU64,
+    /// When a bump of unknown position was applied ([`stamp`]); 0: none
+    /// pending. Known once a heartbeat sent after it comes back.
+    pending: AtomicU64,
     /// Invalidations seen, and when the last one was (Unix milliseconds).
     changes: AtomicU64,
     last_change_ms: AtomicU64,
@@ -33,11 +41,45 @@ impl Version {
         self.shared.load(Ordering::Acquire)
     }
 
+    /// A bump whose WAL position is not known here: a write through
+    /// pgcache, DDL, the epoch, a bump from Redis. Replica answers are not
+    /// stored for it until this instance's stream has passed it.
     pub fn bump_local(&self) {
+        self.pending.store(stamp(Instant::now()), Ordering::Release);
+        self.bump();
+    }
+
+    /// A bump the replication stream made for a change committed at `lsn`.
+    pub fn bump_at(&self, lsn: u64) {
+        self.lsn.fetch_max(lsn, Ordering::AcqRel);
+        self.bump();
+    }
+
+    fn bump(&self) {
         self.local.fetch_add(1, Ordering::AcqRel);
         self.changes.fetch_add(1, Ordering::Relaxed);
         self.last_change_ms.store(unix_ms(), Ordering::Relaxed);
         self.entries.store(0, Ordering::Relaxed);
+    }
+
+    /// The WAL position a server must have replayed past to answer as of
+    /// this version; `None` while a bump's position is not known yet.
+    /// `passed` says whether the stream has applied everything committed
+    /// before an instant, and `applied` is the position it applied to: a
+    /// bump it passed is taken as at that position (at or past its own).
+    pub fn floor(&self, passed: impl Fn(Instant) -> bool, applied: u64) -> Option<u64> {
+        let pending = self.pending.load(Ordering::Acquire);
+        if pending != 0 {
+            if !passed(instant(pending)) {
+                return None;
+            }
+            self.lsn.fetch_max(applied, Ordering::AcqRel);
+            // A bump made meanwhile stays pending.
+            let _ = self
+                .pending
+                .compare_exchange(pending, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+        Some(self.lsn.load(Ordering::Acquire))
     }
 
     pub fn note_entry(&self) {
@@ -69,6 +111,18 @@ impl Version {
     }
 }
 
+/// Microseconds since a point of this process's own, never 0: an instant
+/// in an atomic.
+fn stamp(at: Instant) -> u64 {
+    (at.saturating_duration_since(*ANCHOR).as_micros() as u64).max(1)
+}
+
+fn instant(stamp: u64) -> Instant {
+    *ANCHOR + std::time::Duration::from_micros(stamp)
+}
+
+static ANCHOR: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -89,6 +143,10 @@ pub struct Versions {
     pub epoch: Version,
     /// Bumped (in Redis) by DDL, so other instances forget their catalog.
     pub ddl: Version,
+    /// Bumped by every write through this instance: the position reads
+    /// after it need of a replica (read-your-writes), not known until
+    /// the stream has passed it.
+    pub writes: Version,
     /// Moved by every DDL this instance learns of: the server names of
     /// transaction mode's shared prepared statements carry it, so no
     /// statement prepared before the DDL is reused after it (see
@@ -139,6 +197,9 @@ pub struct Bumps {
     pub epoch: bool,
     /// DDL: what pgcache knows of the catalog is stale too (with `epoch`).
     pub ddl: Ddl,
+    /// The WAL position of the commit they come from, where the stream
+    /// told it; `None`: not known here.
+    pub lsn: Option<u64>,
 }
 
 impl Bumps {
@@ -154,6 +215,7 @@ impl Bumps {
             families: Vec::new(),
             epoch: true,
             ddl,
+            lsn: None,
         }
     }
 
@@ -164,6 +226,14 @@ impl Bumps {
     }
 
     pub fn merge(&mut self, other: &Bumps) {
+        if other.is_empty() {
+            return;
+        }
+        self.lsn = match (self.is_empty(), self.lsn, other.lsn) {
+            (true, _, lsn) => lsn,
+            (false, Some(a), Some(b)) => Some(a.max(b)),
+            _ => None,
+        };
         for f in &other.families {
             self.add_family(Arc::clone(f));
         }
@@ -187,6 +257,50 @@ mod tests {
         assert_eq!((v.shared(), v.local()), (3, 1));
         assert!(!v.raise_shared(2), "an older value is no news");
         assert_eq!((v.shared(), v.local()), (3, 1));
+    }
+
+    #[test]
+    fn a_version_has_a_floor_once_its_bumps_position_is_known() {
+        let v = Version::default();
+        let never = |_: Instant| false;
+        let always = |_: Instant| true;
+        assert_eq!(v.floor(never, 0), Some(0), "never bumped");
+        v.bump_at(100);
+        assert_eq!(v.floor(never, 0), Some(100), "the stream told its position");
+        v.bump_local();
+        assert_eq!(v.floor(never, 150), None, "not passed by the stream yet");
+        assert_eq!(
+            v.floor(always, 150),
+            Some(150),
+            "passed: as at the stream's position"
+        );
+        assert_eq!(v.floor(never, 0), Some(150), "and no longer pending");
+        v.bump_at(120);
+        assert_eq!(v.floor(never, 0), Some(150), "positions only grow");
+        // Passed only if the stream applied what came before the bump.
+        v.bump_local();
+        let bumped = Instant::now();
+        let before_bump = |at: Instant| at < bumped - std::time::Duration::from_secs(1);
+        assert_eq!(v.floor(before_bump, 999), None);
+    }
+
+    #[test]
+    fn merged_bumps_keep_a_position_only_if_each_had_one() {
+        let versions = Versions::default();
+        let at = |lsn| Bumps {
+            families: vec![versions.family("t")],
+            lsn: Some(lsn),
+            ..Bumps::default()
+        };
+        let mut a = Bumps::default();
+        a.merge(&at(5));
+        assert_eq!(a.lsn, Some(5));
+        a.merge(&at(9));
+        assert_eq!(a.lsn, Some(9));
+        a.merge(&Bumps::default());
+        assert_eq!(a.lsn, Some(9), "nothing merged");
+        a.merge(&Bumps::opaque());
+        assert_eq!(a.lsn, None, "a bump of unknown position");
     }
 
     #[test]

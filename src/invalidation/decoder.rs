@@ -103,6 +103,9 @@ impl Decoder {
                     }
                 }
                 step.ack = Some(end_lsn);
+                if !step.bumps.is_empty() {
+                    step.bumps.lsn = Some(end_lsn.0);
+                }
                 self.applied_lsn = self.applied_lsn.max(end_lsn.0);
                 self.server_lsn = self.server_lsn.max(end_lsn.0);
             }

@@ -308,7 +308,7 @@ impl Streams {
             if let Some((sent, lsn)) = step.beat {
                 // After the step: a heartbeat back proves what came before
                 // it, DDL named and invalidated included.
-                db.stream.heartbeat_applied(sent);
+                db.stream.heartbeat_applied(sent, lsn);
                 // After the bumps of what it follows are in Redis.
                 if let Some(tier) = self.cache.shared() {
                     tier.cover(db, start, lsn, sent).await;

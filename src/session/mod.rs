@@ -39,6 +39,7 @@ mod relay;
 mod reuse;
 mod row_limit;
 mod timeouts;
+mod traffic;
 mod transaction;
 
 use std::net::SocketAddr;

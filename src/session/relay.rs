@@ -13,12 +13,11 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
-use super::engine::{Action, Ctx, Engine, LinkStep, ReadyBatch};
+use super::engine::{Ctx, Engine};
 use super::known::Known;
 use super::link::{Link, SessionLink};
 use super::pipeline::Flow;
@@ -302,261 +301,7 @@ where
         })
     }
 
-    /// Relays every complete backend frame now buffered to the client,
-    /// as the engine has it.
-    pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
-        let ctx = ctx(&self.app, &self.entry);
-        let Some(backend) = &mut self.backend else {
-            return Ok(Flow::Continue);
-        };
-        let relayed = self.engine.on_backend(&ctx, backend.buffer_mut())?;
-        if !relayed.resend.is_empty() {
-            // A retry: the server is waiting for it.
-            self.server()?
-                .write_all(&relayed.resend)
-                .await
-                .map_err(SessionError::BackendIo)?;
-        }
-        self.carry_out().await;
-        if relayed.end > 0 {
-            self.relay_to_client(relayed.end, relayed.from).await?;
-        }
-        if let Some(backend) = &mut self.backend {
-            backend.shrink_if_empty();
-        }
-        if self.engine.draining {
-            return Ok(self.close_if_drained().await);
-        }
-        self.detach_if_idle().await?;
-        Ok(Flow::Continue)
-    }
-
-    /// Does what the engine asked for, in order.
-    pub(super) async fn carry_out(&mut self) {
-        for action in std::mem::take(&mut self.engine.actions) {
-            match action {
-                // Boxed: a Redis round trip is a large future, and rare.
-                Action::Publish(publication) => Box::pin(publication.send()).await,
-                Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
-                Action::Watch => self.app.streams.ensure(&self.engine.db),
-                Action::Fetch => self.app.fetch_catalog(&self.engine.db),
-                Action::Offload(job, capture) => {
-                    tokio::spawn(job.run_into(Arc::clone(&self.app), capture));
-                }
-            }
-        }
-    }
-
-    /// Writes the first `pos` buffered backend bytes to the client: as they
-    /// are when nothing was rewritten, else after what was staged in `out`.
-    async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
-        let sent = pos - copied + self.engine.out.len();
-        self.app.metrics.client_bytes_out.inc_by(sent as u64);
-        let Some(backend) = &mut self.backend else {
-            return Ok(());
-        };
-        let result = if self.engine.out.is_empty() && copied == 0 {
-            self.client.write_all(&backend.buffered()[..pos]).await
-        } else {
-            self.engine
-                .out
-                .extend_from_slice(&backend.buffered()[copied..pos]);
-            let r = if self.engine.out.is_empty() {
-                Ok(())
-            } else {
-                self.client.write_all(&self.engine.out).await
-            };
-            self.engine.out.clear();
-            r
-        };
-        backend.consume(pos);
-        if let Err(e) = result {
-            self.client_gone().await;
-            return Err(SessionError::ClientIo(e));
-        }
-        Ok(())
-    }
-
-    /// Relays every complete client frame now buffered to the backend.
-    pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        let mut flow = Flow::Continue;
-        if !self.engine.caching {
-            // Pure pass-through: forward whole runs of frames without copying.
-            let mut pos = 0;
-            let mut violation = None;
-            while flow == Flow::Continue {
-                match self.client.frame_len_at(pos) {
-                    Ok(Some(len)) => {
-                        let ctx = ctx(&self.app, &self.entry);
-                        let frame = &self.client.buffered()[pos..pos + len];
-                        let Some(next) = self.engine.on_relayed(&ctx, frame) else {
-                            flow = Flow::Close;
-                            break;
-                        };
-                        flow = next;
-                        pos += len;
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        violation = Some(e);
-                        break;
-                    }
-                }
-            }
-            if pos > 0 {
-                if self.engine.link.is_pooled() {
-                    // Staged for translation, and to fail together with
-                    // the requests they make if no connection comes.
-                    self.engine
-                        .pipeline
-                        .to_backend
-                        .extend_from_slice(&self.client.buffered()[..pos]);
-                    self.client.consume(pos);
-                    self.flush_backend().await?;
-                } else {
-                    let r = match &mut self.backend {
-                        Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
-                        None => Err(std::io::ErrorKind::NotConnected.into()),
-                    };
-                    self.client.consume(pos);
-                    r.map_err(SessionError::BackendIo)?;
-                }
-            }
-            if let Some(e) = violation {
-                return Err(e.into());
-            }
-        } else {
-            while flow == Flow::Continue {
-                let ctx = ctx(&self.app, &self.entry);
-                let max_frame = self.client.max_frame();
-                if let Some(ready) =
-                    self.engine
-                        .whole_batch(&ctx, self.client.buffered(), max_frame)
-                {
-                    self.on_whole_batch(ready).await?;
-                    continue;
-                }
-                match self.client.next_frame() {
-                    Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
-                    Ok(None) => break,
-                    Err(e) => {
-                        // What came before the bad frame still goes out.
-                        self.flush_backend().await?;
-                        return Err(e.into());
-                    }
-                }
-            }
-            self.flush_backend().await?;
-        }
-        self.client.shrink_if_empty();
-        if flow == Flow::Continue {
-            // Only pgcache's own queries may have needed a connection.
-            self.detach_if_idle().await?;
-        }
-        Ok(flow)
-    }
-
-    /// One complete client frame, with caching on: decided by the engine,
-    /// once it has what it needs.
-    async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        let flow = loop {
-            let ctx = ctx(&self.app, &self.entry);
-            match self.engine.on_client_frame(&ctx, &frame) {
-                Ok(flow) => break flow,
-                Err(need) => Box::pin(self.meet(need, &frame)).await?,
-            }
-        };
-        self.carry_out().await;
-        self.flush_out().await?;
-        Ok(flow)
-    }
-
-    /// A batch the engine found whole at the start of the client's buffer.
-    async fn on_whole_batch(&mut self, ready: ReadyBatch) -> Result<(), SessionError> {
-        loop {
-            let ctx = ctx(&self.app, &self.entry);
-            let request = &self.client.buffered()[..ready.len];
-            match self.engine.on_whole_batch(&ctx, &ready, request) {
-                Ok(()) => break,
-                Err(need) => Box::pin(self.meet(need, &[])).await?,
-            }
-        }
-        self.client.consume(ready.len);
-        self.carry_out().await;
-        self.flush_out().await
-    }
-
-    /// Writes what pgcache staged in `out` to the client.
-    pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
-        if self.engine.out.is_empty() {
-            return Ok(());
-        }
-        let r = self.client.write_all(&self.engine.out).await;
-        self.engine.out.clear();
-        r.map_err(SessionError::ClientIo)
-    }
-
-    /// Writes the queued client frames to the backend, taking a pooled
-    /// connection first if the session holds none.
-    async fn flush_backend(&mut self) -> Result<(), SessionError> {
-        if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
-            // Boxed: taking a connection is a large future, and the
-            // session waits on its client far more often.
-            match Box::pin(self.attach(true)).await {
-                Ok(()) => {}
-                Err(SessionError::Pool(e)) if !self.engine.pipeline.unsynced => {
-                    return self.fail_unsent(&e).await;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        if !self.engine.pipeline.to_backend.is_empty() {
-            let (staged, answers) = self.engine.staged(&self.app);
-            let r = match &mut self.backend {
-                Some(backend) => backend.write_all(staged).await,
-                None => Err(std::io::ErrorKind::NotConnected.into()),
-            };
-            staged.clear();
-            if staged.capacity() > 1 << 20 {
-                *staged = BytesMut::new();
-            }
-            r.map_err(SessionError::BackendIo)?;
-            if !answers.is_empty() {
-                // Nothing was owed before them: as if they had arrived.
-                let buf = self.server()?.buffer_mut();
-                let at = complete_frames(buf);
-                let tail = buf.split_off(at);
-                buf.extend_from_slice(&answers);
-                buf.extend_from_slice(&tail);
-                if let Link::Pooled(link) = &mut self.engine.link {
-                    link.spliced = at..at + answers.len();
-                }
-                Box::pin(self.on_backend_data()).await?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Transaction mode, when no connection could be had: each request
-    /// the client is owed an answer for fails with the pool's error, and
-    /// the session goes on.
-    async fn fail_unsent(&mut self, error: &crate::pool::PoolError) -> Result<(), SessionError> {
-        tracing::info!(code = error.sqlstate(), "{error}");
-        let mut out = BytesMut::new();
-        for request in self.engine.pipeline.drop_unsent() {
-            for name in &request.parsed {
-                self.engine.known.statements.remove(name);
-            }
-            messages::error_response(&mut out, "ERROR", error.sqlstate(), &error.to_string());
-            out.extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
-        }
-        self.client
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ClientIo)
-    }
-
-    async fn close_if_drained(&mut self) -> Flow {
+    pub(super) async fn close_if_drained(&mut self) -> Flow {
         if !self.backend_idle() || self.engine.batch.holds() {
             return Flow::Continue;
         }
@@ -613,7 +358,7 @@ where
 
     /// The client went away: stop whatever the backend is still doing for
     /// it, then close the backend connection.
-    async fn client_gone(&mut self) {
+    pub(super) async fn client_gone(&mut self) {
         if self.engine.pipeline.len() > 0 {
             // A backend busy with a long query would not notice the closed
             // socket until it writes; cancel it so it is freed now.
@@ -676,9 +421,4 @@ pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
         client: &entry.client,
         now: std::time::Instant::now(),
     }
-}
-
-/// Where the complete frames of a buffer end.
-fn complete_frames(buf: &[u8]) -> usize {
-    crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
 }

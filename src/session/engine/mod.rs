@@ -9,7 +9,6 @@
 //! where its server connections come from ([`Link`], [`ServerBook`]).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::BytesMut;
 use tracing::debug;
@@ -18,23 +17,20 @@ use crate::App;
 use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::Rows;
 use crate::cache::hold::Paused;
-use crate::cache::{DbState, Fill, Publication, Wait, Waited};
+use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::classify::BypassReason;
 use crate::pool::LoginSettings;
-use crate::pool::clients::Client;
 use crate::pool::marks::{Marks, Pin};
 use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, frontend as fe, messages};
 use crate::session::batch::Batch;
-use crate::session::capture::Capture;
 use crate::session::known::Known;
 use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row, settings_sql};
 use crate::session::link::ClientState;
 use crate::session::link::Link;
-use crate::session::offload::Job;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
 use crate::session::reuse::ServerBook;
@@ -42,94 +38,14 @@ use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
 
 mod answers;
+mod events;
 mod requests;
 #[cfg(test)]
 mod tests;
 
 pub(super) use answers::MAX_BACKEND_FRAME;
+pub(super) use events::{Action, Ctx, Found, LinkStep, Need};
 pub(super) use requests::ReadyBatch;
-
-/// What the engine may read with each event: shared state that never
-/// blocks, and the time.
-pub(super) struct Ctx<'a> {
-    pub app: &'a App,
-    /// The session's line in `SHOW CLIENTS`.
-    pub client: &'a Client,
-    pub now: Instant,
-}
-
-/// What the engine asks the driver to do, in order, before the client is
-/// sent what the engine staged for it.
-pub(super) enum Action {
-    /// Send invalidations to Redis (and every other instance).
-    Publish(Publication),
-    /// Store a complete answer in the cache tiers.
-    Store(Box<Fill>, BytesMut),
-    /// Follow the database's changes: start its stream if none runs.
-    Watch,
-    /// Look up the catalog facts the database's sessions asked for, on
-    /// pgcache's own connection, if no fetcher does yet.
-    Fetch,
-    /// Run pgcache's own request for a hit served (a refresh, a check) off
-    /// the client's path, into the capture.
-    Offload(Box<Job>, Capture),
-}
-
-/// What a session in transaction mode is to do with its server connection
-/// now: the engine decides, the driver takes and gives back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LinkStep {
-    /// Frames wait for the backend and no connection is held: take one.
-    CheckOut,
-    /// The connection could go back, but the client's settings may have
-    /// changed on it: read them back first (then decide again).
-    ReadBack,
-    /// The connection is in a state another client may be given it in.
-    GiveBack,
-}
-
-/// What a client frame's decision waits for. The driver meets it, notes
-/// what it found in [`Found`], and feeds the engine the same frame again.
-pub(super) enum Need {
-    /// The statement's prerequisites: a database pgcache lets go of, a
-    /// table taken out of its publication.
-    Prerequisites,
-    /// The facts of the names the statement uses, looked up on the
-    /// session's idle backend (pgcache has no connection of its own).
-    Facts,
-    /// The facts of these relations and functions, being fetched: a
-    /// database's first statements wait for them a little while a tier
-    /// could answer (`cache.first_read_wait_ms`).
-    Fetched {
-        rels: Vec<String>,
-        funcs: Vec<String>,
-    },
-    /// The session's settings, read on its idle backend by this query
-    /// under the policy's `generation` of settings.
-    Settings { sql: String, generation: u64 },
-    /// What the cache waits for: Redis, or a concurrent fill.
-    Cache(Wait),
-}
-
-/// What the driver found out while a frame waited; forgotten once the
-/// frame is decided.
-#[derive(Default)]
-pub(super) struct Found {
-    pub prerequisites: bool,
-    /// The facts were looked up (or could not be).
-    pub facts: bool,
-    /// The settings were read (or could not be).
-    pub settings: bool,
-    pub lookup: Waited,
-}
-
-impl Found {
-    pub fn clear(&mut self) {
-        if self.prerequisites || self.facts || self.settings || !self.lookup.is_empty() {
-            *self = Found::default();
-        }
-    }
-}
 
 /// The state of one client session.
 pub(super) struct Engine {

@@ -1,0 +1,95 @@
+//! What goes in and out of the engine besides frames and bytes: the
+//! context it reads with each event, the actions it asks of the driver,
+//! what a decision waits for, and what the driver found meanwhile.
+
+use std::time::Instant;
+
+use bytes::BytesMut;
+
+use crate::App;
+use crate::cache::{Fill, Publication, Wait, Waited};
+use crate::pool::clients::Client;
+use crate::session::capture::Capture;
+use crate::session::offload::Job;
+
+/// What the engine may read with each event: shared state that never
+/// blocks, and the time.
+pub(in crate::session) struct Ctx<'a> {
+    pub app: &'a App,
+    /// The session's line in `SHOW CLIENTS`.
+    pub client: &'a Client,
+    pub now: Instant,
+}
+
+/// What the engine asks the driver to do, in order, before the client is
+/// sent what the engine staged for it.
+pub(in crate::session) enum Action {
+    /// Send invalidations to Redis (and every other instance).
+    Publish(Publication),
+    /// Store a complete answer in the cache tiers.
+    Store(Box<Fill>, BytesMut),
+    /// Follow the database's changes: start its stream if none runs.
+    Watch,
+    /// Look up the catalog facts the database's sessions asked for, on
+    /// pgcache's own connection, if no fetcher does yet.
+    Fetch,
+    /// Run pgcache's own request for a hit served (a refresh, a check) off
+    /// the client's path, into the capture.
+    Offload(Box<Job>, Capture),
+}
+
+/// What a session in transaction mode is to do with its server connection
+/// now: the engine decides, the driver takes and gives back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::session) enum LinkStep {
+    /// Frames wait for the backend and no connection is held: take one.
+    CheckOut,
+    /// The connection could go back, but the client's settings may have
+    /// changed on it: read them back first (then decide again).
+    ReadBack,
+    /// The connection is in a state another client may be given it in.
+    GiveBack,
+}
+
+/// What a client frame's decision waits for. The driver meets it, notes
+/// what it found in [`Found`], and feeds the engine the same frame again.
+pub(in crate::session) enum Need {
+    /// The statement's prerequisites: a database pgcache lets go of, a
+    /// table taken out of its publication.
+    Prerequisites,
+    /// The facts of the names the statement uses, looked up on the
+    /// session's idle backend (pgcache has no connection of its own).
+    Facts,
+    /// The facts of these relations and functions, being fetched: a
+    /// database's first statements wait for them a little while a tier
+    /// could answer (`cache.first_read_wait_ms`).
+    Fetched {
+        rels: Vec<String>,
+        funcs: Vec<String>,
+    },
+    /// The session's settings, read on its idle backend by this query
+    /// under the policy's `generation` of settings.
+    Settings { sql: String, generation: u64 },
+    /// What the cache waits for: Redis, or a concurrent fill.
+    Cache(Wait),
+}
+
+/// What the driver found out while a frame waited; forgotten once the
+/// frame is decided.
+#[derive(Default)]
+pub(in crate::session) struct Found {
+    pub prerequisites: bool,
+    /// The facts were looked up (or could not be).
+    pub facts: bool,
+    /// The settings were read (or could not be).
+    pub settings: bool,
+    pub lookup: Waited,
+}
+
+impl Found {
+    pub fn clear(&mut self) {
+        if self.prerequisites || self.facts || self.settings || !self.lookup.is_empty() {
+            *self = Found::default();
+        }
+    }
+}
