@@ -121,3 +121,189 @@ async fn a_stopped_standby_leaves_the_rotation_and_a_promoted_one_does_not_come_
     .await;
     assert!(!replica.in_rotation());
 }
+
+/// Pauses the standby's replay, and waits until it is paused (a pause is
+/// a request that takes effect at the next record).
+async fn pause_replay(standby: &Pg) {
+    standby.psql_admin("SELECT pg_wal_replay_pause()");
+    eventually(WAIT, "replay paused", || {
+        let state = standby.psql_admin("SELECT pg_get_wal_replay_pause_state()");
+        async move { (state.trim() == "paused").then_some(()) }
+    })
+    .await;
+}
+
+/// How many times the standby's `items` was scanned, as its statistics say.
+fn scans(standby: &Pg, db: &str) -> u64 {
+    standby
+        .psql_db(
+            db,
+            "SELECT coalesce(sum(seq_scan + coalesce(idx_scan, 0)), 0) FROM pg_stat_user_tables \
+             WHERE relname = 'items'",
+        )
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// A primary with a database of `items`, its standby caught up, and
+/// pgcache in front of both with the standby in rotation.
+async fn routed_setup(name: &str) -> (Pg, Pg, String, Proxy) {
+    let primary = Pg::dedicated();
+    let db = primary.create_db(name);
+    primary.psql_db(
+        &db,
+        "CREATE TABLE items (k int PRIMARY KEY, v text);
+         INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
+    );
+    let standby = primary.standby();
+    let proxy = Proxy::start(config_with(&primary, &[&standby])).await;
+    until_in_rotation(&proxy, true).await;
+    (primary, standby, db, proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misses_are_read_on_the_standby_and_their_answers_cached() {
+    let (_primary, standby, db, proxy) = routed_setup("routed").await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    let before = scans(&standby, &db);
+    // A miss: answered by the standby, and stored.
+    let sql = "SELECT v FROM items WHERE k = 7";
+    assert_eq!(scalar(&client, sql).await.as_deref(), Some("v7"));
+    assert_eq!(routed(), 1, "the miss went to the standby");
+    eventually(WAIT, "the standby's statistics to show the read", || {
+        let grew = scans(&standby, &db) > before;
+        async move { grew.then_some(()) }
+    })
+    .await;
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, sql).await.as_deref(), Some("v7"));
+    assert_eq!(proxy.hits(), hits + 1, "the standby's answer was stored");
+    assert_eq!(routed(), 1, "a hit goes nowhere");
+    // A write goes to the primary (a standby would refuse it), and a read
+    // after it, on another connection of the instance, sees it.
+    let other = proxy.connect(&db).await;
+    other
+        .simple_query("UPDATE items SET v = 'new' WHERE k = 8")
+        .await
+        .expect("the write reaches the primary");
+    let read = "SELECT v FROM items WHERE k = 8";
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("new"));
+    // Transactions are the primary's.
+    let routed_before = routed();
+    client
+        .simple_query("BEGIN; SELECT v FROM items WHERE k = 9; COMMIT")
+        .await
+        .unwrap();
+    assert_eq!(routed(), routed_before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replay_paused_a_session_reads_its_own_write_from_the_primary() {
+    let (_primary, standby, db, proxy) = routed_setup("ryw").await;
+    let client = proxy.connect(&db).await;
+    let to_primary = || proxy.app.replicas.to_primary.routed.get();
+    pause_replay(&standby).await;
+    client
+        .simple_query("UPDATE items SET v = 'mine' WHERE k = 2")
+        .await
+        .unwrap();
+    let before = to_primary();
+    let read = "SELECT v FROM items WHERE k = 2";
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("mine"));
+    assert_eq!(to_primary(), before + 1, "the read went to the primary");
+    // Another connection of the instance too.
+    let other = proxy.connect(&db).await;
+    assert_eq!(scalar(&other, read).await.as_deref(), Some("mine"));
+    standby.psql_admin("SELECT pg_wal_replay_resume()");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_behind_a_direct_write_answers_but_its_answer_is_never_stored() {
+    let primary = Pg::dedicated();
+    let db = primary.create_db("behind");
+    primary.psql_db(
+        &db,
+        "CREATE TABLE items (k int PRIMARY KEY, v text);
+         INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
+    );
+    let standby = primary.standby();
+    let mut config = config_with(&primary, &[&standby]);
+    // Far behind is still in rotation: what is tested is the cache.
+    config.replicas.max_lag_ms = 0;
+    config.replicas.max_lag_bytes = 0;
+    let proxy = Proxy::start(config).await;
+    until_in_rotation(&proxy, true).await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let refused = || proxy.app.metrics.replicas.of(&server).refused_fills.get();
+    pause_replay(&standby).await;
+    let direct = primary.direct(&db).await;
+    direct
+        .simple_query("UPDATE items SET v = 'changed' WHERE k = 1")
+        .await
+        .unwrap();
+    // The stream has applied the write: from now on the cache must never
+    // serve the old value.
+    proxy.wait_stream(&db).await;
+    let read = "SELECT v FROM items WHERE k = 1";
+    let hits = proxy.hits();
+    for _ in 0..20 {
+        let v = scalar(&client, read).await;
+        assert_eq!(
+            v.as_deref(),
+            Some("v1"),
+            "the standby's answer, within max_lag"
+        );
+    }
+    assert_eq!(proxy.hits(), hits, "none of them was served from the cache");
+    assert!(
+        refused() >= 20,
+        "every answer was refused for the cache: {}",
+        refused()
+    );
+    standby.psql_admin("SELECT pg_wal_replay_resume()");
+    eventually(WAIT, "the new value", || {
+        let client = &client;
+        async move { (scalar(client, read).await.as_deref() == Some("changed")).then_some(()) }
+    })
+    .await;
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, read).await.as_deref(), Some("changed"));
+    assert_eq!(proxy.hits(), hits + 1, "the caught-up answer was stored");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_go_on_without_an_error_while_the_standby_stops_and_return_to_it() {
+    let (_primary, standby, db, proxy) = routed_setup("stopped").await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    // Distinct keys: every read misses and is routed while it can be.
+    let mut k = 0;
+    let mut read = || {
+        k += 1;
+        format!("SELECT v FROM items WHERE k = {}", k % 100 + 1)
+    };
+    for _ in 0..20 {
+        assert!(scalar(&client, &read()).await.is_some());
+    }
+    assert!(routed() > 0);
+    standby.stop();
+    // Every read answers: what cannot go to the standby goes to the primary.
+    for _ in 0..50 {
+        let sql = read();
+        let v = client.simple_query(&sql).await;
+        assert!(v.is_ok(), "{sql}: {v:?}");
+    }
+    until_in_rotation(&proxy, false).await;
+    standby.restart();
+    until_in_rotation(&proxy, true).await;
+    let before = routed();
+    for _ in 0..20 {
+        assert!(scalar(&client, &read()).await.is_some());
+    }
+    assert!(routed() > before, "the standby takes reads again");
+}

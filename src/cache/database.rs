@@ -17,6 +17,10 @@ use super::versions::Ddl;
 use super::versions::{Bumps, Versions};
 use crate::metrics::DbMetrics;
 
+/// Heartbeats back kept per database: a minute's worth at the default
+/// heartbeat.
+const BEATS_KEPT: usize = 600;
+
 /// Everything pgcache keeps for one database.
 #[derive(Default)]
 pub struct DbState {
@@ -48,17 +52,12 @@ impl DbState {
         if !bumps.ddl.is_none() || bumps.epoch {
             bump(&self.versions.epoch);
         }
-        if bumps.lsn.is_none() && !bumps.is_empty() {
-            // Seen here before the stream tells where it is: reads after
-            // it go only to replicas that are known to have it.
-            self.versions.writes.bump_local();
-        }
     }
 
     /// The position a server must have replayed past to answer as of
     /// `version` of this database; `None` while a bump's is not known.
     pub fn floor(&self, version: &super::versions::Version) -> Option<u64> {
-        version.floor(|at| self.stream.covers(at), self.stream.covered_lsn())
+        version.floor(|at| self.stream.covering(at))
     }
 
     /// The bumps a user asks for by name (an admin command, or a NOTIFY on
@@ -118,8 +117,9 @@ pub struct StreamHealth {
     lag_bytes: AtomicU64,
     /// The last commit LSN applied.
     applied_lsn: AtomicU64,
-    /// The position of the newest heartbeat back ([`Self::covered_lsn`]).
-    covered_lsn: AtomicU64,
+    /// The heartbeats back, when each was sent and where it was written
+    /// ([`Self::covering`]), newest last.
+    beats: Mutex<std::collections::VecDeque<(u64, u64)>>,
     /// How many times the stream (re)started.
     starts: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity:
@@ -160,7 +160,7 @@ impl Default for StreamHealth {
             lease: AtomicU64::new(0),
             lag_bytes: AtomicU64::new(0),
             applied_lsn: AtomicU64::new(0),
-            covered_lsn: AtomicU64::new(0),
+            beats: Mutex::default(),
             starts: AtomicU64::new(0),
             unpublished: Mutex::default(),
             unpublished_warned: Mutex::default(),
@@ -309,16 +309,29 @@ impl StreamHealth {
     /// back through the stream: every change committed before `sent` has
     /// been applied, and lies before `lsn`.
     pub fn heartbeat_applied(&self, sent: Instant, lsn: u64) {
-        self.covered_lsn.fetch_max(lsn, Ordering::AcqRel);
-        self.fresh_as_of
-            .fetch_max(self.micros(sent), Ordering::AcqRel);
+        let sent = self.micros(sent);
+        {
+            let mut beats = self.beats.lock().unwrap_or_else(|e| e.into_inner());
+            if beats.len() == BEATS_KEPT {
+                beats.pop_front();
+            }
+            beats.push_back((sent, lsn));
+        }
+        self.fresh_as_of.fetch_max(sent, Ordering::AcqRel);
         self.changed.notify_waiters();
     }
 
-    /// The position of the newest heartbeat back: past every change
-    /// committed before it was sent.
-    pub fn covered_lsn(&self) -> u64 {
-        self.covered_lsn.load(Ordering::Acquire)
+    /// The position of the first heartbeat back that was sent at or after
+    /// `at`: past every change committed before `at`. `None`: none came
+    /// back yet. (Past the heartbeats kept, the oldest kept stands in: a
+    /// later position, so a stricter one.)
+    pub fn covering(&self, at: Instant) -> Option<u64> {
+        let at = self.micros(at);
+        let beats = self.beats.lock().unwrap_or_else(|e| e.into_inner());
+        beats
+            .iter()
+            .find(|&&(sent, _)| sent >= at)
+            .map(|&(_, lsn)| lsn)
     }
 
     /// Whether everything committed before `at` has been applied: a

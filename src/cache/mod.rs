@@ -121,6 +121,20 @@ pub struct Fill {
     _guard: Option<FillGuard>,
 }
 
+impl Fill {
+    /// The WAL position a server must have replayed past for its answer
+    /// to be stored under this fill's versions: the last change of every
+    /// table read, and the database's epoch (changes before the stream
+    /// started are not known here); `None` while any is not known.
+    pub fn floor(&self, db: &DbState) -> Option<u64> {
+        let mut floor = db.floor(&db.versions.epoch)?;
+        for family in self.reads.iter() {
+            floor = floor.max(db.floor(&family.version)?);
+        }
+        Some(floor)
+    }
+}
+
 impl std::fmt::Debug for Fill {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fill").field("local", &self.local).finish()

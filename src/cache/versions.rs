@@ -64,16 +64,14 @@ impl Version {
 
     /// The WAL position a server must have replayed past to answer as of
     /// this version; `None` while a bump's position is not known yet.
-    /// `passed` says whether the stream has applied everything committed
-    /// before an instant, and `applied` is the position it applied to: a
-    /// bump it passed is taken as at that position (at or past its own).
-    pub fn floor(&self, passed: impl Fn(Instant) -> bool, applied: u64) -> Option<u64> {
+    /// `covering` gives the position of the first heartbeat back that was
+    /// sent after an instant, past everything committed before it: a bump
+    /// of unknown position is taken as at that position.
+    pub fn floor(&self, covering: impl Fn(Instant) -> Option<u64>) -> Option<u64> {
         let pending = self.pending.load(Ordering::Acquire);
         if pending != 0 {
-            if !passed(instant(pending)) {
-                return None;
-            }
-            self.lsn.fetch_max(applied, Ordering::AcqRel);
+            let past = covering(instant(pending))?;
+            self.lsn.fetch_max(past, Ordering::AcqRel);
             // A bump made meanwhile stays pending.
             let _ = self
                 .pending
@@ -111,10 +109,10 @@ impl Version {
     }
 }
 
-/// Microseconds since a point of this process's own, never 0: an instant
-/// in an atomic.
+/// Microseconds since a point of this process's own, rounded up (never
+/// earlier than `at`, and never 0): an instant in an atomic.
 fn stamp(at: Instant) -> u64 {
-    (at.saturating_duration_since(*ANCHOR).as_micros() as u64).max(1)
+    at.saturating_duration_since(*ANCHOR).as_micros() as u64 + 1
 }
 
 fn instant(stamp: u64) -> Instant {
@@ -143,9 +141,9 @@ pub struct Versions {
     pub epoch: Version,
     /// Bumped (in Redis) by DDL, so other instances forget their catalog.
     pub ddl: Version,
-    /// Bumped by every write through this instance: the position reads
-    /// after it need of a replica (read-your-writes), not known until
-    /// the stream has passed it.
+    /// Bumped by every write a session of this instance completes: the
+    /// position reads after it need of a replica (read-your-writes), not
+    /// known until the stream has passed it.
     pub writes: Version,
     /// Moved by every DDL this instance learns of: the server names of
     /// transaction mode's shared prepared statements carry it, so no
@@ -262,26 +260,22 @@ mod tests {
     #[test]
     fn a_version_has_a_floor_once_its_bumps_position_is_known() {
         let v = Version::default();
-        let never = |_: Instant| false;
-        let always = |_: Instant| true;
-        assert_eq!(v.floor(never, 0), Some(0), "never bumped");
+        let never = |_: Instant| None;
+        let at = |lsn: u64| move |_: Instant| Some(lsn);
+        assert_eq!(v.floor(never), Some(0), "never bumped");
         v.bump_at(100);
-        assert_eq!(v.floor(never, 0), Some(100), "the stream told its position");
+        assert_eq!(v.floor(never), Some(100), "the stream told its position");
         v.bump_local();
-        assert_eq!(v.floor(never, 150), None, "not passed by the stream yet");
-        assert_eq!(
-            v.floor(always, 150),
-            Some(150),
-            "passed: as at the stream's position"
-        );
-        assert_eq!(v.floor(never, 0), Some(150), "and no longer pending");
+        assert_eq!(v.floor(never), None, "not passed by the stream yet");
+        assert_eq!(v.floor(at(150)), Some(150), "passed: as at that heartbeat");
+        assert_eq!(v.floor(never), Some(150), "and no longer pending");
         v.bump_at(120);
-        assert_eq!(v.floor(never, 0), Some(150), "positions only grow");
-        // Passed only if the stream applied what came before the bump.
+        assert_eq!(v.floor(never), Some(150), "positions only grow");
+        // The heartbeat asked for is one sent after the bump.
+        let before = Instant::now();
         v.bump_local();
-        let bumped = Instant::now();
-        let before_bump = |at: Instant| at < bumped - std::time::Duration::from_secs(1);
-        assert_eq!(v.floor(before_bump, 999), None);
+        let sent_after = |at: Instant| (at >= before).then_some(999);
+        assert_eq!(v.floor(sent_after), Some(999));
     }
 
     #[test]

@@ -440,6 +440,24 @@ impl Pool {
         }
     }
 
+    /// Logs in to another server of the cluster (a replica) as the
+    /// pool's user, with the pool's credentials: a connection of the
+    /// caller's, not the pool's.
+    pub async fn log_in_at(
+        &self,
+        upstream: &Upstream,
+    ) -> Result<(CancelTarget, FramedStream<BackendStream>), PoolError> {
+        let credentials = self.lock().credentials.clone();
+        let login = login::log_in(upstream, &self.id.user, &self.id.database, &credentials);
+        match tokio::time::timeout(upstream.connect_timeout, login).await {
+            Ok(Ok(done)) => Ok((done.key, done.stream)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(PoolError::Login(
+                "the server did not finish the login in time".into(),
+            )),
+        }
+    }
+
     /// Opens and logs in a new connection.
     async fn open(
         &self,

@@ -98,7 +98,7 @@ pub struct Replica {
     /// The position it has replayed to, as last read.
     replay: AtomicU64,
     health: Mutex<Health>,
-    metrics: ReplicaMetrics,
+    pub metrics: ReplicaMetrics,
 }
 
 impl Replica {
@@ -177,6 +177,8 @@ pub struct Replicas {
     pub primary: PrimaryClock,
     /// The primary's system identifier, which every replica must share.
     pub primary_id: std::sync::OnceLock<String>,
+    /// Reads routing sent to the primary.
+    pub to_primary: ReplicaMetrics,
 }
 
 impl Replicas {
@@ -218,6 +220,7 @@ impl Replicas {
             config: config.replicas.clone(),
             primary: PrimaryClock::default(),
             primary_id: std::sync::OnceLock::new(),
+            to_primary: metrics.replicas.of("primary"),
         })
     }
 

@@ -76,6 +76,14 @@ impl Capture {
         matches!(self.sink, Sink::Verify(_))
     }
 
+    /// The fill it stores, if it is one.
+    pub fn fill(&self) -> Option<&Fill> {
+        match &self.sink {
+            Sink::Fill(fill) => Some(fill),
+            _ => None,
+        }
+    }
+
     fn with(sink: Sink) -> Self {
         // Room for a small answer (or the one expected) at once: growing
         // frame by frame reallocates on nearly every read.

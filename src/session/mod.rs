@@ -36,6 +36,8 @@ mod offload;
 mod pipeline;
 mod plan;
 mod relay;
+mod replica;
+mod replica_conn;
 mod reuse;
 mod row_limit;
 mod timeouts;

@@ -13,6 +13,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::capture::Capture;
+use super::replica::Routed;
 use super::row_limit::RowCut;
 use crate::cache::Bumps;
 use crate::cache::stats::QueryStats;
@@ -37,6 +38,11 @@ pub(super) struct Inflight {
     /// A row-limited Execute sent with one row more: cut back for the
     /// client ([`super::row_limit`]).
     pub row_cut: Option<RowCut>,
+    /// pgcache's question to a replica of where it replayed to, before a
+    /// read routed there.
+    pub probe: bool,
+    /// A read routed to a replica.
+    pub routed: Option<Box<Routed>>,
 }
 
 impl Inflight {
@@ -69,6 +75,8 @@ impl Default for Inflight {
             failed: false,
             timing: None,
             row_cut: None,
+            probe: false,
+            routed: None,
         }
     }
 }

@@ -39,6 +39,8 @@ pub(super) struct Session<C> {
     /// The server connection held now: in transaction mode, none between
     /// transactions.
     pub backend: Option<FramedStream<BackendStream>>,
+    /// The connection to a replica, once a read was routed to one.
+    pub(super) replica: Option<Box<super::replica_conn::ReplicaConn>>,
     /// Everything the session knows and decides.
     pub(super) engine: Engine,
     /// Transaction mode: the pool's lesson in how to log in, held until
@@ -92,6 +94,7 @@ where
                 backend_addr,
             ),
             learning,
+            replica: None,
             _gauge: ConnectionGauge::new(&app),
             app,
             client,
@@ -243,12 +246,15 @@ where
                 return Ok(Flow::Continue);
             }
             let deadline = timeouts.deadline(waiting, self.engine.tx.status, *last_activity);
+            // A read on a replica is answered before anything else is read.
+            let on_replica = self.engine.replica_busy();
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
+                r = fill_replica(&mut self.replica), if on_replica => Woke::Replica(r),
                 // A session holding no connection has no backend to read.
-                r = fill(&mut self.backend) => Woke::Backend(r),
-                r = self.client.fill_lazily() => Woke::Client(r),
+                r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
+                r = self.client.fill_lazily(), if !on_replica => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
                 _ = sleep_until_or_never(deadline) => Woke::Timeout,
             });
@@ -269,6 +275,10 @@ where
                 self.close_with(&e).await;
                 Flow::Close
             }
+            Woke::Replica(r) => match r {
+                Ok(n) if n > 0 => self.on_replica_data().await?,
+                r => self.replica_lost(r.err()).await?,
+            },
             Woke::Backend(r) => match r {
                 Ok(n) if n > 0 => self.on_backend_data().await?,
                 r => {
@@ -398,6 +408,7 @@ where
 /// What ended a wait of the relay loop.
 enum Woke {
     Force,
+    Replica(std::io::Result<usize>),
     Backend(std::io::Result<usize>),
     Client(std::io::Result<usize>),
     Drain,
@@ -411,6 +422,16 @@ pub(super) async fn fill(
     match backend {
         Some(backend) => backend.fill().await,
         None => std::future::pending().await,
+    }
+}
+
+/// Reads more of the replica connection; never ready without one.
+async fn fill_replica(
+    replica: &mut Option<Box<super::replica_conn::ReplicaConn>>,
+) -> std::io::Result<usize> {
+    match replica {
+        Some(conn) => conn.stream.fill().await,
+        None => Err(std::io::ErrorKind::NotConnected.into()),
     }
 }
 

@@ -13,6 +13,7 @@ use super::link::Link;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::protocol::messages;
+use crate::protocol::stream::FramedStream;
 
 impl<C> Session<C>
 where
@@ -63,34 +64,23 @@ where
         }
     }
 
-    /// Writes the first `pos` buffered backend bytes to the client: as they
-    /// are when nothing was rewritten, else after what was staged in `out`.
+    /// Writes the first `pos` buffered backend bytes to the client (see
+    /// [`relay`]).
     async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
-        let sent = pos - copied + self.engine.out.len();
-        self.app.metrics.client_bytes_out.inc_by(sent as u64);
         let Some(backend) = &mut self.backend else {
             return Ok(());
         };
-        let result = if self.engine.out.is_empty() && copied == 0 {
-            self.client.write_all(&backend.buffered()[..pos]).await
-        } else {
-            self.engine
-                .out
-                .extend_from_slice(&backend.buffered()[copied..pos]);
-            let r = if self.engine.out.is_empty() {
+        let result = relay(&mut self.client, &mut self.engine.out, backend, pos, copied).await;
+        match result {
+            Ok(sent) => {
+                self.app.metrics.client_bytes_out.inc_by(sent as u64);
                 Ok(())
-            } else {
-                self.client.write_all(&self.engine.out).await
-            };
-            self.engine.out.clear();
-            r
-        };
-        backend.consume(pos);
-        if let Err(e) = result {
-            self.client_gone().await;
-            return Err(SessionError::ClientIo(e));
+            }
+            Err(e) => {
+                self.client_gone().await;
+                Err(SessionError::ClientIo(e))
+            }
         }
-        Ok(())
     }
 
     /// Relays every complete client frame now buffered to the backend.
@@ -142,7 +132,9 @@ where
                 return Err(e.into());
             }
         } else {
-            while flow == Flow::Continue {
+            // A read on a replica holds the client's next frames until it
+            // is answered.
+            while flow == Flow::Continue && !self.engine.replica_busy() {
                 let ctx = ctx(&self.app, &self.entry);
                 let max_frame = self.client.max_frame();
                 if let Some(ready) =
@@ -163,6 +155,7 @@ where
                 }
             }
             self.flush_backend().await?;
+            self.flush_replica().await?;
         }
         self.client.shrink_if_empty();
         if flow == Flow::Continue {
@@ -214,7 +207,7 @@ where
 
     /// Writes the queued client frames to the backend, taking a pooled
     /// connection first if the session holds none.
-    async fn flush_backend(&mut self) -> Result<(), SessionError> {
+    pub(super) async fn flush_backend(&mut self) -> Result<(), SessionError> {
         if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
             // Boxed: taking a connection is a large future, and the
             // session waits on its client far more often.
@@ -276,4 +269,34 @@ where
 /// Where the complete frames of a buffer end.
 fn complete_frames(buf: &[u8]) -> usize {
     crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
+}
+
+/// Writes the first `pos` bytes buffered from a server to the client: as
+/// they are when nothing was rewritten, else after what the engine staged
+/// in `out` (from `copied` on). Returns the bytes the client was sent.
+pub(super) async fn relay<C, S>(
+    client: &mut FramedStream<C>,
+    out: &mut BytesMut,
+    server: &mut FramedStream<S>,
+    pos: usize,
+    copied: usize,
+) -> std::io::Result<usize>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let sent = pos - copied + out.len();
+    let result = if out.is_empty() && copied == 0 {
+        client.write_all(&server.buffered()[..pos]).await
+    } else {
+        out.extend_from_slice(&server.buffered()[copied..pos]);
+        let r = if out.is_empty() {
+            Ok(())
+        } else {
+            client.write_all(out).await
+        };
+        out.clear();
+        r
+    };
+    server.consume(pos);
+    result.map(|()| sent)
 }

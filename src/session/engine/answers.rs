@@ -9,8 +9,8 @@ use bytes::BytesMut;
 use tracing::warn;
 
 use super::{Action, Ctx, Engine};
-use crate::cache::Bumps;
 use crate::cache::stats::QueryStats;
+use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
 use crate::pool::prepared::Reply;
 use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
@@ -18,6 +18,7 @@ use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
 use crate::session::link::Link;
+use crate::session::pipeline::Inflight;
 use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -93,7 +94,10 @@ impl Engine {
                 }
                 be::READY_FOR_QUERY => {
                     let status = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b));
-                    let keep = self.pipeline.front().is_none_or(|f| f.to_client);
+                    let keep = self
+                        .pipeline
+                        .front()
+                        .is_none_or(|f| f.to_client && !f.routed.as_ref().is_some_and(|r| r.retry));
                     self.on_ready_for_query(ctx, status.unwrap_or(TxStatus::Idle));
                     if keep { Cut::Keep } else { Cut::Drop }
                 }
@@ -174,6 +178,23 @@ impl Engine {
         let Some(front) = self.pipeline.front_mut() else {
             return Cut::Keep;
         };
+        if front.probe
+            && let Some(leg) = &mut self.replica
+        {
+            leg.probed(frame);
+        }
+        if let Some(routed) = &mut front.routed {
+            if !routed.started && !routed.retry {
+                let replayed = self.replica.as_ref().and_then(|leg| leg.replayed);
+                if !routed.first_frame(frame, replayed) {
+                    // Its answer is the primary's to give.
+                    front.capture = None;
+                }
+            }
+            if routed.retry {
+                return Cut::Drop;
+            }
+        }
         if !front.to_client {
             // pgcache's own request: a refresh keeps its answer, nobody
             // else sees it.
@@ -254,41 +275,11 @@ impl Engine {
             self.db.versions.schema_changed();
         }
         let (effects, result) = match self.pipeline.pop() {
-            Some(done) => {
-                if done.failed {
-                    for name in &done.parsed {
-                        self.known.statements.remove(name);
-                    }
-                }
-                let captured = done
-                    .capture
-                    .filter(|_| !done.failed)
-                    .and_then(|cap| cap.finish());
-                let mut result = None;
-                let mut would_hit = None;
-                match captured {
-                    Some(Captured::Store(fill, bytes)) => {
-                        let size = bytes.len();
-                        result = Some(((fill, bytes), size));
-                    }
-                    Some(Captured::Compared { matched }) => would_hit = Some(matched),
-                    Some(Captured::Verified(check, answer)) => {
-                        check.judge(&ctx.app.cache, &answer, ctx.now);
-                    }
-                    None => {}
-                }
-                if let Some((stats, started)) = &done.timing {
-                    let took = ctx.now.saturating_duration_since(*started);
-                    match would_hit {
-                        Some(matched) => shadow_checked(ctx, stats, took, matched),
-                        None => {
-                            stats.miss(took);
-                            ctx.app.metrics.latency_miss.observe(took.as_secs_f64());
-                        }
-                    }
-                }
-                (done.effects, result)
-            }
+            Some(done) if done.routed.is_some() => match self.routed_done(done) {
+                Some(done) => self.completed(ctx, done),
+                None => return,
+            },
+            Some(done) => self.completed(ctx, done),
             None => (Bumps::default(), None),
         };
         if self.pipeline.is_quiet() {
@@ -296,6 +287,11 @@ impl Engine {
             self.paused.clear();
         }
         let completion = self.tx.complete(status, effects, result);
+        if completion.private.is_some() || !completion.visible.is_empty() {
+            // A write through this instance: reads after it go only to
+            // replicas known to have replayed it (read-your-writes).
+            self.db.versions.writes.bump_local();
+        }
         if let Some(private) = &completion.private {
             self.db.apply_local(private);
         }
@@ -305,6 +301,76 @@ impl Engine {
         for (fill, bytes) in completion.store {
             self.actions.push(Action::Store(fill, bytes));
         }
+    }
+
+    /// What a completed request leaves: its effects, and its answer to
+    /// store.
+    #[allow(clippy::type_complexity)]
+    fn completed(
+        &mut self,
+        ctx: &Ctx,
+        done: Inflight,
+    ) -> (Bumps, Option<((Box<Fill>, BytesMut), usize)>) {
+        if done.failed {
+            for name in &done.parsed {
+                self.known.statements.remove(name);
+            }
+        }
+        let captured = done
+            .capture
+            .filter(|_| !done.failed)
+            .and_then(|cap| cap.finish());
+        let mut result = None;
+        let mut would_hit = None;
+        match captured {
+            Some(Captured::Store(fill, bytes)) => {
+                let size = bytes.len();
+                result = Some(((fill, bytes), size));
+            }
+            Some(Captured::Compared { matched }) => would_hit = Some(matched),
+            Some(Captured::Verified(check, answer)) => {
+                check.judge(&ctx.app.cache, &answer, ctx.now);
+            }
+            None => {}
+        }
+        if let Some((stats, started)) = &done.timing {
+            let took = ctx.now.saturating_duration_since(*started);
+            match would_hit {
+                Some(matched) => shadow_checked(ctx, stats, took, matched),
+                None => {
+                    stats.miss(took);
+                    ctx.app.metrics.latency_miss.observe(took.as_secs_f64());
+                }
+            }
+        }
+        (done.effects, result)
+    }
+
+    /// A read routed to a replica is answered. It goes to the primary if
+    /// the replica could not answer it (`None`: completed later, there);
+    /// else the session has observed the replica's position, and the
+    /// answer is stored only if the replica had replayed past every change
+    /// it depends on.
+    fn routed_done(&mut self, mut done: Inflight) -> Option<Inflight> {
+        let routed = done.routed.take()?;
+        let replayed = self.replica.as_mut().and_then(|leg| {
+            leg.busy = false;
+            leg.replayed.take()
+        });
+        if routed.retry {
+            routed.server.metrics.retries.inc();
+            self.forward(&routed.request);
+            self.pipeline.push(done);
+            return None;
+        }
+        if let Some(replayed) = replayed {
+            self.observed = self.observed.max(replayed);
+        }
+        if done.capture.is_some() && !routed.may_store(replayed) {
+            routed.server.metrics.refused_fills.inc();
+            done.capture = None;
+        }
+        Some(done)
     }
 
     /// Applies invalidations others can now see: the local counters at

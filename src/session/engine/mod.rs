@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tracing::debug;
 
 use crate::App;
@@ -33,6 +33,7 @@ use crate::session::link::ClientState;
 use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
+use crate::session::replica::{ReplicaLeg, Routed};
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
@@ -86,6 +87,11 @@ pub(super) struct Engine {
     pub cancel: Option<CancelGuard>,
     /// What the frame being decided waited for.
     pub found: Found,
+    /// The session's connection to a replica, once a read went to one.
+    pub replica: Option<Box<ReplicaLeg>>,
+    /// The highest WAL position the session observed on a replica: it
+    /// never reads from one behind it.
+    pub observed: u64,
 }
 
 impl Engine {
@@ -117,6 +123,8 @@ impl Engine {
             backend_key: None,
             cancel: None,
             found: Found::default(),
+            replica: None,
+            observed: 0,
         }
     }
 
@@ -283,6 +291,112 @@ impl Engine {
             self.pipeline.push_hidden(Inflight::hidden(None));
         }
         self.pipeline.to_backend.extend_from_slice(frame);
+    }
+
+    /// Sends a read to a replica when `replicas.routing` may: a cacheable
+    /// read that missed or bypassed the cache, in session mode for a
+    /// client pgcache can log in for (its settings known, no temporary
+    /// objects), outside a transaction block, with nothing else in
+    /// flight, and not a request the cache checks against the primary.
+    /// The replica must have replayed this instance's writes and what the
+    /// session observed. Stages the request there; false: the primary.
+    pub(super) fn route(
+        &mut self,
+        ctx: &Ctx,
+        plan: &Plan,
+        inflight: &mut Inflight,
+        request: &Bytes,
+    ) -> bool {
+        let replicas = &ctx.app.replicas;
+        if !replicas.enabled() || plan.read.is_err() {
+            return false;
+        }
+        let Link::Session(own) = &self.link else {
+            return false;
+        };
+        let may = own.checks.as_ref().is_some_and(|pool| pool.can_log_in())
+            && !self.known.temp
+            && self.known.prefix.is_some()
+            && self.tx.status == TxStatus::Idle
+            && self.pipeline.is_quiet()
+            && !self.batch.holds()
+            && inflight.capture.as_ref().is_none_or(|c| c.fill().is_some());
+        if !may {
+            return false;
+        }
+        let server = self
+            .db
+            .floor(&self.db.versions.writes)
+            .map(|writes| writes.max(self.observed))
+            .and_then(|needed| Some((needed, replicas.choose(needed, rand::random())?)));
+        let Some((needed, server)) = server else {
+            debug!(
+                observed = self.observed,
+                "no replica has replayed what the session needs"
+            );
+            replicas.to_primary.routed.inc();
+            return false;
+        };
+        let fill_floor = inflight
+            .capture
+            .as_ref()
+            .and_then(|c| c.fill())
+            .and_then(|fill| fill.floor(&self.db));
+        let server = Arc::clone(server);
+        server.metrics.routed.inc();
+        match &mut self.replica {
+            Some(leg) if Arc::ptr_eq(&leg.server, &server) => {}
+            leg => *leg = Some(Box::new(ReplicaLeg::new(Arc::clone(&server)))),
+        }
+        if let Some(leg) = &mut self.replica {
+            leg.stage(request);
+        }
+        inflight.routed = Some(Box::new(Routed {
+            server,
+            request: request.clone(),
+            needed,
+            fill_floor,
+            started: false,
+            retry: false,
+        }));
+        true
+    }
+
+    /// A read in flight on the replica: the session reads neither its
+    /// client nor the primary until it is answered.
+    pub fn replica_busy(&self) -> bool {
+        self.replica.as_ref().is_some_and(|leg| leg.busy)
+    }
+
+    /// The replica cannot take the read staged for it, or lost it before
+    /// its answer reached the client: it goes to the primary. False if
+    /// part of the answer already reached the client (the read failed).
+    pub fn replica_failed(&mut self) -> bool {
+        let Some(leg) = &mut self.replica else {
+            return true;
+        };
+        leg.staged.clear();
+        leg.busy = false;
+        leg.applied = None;
+        let mut request = None;
+        let mut started = false;
+        while let Some(done) = self.pipeline.pop() {
+            if let Some(routed) = &done.routed {
+                started |= routed.started;
+                let frame = routed.request.clone();
+                request = Some((done, frame));
+            }
+        }
+        let Some((mut done, frame)) = request else {
+            return true;
+        };
+        if started {
+            return false;
+        }
+        done.routed = None;
+        self.forward(&frame);
+        self.pipeline.push(done);
+        true
     }
 
     /// State changes a forwarded statement causes at once.

@@ -180,8 +180,16 @@ impl Engine {
             }
         }
         self.note_effects(&plan);
-        self.forward(frame);
         self.pipeline.executed();
+        if self.route(ctx, &plan, &mut inflight, frame) {
+            let probe = Inflight {
+                probe: true,
+                ..Inflight::hidden(None)
+            };
+            self.pipeline.push_hidden(probe);
+        } else {
+            self.forward(frame);
+        }
         self.pipeline.push(inflight);
         Ok(Flow::Continue)
     }

@@ -1,0 +1,220 @@
+//! A session's reads on a replica (`replicas.routing`): the replica its
+//! connection goes to, the client state applied there, and the book of a
+//! read routed to it.
+//!
+//! A read goes to a replica only while nothing else is in flight, outside
+//! a transaction block, and the session then waits for its answer before
+//! it reads its client or the primary again: answers never overtake one
+//! another. Just before the read, in the same write, pgcache asks the
+//! replica where it has replayed to ([`PROBE`]). If that is behind what the
+//! session needs (its instance's writes, what it has observed), or if the
+//! replica fails the read before any of its answer reached the client,
+//! the read goes to the primary instead. Its answer is stored only if the
+//! replica had replayed past the last change of every table it read.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{backend as be, extended, messages};
+use crate::replica::{Replica, parse_lsn};
+
+/// pgcache's own question to a replica before a read: how far it has
+/// replayed. Sent in the same write as the read, so the answer holds for
+/// the read's snapshot, which can only be later.
+pub(super) const PROBE: &str = "SELECT pg_catalog.pg_last_wal_replay_lsn()::text";
+
+/// The session's connection to a replica, as the engine sees it.
+pub(super) struct ReplicaLeg {
+    pub server: Arc<Replica>,
+    /// The id of the client state applied on the connection; `None`: a
+    /// new connection, with nothing applied.
+    pub applied: Option<u64>,
+    /// Frames for it, written by the driver.
+    pub staged: BytesMut,
+    /// A read is in flight there.
+    pub busy: bool,
+    /// What the probe before the read in flight answered.
+    pub replayed: Option<u64>,
+}
+
+impl ReplicaLeg {
+    pub fn new(server: Arc<Replica>) -> Self {
+        Self {
+            server,
+            applied: None,
+            staged: BytesMut::new(),
+            busy: false,
+            replayed: None,
+        }
+    }
+
+    /// Stages the probe and `request` for the replica.
+    pub fn stage(&mut self, request: &[u8]) {
+        self.staged.extend_from_slice(&messages::query(PROBE));
+        self.staged.extend_from_slice(request);
+        self.busy = true;
+        self.replayed = None;
+    }
+
+    /// A DataRow of the probe's answer.
+    pub fn probed(&mut self, frame: &[u8]) {
+        if frame[0] != be::DATA_ROW {
+            return;
+        }
+        self.replayed = extended::data_row(&frame[HEADER_LEN..])
+            .and_then(|row| row.into_iter().next().flatten())
+            .and_then(|lsn| parse_lsn(&lsn));
+    }
+}
+
+/// The book of a read routed to a replica, kept with its request in flight.
+pub(super) struct Routed {
+    pub server: Arc<Replica>,
+    /// The request, sent to the primary if the replica cannot answer it.
+    pub request: Bytes,
+    /// The position the session needs the replica at.
+    pub needed: u64,
+    /// The position the replica must have replayed past for the answer to
+    /// be stored; `None`: it is not stored.
+    pub fill_floor: Option<u64>,
+    /// Frames of the answer went to the client: it can no longer go to
+    /// the primary.
+    pub started: bool,
+    /// It goes to the primary once the replica's answer ends.
+    pub retry: bool,
+}
+
+impl Routed {
+    /// The first frame of the replica's answer: whether the read stands
+    /// (else it goes to the primary), given where the probe said the
+    /// replica had replayed to.
+    pub fn first_frame(&mut self, frame: &[u8], replayed: Option<u64>) -> bool {
+        let behind = replayed.is_none_or(|r| r < self.needed);
+        let failed = frame[0] == be::ERROR_RESPONSE && retried(&frame[HEADER_LEN..]);
+        self.retry = behind || failed;
+        self.started = !self.retry;
+        self.started
+    }
+
+    /// The answer may be stored: the replica had replayed past every
+    /// change it depends on.
+    pub fn may_store(&self, replayed: Option<u64>) -> bool {
+        matches!((self.fill_floor, replayed), (Some(floor), Some(r)) if r >= floor)
+    }
+}
+
+/// A replica's error that the primary may not give: a conflict with
+/// recovery or a serialization failure (`40001`), a deadlock (`40P01`), a
+/// read-only or hot standby's refusal (`25006`, `0A000`), too many
+/// connections (`53300`), shutdown (`57P0x`), a lost connection (`08xxx`).
+fn retried(body: &[u8]) -> bool {
+    messages::error_code(body).is_some_and(|code| {
+        matches!(code, "40001" | "40P01" | "25006" | "0A000" | "53300")
+            || code.starts_with("57P0")
+            || code.starts_with("08")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut f = vec![tag];
+        f.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+        f.extend_from_slice(body);
+        f
+    }
+
+    fn error(code: &str) -> Vec<u8> {
+        let mut f = BytesMut::new();
+        messages::error_response(&mut f, "ERROR", code, "no");
+        f.to_vec()
+    }
+
+    fn routed(needed: u64, fill_floor: Option<u64>) -> Routed {
+        let config = crate::Config::from_toml(
+            "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
+            "t".as_ref(),
+        )
+        .expect("config");
+        let metrics = crate::metrics::Metrics::new();
+        let replicas = crate::replica::Replicas::new(&config, &metrics).expect("replicas");
+        Routed {
+            server: Arc::clone(&replicas.servers[0]),
+            request: Bytes::new(),
+            needed,
+            fill_floor,
+            started: false,
+            retry: false,
+        }
+    }
+
+    #[test]
+    fn the_probe_reads_the_position_the_replica_replayed_to() {
+        let replicas = crate::replica::Replicas::new(
+            &crate::Config::from_toml(
+                "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
+                "t".as_ref(),
+            )
+            .expect("config"),
+            &crate::metrics::Metrics::new(),
+        )
+        .expect("replicas");
+        let mut leg = ReplicaLeg::new(Arc::clone(&replicas.servers[0]));
+        leg.stage(&messages::query("SELECT 1"));
+        assert!(leg.busy);
+        assert_eq!(
+            crate::protocol::codec::frames(&leg.staged).count(),
+            2,
+            "the probe, then the read"
+        );
+        let mut row = 1i16.to_be_bytes().to_vec();
+        row.extend_from_slice(&10i32.to_be_bytes());
+        row.extend_from_slice(b"0/16B37480");
+        leg.probed(&frame(be::ROW_DESCRIPTION, &[0, 0]));
+        leg.probed(&frame(be::DATA_ROW, &row));
+        assert_eq!(leg.replayed, Some(0x16B3_7480));
+    }
+
+    #[test]
+    fn a_replica_behind_or_failing_sends_the_read_to_the_primary() {
+        let row = frame(be::ROW_DESCRIPTION, &[0, 0]);
+        let mut ok = routed(100, Some(50));
+        assert!(ok.first_frame(&row, Some(100)));
+        assert!(ok.started && !ok.retry);
+        assert!(ok.may_store(Some(100)));
+        let mut behind = routed(100, Some(50));
+        assert!(
+            !behind.first_frame(&row, Some(99)),
+            "behind what the session needs"
+        );
+        assert!(behind.retry);
+        let mut unknown = routed(0, None);
+        assert!(!unknown.first_frame(&row, None), "the probe did not answer");
+        for (code, retry) in [
+            ("40001", true),
+            ("40P01", true),
+            ("25006", true),
+            ("0A000", true),
+            ("53300", true),
+            ("57P01", true),
+            ("08006", true),
+            ("42P01", false),
+            ("22012", false),
+        ] {
+            let mut r = routed(0, None);
+            assert_eq!(!r.first_frame(&error(code), Some(1)), retry, "{code}");
+        }
+        // Stored only past every change it depends on.
+        let r = routed(0, Some(200));
+        assert!(!r.may_store(Some(199)));
+        assert!(r.may_store(Some(200)));
+        assert!(
+            !routed(0, None).may_store(Some(1_000)),
+            "a change of unknown position"
+        );
+    }
+}
