@@ -56,7 +56,13 @@ hotkey_sql() {
         >"$RUNDIR/hotkey.sql"
 }
 
+# build_pgcache: the release binary of this checkout, unless PGCACHE_BIN
+# names one already (another commit's, to compare in one run).
 build_pgcache() {
+    if [ -n "${PGCACHE_BIN:-}" ]; then
+        [ -x "$PGCACHE_BIN" ] || { echo "PGCACHE_BIN=$PGCACHE_BIN is not an executable" >&2; exit 1; }
+        return
+    fi
     (cd "$ROOT" && cargo build --release --locked -q)
     PGCACHE_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/pgcache"
 }

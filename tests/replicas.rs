@@ -56,15 +56,49 @@ async fn a_server_that_is_not_a_standby_of_the_primary_is_refused_at_start() {
     assert!(err.to_string().contains("not in recovery"), "{err}");
 }
 
+/// `SHOW REPLICAS` on the admin console: one row per replica.
+async fn show_replicas(proxy: &Proxy) -> Vec<Vec<String>> {
+    let admin = connect_dsn(&format!(
+        "host=127.0.0.1 port={} user=pgcache password=admin-secret dbname=pgcache",
+        proxy.addr.port()
+    ))
+    .await
+    .expect("the admin console");
+    admin
+        .simple_query("SHOW REPLICAS")
+        .await
+        .expect("SHOW REPLICAS")
+        .into_iter()
+        .filter_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(
+                (0..r.len())
+                    .map(|i| r.get(i).unwrap_or_default().to_owned())
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_joins_the_rotation_leaves_it_when_behind_and_comes_back() {
     let primary = Pg::dedicated();
     let standby = primary.standby();
     let mut config = config_with(&primary, &[&standby]);
     config.replicas.max_lag_bytes = 64 * 1024;
+    config.admin.password = "admin-secret".to_owned();
     let proxy = Proxy::start(config).await;
     let health = until_in_rotation(&proxy, true).await;
     assert_eq!(health.out, None);
+    let rows = show_replicas(&proxy).await;
+    assert_eq!(rows.len(), 1);
+    // server, role, state, weight, replay_lsn, lag_bytes, lag_ms, ...
+    assert_eq!(rows[0][0], format!("127.0.0.1:{}", standby.port));
+    assert_eq!(
+        (rows[0][1].as_str(), rows[0][2].as_str()),
+        ("replica", "in rotation")
+    );
+    assert_ne!(rows[0][4], "0/0", "its replay position is read");
     let (_, body) = proxy.http_get("/metrics").await;
     let server = &proxy.app.replicas.servers[0].name;
     assert!(
@@ -79,6 +113,9 @@ async fn a_standby_joins_the_rotation_leaves_it_when_behind_and_comes_back() {
     let health = until_in_rotation(&proxy, false).await;
     assert_eq!(health.out, Some(Out::Lagging));
     assert!(health.lag_bytes > 64 * 1024, "{health:?}");
+    let rows = show_replicas(&proxy).await;
+    assert!(rows[0][2].starts_with("out: behind"), "{rows:?}");
+    assert!(rows[0][5].parse::<u64>().unwrap() > 64 * 1024, "{rows:?}");
     assert!(health.lag > Duration::ZERO, "{health:?}");
     let (_, body) = proxy.http_get("/metrics").await;
     assert!(

@@ -12,6 +12,7 @@
 //! | `SHOW POOLS` | per database and user: clients by state, server connections, waits |
 //! | `SHOW CLIENTS` | every client session: state, the server connection it holds, pin |
 //! | `SHOW SERVERS` | transaction mode's server connections, held and idle |
+//! | `SHOW REPLICAS` | each read replica: in rotation or why not, position, lag, reads routed |
 //! | `SHOW CONFIG` | the configuration in force, secrets hidden |
 //! | `SHOW VERSION` | pgcache's version |
 //! | `INVALIDATE TABLE name` | bumps the table's version (every database, every instance) |
@@ -199,6 +200,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
         ["SHOW", "POOLS"] => pools::pools(app, out),
         ["SHOW", "CLIENTS"] => pools::clients(app, out),
         ["SHOW", "SERVERS"] => pools::servers(app, out),
+        ["SHOW", "REPLICAS"] => pools::replicas(app, out),
         ["SHOW", "CONFIG"] => table(out, &["key", "value"], &config_rows(app)),
         ["SHOW", "VERSION"] => table(
             out,
@@ -215,7 +217,7 @@ async fn run(app: &App, text: &str, out: &mut BytesMut) {
             sqlstate::SYNTAX_ERROR,
             &format!(
                 "unknown admin command {command:?}: try SHOW STATS, SHOW QUERIES [n], SHOW TABLES, SHOW REPLICATION, \
-                 SHOW POOLS, SHOW CLIENTS, SHOW SERVERS, SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE TAG name, INVALIDATE ALL or RELOAD"
+                 SHOW POOLS, SHOW CLIENTS, SHOW SERVERS, SHOW REPLICAS, SHOW CONFIG, SHOW VERSION, INVALIDATE TABLE name, INVALIDATE TAG name, INVALIDATE ALL or RELOAD"
             ),
         ),
     }

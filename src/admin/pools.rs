@@ -218,3 +218,47 @@ pub(super) fn servers(app: &App, out: &mut BytesMut) {
         &rows,
     );
 }
+
+/// Each read replica: whether it is in rotation (else why not), where it
+/// replayed to, its lag, and the reads routed to it.
+pub(super) fn replicas(app: &App, out: &mut BytesMut) {
+    let rows: Vec<Vec<String>> = app
+        .replicas
+        .servers
+        .iter()
+        .map(|r| {
+            let health = r.health();
+            vec![
+                r.name.clone(),
+                "replica".to_owned(),
+                match &health.out {
+                    None => "in rotation".to_owned(),
+                    Some(why) => format!("out: {why}"),
+                },
+                r.weight.to_string(),
+                crate::replica::format_lsn(health.replay_lsn),
+                health.lag_bytes.to_string(),
+                health.lag.as_millis().to_string(),
+                r.metrics.routed.get().to_string(),
+                r.metrics.refused_fills.get().to_string(),
+                r.metrics.retries.get().to_string(),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "server",
+            "role",
+            "state",
+            "weight",
+            "replay_lsn",
+            "lag_bytes",
+            "lag_ms",
+            "routed",
+            "fills_refused",
+            "retried_on_primary",
+        ],
+        &rows,
+    );
+}
