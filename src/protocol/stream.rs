@@ -9,6 +9,8 @@
 //! frames in place with [`FramedStream::frame_len_at`] so that runs of
 //! frames can be relayed without copying.
 
+use std::task::{Context, Poll};
+
 use bytes::{Buf, BytesMut};
 use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -113,9 +115,15 @@ impl<S: AsyncRead + Unpin> FramedStream<S> {
     /// allocate), else one chunk. Returns 0 at the end of the stream.
     /// Cancel-safe.
     pub async fn fill(&mut self) -> std::io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_fill(cx)).await
+    }
+
+    /// [`Self::fill`], polled: for a driver that waits on a stream it may
+    /// not hold, with no future of its own in between.
+    pub fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
         let missing = codec::missing_bytes(&self.buf).min(self.max_frame);
         self.buf.reserve(missing.max(READ_CHUNK));
-        self.io.read_buf(&mut self.buf).await
+        tokio_util::io::poll_read_buf(std::pin::Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
     /// [`Self::fill`], but with no buffer while none is held

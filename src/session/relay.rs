@@ -206,7 +206,7 @@ where
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
                 r = self.client.fill_lazily() => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
-                _ = sleep_until_or_never(deadline) => Woke::Timeout,
+                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
             if timeouts.any {
                 last_activity = tokio::time::Instant::now();
@@ -235,10 +235,19 @@ where
             }
         }
         loop {
-            if let Some(w) = woke.take()
-                && self.on_woke(w, timeouts).await? == Flow::Close
-            {
-                return Ok(Flow::Close);
+            if let Some(w) = woke.take() {
+                // Bytes from either leg, inline; the rest is rare, boxed.
+                let flow = match w {
+                    Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await?,
+                    Woke::Client(Ok(n)) if n > 0 => {
+                        self.app.metrics.client_bytes_in.inc_by(n as u64);
+                        self.on_client_data().await?
+                    }
+                    other => Box::pin(self.on_woke(other, timeouts)).await?,
+                };
+                if flow == Flow::Close {
+                    return Ok(Flow::Close);
+                }
             }
             // Waiting on the client: logged in and nothing asked of the backend.
             let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
@@ -256,7 +265,7 @@ where
                 r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
                 r = self.client.fill_lazily(), if !on_replica => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
-                _ = sleep_until_or_never(deadline) => Woke::Timeout,
+                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
             if timeouts.any {
                 *last_activity = tokio::time::Instant::now();
@@ -264,7 +273,9 @@ where
         }
     }
 
-    /// What woke the session, handled.
+    /// What woke the session, handled: the replica's answer, an end or
+    /// failure of either leg, a shutdown stage, a timeout (bytes from
+    /// either leg are [`Self::serve`]'s).
     async fn on_woke(&mut self, woke: Woke, timeouts: &IdleTimeouts) -> Result<Flow, SessionError> {
         Ok(match woke {
             Woke::Force => {
@@ -416,13 +427,13 @@ enum Woke {
 }
 
 /// Reads more of the held connection; never ready while none is held.
-pub(super) async fn fill(
+pub(super) fn fill(
     backend: &mut Option<FramedStream<BackendStream>>,
-) -> std::io::Result<usize> {
-    match backend {
-        Some(backend) => backend.fill().await,
-        None => std::future::pending().await,
-    }
+) -> impl Future<Output = std::io::Result<usize>> + '_ {
+    std::future::poll_fn(move |cx| match backend {
+        Some(backend) => backend.poll_fill(cx),
+        None => std::task::Poll::Pending,
+    })
 }
 
 /// Reads more of the replica connection; never ready without one.

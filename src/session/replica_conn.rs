@@ -123,18 +123,19 @@ where
             let Some(conn) = &mut self.replica else {
                 return Ok(Flow::Continue);
             };
-            let sent = super::traffic::relay(
-                &mut self.client,
+            let bytes = super::traffic::to_client(
                 &mut self.engine.out,
-                &mut conn.stream,
+                conn.stream.buffered(),
                 relayed.end,
                 relayed.from,
-            )
-            .await;
-            self.app
-                .metrics
-                .client_bytes_out
-                .inc_by(sent.as_ref().map_or(0, |n| *n) as u64);
+            );
+            self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
+            let sent = match bytes.is_empty() {
+                true => Ok(()),
+                false => self.client.write_all(bytes).await,
+            };
+            self.engine.out.clear();
+            conn.stream.consume(relayed.end);
             if let Err(e) = sent {
                 self.client_gone().await;
                 return Err(SessionError::ClientIo(e));

@@ -13,7 +13,6 @@ use super::link::Link;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::protocol::messages;
-use crate::protocol::stream::FramedStream;
 
 impl<C> Session<C>
 where
@@ -65,22 +64,24 @@ where
     }
 
     /// Writes the first `pos` buffered backend bytes to the client (see
-    /// [`relay`]).
+    /// [`to_client`]).
     async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
         let Some(backend) = &mut self.backend else {
             return Ok(());
         };
-        let result = relay(&mut self.client, &mut self.engine.out, backend, pos, copied).await;
-        match result {
-            Ok(sent) => {
-                self.app.metrics.client_bytes_out.inc_by(sent as u64);
-                Ok(())
-            }
-            Err(e) => {
-                self.client_gone().await;
-                Err(SessionError::ClientIo(e))
-            }
+        let bytes = to_client(&mut self.engine.out, backend.buffered(), pos, copied);
+        self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
+        let result = match bytes.is_empty() {
+            true => Ok(()),
+            false => self.client.write_all(bytes).await,
+        };
+        self.engine.out.clear();
+        backend.consume(pos);
+        if let Err(e) = result {
+            self.client_gone().await;
+            return Err(SessionError::ClientIo(e));
         }
+        Ok(())
     }
 
     /// Relays every complete client frame now buffered to the backend.
@@ -271,32 +272,19 @@ fn complete_frames(buf: &[u8]) -> usize {
     crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
 }
 
-/// Writes the first `pos` bytes buffered from a server to the client: as
-/// they are when nothing was rewritten, else after what the engine staged
-/// in `out` (from `copied` on). Returns the bytes the client was sent.
-pub(super) async fn relay<C, S>(
-    client: &mut FramedStream<C>,
-    out: &mut BytesMut,
-    server: &mut FramedStream<S>,
+/// What the client is to be sent of the first `pos` bytes buffered from a
+/// server: those bytes as they are when nothing was rewritten, else what
+/// the engine staged in `out` with the rest (from `copied` on) after it.
+pub(super) fn to_client<'a>(
+    out: &'a mut BytesMut,
+    buffered: &'a [u8],
     pos: usize,
     copied: usize,
-) -> std::io::Result<usize>
-where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    let sent = pos - copied + out.len();
-    let result = if out.is_empty() && copied == 0 {
-        client.write_all(&server.buffered()[..pos]).await
+) -> &'a [u8] {
+    if out.is_empty() && copied == 0 {
+        &buffered[..pos]
     } else {
-        out.extend_from_slice(&server.buffered()[copied..pos]);
-        let r = if out.is_empty() {
-            Ok(())
-        } else {
-            client.write_all(out).await
-        };
-        out.clear();
-        r
-    };
-    server.consume(pos);
-    result.map(|()| sent)
+        out.extend_from_slice(&buffered[copied..pos]);
+        out
+    }
 }

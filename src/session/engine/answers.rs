@@ -275,11 +275,14 @@ impl Engine {
             self.db.versions.schema_changed();
         }
         let (effects, result) = match self.pipeline.pop() {
-            Some(done) if done.routed.is_some() => match self.routed_done(done) {
-                Some(done) => self.completed(ctx, done),
-                None => return,
-            },
-            Some(done) => self.completed(ctx, done),
+            Some(mut done) => {
+                if done.routed.is_some() && !self.routed_done(&mut done) {
+                    // Gone to the primary: it completes there.
+                    self.pipeline.push(done);
+                    return;
+                }
+                self.completed(ctx, &mut done)
+            }
             None => (Bumps::default(), None),
         };
         if self.pipeline.is_quiet() {
@@ -309,7 +312,7 @@ impl Engine {
     fn completed(
         &mut self,
         ctx: &Ctx,
-        done: Inflight,
+        done: &mut Inflight,
     ) -> (Bumps, Option<((Box<Fill>, BytesMut), usize)>) {
         if done.failed {
             for name in &done.parsed {
@@ -318,6 +321,7 @@ impl Engine {
         }
         let captured = done
             .capture
+            .take()
             .filter(|_| !done.failed)
             .and_then(|cap| cap.finish());
         let mut result = None;
@@ -343,16 +347,18 @@ impl Engine {
                 }
             }
         }
-        (done.effects, result)
+        (std::mem::take(&mut done.effects), result)
     }
 
-    /// A read routed to a replica is answered. It goes to the primary if
-    /// the replica could not answer it (`None`: completed later, there);
-    /// else the session has observed the replica's position, and the
-    /// answer is stored only if the replica had replayed past every change
-    /// it depends on.
-    fn routed_done(&mut self, mut done: Inflight) -> Option<Inflight> {
-        let routed = done.routed.take()?;
+    /// A read routed to a replica is answered. False if the replica
+    /// could not answer it: it goes to the primary, and completes there.
+    /// Else the session has observed the replica's position, and the
+    /// answer is kept for the cache only if the replica had replayed past
+    /// every change it depends on.
+    fn routed_done(&mut self, done: &mut Inflight) -> bool {
+        let Some(routed) = done.routed.take() else {
+            return true;
+        };
         let replayed = self.replica.as_mut().and_then(|leg| {
             leg.busy = false;
             leg.replayed.take()
@@ -360,8 +366,7 @@ impl Engine {
         if routed.retry {
             routed.server.metrics.retries.inc();
             self.forward(&routed.request);
-            self.pipeline.push(done);
-            return None;
+            return false;
         }
         if let Some(replayed) = replayed {
             self.observed = self.observed.max(replayed);
@@ -370,7 +375,7 @@ impl Engine {
             routed.server.metrics.refused_fills.inc();
             done.capture = None;
         }
-        Some(done)
+        true
     }
 
     /// Applies invalidations others can now see: the local counters at
