@@ -33,7 +33,9 @@ where
                 .await
                 .map_err(SessionError::BackendIo)?;
         }
-        self.carry_out().await;
+        if !self.engine.actions.is_empty() {
+            self.carry_out().await;
+        }
         if relayed.end > 0 {
             self.relay_to_client(relayed.end, relayed.from).await?;
         }
@@ -43,7 +45,9 @@ where
         if self.engine.draining {
             return Ok(self.close_if_drained().await);
         }
-        self.detach_if_idle().await?;
+        if self.engine.link.is_pooled() {
+            self.detach_if_idle().await?;
+        }
         Ok(Flow::Continue)
     }
 
@@ -159,7 +163,7 @@ where
             self.flush_replica().await?;
         }
         self.client.shrink_if_empty();
-        if flow == Flow::Continue {
+        if flow == Flow::Continue && self.engine.link.is_pooled() {
             // Only pgcache's own queries may have needed a connection.
             self.detach_if_idle().await?;
         }
@@ -176,7 +180,9 @@ where
                 Err(need) => Box::pin(self.meet(need, &frame)).await?,
             }
         };
-        self.carry_out().await;
+        if !self.engine.actions.is_empty() {
+            self.carry_out().await;
+        }
         self.flush_out().await?;
         Ok(flow)
     }
@@ -192,7 +198,9 @@ where
             }
         }
         self.client.consume(ready.len);
-        self.carry_out().await;
+        if !self.engine.actions.is_empty() {
+            self.carry_out().await;
+        }
         self.flush_out().await
     }
 
