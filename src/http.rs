@@ -266,9 +266,31 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             "skipped": m.verify.skipped.get(),
         },
         "pool": pool_json(app),
+        "replicas": replicas_json(app),
         "databases": databases,
         "statements": statements,
     })
+}
+
+/// Each read replica: in rotation or why not, its lag, the reads it took.
+fn replicas_json(app: &App) -> Vec<serde_json::Value> {
+    app.replicas
+        .servers
+        .iter()
+        .map(|r| {
+            let health = r.health();
+            serde_json::json!({
+                "server": r.name,
+                "state": health.out.map_or_else(|| "in rotation".to_owned(), |why| format!("out: {why}")),
+                "lag_ms": health.lag.as_millis() as u64,
+                "lag_bytes": health.lag_bytes,
+                "routed": r.metrics.routed.get(),
+                "fills_refused": r.metrics.refused_fills.get(),
+                "retries": r.metrics.retries.get(),
+                "connections": r.connections.all().len(),
+            })
+        })
+        .collect()
 }
 
 /// Client sessions and transaction-mode server connections.

@@ -47,15 +47,30 @@ fn sample(body: &str, series: &str) -> Option<f64> {
 
 /// A proxy with a shared tier, after a workload that touches every metric
 /// the dashboard shows: hits, misses, bypasses, a write, a shared hit.
-async fn proxy_after_a_workload(name: &str) -> (Proxy, String) {
-    let db = pg().create_db(name);
-    pg().psql_db(
+/// pgcache in front of a primary of its own and a standby of it, after a
+/// workload: hits, misses read on the standby, a write.
+struct Workload {
+    proxy: Proxy,
+    db: String,
+    _servers: (Pg, Pg),
+}
+
+async fn proxy_after_a_workload(name: &str) -> Workload {
+    let primary = Pg::dedicated();
+    let db = primary.create_db(name);
+    primary.psql_db(
         &db,
         "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t SELECT g, g FROM generate_series(1, 10) g",
     );
-    let mut config = pg().proxy_config();
+    let standby = primary.standby();
+    let mut config = primary.proxy_config();
     config.redis.url = redis().url();
     config.cache.shared.timeout_ms = 1000;
+    config.upstream.replicas = vec![pgcache::config::ReplicaConfig::Url(format!(
+        "postgres://postgres@127.0.0.1:{}",
+        standby.port
+    ))];
+    config.replicas.healthy_polls = 1;
     let proxy = Proxy::start(config).await;
     let client = proxy.connect(&db).await;
     let tier = proxy.app.cache.shared().cloned().unwrap();
@@ -65,15 +80,29 @@ async fn proxy_after_a_workload(name: &str) -> (Proxy, String) {
         async move { ready.then_some(()) }
     })
     .await;
+    let replica = std::sync::Arc::clone(&proxy.app.replicas.servers[0]);
+    eventually(Duration::from_secs(30), "the standby in rotation", || {
+        let up = replica.in_rotation();
+        async move { up.then_some(()) }
+    })
+    .await;
     for id in [1, 1, 1, 2, 2, 3] {
         scalar(&client, &format!("SELECT v FROM t WHERE id = {id}")).await;
     }
+    assert!(
+        replica.metrics.routed.get() > 0,
+        "misses read on the standby"
+    );
     scalar(&client, "SELECT now()").await;
     client
         .batch_execute("UPDATE t SET v = 0 WHERE id = 9")
         .await
         .unwrap();
-    (proxy, db)
+    Workload {
+        proxy,
+        db,
+        _servers: (primary, standby),
+    }
 }
 
 fn metrics_addr(proxy: &Proxy) -> SocketAddr {
@@ -86,8 +115,8 @@ fn metrics_addr(proxy: &Proxy) -> SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_live_page_draws_its_chart_and_matches_the_metrics_in_chromium() {
-    let (proxy, _db) = proxy_after_a_workload("live_page").await;
-    let addr = metrics_addr(&proxy);
+    let Workload { proxy, .. } = &proxy_after_a_workload("live_page").await;
+    let addr = metrics_addr(proxy);
     let (status, json) = http_get(addr, "/stats.json").await;
     assert_eq!(status, 200);
     let stats: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -163,6 +192,22 @@ async fn the_live_page_draws_its_chart_and_matches_the_metrics_in_chromium() {
     );
     assert_eq!(text_of("servers"), "session mode");
 
+    // The standby, in rotation, with the reads it took.
+    let part = &dom[dom.find("id=\"replicas-part\"").expect("the replicas part")..];
+    assert!(
+        !part[..part.find('>').unwrap()].contains("hidden"),
+        "shown with a replica: {part}"
+    );
+    let table = &part[..part.find("</table>").unwrap()];
+    let replica = &proxy.app.replicas.servers[0];
+    assert!(
+        table.contains(&format!(
+            "<td class=\"text\">{}</td><td class=\"text\">in rotation</td>",
+            replica.name
+        )),
+        "{table}"
+    );
+
     // The chart: one point per refresh, drawn as an SVG polyline.
     let line = &dom[dom.find("id=\"ratio-line\"").expect("the chart's line")..];
     let line = &line[..line
@@ -203,8 +248,8 @@ fn url_encode(s: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_prometheus_scrapes_pgcache_and_every_dashboard_query_returns_data() {
-    let (proxy, _db) = proxy_after_a_workload("live_prometheus").await;
-    let target = metrics_addr(&proxy);
+    let Workload { proxy, db, .. } = &proxy_after_a_workload("live_prometheus").await;
+    let target = metrics_addr(proxy);
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("prometheus.yml");
     std::fs::write(
@@ -248,8 +293,7 @@ async fn a_real_prometheus_scrapes_pgcache_and_every_dashboard_query_returns_dat
     }
     assert!(queries.len() >= 20, "{} queries", queries.len());
     // Keep traffic flowing while Prometheus collects samples.
-    let db = _db.clone();
-    let client = connect_dsn(&proxy.dsn("postgres", &db)).await.unwrap();
+    let client = connect_dsn(&proxy.dsn("postgres", db)).await.unwrap();
     for (title, expr) in &queries {
         let path = format!("/api/v1/query?query={}", url_encode(expr));
         eventually(

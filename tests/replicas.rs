@@ -21,6 +21,7 @@ fn config_with(primary: &Pg, replicas: &[&Pg]) -> pgcache::Config {
         })
         .collect();
     config.replicas.healthy_polls = 2;
+    config.admin.password = "admin-secret".to_owned();
     config
 }
 
@@ -58,6 +59,11 @@ async fn a_server_that_is_not_a_standby_of_the_primary_is_refused_at_start() {
 
 /// `SHOW REPLICAS` on the admin console: one row per replica.
 async fn show_replicas(proxy: &Proxy) -> Vec<Vec<String>> {
+    show(proxy, "SHOW REPLICAS").await
+}
+
+/// The rows of an admin console command.
+async fn show(proxy: &Proxy, command: &str) -> Vec<Vec<String>> {
     let admin = connect_dsn(&format!(
         "host=127.0.0.1 port={} user=pgcache password=admin-secret dbname=pgcache",
         proxy.addr.port()
@@ -65,9 +71,9 @@ async fn show_replicas(proxy: &Proxy) -> Vec<Vec<String>> {
     .await
     .expect("the admin console");
     admin
-        .simple_query("SHOW REPLICAS")
+        .simple_query(command)
         .await
-        .expect("SHOW REPLICAS")
+        .expect(command)
         .into_iter()
         .filter_map(|m| match m {
             tokio_postgres::SimpleQueryMessage::Row(r) => Some(
@@ -86,7 +92,6 @@ async fn a_standby_joins_the_rotation_leaves_it_when_behind_and_comes_back() {
     let standby = primary.standby();
     let mut config = config_with(&primary, &[&standby]);
     config.replicas.max_lag_bytes = 64 * 1024;
-    config.admin.password = "admin-secret".to_owned();
     let proxy = Proxy::start(config).await;
     let health = until_in_rotation(&proxy, true).await;
     assert_eq!(health.out, None);
@@ -104,6 +109,22 @@ async fn a_standby_joins_the_rotation_leaves_it_when_behind_and_comes_back() {
     assert!(
         body.contains(&format!("pgcache_replica_up{{server=\"{server}\"}} 1")),
         "{body}"
+    );
+    let (_, json) = proxy.http_get("/stats.json").await;
+    let stats: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let live = &stats["replicas"][0];
+    assert_eq!(
+        (live["server"].as_str(), live["state"].as_str()),
+        (Some(server.as_str()), Some("in rotation")),
+        "the live page's data: {stats}"
+    );
+    // The dashboard's replica panels (the rest need a database's traffic:
+    // tests/metrics.rs).
+    let (missing, _) = dashboard_metrics_missing(&body);
+    let missing: Vec<_> = missing.iter().filter(|m| is_replica_metric(m)).collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard uses {missing:?}, which /metrics lacks"
     );
     // Replay paused: the primary moves on, the standby does not.
     standby.psql_admin("SELECT pg_wal_replay_pause()");
@@ -218,6 +239,24 @@ async fn misses_are_read_on_the_standby_and_their_answers_cached() {
     let hits = proxy.hits();
     assert_eq!(scalar(&client, sql).await.as_deref(), Some("v7"));
     assert_eq!(proxy.hits(), hits + 1, "the standby's answer was stored");
+    // The session's connection to the standby, in SHOW SERVERS and POOLS.
+    let servers = show(&proxy, "SHOW SERVERS").await;
+    let conn = servers
+        .iter()
+        .find(|r| r[4] == server)
+        .unwrap_or_else(|| panic!("the standby's connection: {servers:?}"));
+    // type, user, database, state, addr, ..., role, lag_ms
+    assert_eq!((conn[2].as_str(), conn[3].as_str()), (db.as_str(), "idle"));
+    assert_eq!(conn[11], "replica");
+    assert!(conn[12].parse::<u64>().is_ok(), "{conn:?}");
+    let pools = show(&proxy, "SHOW POOLS").await;
+    let pool = pools
+        .iter()
+        .find(|r| r[13] == server)
+        .unwrap_or_else(|| panic!("the standby's pool: {pools:?}"));
+    // database, user, cl_*, sv_active, sv_idle, sv_open, ..., server, role
+    assert_eq!(&pool[5..8], ["0", "1", "1"], "{pool:?}");
+    assert_eq!(pool[14], "replica");
     assert_eq!(routed(), 1, "a hit goes nowhere");
     // A write goes to the primary (a standby would refuse it), and a read
     // after it, on another connection of the instance, sees it.
@@ -343,4 +382,192 @@ async fn reads_go_on_without_an_error_while_the_standby_stops_and_return_to_it()
         assert!(scalar(&client, &read()).await.is_some());
     }
     assert!(routed() > before, "the standby takes reads again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_past_max_lag_ms_takes_no_reads_until_it_catches_up() {
+    let primary = Pg::dedicated();
+    let db = primary.create_db("lagms");
+    primary.psql_db(
+        &db,
+        "CREATE TABLE items (k int PRIMARY KEY, v text);
+         INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
+    );
+    let standby = primary.standby();
+    let mut config = config_with(&primary, &[&standby]);
+    // Only the time limit: any number of bytes behind is allowed.
+    config.replicas.max_lag_ms = 300;
+    config.replicas.max_lag_bytes = 0;
+    let proxy = Proxy::start(config).await;
+    until_in_rotation(&proxy, true).await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    assert!(
+        scalar(&client, "SELECT v FROM items WHERE k = 1")
+            .await
+            .is_some()
+    );
+    assert_eq!(routed(), 1, "in rotation, a miss goes to the standby");
+    pause_replay(&standby).await;
+    // A small write: a few hundred bytes behind, and more and more time.
+    primary.psql_db(&db, "INSERT INTO items VALUES (1000, 'late')");
+    let health = until_in_rotation(&proxy, false).await;
+    assert_eq!(health.out, Some(Out::Lagging));
+    assert!(health.lag >= Duration::from_millis(300), "{health:?}");
+    assert!(health.lag_bytes < 64 * 1024, "{health:?}");
+    // Out of rotation: every miss goes to the primary, which has the row.
+    let before = (routed(), scans(&standby, &db));
+    for k in 2..12 {
+        let sql = format!("SELECT v FROM items WHERE k = {k}");
+        assert_eq!(scalar(&client, &sql).await, Some(format!("v{k}")));
+    }
+    assert_eq!(
+        scalar(&client, "SELECT v FROM items WHERE k = 1000")
+            .await
+            .as_deref(),
+        Some("late")
+    );
+    assert_eq!(
+        (routed(), scans(&standby, &db)),
+        before,
+        "the standby took no read past its lag limit"
+    );
+    standby.psql_admin("SELECT pg_wal_replay_resume()");
+    until_in_rotation(&proxy, true).await;
+    assert!(
+        scalar(&client, "SELECT v FROM items WHERE k = 50")
+            .await
+            .is_some()
+    );
+    assert_eq!(
+        routed(),
+        before.0 + 1,
+        "back in rotation, it takes misses again"
+    );
+}
+
+/// The keys whose balance read through pgcache differs from the one read
+/// directly.
+async fn stale_entries(
+    client: &tokio_postgres::Client,
+    direct: &tokio_postgres::Client,
+    keys: i32,
+) -> Vec<i32> {
+    let mut stale = Vec::new();
+    for aid in 1..=keys {
+        let sql = format!("SELECT abalance FROM pgbench_accounts WHERE aid = {aid}");
+        if scalar(client, &sql).await != scalar(direct, &sql).await {
+            stale.push(aid);
+        }
+    }
+    stale
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_pgbench_writes_misses_go_to_the_standby_and_no_cached_entry_is_stale() {
+    const KEYS: i32 = 500;
+    let primary = Pg::dedicated();
+    let db = primary.create_db("readwrite");
+    let init = run_tool(
+        &primary.bin("pgbench"),
+        &[
+            "-i",
+            "-q",
+            "-s",
+            "1",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &primary.port.to_string(),
+            "-U",
+            "postgres",
+            &db,
+        ],
+    )
+    .await;
+    assert!(
+        init.status.success(),
+        "pgbench -i: {}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let standby = primary.standby();
+    let proxy = Proxy::start(config_with(&primary, &[&standby])).await;
+    until_in_rotation(&proxy, true).await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    // Writes straight to the primary, on the keys the reads use.
+    let script = scratch_dir("readwrite").join("write.sql");
+    std::fs::write(
+        &script,
+        format!(
+            "\\set aid random(1, {KEYS})\n\\set delta random(-5000, 5000)\n\
+             BEGIN;\nUPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;\n\
+             INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (1, 1, :aid, :delta, now());\nEND;\n"
+        ),
+    )
+    .unwrap();
+    let bin = primary.bin("pgbench");
+    let port = primary.port.to_string();
+    let script = script.display().to_string();
+    let db_name = db.clone();
+    let writer = tokio::spawn(async move {
+        let args = [
+            "-n",
+            "-c",
+            "2",
+            "-T",
+            "4",
+            "-f",
+            &script,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-U",
+            "postgres",
+            &db_name,
+        ];
+        run_tool(&bin, &args).await
+    });
+    let (misses, hits) = (proxy.app.metrics.misses.get(), proxy.hits());
+    let mut reads = 0u64;
+    while !writer.is_finished() {
+        let aid = rand::random::<u32>() % KEYS as u32 + 1;
+        let sql = format!("SELECT abalance FROM pgbench_accounts WHERE aid = {aid}");
+        let v = client.simple_query(&sql).await;
+        assert!(v.is_ok(), "{sql}: {v:?}");
+        reads += 1;
+    }
+    let out = writer.await.unwrap();
+    assert!(
+        out.status.success(),
+        "pgbench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let misses = proxy.app.metrics.misses.get() - misses;
+    let hits = proxy.hits() - hits;
+    // Every write bumps the table: most reads miss.
+    assert!(misses > 50, "{reads} reads: {misses} misses, {hits} hits");
+    assert!(
+        routed() * 2 >= misses,
+        "at least half the misses reach the standby: {} of {misses}",
+        routed()
+    );
+    // Every write applied: no entry the cache serves may be older. The
+    // entries stored since the last write are served by the first pass;
+    // the second is all hits.
+    proxy.wait_stream(&db).await;
+    let direct = primary.direct(&db).await;
+    let stale = stale_entries(&client, &direct, KEYS).await;
+    assert!(stale.is_empty(), "stale keys: {stale:?}");
+    let hits = proxy.hits();
+    let stale = stale_entries(&client, &direct, KEYS).await;
+    assert!(stale.is_empty(), "stale keys: {stale:?}");
+    assert_eq!(
+        proxy.hits(),
+        hits + KEYS as u64,
+        "the second pass is served by the cache"
+    );
 }

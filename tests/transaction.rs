@@ -544,6 +544,8 @@ async fn the_admin_console_shows_pools_clients_and_servers() {
     // database, user, cl_active, cl_waiting, cl_idle, sv_active, sv_idle, sv_open
     assert_eq!(&pool[2..8], ["1", "1", "1", "1", "0", "1"], "{pool:?}");
     assert_eq!(pool[12], "transaction");
+    // pool_mode, server, role, lag_ms
+    assert_eq!((pool[14].as_str(), pool[15].as_str()), ("primary", "0"));
     let clients = show("SHOW CLIENTS").await;
     let states: Vec<&str> = clients
         .iter()
@@ -564,6 +566,7 @@ async fn the_admin_console_shows_pools_clients_and_servers() {
     let servers = show("SHOW SERVERS").await;
     let server = servers.iter().find(|r| r[2] == db).unwrap();
     assert_eq!((server[3].as_str(), &server[9]), ("active", holder_id));
+    assert_eq!(server[11], "primary", "its role: {server:?}");
     holder.batch_execute("COMMIT").await.unwrap();
     waiting.await.unwrap().unwrap();
     drop(idle);

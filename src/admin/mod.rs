@@ -9,9 +9,9 @@
 //! | `SHOW QUERIES [n]` | the top `n` (20) statements by calls, by normalised text |
 //! | `SHOW TABLES` | per table: versions, invalidations, entries, publication state |
 //! | `SHOW REPLICATION` | per database: stream state, lag, LSN |
-//! | `SHOW POOLS` | per database and user: clients by state, server connections, waits |
+//! | `SHOW POOLS` | per database and user: clients by state, server connections, waits; each server's role and lag |
 //! | `SHOW CLIENTS` | every client session: state, the server connection it holds, pin |
-//! | `SHOW SERVERS` | transaction mode's server connections, held and idle |
+//! | `SHOW SERVERS` | transaction mode's server connections and replica connections, with role and lag |
 //! | `SHOW REPLICAS` | each read replica: in rotation or why not, position, lag, reads routed |
 //! | `SHOW CONFIG` | the configuration in force, secrets hidden |
 //! | `SHOW VERSION` | pgcache's version |

@@ -29,20 +29,23 @@ fn mode(app: &App) -> &'static str {
     }
 }
 
-/// Per database and user: clients by state, server connections, waits.
-pub(super) fn pools(app: &App, out: &mut BytesMut) {
-    #[derive(Default)]
-    struct Row {
-        active: usize,
-        waiting: usize,
-        idle: usize,
-        oldest_wait_ms: u64,
-        sv_active: usize,
-        sv_idle: usize,
-        sv_open: usize,
-        checkouts: u64,
-        avg_wait_us: u64,
-    }
+/// A `SHOW POOLS` row of the primary's.
+#[derive(Default)]
+struct Row {
+    active: usize,
+    waiting: usize,
+    idle: usize,
+    oldest_wait_ms: u64,
+    sv_active: usize,
+    sv_idle: usize,
+    sv_open: usize,
+    checkouts: u64,
+    avg_wait_us: u64,
+}
+
+/// The primary's pools: clients by state and server connections, per
+/// database and user.
+fn tally(app: &App) -> BTreeMap<(String, String), Row> {
     let now = now_ms();
     let mut rows: BTreeMap<(String, String), Row> = BTreeMap::new();
     for client in app.clients.all() {
@@ -69,7 +72,15 @@ pub(super) fn pools(app: &App, out: &mut BytesMut) {
         row.checkouts = p.checkouts;
         row.avg_wait_us = p.wait_us / p.checkouts.max(1);
     }
+    rows
+}
+
+/// Per database and user: clients by state, server connections, waits;
+/// then the connections sessions hold to each read replica, with its lag.
+pub(super) fn pools(app: &App, out: &mut BytesMut) {
+    let rows = tally(app);
     let mode = mode(app);
+    let primary = app.upstream.describe();
     let rows: Vec<Vec<String>> = rows
         .into_iter()
         .map(|((database, user), r)| {
@@ -87,8 +98,12 @@ pub(super) fn pools(app: &App, out: &mut BytesMut) {
                 ((r.oldest_wait_ms % 1000) * 1000).to_string(),
                 r.avg_wait_us.to_string(),
                 mode.to_owned(),
+                primary.clone(),
+                "primary".to_owned(),
+                "0".to_owned(),
             ]
         })
+        .chain(replica_pools(app, mode))
         .collect();
     table(
         out,
@@ -106,9 +121,53 @@ pub(super) fn pools(app: &App, out: &mut BytesMut) {
             "maxwait_us",
             "avg_wait_us",
             "pool_mode",
+            "server",
+            "role",
+            "lag_ms",
         ],
         &rows,
     );
+}
+
+/// `SHOW POOLS` rows of the replicas: per replica, database and user, the
+/// connections sessions hold there (their clients are counted on the
+/// primary's row).
+fn replica_pools<'a>(app: &'a App, mode: &'a str) -> impl Iterator<Item = Vec<String>> + 'a {
+    app.replicas.servers.iter().flat_map(move |replica| {
+        let mut open: BTreeMap<(Box<str>, Box<str>), (usize, usize)> = BTreeMap::new();
+        for c in replica.connections.all() {
+            let n = open
+                .entry((c.database.clone(), c.user.clone()))
+                .or_default();
+            match c.is_active() {
+                true => n.0 += 1,
+                false => n.1 += 1,
+            }
+        }
+        let lag = replica.health().lag.as_millis().to_string();
+        open.into_iter()
+            .map(move |((database, user), (active, idle))| {
+                let zero = || "0".to_owned();
+                vec![
+                    database.into(),
+                    user.into(),
+                    zero(),
+                    zero(),
+                    zero(),
+                    active.to_string(),
+                    idle.to_string(),
+                    (active + idle).to_string(),
+                    zero(),
+                    zero(),
+                    zero(),
+                    zero(),
+                    mode.to_owned(),
+                    replica.name.clone(),
+                    "replica".to_owned(),
+                    lag.clone(),
+                ]
+            })
+    })
 }
 
 pub(super) fn clients(app: &App, out: &mut BytesMut) {
@@ -176,7 +235,8 @@ pub(super) fn clients(app: &App, out: &mut BytesMut) {
     );
 }
 
-/// Transaction mode's server connections, held and idle.
+/// Transaction mode's server connections, held and idle, then the
+/// sessions' connections to read replicas, each with its role and lag.
 pub(super) fn servers(app: &App, out: &mut BytesMut) {
     let mut rows = Vec::new();
     for pool in app.pool.pooled.all() {
@@ -197,6 +257,28 @@ pub(super) fn servers(app: &App, out: &mut BytesMut) {
                     s.client.to_string()
                 },
                 s.prepared.to_string(),
+                "primary".to_owned(),
+                "0".to_owned(),
+            ]);
+        }
+    }
+    for replica in &app.replicas.servers {
+        let lag = replica.health().lag.as_millis().to_string();
+        for c in replica.connections.all() {
+            rows.push(vec![
+                "S".to_owned(),
+                c.user.to_string(),
+                c.database.to_string(),
+                if c.is_active() { "active" } else { "idle" }.to_owned(),
+                replica.name.clone(),
+                timestamp(ago(c.born.elapsed())),
+                timestamp(ago(c.since())),
+                c.id.to_string(),
+                c.pid.to_string(),
+                c.client.to_string(),
+                "0".to_owned(),
+                "replica".to_owned(),
+                lag.clone(),
             ]);
         }
     }
@@ -214,6 +296,8 @@ pub(super) fn servers(app: &App, out: &mut BytesMut) {
             "remote_pid",
             "link",
             "prepared_statements",
+            "role",
+            "lag_ms",
         ],
         &rows,
     );

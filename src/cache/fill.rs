@@ -1,11 +1,14 @@
-//! Miss coalescing: concurrent identical misses wait for the first one
-//! instead of all going to PostgreSQL.
+//! A fill: where a forwarded read's answer is stored ([`Fill`]), and miss
+//! coalescing: concurrent identical misses wait for the first one instead
+//! of all going to PostgreSQL.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
+
+use super::{DbState, Lifetime, Reads, Request};
 
 /// Misses being filled now, by local key. Most fills have no one waiting
 /// for them: the channel that wakes waiters is made by the first waiter,
@@ -70,6 +73,77 @@ impl Fills {
         FillGuard {
             fills: Arc::clone(self),
             key,
+        }
+    }
+}
+
+/// Where a forwarded read's answer will be stored: the keys made from the
+/// versions read *before* it was forwarded.
+pub struct Fill {
+    /// `None`: not kept locally (`tier=shared`).
+    pub(super) local: Option<u128>,
+    /// The shared key with the versions it was made from, if the shared
+    /// tier was usable.
+    pub(super) shared: Option<(u128, Vec<u64>)>,
+    pub(super) lifetime: Lifetime,
+    /// What the result read, for the per-table entry counts.
+    pub(super) reads: Reads,
+    /// Concurrent misses of this key wait until it is dropped.
+    _guard: Option<FillGuard>,
+}
+
+impl Fill {
+    /// The WAL position a server must have replayed past for its answer
+    /// to be stored under this fill's versions: the last change of every
+    /// table read, and the database's epoch (changes before the stream
+    /// started are not known here); `None` while any is not known.
+    pub fn floor(&self, db: &DbState) -> Option<u64> {
+        let mut floor = db.floor(&db.versions.epoch)?;
+        for family in self.reads.iter() {
+            floor = floor.max(db.floor(&family.version)?);
+        }
+        Some(floor)
+    }
+}
+
+impl std::fmt::Debug for Fill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fill").field("local", &self.local).finish()
+    }
+}
+
+impl Fill {
+    /// A fill of `key` in the local tier, reading nothing: what a
+    /// session's tests capture into.
+    #[cfg(test)]
+    pub fn local_only(key: u128) -> Self {
+        Self {
+            local: Some(key),
+            shared: None,
+            lifetime: Lifetime::default(),
+            reads: Arc::from([]),
+            _guard: None,
+        }
+    }
+
+    /// The local key it stores under.
+    #[cfg(test)]
+    pub fn local_key(&self) -> Option<u128> {
+        self.local
+    }
+
+    pub(super) fn new(
+        req: &Request<'_>,
+        local: u128,
+        shared: Option<(u128, Vec<u64>)>,
+        guard: Option<FillGuard>,
+    ) -> Self {
+        Self {
+            local: req.tier.local().then_some(local),
+            shared,
+            lifetime: req.lifetime,
+            reads: Arc::clone(req.reads),
+            _guard: guard,
         }
     }
 }

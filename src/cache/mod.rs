@@ -43,7 +43,7 @@ use crate::metrics::{DbMetrics, Metrics};
 pub use analysis::{Analyzed, MAX_ANALYZED_SQL};
 pub use catalog::Catalog;
 pub use database::{Databases, DbState, Unfresh};
-pub use fill::{Claim, FillGuard, Fills};
+pub use fill::{Claim, Fill, FillGuard, Fills};
 pub use key::RequestKey;
 pub use local::{CachedResponse, Lifetime, LocalCache};
 use shared::{Pending, SharedTier};
@@ -104,41 +104,6 @@ pub enum Lookup {
     /// Shadow mode: the cache holds this answer, but the request goes to
     /// PostgreSQL all the same, to be checked against it.
     WouldHit(Bytes),
-}
-
-/// Where a forwarded read's answer will be stored: the keys made from the
-/// versions read *before* it was forwarded.
-pub struct Fill {
-    /// `None`: not kept locally (`tier=shared`).
-    local: Option<u128>,
-    /// The shared key with the versions it was made from, if the shared
-    /// tier was usable.
-    shared: Option<(u128, Vec<u64>)>,
-    lifetime: Lifetime,
-    /// What the result read, for the per-table entry counts.
-    reads: Reads,
-    /// Concurrent misses of this key wait until it is dropped.
-    _guard: Option<FillGuard>,
-}
-
-impl Fill {
-    /// The WAL position a server must have replayed past for its answer
-    /// to be stored under this fill's versions: the last change of every
-    /// table read, and the database's epoch (changes before the stream
-    /// started are not known here); `None` while any is not known.
-    pub fn floor(&self, db: &DbState) -> Option<u64> {
-        let mut floor = db.floor(&db.versions.epoch)?;
-        for family in self.reads.iter() {
-            floor = floor.max(db.floor(&family.version)?);
-        }
-        Some(floor)
-    }
-}
-
-impl std::fmt::Debug for Fill {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fill").field("local", &self.local).finish()
-    }
 }
 
 /// What a lookup needs before it can answer.
@@ -562,42 +527,6 @@ async fn warm_until(
         if tokio::time::timeout_at(deadline, signalled).await.is_err() {
             db.stream.warmed();
             return;
-        }
-    }
-}
-
-impl Fill {
-    /// A fill of `key` in the local tier, reading nothing: what a
-    /// session's tests capture into.
-    #[cfg(test)]
-    pub fn local_only(key: u128) -> Self {
-        Self {
-            local: Some(key),
-            shared: None,
-            lifetime: Lifetime::default(),
-            reads: Arc::from([]),
-            _guard: None,
-        }
-    }
-
-    /// The local key it stores under.
-    #[cfg(test)]
-    pub fn local_key(&self) -> Option<u128> {
-        self.local
-    }
-
-    fn new(
-        req: &Request<'_>,
-        local: u128,
-        shared: Option<(u128, Vec<u64>)>,
-        guard: Option<FillGuard>,
-    ) -> Self {
-        Self {
-            local: req.tier.local().then_some(local),
-            shared,
-            lifetime: req.lifetime,
-            reads: Arc::clone(req.reads),
-            _guard: guard,
         }
     }
 }

@@ -31,6 +31,13 @@ impl Pools {
         }
     }
 
+    /// A new server connection's id in `SHOW SERVERS` (a replica's too).
+    pub fn server_id(&self) -> u64 {
+        self.next_server_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PoolId, Arc<Pool>>> {
         self.pools.lock().unwrap_or_else(|e| e.into_inner())
     }

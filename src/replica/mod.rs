@@ -10,6 +10,7 @@
 //! A WAL position is a `u64` here, as PostgreSQL's `pg_lsn` is.
 
 mod clock;
+mod connections;
 pub mod monitor;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use clock::PrimaryClock;
+pub use connections::{Connection, Connections};
 
 use crate::config::{ReplicasConfig, Routing};
 use crate::metrics::ReplicaMetrics;
@@ -99,6 +101,8 @@ pub struct Replica {
     replay: AtomicU64,
     health: Mutex<Health>,
     pub metrics: ReplicaMetrics,
+    /// The sessions' connections to it.
+    pub connections: Connections,
 }
 
 impl Replica {
@@ -109,6 +113,12 @@ impl Replica {
     /// The position it had replayed to when last read.
     pub fn replayed(&self) -> u64 {
         self.replay.load(Ordering::Acquire)
+    }
+
+    /// A read's probe found it had replayed to `lsn`: fresher than the
+    /// last poll, so the next read that needs as much can go there.
+    pub fn replayed_past(&self, lsn: u64) {
+        self.replay.fetch_max(lsn, Ordering::AcqRel);
     }
 
     pub fn health(&self) -> Health {
@@ -210,6 +220,7 @@ impl Replicas {
                         lag: Duration::ZERO,
                         good_polls: 0,
                     }),
+                    connections: Connections::default(),
                 }));
             }
         }

@@ -402,6 +402,9 @@ where
     /// The session ends: its backend is told, unless it is a pooled
     /// connection that goes back to its pool ([`Self::release_at_end`]).
     async fn end_backend(&mut self) {
+        if let Some(replica) = self.replica.take() {
+            replica.close().await;
+        }
         if let Link::Pooled(link) = &self.engine.link
             && link.lease().is_some()
             && link.pinned.is_none()

@@ -6,13 +6,16 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
+use tracing::info;
 
 use super::SessionError;
 use super::engine::{Action, LinkStep, ReadyBatch};
 use super::link::Link;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
-use crate::protocol::messages;
+use super::replica_conn::ReplicaConn;
+use crate::protocol::{messages, sqlstate};
+use crate::replica::Replica;
 
 impl<C> Session<C>
 where
@@ -259,7 +262,7 @@ where
     /// the client is owed an answer for fails with the pool's error, and
     /// the session goes on.
     async fn fail_unsent(&mut self, error: &crate::pool::PoolError) -> Result<(), SessionError> {
-        tracing::info!(code = error.sqlstate(), "{error}");
+        info!(code = error.sqlstate(), "{error}");
         let mut out = BytesMut::new();
         for request in self.engine.pipeline.drop_unsent() {
             for name in &request.parsed {
@@ -272,6 +275,167 @@ where
             .write_all(&out)
             .await
             .map_err(SessionError::ClientIo)
+    }
+}
+
+/// Reads routed to a replica ([`super::replica`]).
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    /// Writes what the engine staged for its replica, connecting (and
+    /// applying the client's settings) first where needed. A replica that
+    /// cannot take it leaves the read to the primary.
+    pub(super) async fn flush_replica(&mut self) -> Result<(), SessionError> {
+        let Some(leg) = &self.engine.replica else {
+            return Ok(());
+        };
+        if leg.staged.is_empty() {
+            return Ok(());
+        }
+        let server = Arc::clone(&leg.server);
+        match Box::pin(self.send_replica(&server)).await {
+            Ok(()) => {
+                let key = self.replica.as_ref().map(|c| Arc::clone(&c.key));
+                if let Some(cancel) = &self.engine.cancel {
+                    cancel.retarget(key);
+                }
+                Ok(())
+            }
+            Err(why) => {
+                info!(replica = %server.name, "read sent to the primary: {why}");
+                self.replica = None;
+                server.metrics.retries.inc();
+                self.engine.replica_failed();
+                Box::pin(self.flush_backend()).await
+            }
+        }
+    }
+
+    /// Connects if needed, applies the client's settings if they are not
+    /// those of the connection, and writes the staged frames.
+    async fn send_replica(&mut self, server: &Arc<Replica>) -> Result<(), String> {
+        let Link::Session(own) = &self.engine.link else {
+            return Err("not in session mode".into());
+        };
+        let state = own.state.clone();
+        let Some(pool) = own.checks.clone() else {
+            return Err("no credentials to log in with".into());
+        };
+        if self
+            .replica
+            .as_ref()
+            .is_none_or(|c| !Arc::ptr_eq(&c.server, server))
+        {
+            if let Some(old) = self.replica.take() {
+                old.close().await;
+            }
+            let id = self.app.pool.pooled.server_id();
+            let conn = ReplicaConn::open(&pool, server, id, self.entry.client.id).await?;
+            self.replica = Some(Box::new(conn));
+            if let Some(leg) = &mut self.engine.replica {
+                leg.applied = None;
+            }
+        }
+        let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
+            return Err("no replica".into());
+        };
+        if leg.applied != Some(state.id) {
+            conn.apply(&state.apply_sql()).await?;
+            leg.applied = Some(state.id);
+        }
+        let staged = std::mem::take(&mut leg.staged);
+        conn.shown.set_active(true);
+        conn.stream
+            .write_all(&staged)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// The replica's answer, as the engine has it, to the client; once
+    /// the read is answered, the cancel key is the primary's again and
+    /// what waited goes on: a retry to the primary, the client's next
+    /// frames.
+    pub(super) async fn on_replica_data(&mut self) -> Result<Flow, SessionError> {
+        let ctx = ctx(&self.app, &self.entry);
+        let Some(conn) = &mut self.replica else {
+            return Ok(Flow::Continue);
+        };
+        let relayed = self.engine.on_backend(&ctx, conn.stream.buffer_mut())?;
+        self.carry_out().await;
+        if relayed.end > 0 {
+            let Some(conn) = &mut self.replica else {
+                return Ok(Flow::Continue);
+            };
+            let bytes = to_client(
+                &mut self.engine.out,
+                conn.stream.buffered(),
+                relayed.end,
+                relayed.from,
+            );
+            self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
+            let sent = match bytes.is_empty() {
+                true => Ok(()),
+                false => self.client.write_all(bytes).await,
+            };
+            self.engine.out.clear();
+            conn.stream.consume(relayed.end);
+            if let Err(e) = sent {
+                self.client_gone().await;
+                return Err(SessionError::ClientIo(e));
+            }
+        }
+        if self.engine.replica_busy() {
+            return Ok(Flow::Continue);
+        }
+        if let Some(conn) = &self.replica {
+            conn.shown.set_active(false);
+        }
+        if let Some(cancel) = &self.engine.cancel {
+            cancel.retarget(self.engine.backend_key.clone());
+        }
+        self.flush_backend().await?;
+        if !self.client.buffered().is_empty() {
+            return Box::pin(self.on_client_data()).await;
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// The replica's connection ended or failed while a read was there:
+    /// the read goes to the primary if none of its answer reached the
+    /// client, else the client is told it failed.
+    pub(super) async fn replica_lost(
+        &mut self,
+        error: Option<std::io::Error>,
+    ) -> Result<Flow, SessionError> {
+        let name = self.replica.take().map(|c| c.server.name.clone());
+        info!(replica = ?name, error = ?error, "replica connection lost");
+        if let Some(cancel) = &self.engine.cancel {
+            cancel.retarget(self.engine.backend_key.clone());
+        }
+        if self.engine.replica_failed() {
+            if let Some(leg) = &self.engine.replica {
+                leg.server.metrics.retries.inc();
+            }
+            self.flush_backend().await?;
+        } else {
+            let mut out = bytes::BytesMut::new();
+            messages::error_response(
+                &mut out,
+                "ERROR",
+                sqlstate::CONNECTION_FAILURE,
+                "the replica's connection was lost while it answered",
+            );
+            out.extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
+            self.client
+                .write_all(&out)
+                .await
+                .map_err(SessionError::ClientIo)?;
+        }
+        if !self.client.buffered().is_empty() {
+            return Box::pin(self.on_client_data()).await;
+        }
+        Ok(Flow::Continue)
     }
 }
 

@@ -163,3 +163,46 @@ pub async fn rows(client: &tokio_postgres::Client, sql: &str) -> Vec<Vec<Option<
 pub fn rand_suffix() -> String {
     format!("{:08x}", rand::random::<u32>())
 }
+
+/// The metric families the Grafana dashboard queries that `/metrics`
+/// (its text, `body`) lacks, and how many references were checked. A
+/// histogram's `_bucket`, `_sum` and `_count` count as its family.
+pub fn dashboard_metrics_missing(body: &str) -> (Vec<String>, usize) {
+    let families: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string("config/grafana/dashboards/pgcache.json").unwrap(),
+    )
+    .unwrap();
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for name in expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("pgcache_"))
+            {
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix))
+                    .filter(|base| families.contains(base))
+                    .unwrap_or(name);
+                if !families.contains(&family) {
+                    missing.push(name.to_owned());
+                }
+                checked += 1;
+            }
+        }
+    }
+    (missing, checked)
+}
+
+/// Metric families that exist only where read replicas are configured
+/// (their series are per replica).
+pub fn is_replica_metric(name: &str) -> bool {
+    name.starts_with("pgcache_replica_") || name == "pgcache_reads_routed_total"
+}

@@ -363,6 +363,9 @@ impl Engine {
             leg.busy = false;
             leg.replayed.take()
         });
+        if let Some(replayed) = replayed {
+            routed.server.replayed_past(replayed);
+        }
         if routed.retry {
             routed.server.metrics.retries.inc();
             self.forward(&routed.request);

@@ -2,15 +2,19 @@
 //! context it reads with each event, the actions it asks of the driver,
 //! what a decision waits for, and what the driver found meanwhile.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::BytesMut;
 
 use crate::App;
+use crate::cache::key::RequestKey;
 use crate::cache::{Fill, Publication, Wait, Waited};
 use crate::pool::clients::Client;
 use crate::session::capture::Capture;
+use crate::session::known::Statement;
 use crate::session::offload::Job;
+use crate::session::plan::Plan;
 
 /// What the engine may read with each event: shared state that never
 /// blocks, and the time.
@@ -92,4 +96,13 @@ impl Found {
             *self = Found::default();
         }
     }
+}
+
+/// A whole one-query batch at the start of the client's buffer that the
+/// engine can decide on at once ([`Engine::whole_batch`]).
+pub(in crate::session) struct ReadyBatch {
+    pub len: usize,
+    pub key: RequestKey,
+    pub statement: Arc<Statement>,
+    pub plan: Arc<Plan>,
 }

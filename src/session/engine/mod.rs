@@ -45,8 +45,7 @@ mod requests;
 mod tests;
 
 pub(super) use answers::MAX_BACKEND_FRAME;
-pub(super) use events::{Action, Ctx, Found, LinkStep, Need};
-pub(super) use requests::ReadyBatch;
+pub(super) use events::{Action, Ctx, Found, LinkStep, Need, ReadyBatch};
 
 /// The state of one client session.
 pub(super) struct Engine {

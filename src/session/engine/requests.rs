@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! Query / Parse..Sync
-//!   → plan (memoised per shape: analysis × facts of the names it uses → read? effects)
+//!   → plan (analysis × facts of the names it uses → read? effects)
 //!   → may it be served? (single SELECT, no temp objects, nothing in flight,
 //!      not after a write in this transaction, not REPEATABLE READ, settings known)
 //!   → key (session prefix, statement, parameters)
@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{Action, Ctx, Engine, Need};
+use super::{Action, Ctx, Engine, Need, ReadyBatch};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::sampler::Check;
 use crate::cache::{Bumps, Lookup, Request};
@@ -53,15 +53,6 @@ enum Answer {
     Served { refreshed: bool },
     /// To forward, with a capture if its result is to be stored.
     Forward(Option<Capture>),
-}
-
-/// A whole one-query batch at the start of the client's buffer that the
-/// engine can decide on at once ([`Engine::whole_batch`]).
-pub(in crate::session) struct ReadyBatch {
-    pub len: usize,
-    key: RequestKey,
-    statement: Arc<Statement>,
-    plan: Arc<Plan>,
 }
 
 impl Engine {
@@ -561,13 +552,9 @@ impl Engine {
                 return Answer::Forward(Some(Capture::compare(stored)));
             }
         };
-        match (row_limit > 0)
-            .then(|| cut_stored(&bytes, row_limit))
-            .flatten()
-        {
-            Some(cut) => self.out.extend_from_slice(&cut),
-            None => self.out.extend_from_slice(&bytes),
-        }
+        let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
+        self.out
+            .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
         self.out
             .extend_from_slice(&messages::ready_for_query(self.tx.status));
         // A refresh, or a check of the correctness sampler: the request
