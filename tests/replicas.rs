@@ -207,6 +207,14 @@ fn scans(standby: &Pg, db: &str) -> u64 {
 /// A primary with a database of `items`, its standby caught up, and
 /// pgcache in front of both with the standby in rotation.
 async fn routed_setup(name: &str) -> (Pg, Pg, String, Proxy) {
+    routed_setup_with(name, pgcache::config::Routing::Misses).await
+}
+
+/// [`routed_setup`] with this routing policy.
+async fn routed_setup_with(
+    name: &str,
+    routing: pgcache::config::Routing,
+) -> (Pg, Pg, String, Proxy) {
     let primary = Pg::dedicated();
     let db = primary.create_db(name);
     primary.psql_db(
@@ -215,7 +223,9 @@ async fn routed_setup(name: &str) -> (Pg, Pg, String, Proxy) {
          INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
     );
     let standby = primary.standby();
-    let proxy = Proxy::start(config_with(&primary, &[&standby])).await;
+    let mut config = config_with(&primary, &[&standby]);
+    config.replicas.routing = routing;
+    let proxy = Proxy::start(config).await;
     until_in_rotation(&proxy, true).await;
     (primary, standby, db, proxy)
 }
@@ -570,4 +580,116 @@ async fn under_pgbench_writes_misses_go_to_the_standby_and_no_cached_entry_is_st
         hits + KEYS as u64,
         "the second pass is served by the cache"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extended_protocol_misses_are_read_on_the_standby_and_statements_stay_on_the_primary() {
+    let (_primary, standby, db, proxy) = routed_setup("extended").await;
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    let before = scans(&standby, &db);
+    // A named statement, prepared on the primary, bound for each read.
+    let stmt = client
+        .prepare("SELECT v FROM items WHERE k = $1")
+        .await
+        .unwrap();
+    for k in 1..=5i32 {
+        let row = client.query_one(&stmt, &[&k]).await.unwrap();
+        assert_eq!(row.get::<_, String>(0), format!("v{k}"));
+    }
+    assert_eq!(routed(), 5, "every miss went to the standby");
+    let hits = proxy.hits();
+    let row = client.query_one(&stmt, &[&3i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "v3");
+    assert_eq!(proxy.hits(), hits + 1, "the standby's answer was stored");
+    // Unnamed statements parsed in the batch itself.
+    for k in 6..=8i32 {
+        let rows = client
+            .query_typed(
+                "SELECT v FROM items WHERE k = $1",
+                &[(&k, tokio_postgres::types::Type::INT4)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(rows[0].get::<_, String>(0), format!("v{k}"));
+    }
+    assert_eq!(routed(), 8);
+    eventually(WAIT, "the standby's statistics to show the reads", || {
+        let grew = scans(&standby, &db) >= before + 8;
+        async move { grew.then_some(()) }
+    })
+    .await;
+    // In a transaction the primary answers: the statement is there too.
+    client.batch_execute("BEGIN").await.unwrap();
+    let row = client.query_one(&stmt, &[&9i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "v9");
+    client.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(routed(), 8, "transactions are the primary's");
+    // A write, then a read of it through the named statement.
+    client
+        .execute("UPDATE items SET v = 'w' WHERE k = 10", &[])
+        .await
+        .unwrap();
+    let row = client.query_one(&stmt, &[&10i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "w", "read-your-writes");
+    // A statement prepared again under another name, and one closed.
+    let again = client
+        .prepare("SELECT v FROM items WHERE k = $1")
+        .await
+        .unwrap();
+    drop(stmt);
+    let row = client.query_one(&again, &[&11i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "v11");
+    assert_eq!(
+        scalar(&client, "SELECT 'still fine'").await.as_deref(),
+        Some("still fine")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volatile_ones() {
+    let (primary, _standby, db, proxy) =
+        routed_setup_with("allreads", pgcache::config::Routing::AllReads).await;
+    primary.psql_db(&db, "CREATE SEQUENCE seq");
+    let client = proxy.connect(&db).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    // Uncacheable, but a standby answers as the primary: routed, never stored.
+    let stores = proxy.stores();
+    for sql in [
+        "SELECT v, 'now'::timestamptz IS NOT NULL FROM items WHERE k = 1",
+        "SELECT /*+ nocache */ v FROM items WHERE k = 2",
+    ] {
+        let before = routed();
+        assert!(scalar(&client, sql).await.is_some(), "{sql}");
+        assert_eq!(routed(), before + 1, "{sql} went to the standby");
+    }
+    assert_eq!(proxy.stores(), stores, "nothing stored");
+    // The server's own state, and functions that are not immutable: the
+    // primary's.
+    let before = routed();
+    assert_eq!(
+        scalar(&client, "SELECT now() IS NOT NULL FROM items WHERE k = 3")
+            .await
+            .as_deref(),
+        Some("t")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT pg_is_in_recovery()")
+            .await
+            .as_deref(),
+        Some("f")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT nextval('seq')").await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        scalar(&client, "SELECT count(*) > 0 FROM pg_stat_activity")
+            .await
+            .as_deref(),
+        Some("t")
+    );
+    assert_eq!(routed(), before, "none of them went to the standby");
 }

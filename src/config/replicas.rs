@@ -47,8 +47,9 @@ pub enum Routing {
     /// Cache misses, and cacheable reads that bypassed the cache.
     #[default]
     Misses,
-    /// Any statement pgcache can prove read-only, outside a transaction
-    /// block.
+    /// Also the reads the cache may not keep but a standby answers as
+    /// the primary would ([`crate::replica::Replicas::routes`]), outside a
+    /// transaction block.
     AllReads,
 }
 

@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 
-use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::codec::{HEADER_LEN, frame_of};
 use crate::protocol::{backend as be, frontend as fe};
 
 /// Statements prepared on one server connection, by content hash, with
@@ -197,14 +197,4 @@ pub(super) fn renamed(frame: &[u8], named: &Named) -> BytesMut {
     let mut out = BytesMut::with_capacity(renamed.len() + HEADER_LEN);
     frame_of(&mut out, be::ERROR_RESPONSE, &[&renamed]);
     out
-}
-
-/// Writes one message of `parts`.
-pub(super) fn frame_of(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    out.put_u8(tag);
-    out.put_u32((len + 4) as u32);
-    for part in parts {
-        out.put_slice(part);
-    }
 }

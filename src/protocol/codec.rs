@@ -1,6 +1,8 @@
 //! Frame boundaries: find where one tagged message ends, check its length
 //! against limits before any allocation, and never read past it.
 
+use bytes::{BufMut, BytesMut};
+
 /// Every tagged message has a 1-byte tag and a 4-byte length that counts
 /// itself but not the tag.
 pub const HEADER_LEN: usize = 5;
@@ -107,6 +109,16 @@ pub fn read_i32(buf: &[u8], pos: &mut usize) -> Option<i32> {
     let bytes = buf.get(*pos..*pos + 4)?;
     *pos += 4;
     Some(i32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+}
+
+/// Writes one message of `parts`.
+pub fn frame_of(out: &mut BytesMut, tag: u8, parts: &[&[u8]]) {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    out.put_u8(tag);
+    out.put_u32((len + 4) as u32);
+    for part in parts {
+        out.put_slice(part);
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ pub const SYNC: [u8; 5] = [fe::SYNC, 0, 0, 0, 4];
 /// Terminate, as the session sends it when closing a backend.
 pub const TERMINATE: [u8; 5] = [fe::TERMINATE, 0, 0, 0, 4];
 
+pub const PARSE_COMPLETE: [u8; 5] = [super::backend::PARSE_COMPLETE, 0, 0, 0, 4];
+
 /// ReadyForQuery with `status`.
 pub fn ready_for_query(status: TxStatus) -> [u8; 6] {
     [be::READY_FOR_QUERY, 0, 0, 0, 5, status.as_byte()]

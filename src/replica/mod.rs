@@ -20,6 +20,7 @@ use std::time::Duration;
 pub use clock::PrimaryClock;
 pub use connections::{Connection, Connections};
 
+use crate::classify::BypassReason;
 use crate::config::{ReplicasConfig, Routing};
 use crate::metrics::ReplicaMetrics;
 use crate::upstream::{Upstream, UpstreamError};
@@ -239,6 +240,35 @@ impl Replicas {
         self.routing != Routing::Off
     }
 
+    /// Whether a read planned as `read` (a cacheable read, or why it is
+    /// not) may go to a replica. `misses` routes cacheable reads only;
+    /// `all_reads` also reads the cache may not keep but a standby answers
+    /// as the primary would: with a time literal, hinted or ruled out of
+    /// the cache, or of a table outside the publication (an unlogged one,
+    /// which a standby refuses with `0A000`, is retried on the primary).
+    /// Never functions that are not immutable (the planner does not tell
+    /// `now()` from `nextval`, advisory locks or `set_config`),
+    /// system catalogs and statistics (`pg_stat_*`, `pg_is_in_recovery()`:
+    /// the server's own), temporary objects or what is not a plain SELECT.
+    pub fn routes(&self, read: Result<(), BypassReason>) -> bool {
+        use BypassReason as R;
+        match (self.routing, read) {
+            (Routing::Off, _) => false,
+            (_, Ok(())) => true,
+            (Routing::Misses, Err(_)) => false,
+            (Routing::AllReads, Err(reason)) => matches!(
+                reason,
+                R::TimeLiteral
+                    | R::Hint
+                    | R::OptIn
+                    | R::TableRule
+                    | R::RoleRule
+                    | R::DatabaseRule
+                    | R::NotPublished
+            ),
+        }
+    }
+
     /// The replica a read goes to, among those in rotation that have
     /// replayed at least to `at_least`, by weight (the primary's
     /// `replicas.primary_weight` among them); `None`: the primary.
@@ -267,6 +297,35 @@ impl Replicas {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_reads_adds_reads_a_standby_answers_as_the_primary_and_no_more() {
+        use BypassReason as R;
+        let misses = replicas("[upstream]\nreplicas = [\"postgres://a:1\"]\n");
+        let all = replicas(
+            "[upstream]\nreplicas = [\"postgres://a:1\"]\n[replicas]\nrouting = \"all_reads\"\n",
+        );
+        let off = replicas(
+            "[upstream]\nreplicas = [\"postgres://a:1\"]\n[replicas]\nrouting = \"off\"\n",
+        );
+        assert!(misses.routes(Ok(())) && all.routes(Ok(())) && !off.routes(Ok(())));
+        for reason in [R::TimeLiteral, R::Hint, R::NotPublished, R::TableRule] {
+            assert!(!misses.routes(Err(reason)), "{reason:?}");
+            assert!(all.routes(Err(reason)), "{reason:?}");
+        }
+        for reason in [
+            R::VolatileFunction,
+            R::SystemCatalog,
+            R::NotATable,
+            R::NotSelect,
+            R::LockingClause,
+            R::TempObjects,
+            R::MultiStatement,
+            R::UnknownRelation,
+        ] {
+            assert!(!all.routes(Err(reason)), "{reason:?}");
+        }
+    }
 
     fn replicas(toml: &str) -> Replicas {
         let config = crate::Config::from_toml(toml, "t".as_ref()).expect("config");

@@ -12,18 +12,24 @@
 //! the read goes to the primary instead. Its answer is stored only if the
 //! replica had replayed past the last change of every table it read.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
-use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{backend as be, extended, messages};
+use super::known::Statement;
+use crate::cache::key;
+use crate::protocol::codec::{self, HEADER_LEN, frame_of};
+use crate::protocol::{backend as be, extended, frontend as fe, messages};
 use crate::replica::{Replica, parse_lsn};
 
 /// pgcache's own question to a replica before a read: how far it has
 /// replayed. Sent in the same write as the read, so the answer holds for
 /// the read's snapshot, which can only be later.
 pub(super) const PROBE: &str = "SELECT pg_catalog.pg_last_wal_replay_lsn()::text";
+
+/// Statements kept prepared on one replica connection.
+pub(super) const MAX_PREPARED: usize = 256;
 
 /// The session's connection to a replica, as the engine sees it.
 pub(super) struct ReplicaLeg {
@@ -37,6 +43,9 @@ pub(super) struct ReplicaLeg {
     pub busy: bool,
     /// What the probe before the read in flight answered.
     pub replayed: Option<u64>,
+    /// The statements prepared on the connection, by their names there
+    /// ([`replica_name`]).
+    pub prepared: HashSet<Bytes>,
 }
 
 impl ReplicaLeg {
@@ -47,6 +56,40 @@ impl ReplicaLeg {
             staged: BytesMut::new(),
             busy: false,
             replayed: None,
+            prepared: HashSet::new(),
+        }
+    }
+
+    /// A new connection, or one whose statements are in doubt: nothing is
+    /// applied there, and statements are prepared again.
+    pub fn reset(&mut self) {
+        self.applied = None;
+        self.prepared.clear();
+    }
+
+    /// The session's leg to `server` in `slot` (a new one if it had
+    /// another), with `request` staged there behind the probe, as an
+    /// extended batch for `statement` if one is given: how many requests
+    /// of pgcache's own follow the probe ([`Self::stage_batch`]).
+    pub fn stage_on(
+        slot: &mut Option<Box<ReplicaLeg>>,
+        server: &Arc<Replica>,
+        request: &[u8],
+        statement: Option<&Statement>,
+    ) -> usize {
+        if slot
+            .as_ref()
+            .is_some_and(|leg| !Arc::ptr_eq(&leg.server, server))
+        {
+            *slot = None;
+        }
+        let leg = slot.get_or_insert_with(|| Box::new(ReplicaLeg::new(Arc::clone(server))));
+        match statement {
+            None => {
+                leg.stage(request);
+                0
+            }
+            Some(statement) => leg.stage_batch(request, statement),
         }
     }
 
@@ -58,6 +101,43 @@ impl ReplicaLeg {
         self.replayed = None;
     }
 
+    /// Stages the probe and an extended batch, `request` (Bind, Describe,
+    /// Execute and Sync, without the client's Parse), naming `statement`
+    /// as the replica knows it; prepared there first, behind a Close of
+    /// its name and with a Sync of its own, unless the connection has it.
+    /// Returns how many requests of pgcache's own it staged after the
+    /// probe (their answers are pgcache's): at most [`MAX_PREPARED`]
+    /// statements are kept there, then all are deallocated.
+    pub fn stage_batch(&mut self, request: &[u8], statement: &Statement) -> usize {
+        let name = replica_name(statement);
+        self.staged.extend_from_slice(&messages::query(PROBE));
+        let mut own = 0;
+        if self.prepared.len() >= MAX_PREPARED && !self.prepared.contains(&name) {
+            self.staged
+                .extend_from_slice(&messages::query("DEALLOCATE ALL"));
+            self.prepared.clear();
+            own += 1;
+        }
+        if self.prepared.insert(name.clone()) {
+            own += 1;
+            let target = [fe::TARGET_STATEMENT];
+            frame_of(&mut self.staged, fe::CLOSE, &[&target, &name, &[0]]);
+            let text = [
+                &name[..],
+                &[0],
+                &statement.sql,
+                &[0],
+                &statement.param_types,
+            ];
+            frame_of(&mut self.staged, fe::PARSE, &text);
+            self.staged.extend_from_slice(&messages::SYNC);
+        }
+        renamed(&mut self.staged, request, &name);
+        self.busy = true;
+        self.replayed = None;
+        own
+    }
+
     /// A DataRow of the probe's answer.
     pub fn probed(&mut self, frame: &[u8]) {
         if frame[0] != be::DATA_ROW {
@@ -66,6 +146,46 @@ impl ReplicaLeg {
         self.replayed = extended::data_row(&frame[HEADER_LEN..])
             .and_then(|row| row.into_iter().next().flatten())
             .and_then(|lsn| parse_lsn(&lsn));
+    }
+}
+
+/// A statement's name on replica connections, made from its text and
+/// parameter types: one name there always means one statement, whatever
+/// the client named it and however often it named another the same.
+pub(super) fn replica_name(statement: &Statement) -> Bytes {
+    let types = key::sql_hash(&statement.param_types) as u32;
+    Bytes::from(format!("pgcache_r{:032x}{types:08x}", statement.hash))
+}
+
+/// The frames of an extended batch without its Parse, and whether it had
+/// one.
+pub(super) fn without_parse(request: &[u8]) -> (BytesMut, bool) {
+    let mut rest = BytesMut::with_capacity(request.len());
+    let mut parsed = false;
+    for frame in codec::frames(request) {
+        match frame[0] {
+            fe::PARSE => parsed = true,
+            _ => rest.extend_from_slice(frame),
+        }
+    }
+    (rest, parsed)
+}
+
+/// The frames of `request` with the statement a Bind or a Describe names
+/// replaced by `name`.
+fn renamed(out: &mut BytesMut, request: &[u8], name: &[u8]) {
+    for frame in codec::frames(request) {
+        let body = &frame[HEADER_LEN..];
+        match (frame[0], extended::bind_names(body), extended::target(body)) {
+            (fe::BIND, Some((portal, statement)), _) => {
+                let rest = &body[portal.len() + statement.len() + 2..];
+                frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
+            }
+            (fe::DESCRIBE, _, Some((fe::TARGET_STATEMENT, _))) => {
+                frame_of(out, fe::DESCRIBE, &[&[fe::TARGET_STATEMENT], name, &[0]]);
+            }
+            _ => out.extend_from_slice(frame),
+        }
     }
 }
 
@@ -87,6 +207,17 @@ pub(super) struct Routed {
 }
 
 impl Routed {
+    pub fn new(server: Arc<Replica>, request: Bytes, needed: u64, fill_floor: Option<u64>) -> Self {
+        Self {
+            server,
+            request,
+            needed,
+            fill_floor,
+            started: false,
+            retry: false,
+        }
+    }
+
     /// The first frame of the replica's answer: whether the read stands
     /// (else it goes to the primary), given where the probe said the
     /// replica had replayed to.
@@ -108,11 +239,14 @@ impl Routed {
 /// A replica's error that the primary may not give: a conflict with
 /// recovery or a serialization failure (`40001`), a deadlock (`40P01`), a
 /// read-only or hot standby's refusal (`25006`, `0A000`), too many
-/// connections (`53300`), shutdown (`57P0x`), a lost connection (`08xxx`).
+/// connections (`53300`), shutdown (`57P0x`), a lost connection (`08xxx`),
+/// a statement the connection lacks (`26000`: its preparation failed).
 fn retried(body: &[u8]) -> bool {
     messages::error_code(body).is_some_and(|code| {
-        matches!(code, "40001" | "40P01" | "25006" | "0A000" | "53300")
-            || code.starts_with("57P0")
+        matches!(
+            code,
+            "40001" | "40P01" | "25006" | "0A000" | "53300" | "26000"
+        ) || code.starts_with("57P0")
             || code.starts_with("08")
     })
 }
@@ -179,6 +313,76 @@ mod tests {
         assert_eq!(leg.replayed, Some(0x16B3_7480));
     }
 
+    fn leg() -> ReplicaLeg {
+        let config = crate::Config::from_toml(
+            "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
+            "t".as_ref(),
+        )
+        .expect("config");
+        let replicas = crate::replica::Replicas::new(&config, &crate::metrics::Metrics::new())
+            .expect("replicas");
+        ReplicaLeg::new(Arc::clone(&replicas.servers[0]))
+    }
+
+    fn cstr(s: &[u8]) -> Vec<u8> {
+        let mut v = s.to_vec();
+        v.push(0);
+        v
+    }
+
+    #[test]
+    fn a_batch_names_the_statement_as_the_replica_has_it_prepared_once() {
+        let statement = Statement {
+            hash: key::sql_hash(b"SELECT $1"),
+            sql: Bytes::from_static(b"SELECT $1"),
+            param_types: Bytes::from_static(&[0, 1, 0, 0, 0, 23]),
+        };
+        let name = replica_name(&statement);
+        let mut bind = [cstr(b""), cstr(b"s0")].concat();
+        bind.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, b'7', 0, 0]);
+        let mut request = frame(fe::BIND, &bind);
+        request.extend(frame(fe::DESCRIBE, &[&[b'S'][..], &cstr(b"s0")].concat()));
+        request.extend(frame(fe::EXECUTE, &[0, 0, 0, 0, 0]));
+        request.extend(frame(fe::SYNC, &[]));
+        let mut leg = leg();
+        assert_eq!(leg.stage_batch(&request, &statement), 1, "prepared first");
+        let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
+        assert_eq!(tags, b"QCPSBDES", "probe; Close, Parse, Sync; the batch");
+        let frames: Vec<&[u8]> = codec::frames(&leg.staged).collect();
+        let parse = extended::parse(&frames[2][HEADER_LEN..]).expect("a Parse");
+        assert_eq!(
+            (parse.name, parse.query, parse.param_types),
+            (&name[..], &b"SELECT $1"[..], &statement.param_types[..])
+        );
+        let (portal, bound) = extended::bind_names(&frames[4][HEADER_LEN..]).expect("a Bind");
+        assert_eq!((portal, bound), (&b""[..], &name[..]));
+        assert!(frames[4].ends_with(&bind[4..]), "its parameters unchanged");
+        assert_eq!(
+            extended::target(&frames[5][HEADER_LEN..]),
+            Some((b'S', &name[..]))
+        );
+        // Prepared now: the next batch goes alone.
+        leg.staged.clear();
+        assert_eq!(leg.stage_batch(&request, &statement), 0);
+        let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
+        assert_eq!(tags, b"QBDES");
+        // Past the limit, every statement is deallocated first.
+        for i in 0..MAX_PREPARED {
+            leg.prepared.insert(Bytes::from(format!("other{i}")));
+        }
+        let other = Statement {
+            hash: key::sql_hash(b"SELECT 2"),
+            sql: Bytes::from_static(b"SELECT 2"),
+            param_types: Bytes::from_static(&[0, 0]),
+        };
+        leg.staged.clear();
+        assert_eq!(leg.stage_batch(&request, &other), 2);
+        assert_eq!(leg.prepared.len(), 1);
+        let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
+        assert_eq!(tags, b"QQCPSBDES");
+        assert_ne!(replica_name(&other), name);
+    }
+
     #[test]
     fn a_replica_behind_or_failing_sends_the_read_to_the_primary() {
         let row = frame(be::ROW_DESCRIPTION, &[0, 0]);
@@ -202,6 +406,7 @@ mod tests {
             ("53300", true),
             ("57P01", true),
             ("08006", true),
+            ("26000", true),
             ("42P01", false),
             ("22012", false),
         ] {

@@ -334,7 +334,7 @@ where
             let conn = ReplicaConn::open(&pool, server, id, self.entry.client.id).await?;
             self.replica = Some(Box::new(conn));
             if let Some(leg) = &mut self.engine.replica {
-                leg.applied = None;
+                leg.reset();
             }
         }
         let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {

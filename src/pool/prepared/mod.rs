@@ -34,9 +34,10 @@ use bytes::{Bytes, BytesMut};
 
 use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin};
 use super::reference::{Reference, Verb, may_refer, reference};
-use super::statement::{Named, Statement, UNNAMED, Unnamed, frame_of};
+use super::statement::{Named, Statement, UNNAMED, Unnamed};
 pub use super::statement::{ServerName, ServerStatements, server_name};
 use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::codec::frame_of;
 use crate::protocol::{TxStatus, backend as be, extended, frontend as fe, messages, sqlstate};
 
 /// What to do with one server frame.

@@ -9,17 +9,25 @@ use bytes::BytesMut;
 use tracing::warn;
 
 use super::{Action, Ctx, Engine};
+use crate::cache::catalog::fetch::Rows;
+use crate::cache::sampler::Check;
 use crate::cache::stats::QueryStats;
-use crate::cache::{Bumps, Fill};
+use crate::cache::{Bumps, Fill, Lookup};
 use crate::cancel::{CancelTarget, ClientPid};
+use crate::classify::BypassReason;
+use crate::pool::LoginSettings;
 use crate::pool::prepared::Reply;
+use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
-use crate::session::capture::{self, Captured};
-use crate::session::link::Link;
+use crate::session::capture::{self, Capture, Captured};
+use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row};
+use crate::session::link::{ClientState, Link};
+use crate::session::offload::Job;
 use crate::session::pipeline::Inflight;
-use crate::session::row_limit::Cut;
+use crate::session::plan::Plan;
+use crate::session::row_limit::{Cut, cut_stored};
 
 /// The backend is trusted; this only stops a corrupt length from allocating
 /// without bound. PostgreSQL's own rows are at most 1 GiB.
@@ -361,6 +369,10 @@ impl Engine {
         };
         let replayed = self.replica.as_mut().and_then(|leg| {
             leg.busy = false;
+            if routed.retry {
+                // A statement it should have had may be missing there.
+                leg.prepared.clear();
+            }
             leg.replayed.take()
         });
         if let Some(replayed) = replayed {
@@ -402,5 +414,175 @@ fn shadow_checked(ctx: &Ctx, stats: &QueryStats, took: Duration, matched: bool) 
     } else {
         m.shadow_mismatch.inc();
         warn!(query = %stats.text, "shadow mode: the cache would have served an answer PostgreSQL no longer gives");
+    }
+}
+
+/// What became of a read the cache was asked for.
+pub(super) enum Answer {
+    /// Answered from the cache; the backend sees only a refresh, if any.
+    Served { refreshed: bool },
+    /// To forward, with a capture if its result is to be stored.
+    Forward(Option<Capture>),
+}
+
+/// The cache's answer to a read.
+impl Engine {
+    /// What the cache's answer means for the client: a hit is staged for
+    /// it, with a refresh or a sampler's check sent as `request` (the
+    /// frames that ask for it again) when one is due.
+    pub(super) fn answer(
+        &mut self,
+        ctx: &Ctx,
+        looked: Result<Lookup, BypassReason>,
+        plan: &Plan,
+        request: &[u8],
+        row_limit: u32,
+    ) -> Answer {
+        let (bytes, refresh) = match looked {
+            Err(_) => return Answer::Forward(None),
+            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
+            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
+            Ok(Lookup::Bypass(reason)) => {
+                if reason == BypassReason::ReplicationDown {
+                    // pgcache may have let go of the database: take hold again.
+                    self.actions.push(Action::Watch);
+                }
+                plan.stats.bypassed(reason);
+                return Answer::Forward(None);
+            }
+            // Checked against PostgreSQL's frames as they arrive, before
+            // any row-limit cut for the client.
+            Ok(Lookup::WouldHit(stored)) => {
+                return Answer::Forward(Some(Capture::compare(stored)));
+            }
+        };
+        let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
+        self.out
+            .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
+        self.out
+            .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        // A refresh, or a check of the correctness sampler: the request
+        // again, as pgcache's own.
+        let hidden = match refresh {
+            Some(fill) => Some(Capture::new(fill)),
+            None if self.tx.status == TxStatus::Idle
+                && ctx.app.cache.sampler.draw(
+                    self.known.policy.verify_rate,
+                    self.known.policy.verify_max_per_sec,
+                    &ctx.app.metrics.verify,
+                ) =>
+            {
+                let reads = plan.read.as_ref().expect("a hit has its reads");
+                let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
+                Some(Capture::verify(check))
+            }
+            None => None,
+        };
+        let Some(capture) = hidden else {
+            return Answer::Served { refreshed: false };
+        };
+        // Off the client's path where pgcache can; else on its connection,
+        // answered to nobody.
+        match Job::for_request(&self.link, &self.known, &self.db, request) {
+            Some(job) => {
+                self.actions.push(Action::Offload(Box::new(job), capture));
+                Answer::Served { refreshed: false }
+            }
+            None => {
+                self.forward(request);
+                self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
+                Answer::Served { refreshed: true }
+            }
+        }
+    }
+}
+
+/// The answers to what pgcache asked for the session: its settings, and
+/// a read routed to a replica.
+impl Engine {
+    /// The answer to [`Need::Settings`]'s query, read under the policy's
+    /// `generation` of settings (`None`: it failed).
+    pub fn on_settings(&mut self, generation: u64, rows: Option<Rows>) {
+        self.found.settings = true;
+        let Some(row) = rows.and_then(|rows| rows.into_iter().next()) else {
+            return;
+        };
+        let row = settings_row(row);
+        self.adopt_settings(&row, generation);
+        if let Link::Pooled(p) = &mut self.link {
+            // The generation of the connection the settings were read on.
+            let read_in = p.lease().map(|l| l.server().generation);
+            p.prefix_generation = read_in;
+            if let Some(read_in) = read_in
+                && !p.state_dirty
+            {
+                let row = Arc::clone(&row);
+                p.pool
+                    .remember_settings(p.state.id, generation, read_in, row);
+            }
+        }
+        if self.server.login_state {
+            // What a client logging in on this connection starts with.
+            self.server.login_settings = Some(LoginSettings { generation, row });
+        }
+    }
+
+    /// Takes the settings query's answer as the session's: its role,
+    /// default isolation and cache-key prefix.
+    pub(super) fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
+        let prefix = self.known.adopt_settings(row, generation, &self.startup);
+        self.tx.default_strict = !matches!(
+            row.cells.get(2).and_then(|v| v.as_deref()),
+            Some("read committed" | "read uncommitted")
+        );
+        if let Link::Session(own) = &mut self.link {
+            // Session mode: what pgcache's own requests for this session's
+            // hits run in, on a connection of their own.
+            let cell = |i: usize| row.cells.get(i).and_then(|v| v.as_deref());
+            own.state = ClientState::read(
+                self.startup.user(),
+                cell(1),
+                cell(ROLE_COLUMN),
+                cell(OWN_SETTINGS_COLUMN),
+            );
+        }
+        prefix
+    }
+
+    /// A read in flight on the replica: the session reads neither its
+    /// client nor the primary until it is answered.
+    pub fn replica_busy(&self) -> bool {
+        self.replica.as_ref().is_some_and(|leg| leg.busy)
+    }
+
+    /// The replica cannot take the read staged for it, or lost it before
+    /// its answer reached the client: it goes to the primary. False if
+    /// part of the answer already reached the client (the read failed).
+    pub fn replica_failed(&mut self) -> bool {
+        let Some(leg) = &mut self.replica else {
+            return true;
+        };
+        leg.staged.clear();
+        leg.busy = false;
+        leg.reset();
+        let mut request = None;
+        let mut started = false;
+        while let Some(done) = self.pipeline.pop() {
+            if let Some(routed) = &done.routed {
+                started |= routed.started;
+                let frame = routed.request.clone();
+                request = Some((done, frame));
+            }
+        }
+        let Some((mut done, frame)) = request else {
+            return true;
+        };
+        if started {
+            return false;
+        }
+        done.routed = None;
+        self.forward(&frame);
+        self.pipeline.push(done);
+        true
     }
 }

@@ -15,21 +15,17 @@ use tracing::debug;
 
 use crate::App;
 use crate::cache::catalog::Facts;
-use crate::cache::catalog::fetch::Rows;
 use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::classify::BypassReason;
-use crate::pool::LoginSettings;
 use crate::pool::marks::{Marks, Pin};
-use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, frontend as fe, messages};
 use crate::session::batch::Batch;
-use crate::session::known::Known;
-use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row, settings_sql};
-use crate::session::link::ClientState;
+use crate::session::known::settings_sql;
+use crate::session::known::{Known, Statement};
 use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
@@ -298,16 +294,19 @@ impl Engine {
     /// objects), outside a transaction block, with nothing else in
     /// flight, and not a request the cache checks against the primary.
     /// The replica must have replayed this instance's writes and what the
-    /// session observed. Stages the request there; false: the primary.
+    /// session observed. Stages the request there behind its probe (an
+    /// extended batch as [`ReplicaLeg::stage_batch`] has it, for
+    /// `statement`); false: the primary.
     pub(super) fn route(
         &mut self,
         ctx: &Ctx,
         plan: &Plan,
         inflight: &mut Inflight,
-        request: &Bytes,
+        request: &[u8],
+        statement: Option<&Statement>,
     ) -> bool {
         let replicas = &ctx.app.replicas;
-        if !replicas.enabled() || plan.read.is_err() {
+        if !replicas.routes(plan.read.as_ref().map(|_| ()).map_err(|r| *r)) {
             return false;
         }
         let Link::Session(own) = &self.link else {
@@ -318,7 +317,7 @@ impl Engine {
             && self.known.prefix.is_some()
             && self.tx.status == TxStatus::Idle
             && self.pipeline.is_quiet()
-            && !self.batch.holds()
+            && inflight.row_cut.is_none()
             && inflight.capture.as_ref().is_none_or(|c| c.fill().is_some());
         if !may {
             return false;
@@ -343,59 +342,32 @@ impl Engine {
             .and_then(|fill| fill.floor(&self.db));
         let server = Arc::clone(server);
         server.metrics.routed.inc();
-        match &mut self.replica {
-            Some(leg) if Arc::ptr_eq(&leg.server, &server) => {}
-            leg => *leg = Some(Box::new(ReplicaLeg::new(Arc::clone(&server)))),
+        let own = ReplicaLeg::stage_on(&mut self.replica, &server, request, statement);
+        let probe = Inflight {
+            probe: true,
+            ..Inflight::hidden(None)
+        };
+        self.pipeline.push_hidden(probe);
+        for _ in 0..own {
+            self.pipeline.push_hidden(Inflight::hidden(None));
         }
-        if let Some(leg) = &mut self.replica {
-            leg.stage(request);
-        }
-        inflight.routed = Some(Box::new(Routed {
-            server,
-            request: request.clone(),
-            needed,
-            fill_floor,
-            started: false,
-            retry: false,
-        }));
+        let request = Bytes::copy_from_slice(request);
+        inflight.routed = Some(Box::new(Routed::new(server, request, needed, fill_floor)));
         true
     }
 
-    /// A read in flight on the replica: the session reads neither its
-    /// client nor the primary until it is answered.
-    pub fn replica_busy(&self) -> bool {
-        self.replica.as_ref().is_some_and(|leg| leg.busy)
-    }
-
-    /// The replica cannot take the read staged for it, or lost it before
-    /// its answer reached the client: it goes to the primary. False if
-    /// part of the answer already reached the client (the read failed).
-    pub fn replica_failed(&mut self) -> bool {
-        let Some(leg) = &mut self.replica else {
-            return true;
-        };
-        leg.staged.clear();
-        leg.busy = false;
-        leg.applied = None;
-        let mut request = None;
-        let mut started = false;
-        while let Some(done) = self.pipeline.pop() {
-            if let Some(routed) = &done.routed {
-                started |= routed.started;
-                let frame = routed.request.clone();
-                request = Some((done, frame));
-            }
+    /// An uncacheable read a replica may take (`routing = "all_reads"`)
+    /// goes there only with the session's settings known, which a
+    /// cacheable read would have asked for already: ask now.
+    pub(super) fn settings_for_replica(&mut self, ctx: &Ctx, plan: &Plan) -> Result<(), Need> {
+        if let Err(reason) = plan.read
+            && self.known.prefix.is_none()
+            && self.tx.status == TxStatus::Idle
+            && ctx.app.replicas.routes(Err(reason))
+        {
+            let _known = self.session_prefix()?;
         }
-        let Some((mut done, frame)) = request else {
-            return true;
-        };
-        if started {
-            return false;
-        }
-        done.routed = None;
-        self.forward(&frame);
-        self.pipeline.push(done);
-        true
+        Ok(())
     }
 
     /// State changes a forwarded statement causes at once.
@@ -475,24 +447,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Tells the client, once per statement text, which of its hints were
-    /// malformed or unknown (the statement runs under the policy).
-    fn warn_hints(&mut self, ctx: &Ctx, hash: u128, problems: &[String]) {
-        if !self.known.first_warning(hash) {
-            return;
-        }
-        let mut out = BytesMut::new();
-        for problem in problems {
-            ctx.app.metrics.hint_problems.inc();
-            messages::notice_response(
-                &mut out,
-                "WARNING",
-                crate::protocol::sqlstate::WARNING,
-                &format!("pgcache: hint ignored: {problem}"),
-            );
-        }
-        self.out.extend_from_slice(&out);
-    }
     /// The plan for a statement text: the session's memo, another text of
     /// its shape, or made now from the facts of the names it uses.
     pub fn plan(&mut self, ctx: &Ctx, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, Need> {
@@ -631,54 +585,5 @@ impl Engine {
         let (generation, policy_settings) = self.db.catalog.policy_settings();
         let sql = settings_sql(&policy_settings);
         Need::Settings { sql, generation }
-    }
-
-    /// The answer to [`Need::Settings`]'s query, read under the policy's
-    /// `generation` of settings (`None`: it failed).
-    pub fn on_settings(&mut self, generation: u64, rows: Option<Rows>) {
-        self.found.settings = true;
-        let Some(row) = rows.and_then(|rows| rows.into_iter().next()) else {
-            return;
-        };
-        let row = settings_row(row);
-        self.adopt_settings(&row, generation);
-        if let Link::Pooled(p) = &mut self.link {
-            // The generation of the connection the settings were read on.
-            let read_in = p.lease().map(|l| l.server().generation);
-            p.prefix_generation = read_in;
-            if let Some(read_in) = read_in
-                && !p.state_dirty
-            {
-                let row = Arc::clone(&row);
-                p.pool
-                    .remember_settings(p.state.id, generation, read_in, row);
-            }
-        }
-        if self.server.login_state {
-            // What a client logging in on this connection starts with.
-            self.server.login_settings = Some(LoginSettings { generation, row });
-        }
-    }
-
-    /// Takes the settings query's answer as the session's: its role,
-    /// default isolation and cache-key prefix.
-    fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
-        let prefix = self.known.adopt_settings(row, generation, &self.startup);
-        self.tx.default_strict = !matches!(
-            row.cells.get(2).and_then(|v| v.as_deref()),
-            Some("read committed" | "read uncommitted")
-        );
-        if let Link::Session(own) = &mut self.link {
-            // Session mode: what pgcache's own requests for this session's
-            // hits run in, on a connection of their own.
-            let cell = |i: usize| row.cells.get(i).and_then(|v| v.as_deref());
-            own.state = ClientState::read(
-                self.startup.user(),
-                cell(1),
-                cell(ROLE_COLUMN),
-                cell(OWN_SETTINGS_COLUMN),
-            );
-        }
-        prefix
     }
 }
