@@ -86,6 +86,8 @@ async fn proxy_after_a_workload(name: &str) -> Workload {
         async move { up.then_some(()) }
     })
     .await;
+    // Past every change the reads depend on: its answers are stored.
+    standby_caught_up(&primary, &standby).await;
     for id in [1, 1, 1, 2, 2, 3] {
         scalar(&client, &format!("SELECT v FROM t WHERE id = {id}")).await;
     }

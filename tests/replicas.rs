@@ -227,6 +227,10 @@ async fn routed_setup_with(
     config.replicas.routing = routing;
     let proxy = Proxy::start(config).await;
     until_in_rotation(&proxy, true).await;
+    // The database's stream up, and the standby past its first heartbeat:
+    // answers read there from now on may be stored.
+    drop(proxy.connect(&db).await);
+    standby_caught_up(&primary, &standby).await;
     (primary, standby, db, proxy)
 }
 

@@ -206,3 +206,19 @@ pub fn dashboard_metrics_missing(body: &str) -> (Vec<String>, usize) {
 pub fn is_replica_metric(name: &str) -> bool {
     name.starts_with("pgcache_replica_") || name == "pgcache_reads_routed_total"
 }
+
+/// Waits until `standby` has replayed everything `primary` had written when
+/// called: a read routed there from then on sees it, and its answer may be
+/// stored.
+pub async fn standby_caught_up(primary: &Pg, standby: &Pg) {
+    let target = primary.psql_admin("SELECT pg_current_wal_insert_lsn()");
+    let sql = format!(
+        "SELECT pg_last_wal_replay_lsn() >= '{}'::pg_lsn",
+        target.trim()
+    );
+    eventually(Duration::from_secs(30), "the standby to catch up", || {
+        let done = standby.psql_admin(&sql).trim() == "t";
+        async move { done.then_some(()) }
+    })
+    .await;
+}

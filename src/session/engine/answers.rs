@@ -5,29 +5,27 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tracing::warn;
 
 use super::{Action, Ctx, Engine};
 use crate::cache::catalog::fetch::Rows;
-use crate::cache::sampler::Check;
 use crate::cache::stats::QueryStats;
-use crate::cache::{Bumps, Fill, Lookup};
+use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
-use crate::classify::BypassReason;
 use crate::pool::LoginSettings;
 use crate::pool::prepared::Reply;
 use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
-use crate::session::capture::{self, Capture, Captured};
-use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row};
+use crate::session::capture::{self, Captured};
+use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, Statement, settings_row};
 use crate::session::link::{ClientState, Link};
-use crate::session::offload::Job;
 use crate::session::pipeline::Inflight;
 use crate::session::plan::Plan;
-use crate::session::row_limit::{Cut, cut_stored};
+use crate::session::replica::without_parse;
+use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
 /// without bound. PostgreSQL's own rows are at most 1 GiB.
@@ -417,83 +415,65 @@ fn shadow_checked(ctx: &Ctx, stats: &QueryStats, took: Duration, matched: bool) 
     }
 }
 
-/// What became of a read the cache was asked for.
-pub(super) enum Answer {
-    /// Answered from the cache; the backend sees only a refresh, if any.
-    Served { refreshed: bool },
-    /// To forward, with a capture if its result is to be stored.
-    Forward(Option<Capture>),
-}
-
-/// The cache's answer to a read.
+/// The client's side, off the path of a hit: hint warnings, and a read
+/// that missed routed to a replica.
 impl Engine {
-    /// What the cache's answer means for the client: a hit is staged for
-    /// it, with a refresh or a sampler's check sent as `request` (the
-    /// frames that ask for it again) when one is due.
-    pub(super) fn answer(
+    /// Tells the client, once per statement text, which of its hints were
+    /// malformed or unknown (the statement runs under the policy).
+    pub(super) fn warn_hints(&mut self, ctx: &Ctx, hash: u128, problems: &[String]) {
+        if !self.known.first_warning(hash) {
+            return;
+        }
+        for problem in problems {
+            ctx.app.metrics.hint_problems.inc();
+            messages::notice_response(
+                &mut self.out,
+                "WARNING",
+                crate::protocol::sqlstate::WARNING,
+                &format!("pgcache: hint ignored: {problem}"),
+            );
+        }
+    }
+
+    /// The backend has not seen the held Parse: it is replayed before
+    /// anything else the backend is sent, unless it was `sent` already.
+    pub(super) fn defer_parse(&mut self, sent: bool) {
+        let Some((name, raw)) = self.batch.take_parse() else {
+            return;
+        };
+        self.known.unsent_parses.retain(|(n, _)| *n != name);
+        if !sent {
+            // A copy: it may wait while the session idles, and a view
+            // keeps the read buffer alive.
+            let raw = Bytes::copy_from_slice(&raw);
+            self.known.unsent_parses.push((name, raw));
+        }
+    }
+
+    /// Sends a held batch that missed (`request`, to its Sync) to a
+    /// replica when [`Self::route`] may. The client's Parse is answered
+    /// here and replayed to the primary later, as for a hit: the replica
+    /// gets the statement under a name of its own.
+    pub(super) fn route_batch(
         &mut self,
         ctx: &Ctx,
-        looked: Result<Lookup, BypassReason>,
         plan: &Plan,
+        statement: &Statement,
+        inflight: &mut Inflight,
         request: &[u8],
-        row_limit: u32,
-    ) -> Answer {
-        let (bytes, refresh) = match looked {
-            Err(_) => return Answer::Forward(None),
-            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
-            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
-            Ok(Lookup::Bypass(reason)) => {
-                if reason == BypassReason::ReplicationDown {
-                    // pgcache may have let go of the database: take hold again.
-                    self.actions.push(Action::Watch);
-                }
-                plan.stats.bypassed(reason);
-                return Answer::Forward(None);
-            }
-            // Checked against PostgreSQL's frames as they arrive, before
-            // any row-limit cut for the client.
-            Ok(Lookup::WouldHit(stored)) => {
-                return Answer::Forward(Some(Capture::compare(stored)));
-            }
-        };
-        let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
-        self.out
-            .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
-        self.out
-            .extend_from_slice(&messages::ready_for_query(self.tx.status));
-        // A refresh, or a check of the correctness sampler: the request
-        // again, as pgcache's own.
-        let hidden = match refresh {
-            Some(fill) => Some(Capture::new(fill)),
-            None if self.tx.status == TxStatus::Idle
-                && ctx.app.cache.sampler.draw(
-                    self.known.policy.verify_rate,
-                    self.known.policy.verify_max_per_sec,
-                    &ctx.app.metrics.verify,
-                ) =>
-            {
-                let reads = plan.read.as_ref().expect("a hit has its reads");
-                let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
-                Some(Capture::verify(check))
-            }
-            None => None,
-        };
-        let Some(capture) = hidden else {
-            return Answer::Served { refreshed: false };
-        };
-        // Off the client's path where pgcache can; else on its connection,
-        // answered to nobody.
-        match Job::for_request(&self.link, &self.known, &self.db, request) {
-            Some(job) => {
-                self.actions.push(Action::Offload(Box::new(job), capture));
-                Answer::Served { refreshed: false }
-            }
-            None => {
-                self.forward(request);
-                self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
-                Answer::Served { refreshed: true }
-            }
+    ) -> bool {
+        if !ctx.app.replicas.enabled() {
+            return false;
         }
+        let (rest, parsed) = without_parse(request);
+        if !self.route(ctx, plan, inflight, &rest, Some(statement)) {
+            return false;
+        }
+        if parsed {
+            self.defer_parse(false);
+            self.out.extend_from_slice(&messages::PARSE_COMPLETE);
+        }
+        true
     }
 }
 

@@ -30,9 +30,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::answers::Answer;
-use super::{Ctx, Engine, Need, ReadyBatch};
+use super::{Action, Ctx, Engine, Need, ReadyBatch};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::cache::sampler::Check;
 use crate::cache::{Bumps, Lookup, Request};
 use crate::classify::BypassReason;
 use crate::config::CacheMode;
@@ -40,11 +40,20 @@ use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, extended, frontend as fe, messages};
 use crate::session::batch::{WholeBatch, binds_time_literal, describes_the_bound, extended_key};
+use crate::session::capture::Capture;
 use crate::session::known::Statement;
+use crate::session::offload::Job;
 use crate::session::pipeline::{Flow, Inflight};
 use crate::session::plan::Plan;
-use crate::session::replica::without_parse;
-use crate::session::row_limit::{RowCut, set_row_limit};
+use crate::session::row_limit::{RowCut, cut_stored, set_row_limit};
+
+/// What became of a read the cache was asked for.
+enum Answer {
+    /// Answered from the cache; the backend sees only a refresh, if any.
+    Served { refreshed: bool },
+    /// To forward, with a capture if its result is to be stored.
+    Forward(Option<Capture>),
+}
 
 /// A held batch's cache key, plan, statement and row limit.
 type BatchKey = (RequestKey, Arc<Plan>, Arc<Statement>, u32);
@@ -345,23 +354,6 @@ impl Engine {
         Ok(Flow::Continue)
     }
 
-    /// Tells the client, once per statement text, which of its hints were
-    /// malformed or unknown (the statement runs under the policy).
-    pub(super) fn warn_hints(&mut self, ctx: &Ctx, hash: u128, problems: &[String]) {
-        if !self.known.first_warning(hash) {
-            return;
-        }
-        for problem in problems {
-            ctx.app.metrics.hint_problems.inc();
-            messages::notice_response(
-                &mut self.out,
-                "WARNING",
-                crate::protocol::sqlstate::WARNING,
-                &format!("pgcache: hint ignored: {problem}"),
-            );
-        }
-    }
-
     /// The key of a held batch of the shape drivers send for one query:
     /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
     fn batch_key(&mut self, ctx: &Ctx) -> Result<Result<BatchKey, BypassReason>, Need> {
@@ -398,47 +390,6 @@ impl Engine {
             extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
                 .map(|key| (key, plan, stmt, query.row_limit)),
         )
-    }
-
-    /// The backend has not seen the held Parse: it is replayed before
-    /// anything else the backend is sent, unless it was `sent` already.
-    fn defer_parse(&mut self, sent: bool) {
-        let Some((name, raw)) = self.batch.take_parse() else {
-            return;
-        };
-        self.known.unsent_parses.retain(|(n, _)| *n != name);
-        if !sent {
-            // A copy: it may wait while the session idles, and a view
-            // keeps the read buffer alive.
-            let raw = Bytes::copy_from_slice(&raw);
-            self.known.unsent_parses.push((name, raw));
-        }
-    }
-
-    /// Sends a held batch that missed (`request`, to its Sync) to a
-    /// replica when [`Self::route`] may. The client's Parse is answered
-    /// here and replayed to the primary later, as for a hit: the replica
-    /// gets the statement under a name of its own.
-    fn route_batch(
-        &mut self,
-        ctx: &Ctx,
-        plan: &Plan,
-        statement: &Statement,
-        inflight: &mut Inflight,
-        request: &[u8],
-    ) -> bool {
-        if !ctx.app.replicas.enabled() {
-            return false;
-        }
-        let (rest, parsed) = without_parse(request);
-        if !self.route(ctx, plan, inflight, &rest, Some(statement)) {
-            return false;
-        }
-        if parsed {
-            self.defer_parse(false);
-            self.out.extend_from_slice(&messages::PARSE_COMPLETE);
-        }
-        true
     }
 
     /// A whole one-query batch at the start of the client's buffer `buf`,
@@ -561,6 +512,75 @@ impl Engine {
         match ctx.app.cache.lookup(&req, &mut self.found.lookup) {
             Ok(lookup) => Ok(Ok(lookup)),
             Err(wait) => Err(Need::Cache(wait)),
+        }
+    }
+
+    /// What the cache's answer means for the client: a hit is staged for
+    /// it, with a refresh or a sampler's check sent as `request` (the
+    /// frames that ask for it again) when one is due.
+    fn answer(
+        &mut self,
+        ctx: &Ctx,
+        looked: Result<Lookup, BypassReason>,
+        plan: &Plan,
+        request: &[u8],
+        row_limit: u32,
+    ) -> Answer {
+        let (bytes, refresh) = match looked {
+            Err(_) => return Answer::Forward(None),
+            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
+            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
+            Ok(Lookup::Bypass(reason)) => {
+                if reason == BypassReason::ReplicationDown {
+                    // pgcache may have let go of the database: take hold again.
+                    self.actions.push(Action::Watch);
+                }
+                plan.stats.bypassed(reason);
+                return Answer::Forward(None);
+            }
+            // Checked against PostgreSQL's frames as they arrive, before
+            // any row-limit cut for the client.
+            Ok(Lookup::WouldHit(stored)) => {
+                return Answer::Forward(Some(Capture::compare(stored)));
+            }
+        };
+        let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
+        self.out
+            .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
+        self.out
+            .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        // A refresh, or a check of the correctness sampler: the request
+        // again, as pgcache's own.
+        let hidden = match refresh {
+            Some(fill) => Some(Capture::new(fill)),
+            None if self.tx.status == TxStatus::Idle
+                && ctx.app.cache.sampler.draw(
+                    self.known.policy.verify_rate,
+                    self.known.policy.verify_max_per_sec,
+                    &ctx.app.metrics.verify,
+                ) =>
+            {
+                let reads = plan.read.as_ref().expect("a hit has its reads");
+                let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
+                Some(Capture::verify(check))
+            }
+            None => None,
+        };
+        let Some(capture) = hidden else {
+            return Answer::Served { refreshed: false };
+        };
+        // Off the client's path where pgcache can; else on its connection,
+        // answered to nobody.
+        match Job::for_request(&self.link, &self.known, &self.db, request) {
+            Some(job) => {
+                self.actions.push(Action::Offload(Box::new(job), capture));
+                Answer::Served { refreshed: false }
+            }
+            None => {
+                self.forward(request);
+                self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
+                Answer::Served { refreshed: true }
+            }
         }
     }
 }
