@@ -18,8 +18,10 @@ init_bench_db
 # The standby: a base backup of the primary, streaming from it.
 STANDBY_PORT=$(free_port)
 as_pg "$PGBIN/pg_basebackup" -h 127.0.0.1 -p "$PGPORT" -U postgres -X stream -R -c fast -D "$RUNDIR/standby"
+# A hot standby needs max_connections at least the primary's.
 as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/standby" -l "$RUNDIR/standby.log" -w start -o \
-    "-p $STANDBY_PORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c hot_standby=on" >/dev/null
+    "-p $STANDBY_PORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c hot_standby=on -c max_connections=${PG_MAX_CONNECTIONS:-300}" >/dev/null ||
+    { cat "$RUNDIR/standby.log" >&2; exit 1; }
 PIDS+=("$(head -1 "$RUNDIR/standby/postmaster.pid")")
 
 printf '[cache.local]\nmax_bytes = 1048576\n' >"$RUNDIR/alone.toml"
