@@ -399,7 +399,7 @@ async fn reads_go_on_without_an_error_while_the_standby_stops_and_return_to_it()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_standby_past_max_lag_ms_takes_no_reads_until_it_catches_up() {
+async fn a_standby_past_max_lag_ms_is_drained_and_takes_no_reads_until_it_catches_up() {
     let primary = Pg::dedicated();
     let db = primary.create_db("lagms");
     primary.psql_db(
@@ -417,12 +417,19 @@ async fn a_standby_past_max_lag_ms_takes_no_reads_until_it_catches_up() {
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
     let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    // The standby's client backends in the database: pgcache's own
+    // watcher connects to `postgres`.
+    let backends = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
+    );
     assert!(
         scalar(&client, "SELECT v FROM items WHERE k = 1")
             .await
             .is_some()
     );
     assert_eq!(routed(), 1, "in rotation, a miss goes to the standby");
+    assert_eq!(proxy.app.replicas.servers[0].connections.all().len(), 1);
+    assert_eq!(standby.psql_admin(&backends).trim(), "1", "the session's");
     pause_replay(&standby).await;
     // A small write: a few hundred bytes behind, and more and more time.
     primary.psql_db(&db, "INSERT INTO items VALUES (1000, 'late')");
@@ -430,6 +437,18 @@ async fn a_standby_past_max_lag_ms_takes_no_reads_until_it_catches_up() {
     assert_eq!(health.out, Some(Out::Lagging));
     assert!(health.lag >= Duration::from_millis(300), "{health:?}");
     assert!(health.lag_bytes < 64 * 1024, "{health:?}");
+    // Drained: the idle session's connection to it is closed.
+    let replica = std::sync::Arc::clone(&proxy.app.replicas.servers[0]);
+    eventually(
+        WAIT,
+        "the session's connection to the standby closed",
+        || {
+            let open = replica.connections.all().len();
+            let there = standby.psql_admin(&backends);
+            async move { (open == 0 && there.trim() == "0").then_some(()) }
+        },
+    )
+    .await;
     // Out of rotation: every miss goes to the primary, which has the row.
     let before = (routed(), scans(&standby, &db));
     for k in 2..12 {

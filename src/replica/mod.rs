@@ -98,6 +98,9 @@ pub struct Replica {
     pub upstream: Upstream,
     pub weight: u32,
     in_rotation: AtomicBool,
+    /// The same, for sessions that wait on it: a session's idle connection
+    /// is closed when its replica leaves the rotation.
+    rotation: tokio::sync::watch::Sender<bool>,
     /// The position it has replayed to, as last read.
     replay: AtomicU64,
     health: Mutex<Health>,
@@ -122,6 +125,11 @@ impl Replica {
         self.replay.fetch_max(lsn, Ordering::AcqRel);
     }
 
+    /// Follows whether it is in rotation.
+    pub fn watch_rotation(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.rotation.subscribe()
+    }
+
     pub fn health(&self) -> Health {
         self.health
             .lock()
@@ -136,6 +144,7 @@ impl Replica {
         health.good_polls = 0;
         let news = health.out.as_ref() != Some(&why);
         let was_in = self.in_rotation.swap(false, Ordering::AcqRel);
+        self.rotation.send_replace(false);
         health.out = Some(why);
         self.metrics.up.set(0);
         news || was_in
@@ -167,6 +176,7 @@ impl Replica {
         health.out = None;
         health.good_polls = 0;
         self.in_rotation.store(true, Ordering::Release);
+        self.rotation.send_replace(true);
         self.metrics.up.set(1);
         true
     }
@@ -213,6 +223,7 @@ impl Replicas {
                     upstream,
                     weight: replica.weight(),
                     in_rotation: AtomicBool::new(false),
+                    rotation: tokio::sync::watch::Sender::new(false),
                     replay: AtomicU64::new(0),
                     health: Mutex::new(Health {
                         out: Some(Out::Starting),

@@ -260,7 +260,9 @@ where
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
-                r = fill_replica(&mut self.replica), if on_replica => Woke::Replica(r),
+                // Between reads, a replica leaving the rotation takes the
+                // session's connection to it along.
+                w = replica_leg(&mut self.replica, on_replica), if on_replica || self.replica.is_some() => w,
                 // A session holding no connection has no backend to read.
                 r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
                 r = self.client.fill_lazily(), if !on_replica => Woke::Client(r),
@@ -285,6 +287,13 @@ where
                 );
                 self.close_with(&e).await;
                 Flow::Close
+            }
+            Woke::Retired => {
+                if let Some(conn) = self.replica.take() {
+                    info!(replica = %conn.server.name, "out of rotation: the session's connection to it is closed");
+                    conn.close().await;
+                }
+                Flow::Continue
             }
             Woke::Replica(r) => match r {
                 Ok(n) if n > 0 => self.on_replica_data().await?,
@@ -423,6 +432,7 @@ where
 enum Woke {
     Force,
     Replica(std::io::Result<usize>),
+    Retired,
     Backend(std::io::Result<usize>),
     Client(std::io::Result<usize>),
     Drain,
@@ -439,13 +449,20 @@ pub(super) fn fill(
     })
 }
 
-/// Reads more of the replica connection; never ready without one.
-async fn fill_replica(
+/// The replica connection: its answer while a read is there (an error
+/// without a connection), else the moment its server leaves the rotation.
+async fn replica_leg(
     replica: &mut Option<Box<super::replica_conn::ReplicaConn>>,
-) -> std::io::Result<usize> {
+    busy: bool,
+) -> Woke {
     match replica {
-        Some(conn) => conn.stream.fill().await,
-        None => Err(std::io::ErrorKind::NotConnected.into()),
+        Some(conn) if busy => Woke::Replica(conn.stream.fill().await),
+        Some(conn) => {
+            conn.retired().await;
+            Woke::Retired
+        }
+        None if busy => Woke::Replica(Err(std::io::ErrorKind::NotConnected.into())),
+        None => std::future::pending().await,
     }
 }
 

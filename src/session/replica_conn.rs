@@ -20,6 +20,8 @@ pub(super) struct ReplicaConn {
     pub key: Arc<CancelTarget>,
     /// What `SHOW SERVERS` tells of it.
     pub shown: Arc<Connection>,
+    /// Whether its replica is in rotation: out, the connection is closed.
+    rotation: tokio::sync::watch::Receiver<bool>,
 }
 
 impl ReplicaConn {
@@ -44,6 +46,7 @@ impl ReplicaConn {
         ));
         server.connections.opened(Arc::clone(&shown));
         Ok(Self {
+            rotation: server.watch_rotation(),
             server: Arc::clone(server),
             stream,
             key: Arc::new(key),
@@ -58,6 +61,18 @@ impl ReplicaConn {
             .await
             .map_err(|e| e.to_string())?;
         applied(&mut self.stream).await
+    }
+
+    /// Ready once its replica is out of rotation (at once if it is now).
+    pub async fn retired(&mut self) {
+        loop {
+            if !*self.rotation.borrow_and_update() {
+                return;
+            }
+            if self.rotation.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
     }
 
     /// Ends the session on the replica, as a client would.
