@@ -202,9 +202,11 @@ async fn pgbench_prepared_hot_keys_hit_the_cache_with_zero_failures() {
     assert!(run_tool(&pg().bin("pgbench"), &init).await.status.success());
     // The tables pgbench created reach the publication through the stream:
     // wait until a read of pgbench_accounts is really served from cache.
+    // Alone this takes about a second; under a full parallel test run it
+    // has taken over 20 s.
     let client = proxy.connect(&db).await;
     eventually(
-        Duration::from_secs(20),
+        Duration::from_secs(60),
         "pgbench_accounts to be cacheable",
         || {
             let client = &client;

@@ -207,13 +207,13 @@ fn scans(standby: &Pg, db: &str) -> u64 {
 /// A primary with a database of `items`, its standby caught up, and
 /// pgcache in front of both with the standby in rotation.
 async fn routed_setup(name: &str) -> (Pg, Pg, String, Proxy) {
-    routed_setup_with(name, pgcache::config::Routing::Misses).await
+    routed_setup_with(name, |_| {}).await
 }
 
-/// [`routed_setup`] with this routing policy.
+/// [`routed_setup`] with the configuration changed by `adjust`.
 async fn routed_setup_with(
     name: &str,
-    routing: pgcache::config::Routing,
+    adjust: impl FnOnce(&mut pgcache::Config),
 ) -> (Pg, Pg, String, Proxy) {
     let primary = Pg::dedicated();
     let db = primary.create_db(name);
@@ -224,7 +224,7 @@ async fn routed_setup_with(
     );
     let standby = primary.standby();
     let mut config = config_with(&primary, &[&standby]);
-    config.replicas.routing = routing;
+    adjust(&mut config);
     let proxy = Proxy::start(config).await;
     until_in_rotation(&proxy, true).await;
     // The database's stream up, and the standby past its first heartbeat:
@@ -312,20 +312,12 @@ async fn with_replay_paused_a_session_reads_its_own_write_from_the_primary() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_behind_a_direct_write_answers_but_its_answer_is_never_stored() {
-    let primary = Pg::dedicated();
-    let db = primary.create_db("behind");
-    primary.psql_db(
-        &db,
-        "CREATE TABLE items (k int PRIMARY KEY, v text);
-         INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
-    );
-    let standby = primary.standby();
-    let mut config = config_with(&primary, &[&standby]);
     // Far behind is still in rotation: what is tested is the cache.
-    config.replicas.max_lag_ms = 0;
-    config.replicas.max_lag_bytes = 0;
-    let proxy = Proxy::start(config).await;
-    until_in_rotation(&proxy, true).await;
+    let (primary, standby, db, proxy) = routed_setup_with("behind", |config| {
+        config.replicas.max_lag_ms = 0;
+        config.replicas.max_lag_bytes = 0;
+    })
+    .await;
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
     let refused = || proxy.app.metrics.replicas.of(&server).refused_fills.get();
@@ -400,20 +392,12 @@ async fn reads_go_on_without_an_error_while_the_standby_stops_and_return_to_it()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_past_max_lag_ms_is_drained_and_takes_no_reads_until_it_catches_up() {
-    let primary = Pg::dedicated();
-    let db = primary.create_db("lagms");
-    primary.psql_db(
-        &db,
-        "CREATE TABLE items (k int PRIMARY KEY, v text);
-         INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g",
-    );
-    let standby = primary.standby();
-    let mut config = config_with(&primary, &[&standby]);
     // Only the time limit: any number of bytes behind is allowed.
-    config.replicas.max_lag_ms = 300;
-    config.replicas.max_lag_bytes = 0;
-    let proxy = Proxy::start(config).await;
-    until_in_rotation(&proxy, true).await;
+    let (primary, standby, db, proxy) = routed_setup_with("lagms", |config| {
+        config.replicas.max_lag_ms = 300;
+        config.replicas.max_lag_bytes = 0;
+    })
+    .await;
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
     let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
@@ -672,8 +656,10 @@ async fn extended_protocol_misses_are_read_on_the_standby_and_statements_stay_on
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volatile_ones() {
-    let (primary, _standby, db, proxy) =
-        routed_setup_with("allreads", pgcache::config::Routing::AllReads).await;
+    let (primary, _standby, db, proxy) = routed_setup_with("allreads", |config| {
+        config.replicas.routing = pgcache::config::Routing::AllReads;
+    })
+    .await;
     primary.psql_db(&db, "CREATE SEQUENCE seq");
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
