@@ -589,6 +589,7 @@ mod tests {
         let func = FuncFacts {
             immutable: true,
             may_write: false,
+            stable: true,
         };
         fetched.funcs.insert("f".into(), func);
         db.catalog.install(&wanted, fetched);

@@ -252,31 +252,37 @@ impl Replicas {
     }
 
     /// Whether a read planned as `read` (a cacheable read, or why it is
-    /// not) may go to a replica. `misses` routes cacheable reads only;
+    /// not) may go to a replica; `replica_safe`: every function it calls
+    /// is stable or immutable and not the server's own
+    /// (the plan's `replica_safe`). `misses` routes cacheable reads only;
     /// `all_reads` also reads the cache may not keep but a standby answers
-    /// as the primary would: with a time literal, hinted or ruled out of
-    /// the cache, or of a table outside the publication (an unlogged one,
-    /// which a standby refuses with `0A000`, is retried on the primary).
-    /// Never functions that are not immutable (the planner does not tell
-    /// `now()` from `nextval`, advisory locks or `set_config`),
-    /// system catalogs and statistics (`pg_stat_*`, `pg_is_in_recovery()`:
-    /// the server's own), temporary objects or what is not a plain SELECT.
-    pub fn routes(&self, read: Result<(), BypassReason>) -> bool {
+    /// as the primary would: with stable functions (`now()`), a time
+    /// literal, hinted or ruled out of the cache, or of a table outside the
+    /// publication (an unlogged one, which a standby refuses with `0A000`,
+    /// is retried on the primary). Never volatile functions (`nextval`,
+    /// advisory locks, `set_config`, `random()`), the server's own
+    /// (`pg_backend_pid()`, `pg_is_in_recovery()`), system catalogs and
+    /// statistics, temporary objects or what is not a plain SELECT.
+    pub fn routes(&self, read: Result<(), BypassReason>, replica_safe: bool) -> bool {
         use BypassReason as R;
         match (self.routing, read) {
             (Routing::Off, _) => false,
             (_, Ok(())) => true,
             (Routing::Misses, Err(_)) => false,
-            (Routing::AllReads, Err(reason)) => matches!(
-                reason,
-                R::TimeLiteral
-                    | R::Hint
-                    | R::OptIn
-                    | R::TableRule
-                    | R::RoleRule
-                    | R::DatabaseRule
-                    | R::NotPublished
-            ),
+            (Routing::AllReads, Err(reason)) => {
+                replica_safe
+                    && matches!(
+                        reason,
+                        R::VolatileFunction
+                            | R::TimeLiteral
+                            | R::Hint
+                            | R::OptIn
+                            | R::TableRule
+                            | R::RoleRule
+                            | R::DatabaseRule
+                            | R::NotPublished
+                    )
+            }
         }
     }
 
@@ -319,13 +325,23 @@ mod tests {
         let off = replicas(
             "[upstream]\nreplicas = [\"postgres://a:1\"]\n[replicas]\nrouting = \"off\"\n",
         );
-        assert!(misses.routes(Ok(())) && all.routes(Ok(())) && !off.routes(Ok(())));
-        for reason in [R::TimeLiteral, R::Hint, R::NotPublished, R::TableRule] {
-            assert!(!misses.routes(Err(reason)), "{reason:?}");
-            assert!(all.routes(Err(reason)), "{reason:?}");
-        }
+        assert!(misses.routes(Ok(()), true) && all.routes(Ok(()), true));
+        assert!(!off.routes(Ok(()), true));
         for reason in [
             R::VolatileFunction,
+            R::TimeLiteral,
+            R::Hint,
+            R::NotPublished,
+            R::TableRule,
+        ] {
+            assert!(!misses.routes(Err(reason), true), "{reason:?}");
+            assert!(all.routes(Err(reason), true), "{reason:?}");
+            assert!(
+                !all.routes(Err(reason), false),
+                "{reason:?} with a function a standby may not run"
+            );
+        }
+        for reason in [
             R::SystemCatalog,
             R::NotATable,
             R::NotSelect,
@@ -334,7 +350,7 @@ mod tests {
             R::MultiStatement,
             R::UnknownRelation,
         ] {
-            assert!(!all.routes(Err(reason)), "{reason:?}");
+            assert!(!all.routes(Err(reason), true), "{reason:?}");
         }
     }
 

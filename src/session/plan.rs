@@ -39,6 +39,10 @@ pub(super) struct Plan {
     /// A cacheable read of a relation replication cannot watch (cached by
     /// TTL): its entries may lag PostgreSQL within their lifetime.
     pub unwatched: bool,
+    /// Every function it calls is known to leave the database alone and
+    /// to answer alike on any server of the cluster: a standby may run it
+    /// (`replicas.routing = "all_reads"`).
+    pub replica_safe: bool,
 }
 
 /// Bounds [`SharedPlans`]: past it the memo starts again.
@@ -141,6 +145,7 @@ impl Plan {
             creates_temp: false,
             begin_strict: None,
             unwatched: false,
+            replica_safe: true,
         };
         for st in &analyzed.analysis.statements {
             plan.add_effects(st, facts, versions);
@@ -200,6 +205,7 @@ impl Plan {
             }
         }
         for f in &st.functions {
+            self.replica_safe &= facts.function(f).is_some_and(|f| f.stable) && !server_local(f);
             match facts.function(f) {
                 Some(facts) if !facts.may_write => {}
                 _ => {
@@ -215,6 +221,15 @@ impl Plan {
         }
         self.creates_temp |= st.creates_temp;
     }
+}
+
+/// A function whose answer is the server's own, not the cluster's: the
+/// backend's pid or address, a transaction id, or a `pg_` function (WAL
+/// positions, statistics, recovery, configuration files).
+fn server_local(function: &str) -> bool {
+    ["pg_", "inet_", "txid_"]
+        .iter()
+        .any(|prefix| function.starts_with(prefix))
 }
 
 /// Whether the statement is a read the cache may serve, and the families
@@ -313,10 +328,14 @@ mod tests {
             ("lower", true, false),
             ("now", false, false),
             ("bump", false, true),
+            // Stable, but the server's own.
+            ("pg_backend_pid", false, false),
+            ("inet_server_addr", false, false),
         ] {
             let func = FuncFacts {
                 immutable,
                 may_write,
+                stable: !may_write,
             };
             fetched.funcs.insert(name.to_owned(), func);
         }
@@ -373,6 +392,23 @@ mod tests {
         assert_eq!(read_names(&p), ["part", "t"], "partitions read their tree");
         assert!(p.effects.is_empty() && !p.writes && !p.settings);
         assert_eq!(p.generation, 3);
+    }
+
+    #[test]
+    fn a_standby_may_run_stable_functions_but_not_volatile_or_the_servers_own() {
+        assert!(plan("SELECT * FROM t WHERE lower(x) = 'a'").replica_safe);
+        assert!(plan("SELECT now() FROM t").replica_safe, "stable");
+        assert!(plan("SELECT current_user FROM t").replica_safe);
+        assert!(!plan("SELECT bump() FROM t").replica_safe, "volatile");
+        assert!(
+            !plan("SELECT unknown_fn() FROM t").replica_safe,
+            "not known"
+        );
+        assert!(
+            !plan("SELECT pg_backend_pid()").replica_safe,
+            "the server's"
+        );
+        assert!(!plan("SELECT inet_server_addr()").replica_safe);
     }
 
     #[test]

@@ -88,7 +88,8 @@ WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
     if !funcs.is_empty() {
         parts.push(format!(
             "SELECT 'f', p.proname::text, pg_catalog.bool_and(p.provolatile = 'i')::text,
-  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text, NULL, NULL, NULL
+  pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text,
+  pg_catalog.bool_and(p.provolatile <> 'v')::text, NULL, NULL
 FROM pg_catalog.pg_proc p WHERE p.proname = ANY ({}) GROUP BY p.proname",
             name_array(funcs)
         ));
@@ -131,6 +132,7 @@ impl Parsed {
                         FuncFacts {
                             immutable: col(2) == Some("true"),
                             may_write: col(3) != Some("false"),
+                            stable: col(4) == Some("true"),
                         },
                     );
                 }

@@ -68,6 +68,8 @@ pub struct FuncFacts {
     pub immutable: bool,
     /// Some overload is VOLATILE and outside pg_catalog: it may write.
     pub may_write: bool,
+    /// No overload is VOLATILE: it cannot change the database.
+    pub stable: bool,
 }
 
 /// What is known of one name.
@@ -129,6 +131,7 @@ impl Facts {
             return Some(FuncFacts {
                 immutable: true,
                 may_write: false,
+                stable: true,
             });
         }
         self.funcs.iter().find(|(n, _)| n == name).map(|(_, f)| *f)

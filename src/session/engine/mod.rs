@@ -306,7 +306,8 @@ impl Engine {
         statement: Option<&Statement>,
     ) -> bool {
         let replicas = &ctx.app.replicas;
-        if !replicas.routes(plan.read.as_ref().map(|_| ()).map_err(|r| *r)) {
+        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        if !replicas.routes(read, plan.replica_safe) {
             return false;
         }
         let Link::Session(own) = &self.link else {
@@ -363,7 +364,7 @@ impl Engine {
         if let Err(reason) = plan.read
             && self.known.prefix.is_none()
             && self.tx.status == TxStatus::Idle
-            && ctx.app.replicas.routes(Err(reason))
+            && ctx.app.replicas.routes(Err(reason), plan.replica_safe)
         {
             let _known = self.session_prefix()?;
         }
