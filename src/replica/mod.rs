@@ -13,7 +13,7 @@ mod clock;
 mod connections;
 pub mod monitor;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -97,9 +97,8 @@ pub struct Replica {
     /// Its URL, parsed: addresses, TLS, pgcache's own connections.
     pub upstream: Upstream,
     pub weight: u32,
-    in_rotation: AtomicBool,
-    /// The same, for sessions that wait on it: a session's idle connection
-    /// is closed when its replica leaves the rotation.
+    /// Whether it is in rotation; sessions wait on it too: a session's
+    /// idle connection is closed when its replica leaves the rotation.
     rotation: tokio::sync::watch::Sender<bool>,
     /// The position it has replayed to, as last read.
     replay: AtomicU64,
@@ -111,7 +110,7 @@ pub struct Replica {
 
 impl Replica {
     pub fn in_rotation(&self) -> bool {
-        self.in_rotation.load(Ordering::Acquire)
+        *self.rotation.borrow()
     }
 
     /// The position it had replayed to when last read.
@@ -143,8 +142,7 @@ impl Replica {
         let mut health = self.health.lock().unwrap_or_else(|e| e.into_inner());
         health.good_polls = 0;
         let news = health.out.as_ref() != Some(&why);
-        let was_in = self.in_rotation.swap(false, Ordering::AcqRel);
-        self.rotation.send_replace(false);
+        let was_in = self.rotation.send_replace(false);
         health.out = Some(why);
         self.metrics.up.set(0);
         news || was_in
@@ -175,7 +173,6 @@ impl Replica {
         }
         health.out = None;
         health.good_polls = 0;
-        self.in_rotation.store(true, Ordering::Release);
         self.rotation.send_replace(true);
         self.metrics.up.set(1);
         true
@@ -222,7 +219,6 @@ impl Replicas {
                     name,
                     upstream,
                     weight: replica.weight(),
-                    in_rotation: AtomicBool::new(false),
                     rotation: tokio::sync::watch::Sender::new(false),
                     replay: AtomicU64::new(0),
                     health: Mutex::new(Health {

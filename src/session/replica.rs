@@ -199,11 +199,20 @@ pub(super) struct Routed {
     /// The position the replica must have replayed past for the answer to
     /// be stored; `None`: it is not stored.
     pub fill_floor: Option<u64>,
-    /// Frames of the answer went to the client: it can no longer go to
-    /// the primary.
-    pub started: bool,
-    /// It goes to the primary once the replica's answer ends.
-    pub retry: bool,
+    pub verdict: Verdict,
+}
+
+/// What becomes of a routed read's answer, decided at its first frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Its first frame has not come.
+    Awaited,
+    /// The replica's answer goes to the client: the read can no longer go
+    /// to the primary.
+    Relayed,
+    /// The replica's answer is dropped; the read goes to the primary once
+    /// it ends.
+    ToPrimary,
 }
 
 impl Routed {
@@ -213,8 +222,7 @@ impl Routed {
             request,
             needed,
             fill_floor,
-            started: false,
-            retry: false,
+            verdict: Verdict::Awaited,
         }
     }
 
@@ -224,9 +232,16 @@ impl Routed {
     pub fn first_frame(&mut self, frame: &[u8], replayed: Option<u64>) -> bool {
         let behind = replayed.is_none_or(|r| r < self.needed);
         let failed = frame[0] == be::ERROR_RESPONSE && retried(&frame[HEADER_LEN..]);
-        self.retry = behind || failed;
-        self.started = !self.retry;
-        self.started
+        self.verdict = match behind || failed {
+            true => Verdict::ToPrimary,
+            false => Verdict::Relayed,
+        };
+        self.verdict == Verdict::Relayed
+    }
+
+    /// Its answer is dropped and it goes to the primary.
+    pub fn to_primary(&self) -> bool {
+        self.verdict == Verdict::ToPrimary
     }
 
     /// The answer may be stored: the replica had replayed past every
@@ -268,36 +283,25 @@ mod tests {
         f.to_vec()
     }
 
-    fn routed(needed: u64, fill_floor: Option<u64>) -> Routed {
+    /// A replica of a configuration that lists one.
+    fn server() -> Arc<Replica> {
         let config = crate::Config::from_toml(
             "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
             "t".as_ref(),
         )
         .expect("config");
-        let metrics = crate::metrics::Metrics::new();
-        let replicas = crate::replica::Replicas::new(&config, &metrics).expect("replicas");
-        Routed {
-            server: Arc::clone(&replicas.servers[0]),
-            request: Bytes::new(),
-            needed,
-            fill_floor,
-            started: false,
-            retry: false,
-        }
+        let replicas = crate::replica::Replicas::new(&config, &crate::metrics::Metrics::new())
+            .expect("replicas");
+        Arc::clone(&replicas.servers[0])
+    }
+
+    fn routed(needed: u64, fill_floor: Option<u64>) -> Routed {
+        Routed::new(server(), Bytes::new(), needed, fill_floor)
     }
 
     #[test]
     fn the_probe_reads_the_position_the_replica_replayed_to() {
-        let replicas = crate::replica::Replicas::new(
-            &crate::Config::from_toml(
-                "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
-                "t".as_ref(),
-            )
-            .expect("config"),
-            &crate::metrics::Metrics::new(),
-        )
-        .expect("replicas");
-        let mut leg = ReplicaLeg::new(Arc::clone(&replicas.servers[0]));
+        let mut leg = ReplicaLeg::new(server());
         leg.stage(&messages::query("SELECT 1"));
         assert!(leg.busy);
         assert_eq!(
@@ -311,17 +315,6 @@ mod tests {
         leg.probed(&frame(be::ROW_DESCRIPTION, &[0, 0]));
         leg.probed(&frame(be::DATA_ROW, &row));
         assert_eq!(leg.replayed, Some(0x16B3_7480));
-    }
-
-    fn leg() -> ReplicaLeg {
-        let config = crate::Config::from_toml(
-            "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
-            "t".as_ref(),
-        )
-        .expect("config");
-        let replicas = crate::replica::Replicas::new(&config, &crate::metrics::Metrics::new())
-            .expect("replicas");
-        ReplicaLeg::new(Arc::clone(&replicas.servers[0]))
     }
 
     fn cstr(s: &[u8]) -> Vec<u8> {
@@ -344,7 +337,7 @@ mod tests {
         request.extend(frame(fe::DESCRIBE, &[&[b'S'][..], &cstr(b"s0")].concat()));
         request.extend(frame(fe::EXECUTE, &[0, 0, 0, 0, 0]));
         request.extend(frame(fe::SYNC, &[]));
-        let mut leg = leg();
+        let mut leg = ReplicaLeg::new(server());
         assert_eq!(leg.stage_batch(&request, &statement), 1, "prepared first");
         let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
         assert_eq!(tags, b"QCPSBDES", "probe; Close, Parse, Sync; the batch");
@@ -388,14 +381,14 @@ mod tests {
         let row = frame(be::ROW_DESCRIPTION, &[0, 0]);
         let mut ok = routed(100, Some(50));
         assert!(ok.first_frame(&row, Some(100)));
-        assert!(ok.started && !ok.retry);
+        assert_eq!(ok.verdict, Verdict::Relayed);
         assert!(ok.may_store(Some(100)));
         let mut behind = routed(100, Some(50));
         assert!(
             !behind.first_frame(&row, Some(99)),
             "behind what the session needs"
         );
-        assert!(behind.retry);
+        assert!(behind.to_primary());
         let mut unknown = routed(0, None);
         assert!(!unknown.first_frame(&row, None), "the probe did not answer");
         for (code, retry) in [

@@ -24,7 +24,7 @@ use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, Statement, setting
 use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Inflight;
 use crate::session::plan::Plan;
-use crate::session::replica::without_parse;
+use crate::session::replica::{Verdict, without_parse};
 use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -100,10 +100,9 @@ impl Engine {
                 }
                 be::READY_FOR_QUERY => {
                     let status = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b));
-                    let keep = self
-                        .pipeline
-                        .front()
-                        .is_none_or(|f| f.to_client && !f.routed.as_ref().is_some_and(|r| r.retry));
+                    let keep = self.pipeline.front().is_none_or(|f| {
+                        f.to_client && !f.routed.as_ref().is_some_and(|r| r.to_primary())
+                    });
                     self.on_ready_for_query(ctx, status.unwrap_or(TxStatus::Idle));
                     if keep { Cut::Keep } else { Cut::Drop }
                 }
@@ -190,14 +189,14 @@ impl Engine {
             leg.probed(frame);
         }
         if let Some(routed) = &mut front.routed {
-            if !routed.started && !routed.retry {
+            if routed.verdict == Verdict::Awaited {
                 let replayed = self.replica.as_ref().and_then(|leg| leg.replayed);
                 if !routed.first_frame(frame, replayed) {
                     // Its answer is the primary's to give.
                     front.capture = None;
                 }
             }
-            if routed.retry {
+            if routed.to_primary() {
                 return Cut::Drop;
             }
         }
@@ -367,7 +366,7 @@ impl Engine {
         };
         let replayed = self.replica.as_mut().and_then(|leg| {
             leg.busy = false;
-            if routed.retry {
+            if routed.to_primary() {
                 // A statement it should have had may be missing there.
                 leg.prepared.clear();
             }
@@ -376,7 +375,7 @@ impl Engine {
         if let Some(replayed) = replayed {
             routed.server.replayed_past(replayed);
         }
-        if routed.retry {
+        if routed.to_primary() {
             routed.server.metrics.retries.inc();
             self.forward(&routed.request);
             return false;
@@ -549,7 +548,7 @@ impl Engine {
         let mut started = false;
         while let Some(done) = self.pipeline.pop() {
             if let Some(routed) = &done.routed {
-                started |= routed.started;
+                started |= routed.verdict == Verdict::Relayed;
                 let frame = routed.request.clone();
                 request = Some((done, frame));
             }

@@ -467,9 +467,7 @@ impl Engine {
                     inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
                 }
                 inflight.capture = capture;
-                if !ctx.app.replicas.enabled()
-                    || !self.route(ctx, plan, &mut inflight, request, Some(&ready.statement))
-                {
+                if !self.route(ctx, plan, &mut inflight, request, Some(&ready.statement)) {
                     self.forward(request);
                 }
                 self.pipeline.push_sync(inflight);
