@@ -312,7 +312,7 @@ impl App {
 }
 
 /// Keeps transaction-mode pools within their idle time and lifetime, and
-/// at `pool.min_pool_size`.
+/// the primary's at `pool.min_pool_size`.
 async fn maintain_pools(app: std::sync::Weak<App>) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     loop {
@@ -323,7 +323,11 @@ async fn maintain_pools(app: std::sync::Weak<App>) {
         if app.drain.is_cancelled() {
             return;
         }
-        app.pool.pooled.maintain(&app.config().pool, &app.upstream);
+        let config = app.config();
+        app.pool.pooled.maintain(&config.pool, &app.upstream);
+        for replica in &app.replicas.servers {
+            replica.pools.reap(&config.pool);
+        }
     }
 }
 

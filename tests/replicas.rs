@@ -705,3 +705,152 @@ async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volat
     );
     assert_eq!(routed(), before, "none of them went to the standby");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_mode_reads_take_a_connection_of_the_standbys_pool_and_give_it_back() {
+    let (primary, standby, db, proxy) = routed_setup_with("txpool", |config| {
+        config.pool.mode = pgcache::config::PoolMode::Transaction;
+        config.pool.default_pool_size = 2;
+        // Out of rotation once replay is paused (at the end).
+        config.replicas.max_lag_ms = 2_000;
+        config.replicas.max_lag_bytes = 0;
+    })
+    .await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    let before = scans(&standby, &db);
+    let a = proxy.connect(&db).await;
+    // Simple protocol: a miss read on the standby, then a hit.
+    assert_eq!(
+        scalar(&a, "SELECT v FROM items WHERE k = 1")
+            .await
+            .as_deref(),
+        Some("v1")
+    );
+    assert_eq!(routed(), 1, "the miss went to the standby");
+    let hits = proxy.hits();
+    assert_eq!(
+        scalar(&a, "SELECT v FROM items WHERE k = 1")
+            .await
+            .as_deref(),
+        Some("v1")
+    );
+    assert_eq!(proxy.hits(), hits + 1, "the standby's answer was stored");
+    // Extended protocol: the statement prepared on the pooled connection
+    // once, and found there by the next reads of any client.
+    let stmt = a.prepare("SELECT v FROM items WHERE k = $1").await.unwrap();
+    for k in 2..=4i32 {
+        let row = a.query_one(&stmt, &[&k]).await.unwrap();
+        assert_eq!(row.get::<_, String>(0), format!("v{k}"));
+    }
+    let b = proxy.connect(&db).await;
+    let other = b.prepare("SELECT v FROM items WHERE k = $1").await.unwrap();
+    let row = b.query_one(&other, &[&5i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "v5");
+    assert_eq!(routed(), 5, "every miss went to the standby");
+    eventually(WAIT, "the standby's statistics to show the reads", || {
+        let grew = scans(&standby, &db) >= before + 5;
+        async move { grew.then_some(()) }
+    })
+    .await;
+    // Between reads the connection is the pool's: idle, held by no client,
+    // with the one statement.
+    let servers = show(&proxy, "SHOW SERVERS").await;
+    let on_standby: Vec<_> = servers.iter().filter(|r| r[4] == server).collect();
+    assert_eq!(
+        on_standby.len(),
+        1,
+        "one connection served both: {servers:?}"
+    );
+    // type, user, database, state, addr, connect_time, request_time, id,
+    // remote_pid, link, prepared_statements, role, lag_ms
+    let conn = on_standby[0];
+    assert_eq!(
+        (conn[3].as_str(), conn[9].as_str(), conn[10].as_str()),
+        ("idle", "", "1"),
+        "{conn:?}"
+    );
+    assert_eq!(conn[11], "replica");
+    let pools = show(&proxy, "SHOW POOLS").await;
+    let pool = pools
+        .iter()
+        .find(|r| r[13] == server)
+        .unwrap_or_else(|| panic!("the standby's pool: {pools:?}"));
+    // sv_active, sv_idle, sv_open, checkouts
+    assert_eq!(&pool[5..9], ["0", "1", "1", "5"], "{pool:?}");
+    // Read-your-writes across the pool: b writes, a reads it at once.
+    b.execute("UPDATE items SET v = 'b wrote' WHERE k = 6", &[])
+        .await
+        .unwrap();
+    let row = a.query_one(&stmt, &[&6i32]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "b wrote");
+    // Reads go to the standby again once the write's position is known
+    // (a heartbeat after it came back through the stream) and a poll saw
+    // the standby past it.
+    let state = proxy.app.cache.db(&db);
+    let replica = &proxy.app.replicas.servers[0];
+    eventually(WAIT, "the standby known to have replayed b's write", || {
+        let floor = state.floor(&state.versions.writes);
+        let past = floor.is_some_and(|at| replica.replayed() >= at);
+        async move { past.then_some(()) }
+    })
+    .await;
+    // The client's settings go with its reads: its DateStyle, applied on
+    // the standby's connection before the read.
+    a.batch_execute("SET DateStyle = 'SQL, DMY'").await.unwrap();
+    let routed_before = routed();
+    let sql = "SELECT '2024-03-01'::date::text FROM items WHERE k = 7";
+    assert_eq!(scalar(&a, sql).await.as_deref(), Some("01/03/2024"));
+    assert_eq!(routed(), routed_before + 1, "read on the standby");
+    assert_eq!(scalar(&b, sql).await.as_deref(), Some("2024-03-01"));
+    // A session pinned to its connection (a temporary table) reads on the
+    // primary.
+    a.batch_execute("CREATE TEMP TABLE mine (x int)")
+        .await
+        .unwrap();
+    let routed_before = routed();
+    assert_eq!(
+        scalar(&a, "SELECT v FROM items WHERE k = 8")
+            .await
+            .as_deref(),
+        Some("v8")
+    );
+    assert_eq!(
+        routed(),
+        routed_before,
+        "a pinned session reads on the primary"
+    );
+    drop(a);
+    // More clients reading at once than the standby's pool has
+    // connections: what finds it full reads on the primary, without an
+    // error, and the pool never grows past its size.
+    let mut clients = Vec::new();
+    for _ in 0..6 {
+        clients.push(proxy.connect(&db).await);
+    }
+    let reads = clients.iter().enumerate().map(|(i, c)| async move {
+        for k in 0..15 {
+            let key = 10 + i * 15 + k;
+            let sql = format!("SELECT v FROM items WHERE k = {key}");
+            let v = scalar(c, &sql).await;
+            assert_eq!(v, Some(format!("v{key}")), "{sql}");
+        }
+    });
+    futures_util::future::join_all(reads).await;
+    let open: usize = replica.pools.all().iter().map(|p| p.row().open).sum();
+    assert!((1..=2).contains(&open), "{open} connections to the standby");
+    // Drained: out of rotation, the pool's idle connections are closed.
+    let backends = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
+    );
+    assert_eq!(standby.psql_admin(&backends).trim(), open.to_string());
+    pause_replay(&standby).await;
+    primary.psql_db(&db, "INSERT INTO items VALUES (1000, 'late')");
+    eventually(WAIT, "the standby's pool drained", || {
+        let out = !replica.in_rotation();
+        let open: usize = replica.pools.all().iter().map(|p| p.row().open).sum();
+        let there = standby.psql_admin(&backends);
+        async move { (out && open == 0 && there.trim() == "0").then_some(()) }
+    })
+    .await;
+}

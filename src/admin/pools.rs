@@ -9,6 +9,7 @@ use bytes::BytesMut;
 use super::{table, timestamp};
 use crate::App;
 use crate::config::PoolMode;
+use crate::pool::Pools;
 use crate::pool::clients::Activity;
 
 fn now_ms() -> u64 {
@@ -129,44 +130,63 @@ pub(super) fn pools(app: &App, out: &mut BytesMut) {
     );
 }
 
+/// A replica's connections for one database and user.
+#[derive(Default)]
+struct Tally {
+    active: usize,
+    idle: usize,
+    checkouts: u64,
+    avg_wait_us: u64,
+}
+
 /// `SHOW POOLS` rows of the replicas: per replica, database and user, the
-/// connections sessions hold there (their clients are counted on the
-/// primary's row).
+/// connections there (the sessions' own in session mode, the replica's
+/// pool's in transaction mode; their clients are counted on the primary's
+/// row).
 fn replica_pools<'a>(app: &'a App, mode: &'a str) -> impl Iterator<Item = Vec<String>> + 'a {
     app.replicas.servers.iter().flat_map(move |replica| {
-        let mut open: BTreeMap<(Box<str>, Box<str>), (usize, usize)> = BTreeMap::new();
+        let mut open: BTreeMap<(Box<str>, Box<str>), Tally> = BTreeMap::new();
         for c in replica.connections.all() {
             let n = open
                 .entry((c.database.clone(), c.user.clone()))
                 .or_default();
             match c.is_active() {
-                true => n.0 += 1,
-                false => n.1 += 1,
+                true => n.active += 1,
+                false => n.idle += 1,
             }
         }
+        for pool in replica.pools.all() {
+            let row = pool.row();
+            let n = open
+                .entry((row.database.into(), row.user.into()))
+                .or_default();
+            n.active += row.active;
+            n.idle += row.idle;
+            n.checkouts += row.checkouts;
+            n.avg_wait_us = row.wait_us / row.checkouts.max(1);
+        }
         let lag = replica.health().lag.as_millis().to_string();
-        open.into_iter()
-            .map(move |((database, user), (active, idle))| {
-                let zero = || "0".to_owned();
-                vec![
-                    database.into(),
-                    user.into(),
-                    zero(),
-                    zero(),
-                    zero(),
-                    active.to_string(),
-                    idle.to_string(),
-                    (active + idle).to_string(),
-                    zero(),
-                    zero(),
-                    zero(),
-                    zero(),
-                    mode.to_owned(),
-                    replica.name.clone(),
-                    "replica".to_owned(),
-                    lag.clone(),
-                ]
-            })
+        open.into_iter().map(move |((database, user), n)| {
+            let zero = || "0".to_owned();
+            vec![
+                database.into(),
+                user.into(),
+                zero(),
+                zero(),
+                zero(),
+                n.active.to_string(),
+                n.idle.to_string(),
+                (n.active + n.idle).to_string(),
+                n.checkouts.to_string(),
+                zero(),
+                zero(),
+                n.avg_wait_us.to_string(),
+                mode.to_owned(),
+                replica.name.clone(),
+                "replica".to_owned(),
+                lag.clone(),
+            ]
+        })
     })
 }
 
@@ -239,31 +259,10 @@ pub(super) fn clients(app: &App, out: &mut BytesMut) {
 /// sessions' connections to read replicas, each with its role and lag.
 pub(super) fn servers(app: &App, out: &mut BytesMut) {
     let mut rows = Vec::new();
-    for pool in app.pool.pooled.all() {
-        for s in pool.servers() {
-            rows.push(vec![
-                "S".to_owned(),
-                pool.id.user.to_string(),
-                pool.id.database.to_string(),
-                if s.active { "active" } else { "idle" }.to_owned(),
-                s.addr,
-                timestamp(ago(s.age)),
-                timestamp(ago(s.since)),
-                s.id.to_string(),
-                s.pid.to_string(),
-                if s.client == 0 {
-                    String::new()
-                } else {
-                    s.client.to_string()
-                },
-                s.prepared.to_string(),
-                "primary".to_owned(),
-                "0".to_owned(),
-            ]);
-        }
-    }
+    pooled_servers(&app.pool.pooled, None, "0", &mut rows);
     for replica in &app.replicas.servers {
         let lag = replica.health().lag.as_millis().to_string();
+        pooled_servers(&replica.pools, Some(&replica.name), &lag, &mut rows);
         for c in replica.connections.all() {
             rows.push(vec![
                 "S".to_owned(),
@@ -301,6 +300,34 @@ pub(super) fn servers(app: &App, out: &mut BytesMut) {
         ],
         &rows,
     );
+}
+
+/// `SHOW SERVERS` rows of a registry's pools: the primary's, or a
+/// replica's (`replica`, named as the rows show it) with its lag.
+fn pooled_servers(pools: &Pools, replica: Option<&str>, lag: &str, rows: &mut Vec<Vec<String>>) {
+    for pool in pools.all() {
+        for s in pool.servers() {
+            rows.push(vec![
+                "S".to_owned(),
+                pool.id.user.to_string(),
+                pool.id.database.to_string(),
+                if s.active { "active" } else { "idle" }.to_owned(),
+                replica.map_or(s.addr, str::to_owned),
+                timestamp(ago(s.age)),
+                timestamp(ago(s.since)),
+                s.id.to_string(),
+                s.pid.to_string(),
+                if s.client == 0 {
+                    String::new()
+                } else {
+                    s.client.to_string()
+                },
+                s.prepared.to_string(),
+                replica.map_or("primary", |_| "replica").to_owned(),
+                lag.to_owned(),
+            ]);
+        }
+    }
 }
 
 /// Each read replica: whether it is in rotation (else why not), where it

@@ -11,6 +11,10 @@ pub enum PoolError {
         "canceling statement: no server connection became free within pool.query_wait_timeout_secs ({0}s)"
     )]
     WaitTimeout(u64),
+    /// Every slot is taken, and the caller would rather not wait (a read
+    /// for a replica goes to the primary instead).
+    #[error("every connection of the pool is in use")]
+    Full,
     #[error(transparent)]
     Connect(#[from] BackendError),
     /// PostgreSQL refused the login (its own message).
@@ -24,6 +28,7 @@ impl PoolError {
     pub fn sqlstate(&self) -> &str {
         match self {
             PoolError::WaitTimeout(_) => sqlstate::QUERY_CANCELED,
+            PoolError::Full => sqlstate::TOO_MANY_CONNECTIONS,
             PoolError::Connect(_) => sqlstate::CONNECTION_FAILURE,
             PoolError::Server { code, .. } => code,
             PoolError::Login(_) => sqlstate::INVALID_AUTHORIZATION,

@@ -38,6 +38,12 @@ impl Pools {
             + 1
     }
 
+    /// What numbers new connections: a replica's pools number theirs as
+    /// the primary's, so that ids are unique in `SHOW SERVERS`.
+    pub fn ids(&self) -> &AtomicU64 {
+        &self.next_server_id
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PoolId, Arc<Pool>>> {
         self.pools.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -81,7 +87,7 @@ impl Pools {
             PoolMode::Session => 0,
         };
         for pool in self.all() {
-            pool.reap(config);
+            pool.reap(config, config.min_pool_size);
             for _ in 0..pool.missing(min) {
                 let pools = Arc::clone(self);
                 let pool = Arc::clone(&pool);
@@ -94,6 +100,22 @@ impl Pools {
                 });
             }
         }
+    }
+
+    /// Closes idle connections past their time, keeping none open for its
+    /// own sake (a replica's pools).
+    pub fn reap(&self, config: &PoolConfig) {
+        for pool in self.all() {
+            pool.reap(config, 0);
+        }
+    }
+
+    /// A pool of this registry for the clients of `primary`'s pool, which
+    /// it learns to log in from.
+    pub fn pool_like(&self, primary: &Pool) -> Arc<Pool> {
+        let pool = self.pool(&primary.id.database, &primary.id.user);
+        pool.learn_from(primary);
+        pool
     }
 
     /// Closes the idle connections to `database` (all if `None`): a

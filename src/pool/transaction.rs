@@ -248,6 +248,16 @@ impl Pool {
         self.lock().credentials = Credentials::Secret(secret);
     }
 
+    /// Logs in as `other` does, unless it knows how already: a replica's
+    /// pool learns from the primary's.
+    pub fn learn_from(&self, other: &Pool) {
+        let credentials = other.lock().credentials.clone();
+        let mut books = self.lock();
+        if matches!(books.credentials, Credentials::Unknown) {
+            books.credentials = credentials;
+        }
+    }
+
     /// PostgreSQL let a client of this pool in without a password.
     pub fn learn_trusted(&self) {
         let mut books = self.lock();
@@ -318,7 +328,8 @@ impl Pool {
     }
 
     /// A server connection for a client: an idle one, or a new one, once a
-    /// slot is free (waiting up to `wait`).
+    /// slot is free (waiting up to `wait`; `Some(ZERO)`: not at all, it
+    /// fails with [`PoolError::Full`]).
     pub async fn checkout(
         self: &Arc<Self>,
         upstream: &Upstream,
@@ -328,6 +339,7 @@ impl Pool {
     ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
         let permit = match Arc::clone(&self.slots).try_acquire_owned() {
             Ok(permit) => permit,
+            Err(_) if wait == Some(Duration::ZERO) => return Err(PoolError::Full),
             Err(_) => self.wait_for_slot(wait).await?,
         };
         self.checkouts.fetch_add(1, Ordering::Relaxed);
@@ -484,12 +496,11 @@ impl Pool {
 
     /// Closes idle connections past their idle time or lifetime, keeping
     /// `min` open.
-    pub(super) fn reap(&self, config: &PoolConfig) {
+    pub(super) fn reap(&self, config: &PoolConfig, min: usize) {
         let idle_timeout = config.server_idle_timeout();
         let lifetime = config.server_lifetime();
         let mut books = self.lock();
         let mut closed = 0;
-        let min = config.min_pool_size;
         let open = books.open;
         books.idle.retain(|i| {
             let old = i.server.born.elapsed() > lifetime;

@@ -23,6 +23,7 @@ pub use connections::{Connection, Connections};
 use crate::classify::BypassReason;
 use crate::config::{ReplicasConfig, Routing};
 use crate::metrics::ReplicaMetrics;
+use crate::pool::Pools;
 use crate::upstream::{Upstream, UpstreamError};
 
 /// Parses a WAL position as PostgreSQL writes it (`16/B374D848`).
@@ -104,8 +105,11 @@ pub struct Replica {
     replay: AtomicU64,
     health: Mutex<Health>,
     pub metrics: ReplicaMetrics,
-    /// The sessions' connections to it.
+    /// The sessions' own connections to it (session mode).
     pub connections: Connections,
+    /// Transaction mode's connections to it: a pool per database and
+    /// user, each as large as the primary's.
+    pub pools: Pools,
 }
 
 impl Replica {
@@ -143,6 +147,8 @@ impl Replica {
         health.good_polls = 0;
         let news = health.out.as_ref() != Some(&why);
         let was_in = self.rotation.send_replace(false);
+        // Drained: a connection held for a read goes when the read ends.
+        self.pools.evict(None);
         health.out = Some(why);
         self.metrics.up.set(0);
         news || was_in
@@ -229,6 +235,7 @@ impl Replicas {
                         good_polls: 0,
                     }),
                     connections: Connections::default(),
+                    pools: Pools::new(config.pool.default_pool_size, metrics.pooled.clone()),
                 }));
             }
         }

@@ -322,6 +322,18 @@ impl Link {
         }
     }
 
+    /// The pool whose login reads on a replica use, when the session may
+    /// read there: one pgcache can log in for and, in transaction mode,
+    /// neither pinned to its connection nor with settings not read back.
+    pub fn replica_login(&self) -> Option<&Arc<Pool>> {
+        match self {
+            Link::Session(own) => own.checks.as_ref(),
+            Link::Pooled(p) if p.pinned.is_some() || p.state_dirty => None,
+            Link::Pooled(p) => Some(&p.pool),
+        }
+        .filter(|pool| pool.can_log_in())
+    }
+
     /// A statement may have changed the session's settings on the
     /// connection it holds.
     pub fn settings_may_have_changed(&mut self) {

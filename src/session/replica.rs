@@ -12,13 +12,13 @@
 //! the read goes to the primary instead. Its answer is stored only if the
 //! replica had replayed past the last change of every table it read.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 
 use super::known::Statement;
-use crate::cache::key;
+use crate::cache::key::KeyBuilder;
+use crate::pool::prepared::ServerStatements;
 use crate::protocol::codec::{self, HEADER_LEN, frame_of};
 use crate::protocol::{backend as be, extended, frontend as fe, messages};
 use crate::replica::{Replica, parse_lsn};
@@ -28,55 +28,55 @@ use crate::replica::{Replica, parse_lsn};
 /// the read's snapshot, which can only be later.
 pub(super) const PROBE: &str = "SELECT pg_catalog.pg_last_wal_replay_lsn()::text";
 
-/// Statements kept prepared on one replica connection.
+/// Statements kept prepared on one replica connection: past it, the one
+/// least recently used is closed.
 pub(super) const MAX_PREPARED: usize = 256;
 
-/// The session's connection to a replica, as the engine sees it.
+/// Where a session's read on a replica stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ReadState {
+    /// None is under way.
+    Idle,
+    /// Routed there: the driver is to get a connection, and the engine to
+    /// stage the read for it ([`super::engine::Engine::stage_replica`]).
+    Chosen,
+    /// Written to the connection; its answer is awaited.
+    Sent,
+}
+
+/// The session's leg to a replica, as the engine sees it: the server, the
+/// read under way, and the books of the connection the read is on (the
+/// session's own in session mode; in transaction mode the pooled one's,
+/// moved here while the session holds it).
 pub(super) struct ReplicaLeg {
     pub server: Arc<Replica>,
-    /// The id of the client state applied on the connection; `None`: a
-    /// new connection, with nothing applied.
-    pub applied: Option<u64>,
+    /// The id of the client state applied on the connection (0: as it
+    /// logged in).
+    pub applied: u64,
+    /// The statements prepared on the connection, by [`replica_key`].
+    pub prepared: ServerStatements,
     /// Frames for it, written by the driver.
     pub staged: BytesMut,
-    /// A read is in flight there.
-    pub busy: bool,
+    pub read: ReadState,
     /// What the probe before the read in flight answered.
     pub replayed: Option<u64>,
-    /// The statements prepared on the connection, by their names there
-    /// ([`replica_name`]).
-    pub prepared: HashSet<Bytes>,
 }
 
 impl ReplicaLeg {
     pub fn new(server: Arc<Replica>) -> Self {
         Self {
             server,
-            applied: None,
+            applied: 0,
+            prepared: ServerStatements::default(),
             staged: BytesMut::new(),
-            busy: false,
+            read: ReadState::Idle,
             replayed: None,
-            prepared: HashSet::new(),
         }
     }
 
-    /// A new connection, or one whose statements are in doubt: nothing is
-    /// applied there, and statements are prepared again.
-    pub fn reset(&mut self) {
-        self.applied = None;
-        self.prepared.clear();
-    }
-
-    /// The session's leg to `server` in `slot` (a new one if it had
-    /// another), with `request` staged there behind the probe, as an
-    /// extended batch for `statement` if one is given: how many requests
-    /// of pgcache's own follow the probe ([`Self::stage_batch`]).
-    pub fn stage_on(
-        slot: &mut Option<Box<ReplicaLeg>>,
-        server: &Arc<Replica>,
-        request: &[u8],
-        statement: Option<&Statement>,
-    ) -> usize {
+    /// The session's leg to `server` in `slot`, a new one if it had
+    /// another, with a read chosen for it.
+    pub fn choose(slot: &mut Option<Box<ReplicaLeg>>, server: &Arc<Replica>) {
         if slot
             .as_ref()
             .is_some_and(|leg| !Arc::ptr_eq(&leg.server, server))
@@ -84,43 +84,61 @@ impl ReplicaLeg {
             *slot = None;
         }
         let leg = slot.get_or_insert_with(|| Box::new(ReplicaLeg::new(Arc::clone(server))));
-        match statement {
-            None => {
-                leg.stage(request);
-                0
-            }
-            Some(statement) => leg.stage_batch(request, statement),
-        }
+        leg.read = ReadState::Chosen;
+        leg.replayed = None;
     }
 
-    /// Stages the probe and `request` for the replica.
-    pub fn stage(&mut self, request: &[u8]) {
-        self.staged.extend_from_slice(&messages::query(PROBE));
-        self.staged.extend_from_slice(request);
-        self.busy = true;
-        self.replayed = None;
+    /// A read is chosen or in flight: the session reads neither its client
+    /// nor the primary until it is answered.
+    pub fn busy(&self) -> bool {
+        self.read != ReadState::Idle
+    }
+
+    /// The read's connection is another one: in the state of `applied`,
+    /// with `prepared`.
+    pub fn on_connection(&mut self, applied: u64, prepared: ServerStatements) {
+        self.applied = applied;
+        self.prepared = prepared;
+    }
+
+    /// Stages the probe and `request` for the replica, as an extended
+    /// batch for `statement` if one is given: how many requests of
+    /// pgcache's own it staged after the probe (their answers are
+    /// pgcache's).
+    pub fn stage(&mut self, request: &[u8], statement: Option<&Statement>) -> usize {
+        self.read = ReadState::Sent;
+        match statement {
+            None => {
+                self.staged.extend_from_slice(&messages::query(PROBE));
+                self.staged.extend_from_slice(request);
+                0
+            }
+            Some(statement) => self.stage_batch(request, statement),
+        }
     }
 
     /// Stages the probe and an extended batch, `request` (Bind, Describe,
     /// Execute and Sync, without the client's Parse), naming `statement`
     /// as the replica knows it; prepared there first, behind a Close of
     /// its name and with a Sync of its own, unless the connection has it.
-    /// Returns how many requests of pgcache's own it staged after the
-    /// probe (their answers are pgcache's): at most [`MAX_PREPARED`]
-    /// statements are kept there, then all are deallocated.
-    pub fn stage_batch(&mut self, request: &[u8], statement: &Statement) -> usize {
-        let name = replica_name(statement);
+    /// Past [`MAX_PREPARED`], the statement least recently used is closed.
+    fn stage_batch(&mut self, request: &[u8], statement: &Statement) -> usize {
+        let key = replica_key(statement);
+        let name = replica_name(key);
         self.staged.extend_from_slice(&messages::query(PROBE));
         let mut own = 0;
-        if self.prepared.len() >= MAX_PREPARED && !self.prepared.contains(&name) {
-            self.staged
-                .extend_from_slice(&messages::query("DEALLOCATE ALL"));
-            self.prepared.clear();
+        if !self.prepared.touch(key) {
             own += 1;
-        }
-        if self.prepared.insert(name.clone()) {
-            own += 1;
+            self.prepared.insert(key);
             let target = [fe::TARGET_STATEMENT];
+            if let Some(old) = self.prepared.over(MAX_PREPARED) {
+                self.prepared.remove(old);
+                frame_of(
+                    &mut self.staged,
+                    fe::CLOSE,
+                    &[&target, &replica_name(old), &[0]],
+                );
+            }
             frame_of(&mut self.staged, fe::CLOSE, &[&target, &name, &[0]]);
             let text = [
                 &name[..],
@@ -133,8 +151,6 @@ impl ReplicaLeg {
             self.staged.extend_from_slice(&messages::SYNC);
         }
         renamed(&mut self.staged, request, &name);
-        self.busy = true;
-        self.replayed = None;
         own
     }
 
@@ -149,12 +165,18 @@ impl ReplicaLeg {
     }
 }
 
-/// A statement's name on replica connections, made from its text and
-/// parameter types: one name there always means one statement, whatever
-/// the client named it and however often it named another the same.
-pub(super) fn replica_name(statement: &Statement) -> Bytes {
-    let types = key::sql_hash(&statement.param_types) as u32;
-    Bytes::from(format!("pgcache_r{:032x}{types:08x}", statement.hash))
+/// A statement's identity on replica connections: its text and parameter
+/// types, whatever the client named it and however often it named another
+/// the same.
+pub(super) fn replica_key(statement: &Statement) -> u128 {
+    let mut key = KeyBuilder::new(0, 0, statement.hash);
+    key.bytes(&statement.param_types);
+    key.finish().0
+}
+
+/// A statement's name on replica connections.
+pub(super) fn replica_name(key: u128) -> Bytes {
+    Bytes::from(format!("pgcache_r{key:032x}"))
 }
 
 /// The frames of an extended batch without its Parse, and whether it had
@@ -194,6 +216,9 @@ pub(super) struct Routed {
     pub server: Arc<Replica>,
     /// The request, sent to the primary if the replica cannot answer it.
     pub request: Bytes,
+    /// The statement an extended batch binds, prepared on the replica
+    /// under its own name; `None`: a simple Query.
+    pub statement: Option<Arc<Statement>>,
     /// The position the session needs the replica at.
     pub needed: u64,
     /// The position the replica must have replayed past for the answer to
@@ -216,10 +241,16 @@ pub(super) enum Verdict {
 }
 
 impl Routed {
-    pub fn new(server: Arc<Replica>, request: Bytes, needed: u64, fill_floor: Option<u64>) -> Self {
+    pub fn new(
+        server: Arc<Replica>,
+        (request, statement): (Bytes, Option<Arc<Statement>>),
+        needed: u64,
+        fill_floor: Option<u64>,
+    ) -> Self {
         Self {
             server,
             request,
+            statement,
             needed,
             fill_floor,
             verdict: Verdict::Awaited,
@@ -296,14 +327,14 @@ mod tests {
     }
 
     fn routed(needed: u64, fill_floor: Option<u64>) -> Routed {
-        Routed::new(server(), Bytes::new(), needed, fill_floor)
+        Routed::new(server(), (Bytes::new(), None), needed, fill_floor)
     }
 
     #[test]
     fn the_probe_reads_the_position_the_replica_replayed_to() {
         let mut leg = ReplicaLeg::new(server());
-        leg.stage(&messages::query("SELECT 1"));
-        assert!(leg.busy);
+        assert_eq!(leg.stage(&messages::query("SELECT 1"), None), 0);
+        assert!(leg.busy());
         assert_eq!(
             crate::protocol::codec::frames(&leg.staged).count(),
             2,
@@ -323,14 +354,18 @@ mod tests {
         v
     }
 
+    fn statement(sql: &'static [u8], types: &'static [u8]) -> Statement {
+        Statement {
+            hash: crate::cache::key::sql_hash(sql),
+            sql: Bytes::from_static(sql),
+            param_types: Bytes::from_static(types),
+        }
+    }
+
     #[test]
     fn a_batch_names_the_statement_as_the_replica_has_it_prepared_once() {
-        let statement = Statement {
-            hash: key::sql_hash(b"SELECT $1"),
-            sql: Bytes::from_static(b"SELECT $1"),
-            param_types: Bytes::from_static(&[0, 1, 0, 0, 0, 23]),
-        };
-        let name = replica_name(&statement);
+        let statement = statement(b"SELECT $1", &[0, 1, 0, 0, 0, 23]);
+        let name = replica_name(replica_key(&statement));
         let mut bind = [cstr(b""), cstr(b"s0")].concat();
         bind.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, b'7', 0, 0]);
         let mut request = frame(fe::BIND, &bind);
@@ -338,7 +373,8 @@ mod tests {
         request.extend(frame(fe::EXECUTE, &[0, 0, 0, 0, 0]));
         request.extend(frame(fe::SYNC, &[]));
         let mut leg = ReplicaLeg::new(server());
-        assert_eq!(leg.stage_batch(&request, &statement), 1, "prepared first");
+        assert_eq!(leg.stage(&request, Some(&statement)), 1, "prepared first");
+        assert_eq!(leg.read, ReadState::Sent);
         let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
         assert_eq!(tags, b"QCPSBDES", "probe; Close, Parse, Sync; the batch");
         let frames: Vec<&[u8]> = codec::frames(&leg.staged).collect();
@@ -356,24 +392,36 @@ mod tests {
         );
         // Prepared now: the next batch goes alone.
         leg.staged.clear();
-        assert_eq!(leg.stage_batch(&request, &statement), 0);
+        assert_eq!(leg.stage(&request, Some(&statement)), 0);
         let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
         assert_eq!(tags, b"QBDES");
-        // Past the limit, every statement is deallocated first.
-        for i in 0..MAX_PREPARED {
-            leg.prepared.insert(Bytes::from(format!("other{i}")));
+        // Another parameter type is another statement there.
+        let other_types = self::statement(b"SELECT $1", &[0, 1, 0, 0, 0, 25]);
+        assert_ne!(replica_key(&other_types), replica_key(&statement));
+        // Past the limit, the statement least recently used is closed.
+        for i in 0..MAX_PREPARED as u128 - 1 {
+            leg.prepared.insert(i);
         }
-        let other = Statement {
-            hash: key::sql_hash(b"SELECT 2"),
-            sql: Bytes::from_static(b"SELECT 2"),
-            param_types: Bytes::from_static(&[0, 0]),
-        };
         leg.staged.clear();
-        assert_eq!(leg.stage_batch(&request, &other), 2);
-        assert_eq!(leg.prepared.len(), 1);
-        let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
-        assert_eq!(tags, b"QQCPSBDES");
-        assert_ne!(replica_name(&other), name);
+        assert_eq!(leg.stage(&request, Some(&statement)), 0, "used last");
+        let other = self::statement(b"SELECT 2", &[0, 0]);
+        leg.staged.clear();
+        assert_eq!(leg.stage(&request, Some(&other)), 1);
+        assert_eq!(leg.prepared.len(), MAX_PREPARED);
+        assert!(!leg.prepared.contains(0), "the oldest went");
+        assert!(leg.prepared.contains(replica_key(&statement)));
+        let frames: Vec<&[u8]> = codec::frames(&leg.staged).collect();
+        let tags: Vec<u8> = frames.iter().map(|f| f[0]).collect();
+        assert_eq!(tags, b"QCCPSBDES");
+        assert_eq!(
+            extended::target(&frames[1][HEADER_LEN..]),
+            Some((b'S', &replica_name(0)[..]))
+        );
+        // A connection of the pool's comes with its own books.
+        leg.on_connection(7, ServerStatements::default());
+        leg.staged.clear();
+        assert_eq!(leg.stage(&request, Some(&statement)), 1);
+        assert_eq!(leg.applied, 7);
     }
 
     #[test]

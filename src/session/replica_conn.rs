@@ -1,13 +1,19 @@
-//! The driver's connection to a replica ([`super::replica`]): opened as
-//! the client's user with its pool's credentials when the engine first
-//! routes a read there, and given the client's settings (again whenever
-//! they change) before a read is written to it.
+//! The driver's connection to a replica ([`super::replica`]). In session
+//! mode, the session's own: opened as the client's user with its pool's
+//! credentials when the engine first routes a read there, kept until the
+//! session ends or the replica leaves the rotation. In transaction mode,
+//! one of the replica's pool for the client's database and user, taken for
+//! a read and given back once it is answered. Either is given the client's
+//! settings (again whenever they change) before a read is written to it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backend::BackendStream;
 use crate::cancel::CancelTarget;
-use crate::pool::transaction::Pool;
+use crate::pool::prepared::ServerStatements;
+use crate::pool::transaction::{Lease, Pool};
+use crate::pool::{PoolError, Pools};
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::replica::{Connection, Replica};
@@ -18,15 +24,24 @@ pub(super) struct ReplicaConn {
     pub stream: FramedStream<BackendStream>,
     /// Its cancel key: a CancelRequest goes there while a read is.
     pub key: Arc<CancelTarget>,
-    /// What `SHOW SERVERS` tells of it.
-    pub shown: Arc<Connection>,
-    /// Whether its replica is in rotation: out, the connection is closed.
-    rotation: tokio::sync::watch::Receiver<bool>,
+    held: Held,
+}
+
+/// Whose the connection is.
+enum Held {
+    /// Session mode: the session's, listed in `SHOW SERVERS` while open;
+    /// closed once its replica is out of rotation.
+    Own {
+        listed: Listed,
+        rotation: tokio::sync::watch::Receiver<bool>,
+    },
+    /// Transaction mode: the replica's pool's, for one read.
+    Leased(Lease),
 }
 
 impl ReplicaConn {
-    /// Logs in to `server` as the pool's user, with its credentials, for
-    /// client `client`; `id` names it in `SHOW SERVERS`.
+    /// Session mode: logs in to `server` as the pool's user, with its
+    /// credentials, for client `client`; `id` names it in `SHOW SERVERS`.
     pub async fn open(
         pool: &Pool,
         server: &Arc<Replica>,
@@ -46,12 +61,46 @@ impl ReplicaConn {
         ));
         server.connections.opened(Arc::clone(&shown));
         Ok(Self {
-            rotation: server.watch_rotation(),
             server: Arc::clone(server),
             stream,
             key: Arc::new(key),
-            shown,
+            held: Held::Own {
+                listed: Listed(Arc::clone(server), shown),
+                rotation: server.watch_rotation(),
+            },
         })
+    }
+
+    /// Transaction mode: a connection of `server`'s pool for the clients
+    /// of `pool`, without waiting for one (a full pool leaves the read to
+    /// the primary), with what it has: the client state applied there and
+    /// its statements. `ids` numbers new connections, as the primary's.
+    pub async fn lease(
+        pool: &Pool,
+        server: &Arc<Replica>,
+        ids: &Pools,
+        client: u64,
+    ) -> Result<(Self, u64, ServerStatements), PoolError> {
+        let replica_pool = server.pools.pool_like(pool);
+        let (mut lease, stream) = replica_pool
+            .checkout(&server.upstream, Some(Duration::ZERO), ids.ids(), client)
+            .await?;
+        let pooled = lease.server_mut();
+        let applied = pooled.state;
+        let prepared = std::mem::take(&mut pooled.prepared);
+        let key = Arc::clone(&pooled.key);
+        let conn = Self {
+            server: Arc::clone(server),
+            stream,
+            key,
+            held: Held::Leased(lease),
+        };
+        Ok((conn, applied, prepared))
+    }
+
+    /// The connection is the session's own, kept between reads.
+    pub fn is_own(&self) -> bool {
+        matches!(self.held, Held::Own { .. })
     }
 
     /// Runs the SQL that gives the connection the client's settings.
@@ -63,27 +112,66 @@ impl ReplicaConn {
         applied(&mut self.stream).await
     }
 
-    /// Ready once its replica is out of rotation (at once if it is now).
+    /// A read was written to it (`true`), or its answer ended.
+    pub fn set_active(&self, active: bool) {
+        if let Held::Own { listed, .. } = &self.held {
+            listed.1.set_active(active);
+        }
+    }
+
+    /// Ready once its replica is out of rotation (at once if it is now); a
+    /// leased connection is only held for a read, which ends anyway.
     pub async fn retired(&mut self) {
+        let Held::Own { rotation, .. } = &mut self.held else {
+            return std::future::pending().await;
+        };
         loop {
-            if !*self.rotation.borrow_and_update() {
+            if !*rotation.borrow_and_update() {
                 return;
             }
-            if self.rotation.changed().await.is_err() {
+            if rotation.changed().await.is_err() {
                 return std::future::pending().await;
             }
         }
     }
 
-    /// Ends the session on the replica, as a client would.
+    /// Transaction mode: the read is answered, and the connection goes
+    /// back to its pool with its books (the client state applied, its
+    /// statements), unless it sent more than the answer or its replica
+    /// left the rotation meanwhile (closed).
+    pub fn give_back(self, applied: u64, prepared: ServerStatements, lifetime: Duration) {
+        let ReplicaConn {
+            server,
+            stream,
+            held,
+            ..
+        } = self;
+        if let Held::Leased(mut lease) = held
+            && stream.buffered().is_empty()
+            && server.in_rotation()
+        {
+            let pooled = lease.server_mut();
+            pooled.state = applied;
+            pooled.prepared = prepared;
+            lease.give_back(stream, lifetime);
+        }
+    }
+
+    /// Ends the session on the replica, as a client would; a leased
+    /// connection is closed by its pool.
     pub async fn close(mut self: Box<Self>) {
-        let _ = self.stream.write_all(&messages::TERMINATE).await;
+        if self.is_own() {
+            let _ = self.stream.write_all(&messages::TERMINATE).await;
+        }
     }
 }
 
-impl Drop for ReplicaConn {
+/// A session's own connection, listed with its replica while open.
+struct Listed(Arc<Replica>, Arc<Connection>);
+
+impl Drop for Listed {
     fn drop(&mut self) {
-        self.server.connections.closed(self.shown.id);
+        self.0.connections.closed(self.1.id);
     }
 }
 

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::info;
+use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Action, LinkStep, ReadyBatch};
-use super::link::Link;
+use super::link::{Link, UNKNOWN_STATE};
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
@@ -290,7 +290,7 @@ where
         let Some(leg) = &self.engine.replica else {
             return Ok(());
         };
-        if leg.staged.is_empty() {
+        if !self.engine.replica_chosen() {
             return Ok(());
         }
         let server = Arc::clone(&leg.server);
@@ -303,7 +303,7 @@ where
                 Ok(())
             }
             Err(why) => {
-                info!(replica = %server.name, "read sent to the primary: {why}");
+                debug!(replica = %server.name, "read sent to the primary: {why}");
                 self.replica = None;
                 server.metrics.retries.inc();
                 self.engine.replica_failed();
@@ -312,16 +312,15 @@ where
         }
     }
 
-    /// Connects if needed, applies the client's settings if they are not
-    /// those of the connection, and writes the staged frames.
+    /// Gets a connection to `server` if the session has none there (its
+    /// own in session mode, its pool's in transaction mode), gives it the
+    /// client's settings if it has others, and writes the read the engine
+    /// stages for it.
     async fn send_replica(&mut self, server: &Arc<Replica>) -> Result<(), String> {
-        let Link::Session(own) = &self.engine.link else {
-            return Err("not in session mode".into());
-        };
-        let state = own.state.clone();
-        let Some(pool) = own.checks.clone() else {
+        let Some(pool) = self.engine.link.replica_login().cloned() else {
             return Err("no credentials to log in with".into());
         };
+        let state = self.engine.link.state().clone();
         if self
             .replica
             .as_ref()
@@ -330,26 +329,62 @@ where
             if let Some(old) = self.replica.take() {
                 old.close().await;
             }
-            let id = self.app.pool.pooled.server_id();
-            let conn = ReplicaConn::open(&pool, server, id, self.entry.client.id).await?;
+            let client = self.entry.client.id;
+            let (conn, applied, prepared) = match self.engine.link.is_pooled() {
+                false => {
+                    let id = self.app.pool.pooled.server_id();
+                    let conn = ReplicaConn::open(&pool, server, id, client).await?;
+                    (conn, 0, Default::default())
+                }
+                true => ReplicaConn::lease(&pool, server, &self.app.pool.pooled, client)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            };
             self.replica = Some(Box::new(conn));
             if let Some(leg) = &mut self.engine.replica {
-                leg.reset();
+                leg.on_connection(applied, prepared);
             }
         }
         let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
             return Err("no replica".into());
         };
-        if leg.applied != Some(state.id) {
+        if leg.applied != state.id {
+            leg.applied = UNKNOWN_STATE;
             conn.apply(&state.apply_sql()).await?;
-            leg.applied = Some(state.id);
+            leg.applied = state.id;
         }
+        self.engine.stage_replica();
+        let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
+            return Err("no replica".into());
+        };
         let staged = std::mem::take(&mut leg.staged);
-        conn.shown.set_active(true);
+        conn.set_active(true);
         conn.stream
             .write_all(&staged)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    /// A read on the replica is answered: a pooled connection goes back to
+    /// the replica's pool with the books the leg kept of it.
+    fn replica_read_done(&mut self) {
+        let Some(conn) = self.replica.take() else {
+            return;
+        };
+        conn.set_active(false);
+        if conn.is_own() {
+            self.replica = Some(conn);
+            return;
+        }
+        let lifetime = match &mut self.engine.link {
+            Link::Pooled(link) => link.knobs(&self.app).lifetime,
+            Link::Session(_) => return,
+        };
+        if let Some(leg) = &mut self.engine.replica {
+            let prepared = std::mem::take(&mut leg.prepared);
+            let applied = std::mem::replace(&mut leg.applied, UNKNOWN_STATE);
+            (*conn).give_back(applied, prepared, lifetime);
+        }
     }
 
     /// The replica's answer, as the engine has it, to the client; once
@@ -388,9 +423,7 @@ where
         if self.engine.replica_busy() {
             return Ok(Flow::Continue);
         }
-        if let Some(conn) = &self.replica {
-            conn.shown.set_active(false);
-        }
+        self.replica_read_done();
         if let Some(cancel) = &self.engine.cancel {
             cancel.retarget(self.engine.backend_key.clone());
         }

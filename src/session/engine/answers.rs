@@ -24,7 +24,7 @@ use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, Statement, setting
 use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Inflight;
 use crate::session::plan::Plan;
-use crate::session::replica::{Verdict, without_parse};
+use crate::session::replica::{ReadState, Verdict, without_parse};
 use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -365,7 +365,7 @@ impl Engine {
             return true;
         };
         let replayed = self.replica.as_mut().and_then(|leg| {
-            leg.busy = false;
+            leg.read = ReadState::Idle;
             if routed.to_primary() {
                 // A statement it should have had may be missing there.
                 leg.prepared.clear();
@@ -457,7 +457,7 @@ impl Engine {
         &mut self,
         ctx: &Ctx,
         plan: &Plan,
-        statement: &Statement,
+        statement: &Arc<Statement>,
         inflight: &mut Inflight,
         request: &[u8],
     ) -> bool {
@@ -531,7 +531,15 @@ impl Engine {
     /// A read in flight on the replica: the session reads neither its
     /// client nor the primary until it is answered.
     pub fn replica_busy(&self) -> bool {
-        self.replica.as_ref().is_some_and(|leg| leg.busy)
+        self.replica.as_ref().is_some_and(|leg| leg.busy())
+    }
+
+    /// A read is routed to a replica and waits for the driver to get a
+    /// connection there.
+    pub fn replica_chosen(&self) -> bool {
+        self.replica
+            .as_ref()
+            .is_some_and(|leg| leg.read == ReadState::Chosen)
     }
 
     /// The replica cannot take the read staged for it, or lost it before
@@ -542,8 +550,8 @@ impl Engine {
             return true;
         };
         leg.staged.clear();
-        leg.busy = false;
-        leg.reset();
+        leg.read = ReadState::Idle;
+        leg.on_connection(0, Default::default());
         let mut request = None;
         let mut started = false;
         while let Some(done) = self.pipeline.pop() {

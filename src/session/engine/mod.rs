@@ -289,31 +289,28 @@ impl Engine {
     }
 
     /// Sends a read to a replica when `replicas.routing` may: a cacheable
-    /// read that missed or bypassed the cache, in session mode for a
-    /// client pgcache can log in for (its settings known, no temporary
-    /// objects), outside a transaction block, with nothing else in
-    /// flight, and not a request the cache checks against the primary.
-    /// The replica must have replayed this instance's writes and what the
-    /// session observed. Stages the request there behind its probe (an
-    /// extended batch as [`ReplicaLeg::stage_batch`] has it, for
-    /// `statement`); false: the primary.
+    /// read that missed or bypassed the cache, for a client pgcache can
+    /// log in for (its settings known, no temporary objects, in
+    /// transaction mode not pinned), outside a transaction block, with
+    /// nothing else in flight, and not a request the cache checks against
+    /// the primary. The replica must have replayed this instance's writes
+    /// and what the session observed. The read is staged once the driver
+    /// has a connection there ([`Self::stage_replica`]); `statement`: the
+    /// one an extended batch binds. False: the primary.
     pub(super) fn route(
         &mut self,
         ctx: &Ctx,
         plan: &Plan,
         inflight: &mut Inflight,
         request: &[u8],
-        statement: Option<&Statement>,
+        statement: Option<&Arc<Statement>>,
     ) -> bool {
         let replicas = &ctx.app.replicas;
         let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
         if !replicas.routes(read, plan.replica_safe) {
             return false;
         }
-        let Link::Session(own) = &self.link else {
-            return false;
-        };
-        let may = own.checks.as_ref().is_some_and(|pool| pool.can_log_in())
+        let may = self.link.replica_login().is_some()
             && !self.known.temp
             && self.known.prefix.is_some()
             && self.tx.status == TxStatus::Idle
@@ -343,18 +340,30 @@ impl Engine {
             .and_then(|fill| fill.floor(&self.db));
         let server = Arc::clone(server);
         server.metrics.routed.inc();
-        let own = ReplicaLeg::stage_on(&mut self.replica, &server, request, statement);
+        ReplicaLeg::choose(&mut self.replica, &server);
+        let request = (Bytes::copy_from_slice(request), statement.cloned());
+        inflight.routed = Some(Box::new(Routed::new(server, request, needed, fill_floor)));
+        true
+    }
+
+    /// The driver holds a connection for the read chosen for a replica
+    /// (its books in the leg, [`ReplicaLeg::on_connection`]): stages the
+    /// probe and the read there, with the requests of pgcache's own that
+    /// prepare its statement, ahead of it in the pipeline.
+    pub fn stage_replica(&mut self) {
+        let routed = self.pipeline.front().and_then(|r| r.routed.as_deref());
+        let (Some(leg), Some(routed)) = (&mut self.replica, routed) else {
+            return;
+        };
+        let own = leg.stage(&routed.request, routed.statement.as_deref());
+        for _ in 0..own {
+            self.pipeline.push_front(Inflight::hidden(None));
+        }
         let probe = Inflight {
             probe: true,
             ..Inflight::hidden(None)
         };
-        self.pipeline.push_hidden(probe);
-        for _ in 0..own {
-            self.pipeline.push_hidden(Inflight::hidden(None));
-        }
-        let request = Bytes::copy_from_slice(request);
-        inflight.routed = Some(Box::new(Routed::new(server, request, needed, fill_floor)));
-        true
+        self.pipeline.push_front(probe);
     }
 
     /// An uncacheable read a replica may take (`routing = "all_reads"`)
