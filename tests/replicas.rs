@@ -854,3 +854,48 @@ async fn in_transaction_mode_reads_take_a_connection_of_the_standbys_pool_and_gi
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_read_your_writes_another_instances_write_keeps_reads_off_a_standby_behind_it() {
+    let redis = Redis::dedicated();
+    let (_primary, standby, db, a) = routed_setup_with("rywshared", |config| {
+        config.redis.url = redis.url();
+        config.cache.shared.consistency = pgcache::config::Consistency::ReadYourWrites;
+    })
+    .await;
+    let b = Proxy::start((*a.app.config()).clone()).await;
+    until_in_rotation(&b, true).await;
+    let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
+    for proxy in [&a, &b] {
+        let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
+        let state = proxy.app.cache.db(&db);
+        eventually(WAIT, "the shared tier in sync", || {
+            let ready = tier.usable(&state);
+            async move { ready.then_some(()) }
+        })
+        .await;
+    }
+    let server = b.app.replicas.servers[0].name.clone();
+    let routed_by_b = || b.app.metrics.replicas.of(&server).routed.get();
+    // B's misses go to the standby.
+    assert_eq!(
+        scalar(&cb, "SELECT v FROM items WHERE k = 3")
+            .await
+            .as_deref(),
+        Some("v3")
+    );
+    assert_eq!(routed_by_b(), 1);
+    // A write through A while the standby replays nothing: B's read right
+    // after it is the primary's, with the new value.
+    pause_replay(&standby).await;
+    ca.execute("UPDATE items SET v = 'a wrote' WHERE k = 4", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&cb, "SELECT v FROM items WHERE k = 4")
+            .await
+            .as_deref(),
+        Some("a wrote")
+    );
+    assert_eq!(routed_by_b(), 1, "not read on the standby");
+}

@@ -136,6 +136,12 @@ pub struct Waited {
 }
 
 impl Waited {
+    /// The read's versions (and the writes watermark) were confirmed with
+    /// Redis.
+    pub fn confirmed(&self) -> bool {
+        self.confirmed == Some(true)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.confirmed.is_none() && self.shared.is_none() && !self.filled && !self.warmed
     }
@@ -168,6 +174,11 @@ impl Cache {
             metrics,
             replication: AtomicBool::new(false),
         }
+    }
+
+    /// `cache.shared.consistency = "read_your_writes"`, with a shared tier.
+    pub fn read_your_writes(&self) -> bool {
+        self.shared().is_some_and(|t| t.read_your_writes)
     }
 
     pub fn set_shared(&self, tier: Arc<SharedTier>) {
@@ -277,7 +288,7 @@ impl Cache {
         if let Err(reason) = self.servable(req, waited)? {
             return Ok(Lookup::Bypass(reason));
         }
-        if self.shared().is_some_and(|t| t.read_your_writes) {
+        if self.read_your_writes() {
             match waited.confirmed {
                 None => {
                     return Err(Wait::Confirm {

@@ -198,6 +198,11 @@ pub struct Bumps {
     /// The WAL position of the commit they come from, where the stream
     /// told it; `None`: not known here.
     pub lsn: Option<u64>,
+    /// A write through this instance: under `read_your_writes` the
+    /// database's writes watermark moves on every instance too
+    /// ([`Versions::writes`]), so that no instance reads after it from a
+    /// replica not known to have replayed it.
+    pub watermark: bool,
 }
 
 impl Bumps {
@@ -214,6 +219,7 @@ impl Bumps {
             epoch: true,
             ddl,
             lsn: None,
+            watermark: false,
         }
     }
 
@@ -237,6 +243,7 @@ impl Bumps {
         }
         self.epoch |= other.epoch;
         self.ddl.merge(&other.ddl);
+        self.watermark |= other.watermark;
     }
 
     pub fn is_empty(&self) -> bool {

@@ -10,6 +10,10 @@
 //! misses. Pub/sub alone delivers the bump about a millisecond later, which
 //! is the window `eventual` leaves open.
 //!
+//! The same round trip raises the writes watermark ([`WRITES`]): a read
+//! routed to a replica after another instance's write needs a replica that
+//! replayed it, as after one of this instance's own.
+//!
 //! Reads share round trips, as a group commit does: while one `HMGET` is
 //! on its way, the reads that arrive gather their fields for the next one,
 //! which leaves as soon as the first returns. A read never takes an answer
@@ -18,7 +22,7 @@
 use std::sync::Arc;
 
 use super::sync::apply_field;
-use super::{EPOCH, SharedError, SharedTier, TABLE};
+use super::{EPOCH, SharedError, SharedTier, TABLE, WRITES};
 use crate::cache::database::DbState;
 use crate::cache::versions::Family;
 
@@ -35,6 +39,7 @@ impl SharedTier {
         let (round, lead) = {
             let mut rounds = confirms.lock();
             rounds.wanted.insert(EPOCH.to_owned());
+            rounds.wanted.insert(WRITES.to_owned());
             for family in reads {
                 rounds.wanted.insert(format!("{TABLE}{}", family.name));
             }

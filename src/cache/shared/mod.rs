@@ -63,6 +63,9 @@ const TABLE: &str = "t:";
 /// Coverage: the LSN before which every change is bumped, and on the
 /// channel, a vouch ([`cover`]).
 const WATCH: &str = "w";
+/// The writes watermark (`read_your_writes`): bumped by every write through
+/// an instance, read with every confirmation.
+const WRITES: &str = "r";
 
 /// Increments fields and announces the new values, in one round trip.
 /// KEYS[1]: the version hash. ARGV[1]: channel; ARGV[2]: message header
@@ -410,6 +413,9 @@ impl SharedTier {
         // are not sent.
         if bumps.ddl.changes_facts() {
             fields.push(DDL.to_owned());
+        }
+        if bumps.watermark && self.read_your_writes {
+            fields.push(WRITES.to_owned());
         }
         if fields.is_empty() {
             pending.done();

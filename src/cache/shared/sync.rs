@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
-use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WATCH};
+use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WATCH, WRITES};
 use crate::cache::database::DbState;
 use crate::cache::versions::Version;
 
@@ -119,6 +119,7 @@ impl SharedTier {
         let mut pairs: Vec<(String, u64)> = vec![
             (EPOCH.to_owned(), db.versions.epoch.shared()),
             (DDL.to_owned(), db.versions.ddl.shared()),
+            (WRITES.to_owned(), db.versions.writes.shared()),
         ];
         for f in db.versions.families() {
             pairs.push((format!("{TABLE}{}", f.name), f.version.shared()));
@@ -170,6 +171,7 @@ impl SharedTier {
 pub(super) fn apply_field(db: &DbState, field: &str, value: u64) {
     let version: &Version = match field {
         EPOCH => &db.versions.epoch,
+        WRITES => &db.versions.writes,
         DDL => {
             if db.versions.ddl.raise_shared(value) {
                 db.catalog.forget(&crate::classify::Ddl::All);

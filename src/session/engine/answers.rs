@@ -20,11 +20,10 @@ use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
-use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, Statement, settings_row};
+use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row};
 use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Inflight;
-use crate::session::plan::Plan;
-use crate::session::replica::{ReadState, Verdict, without_parse};
+use crate::session::replica::Verdict;
 use crate::session::row_limit::Cut;
 
 /// The backend is trusted; this only stops a corrupt length from allocating
@@ -355,45 +354,11 @@ impl Engine {
         (std::mem::take(&mut done.effects), result)
     }
 
-    /// A read routed to a replica is answered. False if the replica
-    /// could not answer it: it goes to the primary, and completes there.
-    /// Else the session has observed the replica's position, and the
-    /// answer is kept for the cache only if the replica had replayed past
-    /// every change it depends on.
-    fn routed_done(&mut self, done: &mut Inflight) -> bool {
-        let Some(routed) = done.routed.take() else {
-            return true;
-        };
-        let replayed = self.replica.as_mut().and_then(|leg| {
-            leg.read = ReadState::Idle;
-            if routed.to_primary() {
-                // A statement it should have had may be missing there.
-                leg.prepared.clear();
-            }
-            leg.replayed.take()
-        });
-        if let Some(replayed) = replayed {
-            routed.server.replayed_past(replayed);
-        }
-        if routed.to_primary() {
-            routed.server.metrics.retries.inc();
-            self.forward(&routed.request);
-            return false;
-        }
-        if let Some(replayed) = replayed {
-            self.observed = self.observed.max(replayed);
-        }
-        if done.capture.is_some() && !routed.may_store(replayed) {
-            routed.server.metrics.refused_fills.inc();
-            done.capture = None;
-        }
-        true
-    }
-
     /// Applies invalidations others can now see: the local counters at
     /// once; Redis (and every other instance) before the client is told
     /// the statement completed ([`Action::Publish`]).
-    fn invalidate(&mut self, ctx: &Ctx, bumps: Bumps) {
+    fn invalidate(&mut self, ctx: &Ctx, mut bumps: Bumps) {
+        bumps.watermark = true;
         let source = &ctx.app.metrics.invalidations.write;
         let publication = ctx.app.cache.invalidate(&self.db, bumps, source);
         self.actions.push(Action::Publish(publication));
@@ -448,32 +413,6 @@ impl Engine {
             self.known.unsent_parses.push((name, raw));
         }
     }
-
-    /// Sends a held batch that missed (`request`, to its Sync) to a
-    /// replica when [`Self::route`] may. The client's Parse is answered
-    /// here and replayed to the primary later, as for a hit: the replica
-    /// gets the statement under a name of its own.
-    pub(super) fn route_batch(
-        &mut self,
-        ctx: &Ctx,
-        plan: &Plan,
-        statement: &Arc<Statement>,
-        inflight: &mut Inflight,
-        request: &[u8],
-    ) -> bool {
-        if !ctx.app.replicas.enabled() {
-            return false;
-        }
-        let (rest, parsed) = without_parse(request);
-        if !self.route(ctx, plan, inflight, &rest, Some(statement)) {
-            return false;
-        }
-        if parsed {
-            self.defer_parse(false);
-            self.out.extend_from_slice(&messages::PARSE_COMPLETE);
-        }
-        true
-    }
 }
 
 /// The answers to what pgcache asked for the session: its settings, and
@@ -526,50 +465,5 @@ impl Engine {
             );
         }
         prefix
-    }
-
-    /// A read in flight on the replica: the session reads neither its
-    /// client nor the primary until it is answered.
-    pub fn replica_busy(&self) -> bool {
-        self.replica.as_ref().is_some_and(|leg| leg.busy())
-    }
-
-    /// A read is routed to a replica and waits for the driver to get a
-    /// connection there.
-    pub fn replica_chosen(&self) -> bool {
-        self.replica
-            .as_ref()
-            .is_some_and(|leg| leg.read == ReadState::Chosen)
-    }
-
-    /// The replica cannot take the read staged for it, or lost it before
-    /// its answer reached the client: it goes to the primary. False if
-    /// part of the answer already reached the client (the read failed).
-    pub fn replica_failed(&mut self) -> bool {
-        let Some(leg) = &mut self.replica else {
-            return true;
-        };
-        leg.staged.clear();
-        leg.read = ReadState::Idle;
-        leg.on_connection(0, Default::default());
-        let mut request = None;
-        let mut started = false;
-        while let Some(done) = self.pipeline.pop() {
-            if let Some(routed) = &done.routed {
-                started |= routed.verdict == Verdict::Relayed;
-                let frame = routed.request.clone();
-                request = Some((done, frame));
-            }
-        }
-        let Some((mut done, frame)) = request else {
-            return true;
-        };
-        if started {
-            return false;
-        }
-        done.routed = None;
-        self.forward(&frame);
-        self.pipeline.push(done);
-        true
     }
 }

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tracing::debug;
 
 use crate::App;
@@ -24,12 +24,12 @@ use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, frontend as fe, messages};
 use crate::session::batch::Batch;
+use crate::session::known::Known;
 use crate::session::known::settings_sql;
-use crate::session::known::{Known, Statement};
 use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
-use crate::session::replica::{ReplicaLeg, Routed};
+use crate::session::replica::ReplicaLeg;
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
@@ -37,6 +37,7 @@ use crate::upstream::UpstreamAddr;
 mod answers;
 mod events;
 mod requests;
+mod routing;
 #[cfg(test)]
 mod tests;
 
@@ -286,98 +287,6 @@ impl Engine {
             self.pipeline.push_hidden(Inflight::hidden(None));
         }
         self.pipeline.to_backend.extend_from_slice(frame);
-    }
-
-    /// Sends a read to a replica when `replicas.routing` may: a cacheable
-    /// read that missed or bypassed the cache, for a client pgcache can
-    /// log in for (its settings known, no temporary objects, in
-    /// transaction mode not pinned), outside a transaction block, with
-    /// nothing else in flight, and not a request the cache checks against
-    /// the primary. The replica must have replayed this instance's writes
-    /// and what the session observed. The read is staged once the driver
-    /// has a connection there ([`Self::stage_replica`]); `statement`: the
-    /// one an extended batch binds. False: the primary.
-    pub(super) fn route(
-        &mut self,
-        ctx: &Ctx,
-        plan: &Plan,
-        inflight: &mut Inflight,
-        request: &[u8],
-        statement: Option<&Arc<Statement>>,
-    ) -> bool {
-        let replicas = &ctx.app.replicas;
-        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
-        if !replicas.routes(read, plan.replica_safe) {
-            return false;
-        }
-        let may = self.link.replica_login().is_some()
-            && !self.known.temp
-            && self.known.prefix.is_some()
-            && self.tx.status == TxStatus::Idle
-            && self.pipeline.is_quiet()
-            && inflight.row_cut.is_none()
-            && inflight.capture.as_ref().is_none_or(|c| c.fill().is_some());
-        if !may {
-            return false;
-        }
-        let server = self
-            .db
-            .floor(&self.db.versions.writes)
-            .map(|writes| writes.max(self.observed))
-            .and_then(|needed| Some((needed, replicas.choose(needed, rand::random())?)));
-        let Some((needed, server)) = server else {
-            debug!(
-                observed = self.observed,
-                "no replica has replayed what the session needs"
-            );
-            replicas.to_primary.routed.inc();
-            return false;
-        };
-        let fill_floor = inflight
-            .capture
-            .as_ref()
-            .and_then(|c| c.fill())
-            .and_then(|fill| fill.floor(&self.db));
-        let server = Arc::clone(server);
-        server.metrics.routed.inc();
-        ReplicaLeg::choose(&mut self.replica, &server);
-        let request = (Bytes::copy_from_slice(request), statement.cloned());
-        inflight.routed = Some(Box::new(Routed::new(server, request, needed, fill_floor)));
-        true
-    }
-
-    /// The driver holds a connection for the read chosen for a replica
-    /// (its books in the leg, [`ReplicaLeg::on_connection`]): stages the
-    /// probe and the read there, with the requests of pgcache's own that
-    /// prepare its statement, ahead of it in the pipeline.
-    pub fn stage_replica(&mut self) {
-        let routed = self.pipeline.front().and_then(|r| r.routed.as_deref());
-        let (Some(leg), Some(routed)) = (&mut self.replica, routed) else {
-            return;
-        };
-        let own = leg.stage(&routed.request, routed.statement.as_deref());
-        for _ in 0..own {
-            self.pipeline.push_front(Inflight::hidden(None));
-        }
-        let probe = Inflight {
-            probe: true,
-            ..Inflight::hidden(None)
-        };
-        self.pipeline.push_front(probe);
-    }
-
-    /// An uncacheable read a replica may take (`routing = "all_reads"`)
-    /// goes there only with the session's settings known, which a
-    /// cacheable read would have asked for already: ask now.
-    pub(super) fn settings_for_replica(&mut self, ctx: &Ctx, plan: &Plan) -> Result<(), Need> {
-        if let Err(reason) = plan.read
-            && self.known.prefix.is_none()
-            && self.tx.status == TxStatus::Idle
-            && ctx.app.replicas.routes(Err(reason), plan.replica_safe)
-        {
-            let _known = self.session_prefix()?;
-        }
-        Ok(())
     }
 
     /// State changes a forwarded statement causes at once.

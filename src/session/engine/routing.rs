@@ -1,0 +1,222 @@
+//! Reads the engine routes to a replica ([`crate::session::replica`]):
+//! whether a read may go there and to which, staging it once the driver
+//! holds a connection, what its answer leaves (the position observed, a
+//! fill kept or refused), and its way to the primary when the replica
+//! cannot answer.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tracing::debug;
+
+use super::{Ctx, Engine, Need};
+use crate::protocol::{TxStatus, messages};
+use crate::session::known::Statement;
+use crate::session::pipeline::Inflight;
+use crate::session::plan::Plan;
+use crate::session::replica::{ReadState, ReplicaLeg, Routed, Verdict, without_parse};
+
+impl Engine {
+    /// Sends a read to a replica when `replicas.routing` may: a cacheable
+    /// read that missed or bypassed the cache, for a client pgcache can
+    /// log in for (its settings known, no temporary objects, in
+    /// transaction mode not pinned), outside a transaction block, with
+    /// nothing else in flight, and not a request the cache checks against
+    /// the primary (under `read_your_writes`, only one whose versions were
+    /// confirmed with Redis). The replica must have replayed the writes
+    /// through this instance (through any, under `read_your_writes`) and
+    /// what the session observed. The read is staged once the driver
+    /// has a connection there ([`Self::stage_replica`]); `statement`: the
+    /// one an extended batch binds. False: the primary.
+    pub(super) fn route(
+        &mut self,
+        ctx: &Ctx,
+        plan: &Plan,
+        inflight: &mut Inflight,
+        request: &[u8],
+        statement: Option<&Arc<Statement>>,
+    ) -> bool {
+        let replicas = &ctx.app.replicas;
+        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        if !replicas.routes(read, plan.replica_safe) {
+            return false;
+        }
+        let may = self.link.replica_login().is_some()
+            && !self.known.temp
+            && self.known.prefix.is_some()
+            // Other instances' writes are known from Redis, asked once
+            // the read began.
+            && (!ctx.app.cache.read_your_writes() || self.found.lookup.confirmed())
+            && self.tx.status == TxStatus::Idle
+            && self.pipeline.is_quiet()
+            && inflight.row_cut.is_none()
+            && inflight.capture.as_ref().is_none_or(|c| c.fill().is_some());
+        if !may {
+            return false;
+        }
+        let server = self
+            .db
+            .floor(&self.db.versions.writes)
+            .map(|writes| writes.max(self.observed))
+            .and_then(|needed| Some((needed, replicas.choose(needed, rand::random())?)));
+        let Some((needed, server)) = server else {
+            debug!(
+                observed = self.observed,
+                "no replica has replayed what the session needs"
+            );
+            replicas.to_primary.routed.inc();
+            return false;
+        };
+        let fill_floor = inflight
+            .capture
+            .as_ref()
+            .and_then(|c| c.fill())
+            .and_then(|fill| fill.floor(&self.db));
+        let server = Arc::clone(server);
+        server.metrics.routed.inc();
+        ReplicaLeg::choose(&mut self.replica, &server);
+        let request = (Bytes::copy_from_slice(request), statement.cloned());
+        inflight.routed = Some(Box::new(Routed::new(server, request, needed, fill_floor)));
+        true
+    }
+
+    /// The driver holds a connection for the read chosen for a replica
+    /// (its books in the leg, [`ReplicaLeg::on_connection`]): stages the
+    /// probe and the read there, with the requests of pgcache's own that
+    /// prepare its statement, ahead of it in the pipeline.
+    pub fn stage_replica(&mut self) {
+        let routed = self.pipeline.front().and_then(|r| r.routed.as_deref());
+        let (Some(leg), Some(routed)) = (&mut self.replica, routed) else {
+            return;
+        };
+        let own = leg.stage(&routed.request, routed.statement.as_deref());
+        for _ in 0..own {
+            self.pipeline.push_front(Inflight::hidden(None));
+        }
+        let probe = Inflight {
+            probe: true,
+            ..Inflight::hidden(None)
+        };
+        self.pipeline.push_front(probe);
+    }
+
+    /// An uncacheable read a replica may take (`routing = "all_reads"`)
+    /// goes there only with the session's settings known, which a
+    /// cacheable read would have asked for already: ask now.
+    pub(super) fn settings_for_replica(&mut self, ctx: &Ctx, plan: &Plan) -> Result<(), Need> {
+        if let Err(reason) = plan.read
+            && self.known.prefix.is_none()
+            && self.tx.status == TxStatus::Idle
+            && ctx.app.replicas.routes(Err(reason), plan.replica_safe)
+        {
+            let _known = self.session_prefix()?;
+        }
+        Ok(())
+    }
+
+    /// Sends a held batch that missed (`request`, to its Sync) to a
+    /// replica when [`Self::route`] may. The client's Parse is answered
+    /// here and replayed to the primary later, as for a hit: the replica
+    /// gets the statement under a name of its own.
+    pub(super) fn route_batch(
+        &mut self,
+        ctx: &Ctx,
+        plan: &Plan,
+        statement: &Arc<Statement>,
+        inflight: &mut Inflight,
+        request: &[u8],
+    ) -> bool {
+        if !ctx.app.replicas.enabled() {
+            return false;
+        }
+        let (rest, parsed) = without_parse(request);
+        if !self.route(ctx, plan, inflight, &rest, Some(statement)) {
+            return false;
+        }
+        if parsed {
+            self.defer_parse(false);
+            self.out.extend_from_slice(&messages::PARSE_COMPLETE);
+        }
+        true
+    }
+
+    /// A read routed to a replica is answered. False if the replica
+    /// could not answer it: it goes to the primary, and completes there.
+    /// Else the session has observed the replica's position, and the
+    /// answer is kept for the cache only if the replica had replayed past
+    /// every change it depends on.
+    pub(super) fn routed_done(&mut self, done: &mut Inflight) -> bool {
+        let Some(routed) = done.routed.take() else {
+            return true;
+        };
+        let replayed = self.replica.as_mut().and_then(|leg| {
+            leg.read = ReadState::Idle;
+            if routed.to_primary() {
+                // A statement it should have had may be missing there.
+                leg.prepared.clear();
+            }
+            leg.replayed.take()
+        });
+        if let Some(replayed) = replayed {
+            routed.server.replayed_past(replayed);
+        }
+        if routed.to_primary() {
+            routed.server.metrics.retries.inc();
+            self.forward(&routed.request);
+            return false;
+        }
+        if let Some(replayed) = replayed {
+            self.observed = self.observed.max(replayed);
+        }
+        if done.capture.is_some() && !routed.may_store(replayed) {
+            routed.server.metrics.refused_fills.inc();
+            done.capture = None;
+        }
+        true
+    }
+
+    /// A read in flight on the replica: the session reads neither its
+    /// client nor the primary until it is answered.
+    pub fn replica_busy(&self) -> bool {
+        self.replica.as_ref().is_some_and(|leg| leg.busy())
+    }
+
+    /// A read is routed to a replica and waits for the driver to get a
+    /// connection there.
+    pub fn replica_chosen(&self) -> bool {
+        self.replica
+            .as_ref()
+            .is_some_and(|leg| leg.read == ReadState::Chosen)
+    }
+
+    /// The replica cannot take the read staged for it, or lost it before
+    /// its answer reached the client: it goes to the primary. False if
+    /// part of the answer already reached the client (the read failed).
+    pub fn replica_failed(&mut self) -> bool {
+        let Some(leg) = &mut self.replica else {
+            return true;
+        };
+        leg.staged.clear();
+        leg.read = ReadState::Idle;
+        leg.on_connection(0, Default::default());
+        let mut request = None;
+        let mut started = false;
+        while let Some(done) = self.pipeline.pop() {
+            if let Some(routed) = &done.routed {
+                started |= routed.verdict == Verdict::Relayed;
+                let frame = routed.request.clone();
+                request = Some((done, frame));
+            }
+        }
+        let Some((mut done, frame)) = request else {
+            return true;
+        };
+        if started {
+            return false;
+        }
+        done.routed = None;
+        self.forward(&frame);
+        self.pipeline.push(done);
+        true
+    }
+}
