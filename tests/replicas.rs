@@ -704,6 +704,31 @@ async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volat
         Some("t")
     );
     assert_eq!(routed(), before, "none of them went to the standby");
+    // The same through the extended protocol: an uncacheable read a
+    // standby answers alike is held to its Sync and routed.
+    let stable = "SELECT v, now() > '2000-01-01' FROM items WHERE k = $1";
+    for k in 6..=8i32 {
+        let row = client.query_one(stable, &[&k]).await.unwrap();
+        assert_eq!(row.get::<_, String>(0), format!("v{k}"));
+    }
+    assert_eq!(routed(), before + 3, "extended reads with now() routed");
+    let before = routed();
+    let row = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        Some(row.get::<_, i32>(0).to_string()),
+        pid,
+        "the session's primary backend"
+    );
+    let row = client
+        .query_one("SELECT nextval('seq') FROM items WHERE k = $1", &[&1i32])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 2);
+    assert_eq!(routed(), before, "neither went to the standby");
+    assert_eq!(proxy.stores(), stores, "nothing stored");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

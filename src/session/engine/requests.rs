@@ -280,11 +280,17 @@ impl Engine {
         };
         let plan = self.plan(ctx, stmt.hash, &stmt.sql)?;
         self.before_begin(&plan)?;
+        // A read the cache may not keep is held too where a replica may
+        // take it, with the session's settings known by Sync.
+        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        let hold = holdable && (read.is_ok() || ctx.app.replicas.routes(read, plan.replica_safe));
+        if hold && read.is_err() {
+            self.settings_for_replica(ctx, &plan)?;
+        }
         self.pipeline.executed();
         plan.stats.call();
         self.batch.effects.merge(&plan.effects);
         self.note_effects(&plan);
-        let hold = holdable && plan.read.is_ok();
         if hold {
             self.batch.hold_execute(portal, max_rows, plan, frame);
         }
@@ -344,7 +350,14 @@ impl Engine {
                         }
                     }
                 }
-                Err(reason) => ctx.app.cache.bypassed(&self.db, reason),
+                Err(reason) => {
+                    ctx.app.cache.bypassed(&self.db, reason);
+                    if self.route_held(ctx, reason, frame, &mut inflight) {
+                        (inflight.effects, inflight.parsed) = self.batch.reset();
+                        self.pipeline.push_sync(inflight);
+                        return Ok(Flow::Continue);
+                    }
+                }
             }
         }
         self.release_batch();

@@ -10,6 +10,8 @@ use bytes::Bytes;
 use tracing::debug;
 
 use super::{Ctx, Engine, Need};
+use crate::classify::BypassReason;
+use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages};
 use crate::session::known::Statement;
 use crate::session::pipeline::Inflight;
@@ -138,6 +140,45 @@ impl Engine {
             self.out.extend_from_slice(&messages::PARSE_COMPLETE);
         }
         true
+    }
+
+    /// Sends a held batch the cache may not serve (`reason`) to a replica
+    /// when the routing policy takes such a read: one query (`[Parse] Bind
+    /// [Describe] Execute Sync` on the unnamed portal), without a row
+    /// limit. `sync` is the batch's Sync; false: the batch is still held.
+    pub(super) fn route_held(
+        &mut self,
+        ctx: &Ctx,
+        reason: BypassReason,
+        sync: &[u8],
+        inflight: &mut Inflight,
+    ) -> bool {
+        let Ok(query) = self.batch.single_query() else {
+            return false;
+        };
+        // A time literal is found in the Bind, not in the plan.
+        let read = match reason {
+            BypassReason::TimeLiteral => Err(reason),
+            _ => query.plan.read.as_ref().map(|_| ()).map_err(|r| *r),
+        };
+        if query.row_limit > 0 || !ctx.app.replicas.routes(read, query.plan.replica_safe) {
+            return false;
+        }
+        let statement = extended::bind_names(query.bind_body())
+            .and_then(|(_, name)| self.known.statements.get(name).cloned());
+        let Some(statement) = statement else {
+            return false;
+        };
+        let mut request = self.batch.release().unwrap_or_default();
+        request.extend_from_slice(sync);
+        let routed = self.route_batch(ctx, &query.plan, &statement, inflight, &request);
+        if !routed {
+            // Forwarded, as the caller would have (its Sync after it).
+            request.truncate(request.len() - sync.len());
+            self.forward(&request);
+        }
+        self.batch.give_back(request);
+        routed
     }
 
     /// A read routed to a replica is answered. False if the replica
