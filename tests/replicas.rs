@@ -924,3 +924,58 @@ async fn under_read_your_writes_another_instances_write_keeps_reads_off_a_standb
     );
     assert_eq!(routed_by_b(), 1, "not read on the standby");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_hit_a_session_never_reads_from_a_standby_behind_what_the_hit_showed() {
+    let redis = Redis::dedicated();
+    let (primary, standby, db, y) = routed_setup_with("monotonic", |config| {
+        config.redis.url = redis.url();
+    })
+    .await;
+    // X shares Redis with Y and reads only the primary.
+    let mut config = (*y.app.config()).clone();
+    config.upstream.replicas.clear();
+    let x = Proxy::start(config).await;
+    let (cx, cy) = (x.connect(&db).await, y.connect(&db).await);
+    for proxy in [&x, &y] {
+        let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
+        let state = proxy.app.cache.db(&db);
+        eventually(WAIT, "the shared tier in sync", || {
+            let ready = tier.usable(&state);
+            async move { ready.then_some(()) }
+        })
+        .await;
+    }
+    let server = y.app.replicas.servers[0].name.clone();
+    let routed = || y.app.metrics.replicas.of(&server).routed.get();
+    // The standby stops replaying; a direct write on the primary.
+    pause_replay(&standby).await;
+    primary.psql_db(&db, "UPDATE items SET v = 'new' WHERE k = 20");
+    // X reads the new row and stores it in Redis; Y's session is served
+    // it from there (a miss meanwhile may read the standby's old row).
+    let read = "SELECT v FROM items WHERE k = 20";
+    eventually(WAIT, "X to read and store the new row", || {
+        let cx = &cx;
+        async move { (scalar(cx, read).await.as_deref() == Some("new")).then_some(()) }
+    })
+    .await;
+    eventually(WAIT, "a hit on Y showing the new row", || {
+        let (cy, y) = (&cy, &y);
+        async move {
+            let hits = y.hits();
+            let v = scalar(cy, read).await;
+            (v.as_deref() == Some("new") && y.hits() > hits).then_some(())
+        }
+    })
+    .await;
+    // Another read of the same row after the hit: never the standby's
+    // older one.
+    let before = routed();
+    for other in [
+        "SELECT v FROM items WHERE k = 20 AND k > 0",
+        "SELECT v FROM items WHERE k >= 20 AND k <= 20",
+    ] {
+        assert_eq!(scalar(&cy, other).await.as_deref(), Some("new"), "{other}");
+    }
+    assert_eq!(routed(), before, "read on the primary");
+}

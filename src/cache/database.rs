@@ -14,7 +14,7 @@ use super::hold::Hold;
 use super::shared::state::SharedSync;
 #[cfg(test)]
 use super::versions::Ddl;
-use super::versions::{Bumps, Versions};
+use super::versions::{Bumps, Family, Versions};
 use crate::metrics::DbMetrics;
 
 /// Heartbeats back kept per database: a minute's worth at the default
@@ -58,6 +58,16 @@ impl DbState {
     /// `version` of this database; `None` while a bump's is not known.
     pub fn floor(&self, version: &super::versions::Version) -> Option<u64> {
         version.floor(|at| self.stream.covering(at))
+    }
+
+    /// The position the state of `reads` is as of: the last change of
+    /// each, and the epoch; `None` while any is not known.
+    pub fn reads_floor(&self, reads: &[Arc<Family>]) -> Option<u64> {
+        let mut floor = self.floor(&self.versions.epoch)?;
+        for family in reads {
+            floor = floor.max(self.floor(&family.version)?);
+        }
+        Some(floor)
     }
 
     /// The bumps a user asks for by name (an admin command, or a NOTIFY on

@@ -98,11 +98,7 @@ impl Fill {
     /// table read, and the database's epoch (changes before the stream
     /// started are not known here); `None` while any is not known.
     pub fn floor(&self, db: &DbState) -> Option<u64> {
-        let mut floor = db.floor(&db.versions.epoch)?;
-        for family in self.reads.iter() {
-            floor = floor.max(db.floor(&family.version)?);
-        }
-        Some(floor)
+        db.reads_floor(&self.reads)
     }
 }
 

@@ -13,6 +13,7 @@
 //! replica had replayed past the last change of every table it read.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
@@ -208,6 +209,41 @@ fn renamed(out: &mut BytesMut, request: &[u8], name: &[u8]) {
             }
             _ => out.extend_from_slice(frame),
         }
+    }
+}
+
+/// What the session has seen of the database, as a WAL position: it never
+/// reads from a replica behind it (monotonic reads).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Observed {
+    /// The highest position known: a replica's probe before a read there,
+    /// or the state a hit showed (the last change of every table it read).
+    at: u64,
+    /// A hit showed a change whose position is not known yet: it is at or
+    /// before the first heartbeat sent after this instant.
+    pending: Option<Instant>,
+}
+
+impl Observed {
+    /// The session saw the database as of `at`.
+    pub fn saw(&mut self, at: u64) {
+        self.at = self.at.max(at);
+    }
+
+    /// The session saw a change of unknown position, at `now` or before.
+    pub fn saw_pending(&mut self, now: Instant) {
+        self.pending.get_or_insert(now);
+    }
+
+    /// The position a replica must be at for the session to read there;
+    /// `None` while a change it saw is not placed yet. `covering` gives
+    /// the position of the first heartbeat back sent after an instant.
+    pub fn needed(&mut self, covering: impl Fn(Instant) -> Option<u64>) -> Option<u64> {
+        if let Some(since) = self.pending {
+            self.saw(covering(since)?);
+            self.pending = None;
+        }
+        Some(self.at)
     }
 }
 
@@ -422,6 +458,30 @@ mod tests {
         leg.staged.clear();
         assert_eq!(leg.stage(&request, Some(&statement)), 1);
         assert_eq!(leg.applied, 7);
+    }
+
+    #[test]
+    fn what_a_session_saw_is_what_a_replica_must_have_replayed() {
+        let mut seen = Observed::default();
+        assert_eq!(seen.needed(|_| None), Some(0));
+        seen.saw(300);
+        seen.saw(200);
+        assert_eq!(seen.needed(|_| None), Some(300), "never goes back");
+        // A change not placed yet: no replica until a heartbeat after it.
+        let hit = Instant::now();
+        seen.saw_pending(hit);
+        seen.saw_pending(hit + std::time::Duration::from_secs(1));
+        assert_eq!(seen.needed(|_| None), None);
+        let asked = std::cell::Cell::new(None);
+        let placed = seen.needed(|at| {
+            asked.set(Some(at));
+            Some(250)
+        });
+        assert_eq!(asked.get(), Some(hit), "the earliest pending instant");
+        assert_eq!(placed, Some(300), "placed before what a probe showed");
+        seen.saw_pending(hit);
+        assert_eq!(seen.needed(|_| Some(400)), Some(400));
+        assert_eq!(seen.needed(|_| None), Some(400), "placed once");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::session::known::settings_sql;
 use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
-use crate::session::replica::ReplicaLeg;
+use crate::session::replica::{Observed, ReplicaLeg};
 use crate::session::reuse::ServerBook;
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
@@ -85,9 +85,8 @@ pub(super) struct Engine {
     pub found: Found,
     /// The session's connection to a replica, once a read went to one.
     pub replica: Option<Box<ReplicaLeg>>,
-    /// The highest WAL position the session observed on a replica: it
-    /// never reads from one behind it.
-    pub observed: u64,
+    /// What the session has seen: it never reads from a replica behind it.
+    pub observed: Observed,
 }
 
 impl Engine {
@@ -120,7 +119,7 @@ impl Engine {
             cancel: None,
             found: Found::default(),
             replica: None,
-            observed: 0,
+            observed: Observed::default(),
         }
     }
 

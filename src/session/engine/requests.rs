@@ -555,6 +555,11 @@ impl Engine {
                 return Answer::Forward(Some(Capture::compare(stored)));
             }
         };
+        if ctx.app.replicas.enabled()
+            && let Ok(reads) = &plan.read
+        {
+            self.observed_hit(reads, ctx.now);
+        }
         let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
         self.out
             .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));

@@ -5,11 +5,13 @@
 //! cannot answer.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use tracing::debug;
 
 use super::{Ctx, Engine, Need};
+use crate::cache::versions::Family;
 use crate::classify::BypassReason;
 use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages};
@@ -56,14 +58,16 @@ impl Engine {
         if !may {
             return false;
         }
-        let server = self
-            .db
-            .floor(&self.db.versions.writes)
-            .map(|writes| writes.max(self.observed))
+        let db = &self.db;
+        let seen = self.observed.needed(|at| db.stream.covering(at));
+        let server = db
+            .floor(&db.versions.writes)
+            .zip(seen)
+            .map(|(writes, seen)| writes.max(seen))
             .and_then(|needed| Some((needed, replicas.choose(needed, rand::random())?)));
         let Some((needed, server)) = server else {
             debug!(
-                observed = self.observed,
+                observed = ?self.observed,
                 "no replica has replayed what the session needs"
             );
             replicas.to_primary.routed.inc();
@@ -181,6 +185,15 @@ impl Engine {
         routed
     }
 
+    /// A hit showed the session its tables as of their last change: a
+    /// replica it reads from next must have replayed that far.
+    pub(super) fn observed_hit(&mut self, reads: &[Arc<Family>], now: Instant) {
+        match self.db.reads_floor(reads) {
+            Some(at) => self.observed.saw(at),
+            None => self.observed.saw_pending(now),
+        }
+    }
+
     /// A read routed to a replica is answered. False if the replica
     /// could not answer it: it goes to the primary, and completes there.
     /// Else the session has observed the replica's position, and the
@@ -207,7 +220,7 @@ impl Engine {
             return false;
         }
         if let Some(replayed) = replayed {
-            self.observed = self.observed.max(replayed);
+            self.observed.saw(replayed);
         }
         if done.capture.is_some() && !routed.may_store(replayed) {
             routed.server.metrics.refused_fills.inc();
