@@ -660,7 +660,12 @@ async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volat
         config.replicas.routing = pgcache::config::Routing::AllReads;
     })
     .await;
-    primary.psql_db(&db, "CREATE SEQUENCE seq");
+    primary.psql_db(
+        &db,
+        "CREATE SEQUENCE seq; CREATE UNLOGGED TABLE scratch AS SELECT 1 AS x",
+    );
+    // What pgcache knows of the catalog again after the DDL.
+    proxy.learn_all(&db).await;
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
     let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
@@ -703,7 +708,14 @@ async fn all_reads_also_routes_uncacheable_reads_but_never_server_local_or_volat
             .as_deref(),
         Some("t")
     );
+    // An unlogged table, which a standby cannot read.
+    assert_eq!(
+        scalar(&client, "SELECT x FROM scratch").await.as_deref(),
+        Some("1")
+    );
     assert_eq!(routed(), before, "none of them went to the standby");
+    let retries = proxy.app.metrics.replicas.of(&server).retries.get();
+    assert_eq!(retries, 0, "none was sent there and retried");
     // The same through the extended protocol: an uncacheable read a
     // standby answers alike is held to its Sync and routed.
     let stable = "SELECT v, now() > '2000-01-01' FROM items WHERE k = $1";

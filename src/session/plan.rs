@@ -40,8 +40,10 @@ pub(super) struct Plan {
     /// TTL): its entries may lag PostgreSQL within their lifetime.
     pub unwatched: bool,
     /// Every function it calls is known to leave the database alone and
-    /// to answer alike on any server of the cluster: a standby may run it
-    /// (`replicas.routing = "all_reads"`).
+    /// to answer alike on any server of the cluster, and every relation it
+    /// names is a permanent one outside the system schemas (a standby
+    /// refuses unlogged tables; statistics are its own): a standby may run
+    /// it (`replicas.routing = "all_reads"`).
     pub replica_safe: bool,
 }
 
@@ -102,11 +104,24 @@ impl Plan {
     /// immutable?), a write's targets (which versions does it bump?), and
     /// functions called outside DDL (may they write?). DDL and other opaque
     /// statements bump everything whatever the facts say: they need none.
-    pub fn names(analyzed: &Analyzed) -> (Vec<&str>, Vec<&str>) {
+    /// With `every_read` (`replicas.routing = "all_reads"`), the tables of
+    /// a read the cache may not keep for its functions or a time literal
+    /// too: a standby may take it if they are permanent.
+    pub fn names(analyzed: &Analyzed, every_read: bool) -> (Vec<&str>, Vec<&str>) {
         let analysis = &analyzed.analysis;
         let mut rels: Vec<&str> = Vec::new();
         let mut funcs: Vec<&str> = Vec::new();
-        if let Ok(st) = analysis.cacheable_select() {
+        let read = match analysis.statements.as_slice() {
+            [one] => match one.cacheable {
+                Ok(()) => Some(one),
+                Err(BypassReason::VolatileFunction | BypassReason::TimeLiteral) if every_read => {
+                    Some(one)
+                }
+                Err(_) => None,
+            },
+            _ => None,
+        };
+        if let Some(st) = read {
             rels.extend(st.relations.iter().map(|r| r.name.as_str()));
         }
         for st in &analysis.statements {
@@ -149,6 +164,10 @@ impl Plan {
         };
         for st in &analyzed.analysis.statements {
             plan.add_effects(st, facts, versions);
+            plan.replica_safe &= st
+                .relations
+                .iter()
+                .all(|rel| facts.relation(&rel.name).is_some_and(|f| f.ttl_ok));
         }
         let mut ttl = hints.ttl;
         let mut unwatched = false;
@@ -313,12 +332,13 @@ mod tests {
             ("v", false, true, "v"),
             ("audited", true, true, "audited"),
             ("no_key", false, false, "no_key"),
+            ("unlogged", false, false, "unlogged"),
         ] {
             let rel = RelFacts {
                 readable,
                 write_hazard: hazard,
                 family: family.to_owned(),
-                ttl_ok: true,
+                ttl_ok: name != "unlogged",
                 table: name != "v",
                 policy_functions: Vec::new(),
             };
@@ -409,6 +429,13 @@ mod tests {
             "the server's"
         );
         assert!(!plan("SELECT inet_server_addr()").replica_safe);
+        // Relations: a table out of the publication may go, an unlogged
+        // one may not.
+        assert!(plan("SELECT * FROM no_key").replica_safe);
+        let unlogged = plan("SELECT * FROM unlogged");
+        assert_eq!(unlogged.read.err(), Some(BypassReason::NotPublished));
+        assert!(!unlogged.replica_safe);
+        assert!(!plan("SELECT * FROM t JOIN unlogged USING (k)").replica_safe);
     }
 
     #[test]
@@ -479,7 +506,7 @@ mod tests {
     fn only_reads_writes_and_function_calls_need_facts() {
         let names = |sql: &str| {
             let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
-            let (rels, funcs) = Plan::names(&analyzed);
+            let (rels, funcs) = Plan::names(&analyzed, false);
             let owned = |v: Vec<&str>| v.into_iter().map(str::to_owned).collect::<Vec<_>>();
             (owned(rels), owned(funcs))
         };
@@ -490,6 +517,12 @@ mod tests {
         );
         assert_eq!(names("UPDATE t SET v = 1"), (strs(&["t"]), vec![]));
         assert_eq!(names("SELECT bump()"), (vec![], strs(&["bump"])));
+        // A standby may take an uncacheable read under `all_reads`, if its
+        // tables are permanent.
+        let sql = b"SELECT v, 'now'::timestamptz FROM t";
+        let analyzed = Analyses::new(10).get(1, sql, &StatsRegistry::new(10));
+        assert_eq!(Plan::names(&analyzed, false), (vec![], vec![]));
+        assert_eq!(Plan::names(&analyzed, true), (vec!["t"], vec![]));
         assert_eq!(names("SET x.y = lower('A')"), (vec![], strs(&["lower"])));
         for sql in [
             "CREATE TABLE x (a int REFERENCES t)",
@@ -507,7 +540,7 @@ mod tests {
     fn a_plan_made_without_facts_is_the_one_made_with_them_when_it_needs_none() {
         for sql in ["CREATE TABLE x (a int)", "DROP TABLE t", "SHOW search_path"] {
             let analyzed = Analyses::new(10).get(1, sql.as_bytes(), &StatsRegistry::new(10));
-            assert_eq!(Plan::names(&analyzed), (vec![], vec![]));
+            assert_eq!(Plan::names(&analyzed, false), (vec![], vec![]));
             let policy = Policy::new(&CacheConfig::default(), 1);
             let versions = Versions::default();
             let (with, _) = plan_with(sql, &policy);

@@ -391,7 +391,8 @@ impl Engine {
             return Ok(plan);
         }
         let analysis = ctx.app.cache.analyzed(scanned, sql);
-        let (rels, funcs) = Plan::names(&analysis);
+        let every_read = ctx.app.replicas.routing == crate::config::Routing::AllReads;
+        let (rels, funcs) = Plan::names(&analysis, every_read);
         let facts = self.facts(ctx, &rels, &funcs)?;
         let plan = Arc::new(Plan::new(
             &analysis,
