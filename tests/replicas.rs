@@ -991,3 +991,43 @@ async fn after_a_hit_a_session_never_reads_from_a_standby_behind_what_the_hit_sh
     }
     assert_eq!(routed(), before, "read on the primary");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_terminate_mode_a_password_users_reads_go_to_the_standby_as_that_user() {
+    let primary = Pg::dedicated();
+    let db = primary.create_db("terminate");
+    primary.psql_db(
+        &db,
+        &format!(
+            "CREATE TABLE items (k int PRIMARY KEY, v text);
+             INSERT INTO items SELECT g, 'v' || g FROM generate_series(1, 100) g;
+             GRANT SELECT ON items TO {SCRAM_USER}"
+        ),
+    );
+    let standby = primary.standby();
+    let mut config = config_with(&primary, &[&standby]);
+    config.auth.mode = pgcache::config::AuthMode::Terminate;
+    config
+        .auth
+        .users
+        .insert(SCRAM_USER.into(), SCRAM_PASSWORD.into());
+    let proxy = Proxy::start(config).await;
+    until_in_rotation(&proxy, true).await;
+    let dsn = format!("{} password={SCRAM_PASSWORD}", proxy.dsn(SCRAM_USER, &db));
+    let client = connect_dsn(&dsn).await.expect("a password login");
+    proxy.wait_streaming(&db).await;
+    standby_caught_up(&primary, &standby).await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    for k in 1..=3 {
+        let sql = format!("SELECT v FROM items WHERE k = {k}");
+        assert_eq!(scalar(&client, &sql).await, Some(format!("v{k}")));
+    }
+    assert_eq!(routed(), 3, "the misses went to the standby");
+    // The standby's session is the client's user, logged in with the
+    // password pgcache checked.
+    let there = standby.psql_admin(&format!(
+        "SELECT usename FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
+    ));
+    assert_eq!(there.trim(), SCRAM_USER);
+}
