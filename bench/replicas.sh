@@ -6,7 +6,8 @@
 # 2-core machine cannot show more throughput, so this prints what each
 # server answered: the share of the reads pgcache routed, and the
 # transactions per second of client traffic each server committed
-# (pg_stat_database.xact_commit of the database, over the run).
+# (pg_stat_database.xact_commit of the database, over the run); then the
+# same with pool.mode = "transaction".
 #   bench/replicas.sh [SECONDS-PER-RUN]   (default 10)
 source "$(dirname "$0")/lib.sh"
 SECONDS_PER_RUN=${1:-10}
@@ -31,6 +32,8 @@ replicas = ["postgres://postgres@127.0.0.1:$STANDBY_PORT"]
 [cache.local]
 max_bytes = 1048576
 TOML
+# The same in transaction mode: reads take connections of the standby's pool.
+{ cat "$RUNDIR/replica.toml"; printf '[pool]\nmode = "transaction"\n'; } >"$RUNDIR/pooled.toml"
 
 commits() { # PORT: xact_commit of the bench database on that server
     "$PGBIN/psql" -X -h 127.0.0.1 -p "$1" -U postgres -d postgres -Atc \
@@ -72,3 +75,4 @@ echo "| route | client TPS | misses | reads routed to the standby | routed reads
 echo "|---|---:|---:|---:|---:|---:|---:|"
 run "primary alone" "$RUNDIR/alone.toml"
 run "primary + standby" "$RUNDIR/replica.toml"
+run "primary + standby, transaction mode" "$RUNDIR/pooled.toml"
