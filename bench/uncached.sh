@@ -9,7 +9,9 @@
 #   ddl-large  the ddl script on a database with 20,000 tables and 5,000
 #              functions, divided by the same script on an empty database
 #   bench/uncached.sh [SECONDS-PER-RUN]   (default 10; LARGE=0 skips ddl-large,
-#   whose set-up takes a minute)
+#   whose set-up takes a minute; ROUNDS=3 runs the three psql scripts in 3
+#   interleaved rounds and prints each one's median, with pgcache's CPU time
+#   per statement: its user and system time over the script)
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 
@@ -69,18 +71,33 @@ seconds() {
     python3 -c "print(f'{$end - $start:.3f}')"
 }
 
-printf '%-22s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cache/dir bouncer/dir
-row() { printf '%-22s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")"; }
+printf '%-22s %10s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cache/dir bouncer/dir 'cpu us/st'
+row() { printf '%-22s %10s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")" "${5:-}"; }
 
+# CPU ticks (1/100 s, user + system) pgcache has used so far.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$PGCACHE_PID/stat"; }
+median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
+declare -A statements=([ddl]=400 [migration]=600 [distinct]=2000) wall=() cpu=()
+
+# Round by round, each script directly, through pgcache, through PgBouncer.
 n=0
-for script in ddl migration distinct; do
-    times=()
-    for port in "$PGPORT" "$PGCACHE_PORT" "$BOUNCER_PORT"; do
-        n=$((n + 1))
-        make_db "s$n"
-        times+=("$(seconds "$port" "s$n" "$RUNDIR/$script.sql")")
+for round in $(seq "${ROUNDS:-1}"); do
+    for script in ddl migration distinct; do
+        for port in "$PGPORT" "$PGCACHE_PORT" "$BOUNCER_PORT"; do
+            n=$((n + 1))
+            make_db "s$n"
+            [ "$port" = "$PGCACHE_PORT" ] && before=$(cpu_ticks)
+            wall[$script,$port]+=" $(seconds "$port" "s$n" "$RUNDIR/$script.sql")"
+            # The stream handles DDL after the script: its work counts too.
+            [ "$port" = "$PGCACHE_PORT" ] && sleep 1 && cpu[$script]+=" $(( $(cpu_ticks) - before ))"
+        done
     done
-    row "$script (s)" "${times[@]}"
+done
+for script in ddl migration distinct; do
+    ticks=$(median ${cpu[$script]})
+    row "$script (s)" "$(median ${wall[$script,$PGPORT]})" "$(median ${wall[$script,$PGCACHE_PORT]})" \
+        "$(median ${wall[$script,$BOUNCER_PORT]})" \
+        "$(python3 -c "print(round($ticks * 10000 / ${statements[$script]}))")"
 done
 
 for what in select hot-key; do

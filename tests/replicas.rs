@@ -903,15 +903,8 @@ async fn under_read_your_writes_another_instances_write_keeps_reads_off_a_standb
     let b = Proxy::start((*a.app.config()).clone()).await;
     until_in_rotation(&b, true).await;
     let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
-    for proxy in [&a, &b] {
-        let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
-        let state = proxy.app.cache.db(&db);
-        eventually(WAIT, "the shared tier in sync", || {
-            let ready = tier.usable(&state);
-            async move { ready.then_some(()) }
-        })
-        .await;
-    }
+    a.shared_ready(&db).await;
+    b.shared_ready(&db).await;
     let server = b.app.replicas.servers[0].name.clone();
     let routed_by_b = || b.app.metrics.replicas.of(&server).routed.get();
     // B's misses go to the standby.
@@ -949,15 +942,8 @@ async fn after_a_hit_a_session_never_reads_from_a_standby_behind_what_the_hit_sh
     config.upstream.replicas.clear();
     let x = Proxy::start(config).await;
     let (cx, cy) = (x.connect(&db).await, y.connect(&db).await);
-    for proxy in [&x, &y] {
-        let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
-        let state = proxy.app.cache.db(&db);
-        eventually(WAIT, "the shared tier in sync", || {
-            let ready = tier.usable(&state);
-            async move { ready.then_some(()) }
-        })
-        .await;
-    }
+    x.shared_ready(&db).await;
+    y.shared_ready(&db).await;
     let server = y.app.replicas.servers[0].name.clone();
     let routed = || y.app.metrics.replicas.of(&server).routed.get();
     // The standby stops replaying; a direct write on the primary.

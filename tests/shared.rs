@@ -19,17 +19,6 @@ fn config(redis_url: &str) -> pgcache::Config {
     config
 }
 
-/// Waits until `proxy` may use the shared tier for `db`.
-async fn shared_ready(proxy: &Proxy, db: &str) {
-    let tier = proxy.app.cache.shared().cloned().expect("a shared tier");
-    let state = proxy.app.cache.db(db);
-    eventually(Duration::from_secs(20), "the shared tier", || {
-        let ready = tier.usable(&state);
-        async move { ready.then_some(()) }
-    })
-    .await;
-}
-
 async fn stored(proxy: &Proxy, at_least: u64) {
     let m = proxy.app.metrics.shared.clone();
     eventually(Duration::from_secs(10), "a store to Redis", || {
@@ -45,8 +34,8 @@ async fn pair(redis_url: &str, db: &str) -> (Proxy, Client, Proxy, Client) {
     let b = Proxy::start(config(redis_url)).await;
     let ca = a.connect(db).await;
     let cb = b.connect(db).await;
-    shared_ready(&a, db).await;
-    shared_ready(&b, db).await;
+    a.shared_ready(db).await;
+    b.shared_ready(db).await;
     (a, ca, b, cb)
 }
 
@@ -111,7 +100,7 @@ async fn a_starting_instance_answers_from_redis_and_voids_nothing_another_kept_c
     let url = redis().url();
     let a = Proxy::start(config(&url)).await;
     let ca = a.connect(&db).await;
-    shared_ready(&a, &db).await;
+    a.shared_ready(&db).await;
     a.wait_stream(&db).await;
     let sql = "SELECT sum(v) FROM items WHERE id <= 20";
     assert_eq!(scalar(&ca, sql).await.as_deref(), Some("2100"));
@@ -134,7 +123,7 @@ async fn a_starting_instance_answers_from_redis_and_voids_nothing_another_kept_c
     drop(locker);
 
     b.wait_stream(&db).await;
-    shared_ready(&b, &db).await;
+    b.shared_ready(&db).await;
     assert_eq!(
         b.app.cache.db(&db).versions.epoch.shared(),
         epoch,
@@ -147,7 +136,7 @@ async fn a_starting_instance_answers_from_redis_and_voids_nothing_another_kept_c
     let b = Proxy::start(config(&url)).await;
     let cb = b.connect(&db).await;
     b.wait_stream(&db).await;
-    shared_ready(&b, &db).await;
+    b.shared_ready(&db).await;
     assert_eq!(
         b.app.cache.db(&db).versions.epoch.shared(),
         epoch,
@@ -191,7 +180,7 @@ async fn every_redis_key_has_a_ttl_and_large_results_stay_local() {
     cfg.cache.shared.max_entry_bytes = 4096;
     let proxy = Proxy::start(cfg).await;
     let client = proxy.connect(&db).await;
-    shared_ready(&proxy, &db).await;
+    proxy.shared_ready(&db).await;
     scalar(&client, "SELECT v FROM items WHERE id = 1").await;
     stored(&proxy, 1).await;
     // Over 4 KiB: stored locally, not in Redis.
@@ -395,7 +384,7 @@ async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
     cfg.cache.shared.breaker_open_ms = 200;
     let a = Proxy::start(cfg.clone()).await;
     a.connect(&db).await;
-    shared_ready(&a, &db).await;
+    a.shared_ready(&db).await;
 
     // Four clients read (and sometimes write) without pause throughout.
     let stop = Arc::new(AtomicBool::new(false));
@@ -454,7 +443,7 @@ async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
     .await;
 
     redis.restart();
-    shared_ready(&a, &db).await;
+    a.shared_ready(&db).await;
     let stored_before = m.stored.get();
     eventually(
         Duration::from_secs(20),
@@ -472,7 +461,7 @@ async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
     // A second instance, cold, is served from the restarted Redis.
     let b = Proxy::start(cfg).await;
     let cb = b.connect(&db).await;
-    shared_ready(&b, &db).await;
+    b.shared_ready(&db).await;
     let ca = a.connect(&db).await;
     let stmt = "SELECT v FROM items WHERE id = $1";
     for id in 1..=50i32 {
@@ -535,7 +524,7 @@ async fn a_lost_subscription_resynchronises_and_treats_the_gap_as_changed() {
         async move { (n > resyncs).then_some(()) }
     })
     .await;
-    shared_ready(&b, &db).await;
+    b.shared_ready(&db).await;
     assert!(
         b.app.cache.db(&db).versions.epoch.shared() > epoch_before,
         "the gap counts as a change"
@@ -544,7 +533,7 @@ async fn a_lost_subscription_resynchronises_and_treats_the_gap_as_changed() {
     assert_eq!(scalar(&cb, sql).await.as_deref(), Some("40"));
     assert_eq!(b.app.metrics.shared.hit.get(), 0);
     // ...and new entries are shared again.
-    shared_ready(&a, &db).await;
+    a.shared_ready(&db).await;
     let other = "SELECT v FROM items WHERE id = 8";
     assert_eq!(scalar(&ca, other).await.as_deref(), Some("80"));
     stored(&a, 2).await;
@@ -632,8 +621,8 @@ async fn rediss_with_a_password_carries_the_shared_tier() {
         let a = Proxy::start(cfg.clone()).await;
         let b = Proxy::start(cfg.clone()).await;
         let (ca_client, cb) = (a.connect(&db).await, b.connect(&db).await);
-        shared_ready(&a, &db).await;
-        shared_ready(&b, &db).await;
+        a.shared_ready(&db).await;
+        b.shared_ready(&db).await;
         (a, ca_client, b, cb)
     };
     let sql = "SELECT v FROM items WHERE id = 11";
@@ -670,8 +659,8 @@ async fn a_redis_cluster_over_tls_carries_the_shared_tier() {
     let a = Proxy::start(cfg.clone()).await;
     let b = Proxy::start(cfg).await;
     let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
-    shared_ready(&a, &db).await;
-    shared_ready(&b, &db).await;
+    a.shared_ready(&db).await;
+    b.shared_ready(&db).await;
     // Served over TLS, invalidated over TLS.
     shared_across(&cluster, (&a, &ca), (&b, &cb), 12).await;
 }
@@ -716,8 +705,8 @@ async fn write_through_a_read_through_b(
     let b = Proxy::start(config).await;
     let ca = a.connect(&db).await;
     let cb = b.connect(&db).await;
-    shared_ready(&a, &db).await;
-    shared_ready(&b, &db).await;
+    a.shared_ready(&db).await;
+    b.shared_ready(&db).await;
     let sql = "SELECT n FROM c WHERE id = 1";
     let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let done = Arc::new(AtomicBool::new(false));
@@ -801,8 +790,8 @@ async fn tags_invalidate_across_instances_from_the_admin_console_and_a_notify() 
     let a = Proxy::start(with_admin).await;
     let b = Proxy::start(config(&redis().url())).await;
     let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
-    shared_ready(&a, &db).await;
-    shared_ready(&b, &db).await;
+    a.shared_ready(&db).await;
+    b.shared_ready(&db).await;
     let direct = pg().direct(&db).await;
     // A view: replication cannot see its changes, so only a TTL lets it be
     // cached, and only a tag lets it be invalidated sooner.
@@ -890,8 +879,8 @@ async fn the_sampler_catches_a_wrong_entry_and_retires_it() {
     checking.cache.verify_sample_rate = 1.0;
     let b = Proxy::start(checking).await;
     let (ca, cb) = (a.connect(&db).await, b.connect(&db).await);
-    shared_ready(&a, &db).await;
-    shared_ready(&b, &db).await;
+    a.shared_ready(&db).await;
+    b.shared_ready(&db).await;
     let read = "SELECT v FROM t WHERE id = 1";
     assert_eq!(rows(&ca, read).await, [[Some("a".into())]]);
     stored(&a, 1).await;

@@ -133,6 +133,18 @@ impl Proxy {
         self.learn(db, &rels, &funcs).await;
     }
 
+    /// Waits until the shared tier (Redis) may be used for `db`: in sync
+    /// with this instance.
+    pub async fn shared_ready(&self, db: &str) {
+        let tier = self.app.cache.shared().cloned().expect("a shared tier");
+        let state = self.app.cache.db(db);
+        eventually(Duration::from_secs(20), "the shared tier", || {
+            let ready = tier.usable(&state);
+            async move { ready.then_some(()) }
+        })
+        .await;
+    }
+
     /// Waits until the database's replication stream is up, then until
     /// pgcache knows the database's relations and functions again (a stream
     /// that starts forgets them: DDL may have been missed).
