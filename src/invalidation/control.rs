@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use tokio_postgres::types::{ToSql, Type};
 use tracing::{debug, info, warn};
 
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
@@ -168,9 +169,9 @@ pub async fn sync_publication(
 ) -> Result<Synced, ReplicationError> {
     let quoted = quote_ident(publication);
     let exists = ctl
-        .query_opt(
+        .query_typed_opt(
             "SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = $1",
-            &[&publication],
+            &[(&publication, Type::TEXT)],
         )
         .await?;
     match exists {
@@ -187,7 +188,9 @@ pub async fn sync_publication(
             info!(publication, "created publication");
         }
     }
-    let rows = ctl.query(PUBLISHABLE, &[&publication, &only]).await?;
+    let params: [(&(dyn ToSql + Sync), Type); 2] =
+        [(&publication, Type::TEXT), (&only, Type::TEXT_ARRAY)];
+    let rows = ctl.query_typed(PUBLISHABLE, &params).await?;
     let mut add = Vec::new();
     let mut added = Vec::new();
     let mut drop = Vec::new();
@@ -271,7 +274,12 @@ pub async fn ddl_names(
     let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
     let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
     let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
-    let rows = match ctl.query(&sql, &[&classids, &objids, &subids]).await {
+    let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        (&classids, Type::OID_ARRAY),
+        (&objids, Type::OID_ARRAY),
+        (&subids, Type::INT4_ARRAY),
+    ];
+    let rows = match ctl.query_typed(&sql, &params).await {
         Ok(rows) => rows,
         // An object gone before it could be named.
         Err(e) if e.as_db_error().is_some() => return Ok(None),
@@ -394,7 +402,10 @@ pub async fn wait_visible(
     let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
     loop {
-        let visible: Option<bool> = ctl.query_one(VISIBLE, &[&xids]).await?.get(0);
+        let visible: Option<bool> = ctl
+            .query_typed_one(VISIBLE, &[(&xids, Type::INT8_ARRAY)])
+            .await?
+            .get(0);
         if visible != Some(false) || tokio::time::Instant::now() >= deadline {
             return Ok(());
         }

@@ -28,7 +28,7 @@ pub async fn check(replica: &Upstream, primary_id: &str) -> Result<tokio_postgre
         .map_err(|e| unreachable(&e))?;
     let sql = "SELECT pg_catalog.pg_is_in_recovery(), \
                (SELECT system_identifier::text FROM pg_catalog.pg_control_system())";
-    let row = tokio::time::timeout(QUERY_TIMEOUT, client.query_one(sql, &[]))
+    let row = tokio::time::timeout(QUERY_TIMEOUT, client.query_typed_one(sql, &[]))
         .await
         .map_err(|_| Out::Unreachable("its check timed out".to_owned()))?
         .map_err(|e| unreachable(&e))?;
@@ -65,7 +65,8 @@ pub async fn watch_primary(
             }
         };
         loop {
-            let answer = tokio::time::timeout(QUERY_TIMEOUT, client.query_one(sql, &[])).await;
+            let answer =
+                tokio::time::timeout(QUERY_TIMEOUT, client.query_typed_one(sql, &[])).await;
             let Ok(Ok(row)) = answer else {
                 break;
             };
@@ -130,7 +131,7 @@ async fn poll_once(
     replicas: &Replicas,
 ) -> Option<Result<(), Out>> {
     let sql = "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_last_wal_replay_lsn()::text";
-    let row = match tokio::time::timeout(QUERY_TIMEOUT, client.query_one(sql, &[])).await {
+    let row = match tokio::time::timeout(QUERY_TIMEOUT, client.query_typed_one(sql, &[])).await {
         Ok(Ok(row)) => row,
         Ok(Err(e)) => {
             out(replica, Out::Unreachable(e.to_string()));
