@@ -259,7 +259,7 @@ impl Engine {
     }
 
     /// Plans the portal's statement (its effects count whether or not the
-    /// batch is held) and holds the Execute of a cacheable read.
+    /// batch is held) and holds the Execute of a read ([`Self::may_hold`]).
     fn on_execute(
         &mut self,
         ctx: &Ctx,
@@ -280,13 +280,7 @@ impl Engine {
         };
         let plan = self.plan(ctx, stmt.hash, &stmt.sql)?;
         self.before_begin(&plan)?;
-        // A read the cache may not keep is held too where a replica may
-        // take it, with the session's settings known by Sync.
-        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
-        let hold = holdable && (read.is_ok() || ctx.app.replicas.routes(read, plan.replica_safe));
-        if hold && read.is_err() {
-            self.settings_for_replica(ctx, &plan)?;
-        }
+        let hold = holdable && self.may_hold(ctx, &plan)?;
         self.pipeline.executed();
         plan.stats.call();
         self.batch.effects.merge(&plan.effects);

@@ -146,6 +146,21 @@ impl Engine {
         true
     }
 
+    /// Whether an Execute's read is held to its Sync: a cacheable read, or
+    /// one a replica may take (`all_reads`), whose session's settings are
+    /// then read first.
+    pub(super) fn may_hold(&mut self, ctx: &Ctx, plan: &Plan) -> Result<bool, Need> {
+        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        if read.is_ok() {
+            return Ok(true);
+        }
+        if !ctx.app.replicas.routes(read, plan.replica_safe) {
+            return Ok(false);
+        }
+        self.settings_for_replica(ctx, plan)?;
+        Ok(true)
+    }
+
     /// Sends a held batch the cache may not serve (`reason`) to a replica
     /// when the routing policy takes such a read: one query (`[Parse] Bind
     /// [Describe] Execute Sync` on the unnamed portal), without a row
