@@ -191,6 +191,19 @@ async fn pause_replay(standby: &Pg) {
     .await;
 }
 
+/// The users of the client sessions `server` has in `db` (pgcache's own
+/// watcher connects to `postgres`, not to `db`).
+fn sessions_on(server: &Pg, db: &str) -> Vec<String> {
+    server
+        .psql_admin(&format!(
+            "SELECT usename FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
+        ))
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_owned())
+        .collect()
+}
+
 /// How many times the standby's `items` was scanned, as its statistics say.
 fn scans(standby: &Pg, db: &str) -> u64 {
     standby
@@ -401,11 +414,6 @@ async fn a_standby_past_max_lag_ms_is_drained_and_takes_no_reads_until_it_catche
     let client = proxy.connect(&db).await;
     let server = proxy.app.replicas.servers[0].name.clone();
     let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
-    // The standby's client backends in the database: pgcache's own
-    // watcher connects to `postgres`.
-    let backends = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
-    );
     assert!(
         scalar(&client, "SELECT v FROM items WHERE k = 1")
             .await
@@ -413,7 +421,7 @@ async fn a_standby_past_max_lag_ms_is_drained_and_takes_no_reads_until_it_catche
     );
     assert_eq!(routed(), 1, "in rotation, a miss goes to the standby");
     assert_eq!(proxy.app.replicas.servers[0].connections.all().len(), 1);
-    assert_eq!(standby.psql_admin(&backends).trim(), "1", "the session's");
+    assert_eq!(sessions_on(&standby, &db).len(), 1, "the session's");
     pause_replay(&standby).await;
     // A small write: a few hundred bytes behind, and more and more time.
     primary.psql_db(&db, "INSERT INTO items VALUES (1000, 'late')");
@@ -428,8 +436,8 @@ async fn a_standby_past_max_lag_ms_is_drained_and_takes_no_reads_until_it_catche
         "the session's connection to the standby closed",
         || {
             let open = replica.connections.all().len();
-            let there = standby.psql_admin(&backends);
-            async move { (open == 0 && there.trim() == "0").then_some(()) }
+            let there = sessions_on(&standby, &db).len();
+            async move { (open == 0 && there == 0).then_some(()) }
         },
     )
     .await;
@@ -877,17 +885,14 @@ async fn in_transaction_mode_reads_take_a_connection_of_the_standbys_pool_and_gi
     let open: usize = replica.pools.all().iter().map(|p| p.row().open).sum();
     assert!((1..=2).contains(&open), "{open} connections to the standby");
     // Drained: out of rotation, the pool's idle connections are closed.
-    let backends = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
-    );
-    assert_eq!(standby.psql_admin(&backends).trim(), open.to_string());
+    assert_eq!(sessions_on(&standby, &db).len(), open);
     pause_replay(&standby).await;
     primary.psql_db(&db, "INSERT INTO items VALUES (1000, 'late')");
     eventually(WAIT, "the standby's pool drained", || {
         let out = !replica.in_rotation();
         let open: usize = replica.pools.all().iter().map(|p| p.row().open).sum();
-        let there = standby.psql_admin(&backends);
-        async move { (out && open == 0 && there.trim() == "0").then_some(()) }
+        let there = sessions_on(&standby, &db).len();
+        async move { (out && open == 0 && there == 0).then_some(()) }
     })
     .await;
 }
@@ -1012,8 +1017,5 @@ async fn in_terminate_mode_a_password_users_reads_go_to_the_standby_as_that_user
     assert_eq!(routed(), 3, "the misses went to the standby");
     // The standby's session is the client's user, logged in with the
     // password pgcache checked.
-    let there = standby.psql_admin(&format!(
-        "SELECT usename FROM pg_stat_activity WHERE datname = '{db}' AND backend_type = 'client backend'"
-    ));
-    assert_eq!(there.trim(), SCRAM_USER);
+    assert_eq!(sessions_on(&standby, &db), [SCRAM_USER]);
 }

@@ -99,6 +99,11 @@ impl SharedPlans {
 }
 
 impl Plan {
+    /// Whether it is a cacheable read, or why not, without its tables.
+    pub fn read_or_why(&self) -> Result<(), BypassReason> {
+        self.read.as_ref().map(|_| ()).map_err(|r| *r)
+    }
+
     /// The relation and function names whose facts can change this text's
     /// plan: a cacheable read's (are its tables watched, its functions
     /// immutable?), a write's targets (which versions does it bump?), and

@@ -16,6 +16,7 @@ use crate::classify::BypassReason;
 use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages};
 use crate::session::known::Statement;
+use crate::session::link::UNKNOWN_STATE;
 use crate::session::pipeline::Inflight;
 use crate::session::plan::Plan;
 use crate::session::replica::{ReadState, ReplicaLeg, Routed, Verdict, without_parse};
@@ -41,7 +42,7 @@ impl Engine {
         statement: Option<&Arc<Statement>>,
     ) -> bool {
         let replicas = &ctx.app.replicas;
-        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        let read = plan.read_or_why();
         if !replicas.routes(read, plan.replica_safe) {
             return false;
         }
@@ -150,7 +151,7 @@ impl Engine {
     /// one a replica may take (`all_reads`), whose session's settings are
     /// then read first.
     pub(super) fn may_hold(&mut self, ctx: &Ctx, plan: &Plan) -> Result<bool, Need> {
-        let read = plan.read.as_ref().map(|_| ()).map_err(|r| *r);
+        let read = plan.read_or_why();
         if read.is_ok() {
             return Ok(true);
         }
@@ -178,7 +179,7 @@ impl Engine {
         // A time literal is found in the Bind, not in the plan.
         let read = match reason {
             BypassReason::TimeLiteral => Err(reason),
-            _ => query.plan.read.as_ref().map(|_| ()).map_err(|r| *r),
+            _ => query.plan.read_or_why(),
         };
         if query.row_limit > 0 || !ctx.app.replicas.routes(read, query.plan.replica_safe) {
             return false;
@@ -267,7 +268,8 @@ impl Engine {
         };
         leg.staged.clear();
         leg.read = ReadState::Idle;
-        leg.on_connection(0, Default::default());
+        // Its connection is closed: in doubt until another is had.
+        leg.on_connection(UNKNOWN_STATE, Default::default());
         let mut request = None;
         let mut started = false;
         while let Some(done) = self.pipeline.pop() {
