@@ -2,9 +2,11 @@
 //! stream: the start-up checks, the cluster's identity, the publication
 //! and the DDL event trigger.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Statement};
 use tracing::{debug, info, warn};
 
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
@@ -120,9 +122,6 @@ pub async fn cluster_id(upstream: &Upstream) -> Option<String> {
         .flatten()
 }
 
-/// Tables that may join the publication: permanent user tables (partitioned
-/// roots rather than partitions) with a replica identity, so that publishing
-/// their UPDATE/DELETE cannot make those writes fail.
 /// Whether pg_class row `c` has a replica identity, so that publishing its
 /// UPDATE/DELETE cannot make them fail.
 macro_rules! has_identity {
@@ -134,19 +133,251 @@ macro_rules! has_identity {
 }
 
 /// Tables that may join the publication: permanent user tables (partitioned
-/// roots rather than partitions) with a replica identity.
-const PUBLISHABLE: &str = concat!(
-    "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
+/// roots rather than partitions) `c` of `$from`, whether publication `$1`
+/// lists them, and whether they have a replica identity.
+macro_rules! publishable {
+    ($from:literal) => {
+        concat!(
+            "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
     (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr
      JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1),
   ",
-    has_identity!(),
-    "
-FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+            has_identity!(),
+            "
+FROM ",
+            $from,
+            " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
-  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
-  AND ($2::text[] IS NULL OR c.relname = ANY ($2::text[]))"
+  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'"
+        )
+    };
+}
+
+/// Every table of the database; run once per stream.
+const PUBLISHABLE: &str = publishable!("pg_catalog.pg_class c");
+
+/// The tables of the bare names `$2`, after DDL named them, looked up name
+/// by name in pg_class's name index so that a DDL statement's cost does not
+/// grow with the database. `OFFSET 0` keeps the lookup per name: planned
+/// once for any names, the join would scan pg_class.
+const PUBLISHABLE_NAMED: &str = publishable!(
+    "pg_catalog.unnest($2::pg_catalog.name[]) w(relname)
+CROSS JOIN LATERAL (SELECT * FROM pg_catalog.pg_class c WHERE c.relname = w.relname OFFSET 0) c"
 );
+
+/// Whether publication `$1` exists and publishes every table.
+const PUBLICATION: &str = "SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = $1";
+
+/// Whether every transaction of `$1` (32-bit xids from the stream) is
+/// visible in a new snapshot; each xid is widened with the epoch of the
+/// snapshot's xmax.
+const VISIBLE: &str = "SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
+    ((((m.x >> 32) - CASE WHEN d.xid > (m.x & 4294967295) THEN 1 ELSE 0 END) << 32) | d.xid)::text::xid8, s))
+    FROM pg_catalog.pg_current_snapshot() s,
+         LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m,
+         pg_catalog.unnest($1::int8[]) d(xid)";
+
+/// Object types whose changes leave every fact pgcache keeps as it was (a
+/// schema renamed keeps its relations' bare names; a dropped table's row
+/// type, indexes and toast table are reported beside it).
+macro_rules! no_facts {
+    () => {
+        "'schema', 'type', 'index', 'toast table', 'operator', 'operator class', \
+    'operator family', 'publication', 'extension', 'statistics object', 'collation', 'cast'"
+    };
+}
+
+/// The bare names whose facts objects `($1, $2, $3)` (class, object and
+/// sub-object ids) changed: each object's own relation or function name,
+/// plus the tables whose facts depend on it (inheritance relatives, tables
+/// its foreign keys reference). NULL for an object that is gone.
+const NAMES: &str = concat!(
+    "SELECT CASE WHEN a.type IS NULL OR cardinality(a.object_names) < 2 THEN NULL
+        ELSE a.object_names[2] END
+ FROM unnest($1::pg_catalog.oid[], $2::pg_catalog.oid[], $3::pg_catalog.int4[]) d(classid, objid, objsubid)
+ CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
+ WHERE a.type IS NULL OR a.type NOT IN (",
+    no_facts!(),
+    ")
+ UNION ALL
+ SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
+   JOIN pg_catalog.pg_inherits i ON d.objid IN (i.inhrelid, i.inhparent)
+   JOIN pg_catalog.pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
+ UNION ALL
+ SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
+   JOIN pg_catalog.pg_constraint k ON k.conrelid = d.objid AND k.contype = 'f'
+   JOIN pg_catalog.pg_class r ON r.oid = k.confrelid"
+);
+
+/// An object a DDL command created or altered: `(classid, objid, objsubid)`
+/// as `pg_event_trigger_ddl_commands()` reports it.
+pub type ObjectAddress = (u32, u32, i32);
+
+/// A stream's control connection, with the queries it runs after every DDL
+/// transaction prepared on it. PostgreSQL takes longer to plan these
+/// catalog queries than to run them: prepared, they are planned once per
+/// connection instead of once per DDL statement.
+pub struct Control {
+    client: Arc<Client>,
+    visible: Statement,
+    names: Statement,
+    publication: Statement,
+    publishable: Statement,
+}
+
+impl Control {
+    pub async fn prepare(client: Client) -> Result<Control, ReplicationError> {
+        // Planned once for any arguments: left to choose, PostgreSQL plans
+        // the publication's lookup anew every time, its estimate of a plan
+        // for the given names being the lower.
+        client
+            .batch_execute("SET plan_cache_mode = force_generic_plan")
+            .await?;
+        let visible = client.prepare_typed(VISIBLE, &[Type::INT8_ARRAY]).await?;
+        let names = client
+            .prepare_typed(NAMES, &[Type::OID_ARRAY, Type::OID_ARRAY, Type::INT4_ARRAY])
+            .await?;
+        let publication = client.prepare_typed(PUBLICATION, &[Type::TEXT]).await?;
+        let publishable = client
+            .prepare_typed(PUBLISHABLE_NAMED, &[Type::TEXT, Type::NAME_ARRAY])
+            .await?;
+        Ok(Control {
+            client: Arc::new(client),
+            visible,
+            names,
+            publication,
+            publishable,
+        })
+    }
+
+    /// The connection, for what else the stream asks on it (heartbeats,
+    /// the start position, the trigger).
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// Waits until transactions `xids` (32-bit, from the stream) are
+    /// visible in a new snapshot. Gives up after two seconds.
+    pub async fn wait_visible(&self, xids: &[u32]) -> Result<(), ReplicationError> {
+        let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let visible: Option<bool> =
+                self.client.query_one(&self.visible, &[&xids]).await?.get(0);
+            if visible != Some(false) || tokio::time::Instant::now() >= deadline {
+                return Ok(());
+            }
+            // The window is the few microseconds between a commit's WAL
+            // flush and its proc-array update: a short pause, not a
+            // synchronisation.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// The bare names whose facts `objects` changed (see [`NAMES`]). Asked
+    /// after the DDL committed, so an object may be gone: `None` then,
+    /// meaning anything may have changed.
+    pub async fn ddl_names(
+        &self,
+        objects: &[ObjectAddress],
+    ) -> Result<Option<Vec<String>>, ReplicationError> {
+        let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
+        let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
+        let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
+        let rows = match self
+            .client
+            .query(&self.names, &[&classids, &objids, &subids])
+            .await
+        {
+            Ok(rows) => rows,
+            // An object gone before it could be named.
+            Err(e) if e.as_db_error().is_some() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(rows.iter().map(|r| r.get::<_, Option<String>>(0)).collect())
+    }
+
+    /// Creates the publication if needed and makes it list exactly the
+    /// tables that have a replica identity: every table, or (after DDL that
+    /// named them) the tables of these names, so that the cost of a DDL
+    /// statement does not grow with the database.
+    pub async fn sync_publication(
+        &self,
+        publication: &str,
+        only: Option<&[String]>,
+    ) -> Result<Synced, ReplicationError> {
+        let ctl = &self.client;
+        let quoted = quote_ident(publication);
+        match ctl.query_opt(&self.publication, &[&publication]).await? {
+            Some(row) if row.get::<_, bool>(0) => {
+                // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
+                return Ok(Synced::default());
+            }
+            Some(_) => {}
+            None => {
+                ctl.batch_execute(&format!(
+                    "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
+                ))
+                .await?;
+                info!(publication, "created publication");
+            }
+        }
+        let rows = match only {
+            Some(names) => {
+                ctl.query(&self.publishable, &[&publication, &names])
+                    .await?
+            }
+            None => {
+                ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
+                    .await?
+            }
+        };
+        let mut add = Vec::new();
+        let mut added = Vec::new();
+        let mut drop = Vec::new();
+        let mut unpublishable = Vec::new();
+        for row in rows {
+            let name: String = row.get(0);
+            let published: bool = row.get(2);
+            let has_identity: bool = row.get(3);
+            match (published, has_identity) {
+                (false, true) => {
+                    add.push(name);
+                    added.push(row.get(1));
+                }
+                (true, false) => {
+                    unpublishable.push((name.clone(), row.get(1)));
+                    drop.push(name);
+                }
+                (false, false) => unpublishable.push((name, row.get(1))),
+                (true, true) => {}
+            }
+        }
+        if !add.is_empty() {
+            ctl.batch_execute(&format!(
+                "ALTER PUBLICATION {quoted} ADD TABLE {}",
+                add.join(", ")
+            ))
+            .await?;
+            debug!(
+                publication,
+                tables = add.len(),
+                "added tables to the publication"
+            );
+        }
+        if !drop.is_empty() {
+            ctl.batch_execute(&format!(
+                "ALTER PUBLICATION {quoted} DROP TABLE {}",
+                drop.join(", ")
+            ))
+            .await?;
+        }
+        Ok(Synced {
+            unpublished: unpublishable,
+            added,
+        })
+    }
+}
 
 /// What [`sync_publication`] did.
 #[derive(Debug, Default)]
@@ -156,137 +387,6 @@ pub struct Synced {
     pub unpublished: Vec<(String, String)>,
     /// Bare names of the tables it added.
     pub added: Vec<String>,
-}
-
-/// Creates the publication if needed and makes it list exactly the tables
-/// that have a replica identity: every table, or (after DDL that named
-/// them) the tables of these names, so that the cost of a DDL statement
-/// does not grow with the database.
-pub async fn sync_publication(
-    ctl: &tokio_postgres::Client,
-    publication: &str,
-    only: Option<&[String]>,
-) -> Result<Synced, ReplicationError> {
-    let quoted = quote_ident(publication);
-    let exists = ctl
-        .query_typed_opt(
-            "SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = $1",
-            &[(&publication, Type::TEXT)],
-        )
-        .await?;
-    match exists {
-        Some(row) if row.get::<_, bool>(0) => {
-            // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-            return Ok(Synced::default());
-        }
-        Some(_) => {}
-        None => {
-            ctl.batch_execute(&format!(
-                "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
-            ))
-            .await?;
-            info!(publication, "created publication");
-        }
-    }
-    let params: [(&(dyn ToSql + Sync), Type); 2] =
-        [(&publication, Type::TEXT), (&only, Type::TEXT_ARRAY)];
-    let rows = ctl.query_typed(PUBLISHABLE, &params).await?;
-    let mut add = Vec::new();
-    let mut added = Vec::new();
-    let mut drop = Vec::new();
-    let mut unpublishable = Vec::new();
-    for row in rows {
-        let name: String = row.get(0);
-        let published: bool = row.get(2);
-        let has_identity: bool = row.get(3);
-        match (published, has_identity) {
-            (false, true) => {
-                add.push(name);
-                added.push(row.get(1));
-            }
-            (true, false) => {
-                unpublishable.push((name.clone(), row.get(1)));
-                drop.push(name);
-            }
-            (false, false) => unpublishable.push((name, row.get(1))),
-            (true, true) => {}
-        }
-    }
-    if !add.is_empty() {
-        ctl.batch_execute(&format!(
-            "ALTER PUBLICATION {quoted} ADD TABLE {}",
-            add.join(", ")
-        ))
-        .await?;
-        debug!(
-            publication,
-            tables = add.len(),
-            "added tables to the publication"
-        );
-    }
-    if !drop.is_empty() {
-        ctl.batch_execute(&format!(
-            "ALTER PUBLICATION {quoted} DROP TABLE {}",
-            drop.join(", ")
-        ))
-        .await?;
-    }
-    Ok(Synced {
-        unpublished: unpublishable,
-        added,
-    })
-}
-
-/// Object types whose changes leave every fact pgcache keeps as it was (a
-/// schema renamed keeps its relations' bare names; a dropped table's row
-/// type, indexes and toast table are reported beside it).
-const NO_FACTS: &str = "'schema', 'type', 'index', 'toast table', 'operator', 'operator class', \
-    'operator family', 'publication', 'extension', 'statistics object', 'collation', 'cast'";
-
-/// An object a DDL command created or altered: `(classid, objid, objsubid)`
-/// as `pg_event_trigger_ddl_commands()` reports it.
-pub type ObjectAddress = (u32, u32, i32);
-
-/// The bare names whose facts `objects` changed: each object's own
-/// relation or function name, plus the tables whose facts depend on it
-/// (inheritance relatives, tables its foreign keys reference). Asked after
-/// the DDL committed, so an object may be gone: `None` then, meaning
-/// anything may have changed.
-pub async fn ddl_names(
-    ctl: &tokio_postgres::Client,
-    objects: &[ObjectAddress],
-) -> Result<Option<Vec<String>>, ReplicationError> {
-    let sql = format!(
-        "SELECT CASE WHEN a.type IS NULL OR cardinality(a.object_names) < 2 THEN NULL
-                ELSE a.object_names[2] END
-         FROM unnest($1::pg_catalog.oid[], $2::pg_catalog.oid[], $3::pg_catalog.int4[]) d(classid, objid, objsubid)
-         CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
-         WHERE a.type IS NULL OR a.type NOT IN ({NO_FACTS})
-         UNION ALL
-         SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
-           JOIN pg_catalog.pg_inherits i ON d.objid IN (i.inhrelid, i.inhparent)
-           JOIN pg_catalog.pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
-         UNION ALL
-         SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
-           JOIN pg_catalog.pg_constraint k ON k.conrelid = d.objid AND k.contype = 'f'
-           JOIN pg_catalog.pg_class r ON r.oid = k.confrelid"
-    );
-    let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
-    let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
-    let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
-    let params: [(&(dyn ToSql + Sync), Type); 3] = [
-        (&classids, Type::OID_ARRAY),
-        (&objids, Type::OID_ARRAY),
-        (&subids, Type::INT4_ARRAY),
-    ];
-    let rows = match ctl.query_typed(&sql, &params).await {
-        Ok(rows) => rows,
-        // An object gone before it could be named.
-        Err(e) if e.as_db_error().is_some() => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let names: Option<Vec<String>> = rows.iter().map(|r| r.get::<_, Option<String>>(0)).collect();
-    Ok(names)
 }
 
 /// Installs an event trigger that announces DDL in the stream, so DDL made
@@ -327,6 +427,7 @@ pub async fn install_ddl_trigger(
     // a command created or altered (named later, by [`ddl_names`], off the
     // user's transaction: naming it here costed a third more per DDL
     // statement), "*" for anything. The tag alone means anything.
+    let no_facts = no_facts!();
     let body = format!(
         "
            DECLARE
@@ -339,7 +440,7 @@ pub async fn install_ddl_trigger(
                  SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
                      ELSE o.address_names[2] END, E'\\n')
                    INTO names FROM pg_event_trigger_dropped_objects() o
-                   WHERE o.object_type NOT IN ({NO_FACTS});
+                   WHERE o.object_type NOT IN ({no_facts});
                ELSE
                  SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
                    INTO names FROM pg_event_trigger_ddl_commands() c;
@@ -384,34 +485,6 @@ async fn installed(ctl: &tokio_postgres::Client, body: &str) -> bool {
     match ctl.query_opt(INSTALLED, &[&body]).await {
         Ok(Some(row)) => row.get::<_, Option<bool>>(0) == Some(true),
         _ => false,
-    }
-}
-
-/// Waits until transactions `xids` (32-bit, from the stream) are visible
-/// in a new snapshot of the control connection. Gives up after two seconds.
-pub async fn wait_visible(
-    ctl: &tokio_postgres::Client,
-    xids: &[u32],
-) -> Result<(), ReplicationError> {
-    // Widen each xid with the epoch of the current snapshot's xmax.
-    const VISIBLE: &str = "SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
-        ((((m.x >> 32) - CASE WHEN d.xid > (m.x & 4294967295) THEN 1 ELSE 0 END) << 32) | d.xid)::text::xid8, s))
-        FROM pg_catalog.pg_current_snapshot() s,
-             LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m,
-             pg_catalog.unnest($1::int8[]) d(xid)";
-    let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-    loop {
-        let visible: Option<bool> = ctl
-            .query_typed_one(VISIBLE, &[(&xids, Type::INT8_ARRAY)])
-            .await?
-            .get(0);
-        if visible != Some(false) || tokio::time::Instant::now() >= deadline {
-            return Ok(());
-        }
-        // The window is the few microseconds between a commit's WAL flush
-        // and its proc-array update: a short pause, not a synchronisation.
-        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

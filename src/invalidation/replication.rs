@@ -12,9 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::ReplicationError;
-use super::control::{
-    ddl_names, full_message, install_ddl_trigger, sync_publication, wait_visible,
-};
+use super::control::{Control, full_message, install_ddl_trigger};
 use super::decoder::{Announced, Decoder};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
@@ -232,42 +230,39 @@ impl Streams {
 
     /// What the stream needs of the database: the publication current, the
     /// DDL event trigger in place.
-    async fn prepare(
-        &self,
-        ctl: &tokio_postgres::Client,
-        db: &DbState,
-    ) -> Result<(), ReplicationError> {
+    async fn prepare(&self, ctl: &Control, db: &DbState) -> Result<(), ReplicationError> {
         if self.settings.manage_publication {
-            let synced = sync_publication(ctl, &self.settings.publication, None).await?;
+            let synced = ctl
+                .sync_publication(&self.settings.publication, None)
+                .await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
         if self.settings.ddl_event_trigger {
             let managed = self.settings.manage_publication;
             let publication = managed.then_some(self.settings.publication.as_str());
-            install_ddl_trigger(ctl, &db.name, publication).await;
+            install_ddl_trigger(ctl.client(), &db.name, publication).await;
         }
         Ok(())
     }
 
     async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
         let database = db.name.as_str();
-        let ctl = self.upstream.control(database).await?;
+        let ctl = Control::prepare(self.upstream.control(database).await?).await?;
         self.prepare(&ctl, db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
-        let ctl = Arc::new(ctl);
         let beats = Arc::new(Heartbeats::new(self.instance));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
         let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
-            Arc::clone(&ctl),
+            Arc::clone(ctl.client()),
             Arc::clone(&beats),
             every,
         )));
         let mut listener = listen(&self.upstream, database).await?;
-        let start = self.missed(&ctl, db).await?;
+        let start = self.missed(ctl.client(), db).await?;
         db.stream
             .started(Duration::from_millis(self.settings.max_staleness_ms));
         db.stream.set_streaming(true);
@@ -411,14 +406,14 @@ impl Streams {
     /// bring the publication up to date.
     async fn after_ddl(
         &self,
-        ctl: &tokio_postgres::Client,
+        ctl: &Control,
         db: &Arc<DbState>,
         (xid, announced): (u32, Announced),
     ) -> Result<(), ReplicationError> {
-        wait_visible(ctl, &[xid]).await?;
+        ctl.wait_visible(&[xid]).await?;
         let mut ddl = announced.names;
         if !announced.objects.is_empty() {
-            let named = ddl_names(ctl, &announced.objects).await?;
+            let named = ctl.ddl_names(&announced.objects).await?;
             debug!(database = %db.name, ?named, "DDL objects named");
             ddl.merge(&match named {
                 Some(names) => Ddl::objects(names),
@@ -433,7 +428,10 @@ impl Streams {
         };
         self.invalidate(db, Bumps::ddl(ddl)).await;
         if self.settings.manage_publication && only.as_ref().is_none_or(|o| !o.is_empty()) {
-            match sync_publication(ctl, &self.settings.publication, only.as_deref()).await {
+            match ctl
+                .sync_publication(&self.settings.publication, only.as_deref())
+                .await
+            {
                 Ok(synced) => {
                     self.note_unpublished(db, only.as_deref(), synced.unpublished);
                     // Facts fetched before a table joined the publication
