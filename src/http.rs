@@ -46,6 +46,15 @@ fn render(app: &App) -> String {
             .restarts
             .with_label_values(&labels)
             .set(db.stream.starts() as i64);
+        let (ddl_transactions, ddl_rounds) = db.stream.ddl();
+        m.replication
+            .ddl_transactions
+            .with_label_values(&labels)
+            .set(ddl_transactions as i64);
+        m.replication
+            .ddl_rounds
+            .with_label_values(&labels)
+            .set(ddl_rounds as i64);
         m.replication
             .unpublished_tables
             .with_label_values(&labels)

@@ -98,32 +98,6 @@ async fn stale_reads_end_within_the_lease(
     eprintln!("first fresh read {fresh_since:?} after the write (bound on stale reads {bound:?})");
 }
 
-/// SIGCONTs the process when dropped, so a failing test never leaves a
-/// stopped walsender behind.
-struct Stopped(i32);
-
-impl Stopped {
-    fn new(pid: i32) -> Self {
-        signal("-STOP", pid);
-        Stopped(pid)
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        signal("-CONT", self.0);
-    }
-}
-
-fn signal(sig: &str, pid: i32) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
 #[tokio::test]
 async fn a_stopped_walsender_stops_serving_within_the_lease_and_resumes_after() {
     let (db, proxy, client) = setup("fresh_stop", pg().port).await;

@@ -197,6 +197,71 @@ async fn ddl_made_outside_pgcache_invalidates() {
     .await;
 }
 
+/// DDL that reaches the stream together (here: committed while the
+/// walsender was stopped) is named and its tables published in one round
+/// of queries, and each statement's effect is still seen.
+#[tokio::test]
+async fn ddl_that_arrives_together_is_handled_in_few_rounds() {
+    const TABLES: usize = 10;
+    let (db, proxy, client, direct) = setup_streaming(
+        "ddlburst",
+        "CREATE TABLE a(id int PRIMARY KEY); INSERT INTO a VALUES (1)",
+    )
+    .await;
+    assert_eq!(
+        cached(&proxy, &client, "SELECT * FROM a").await.as_deref(),
+        Some("1")
+    );
+    let state = proxy.app.cache.db(&db);
+    let (transactions, rounds) = state.stream.ddl();
+    let pid = scalar(
+        &direct,
+        &format!("SELECT active_pid FROM pg_replication_slots WHERE database = '{db}'"),
+    )
+    .await
+    .expect("pgcache's slot is active")
+    .parse()
+    .unwrap();
+    let stopped = Stopped::new(pid);
+    for i in 0..TABLES {
+        direct
+            .batch_execute(&format!("CREATE TABLE burst_{i}(id int PRIMARY KEY)"))
+            .await
+            .unwrap();
+    }
+    direct
+        .batch_execute("ALTER TABLE a ADD COLUMN v int DEFAULT 7")
+        .await
+        .unwrap();
+    drop(stopped);
+    eventually_reads(&client, "SELECT v FROM a", "7").await;
+    let published = "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'pgcache' AND tablename LIKE 'burst%'";
+    eventually_reads(&direct, published, &TABLES.to_string()).await;
+    let (now_transactions, now_rounds) = state.stream.ddl();
+    // pgcache's own ALTER PUBLICATION is DDL the stream sees too.
+    let handled = now_transactions - transactions;
+    assert!(
+        handled > TABLES as u64,
+        "{handled} DDL transactions handled"
+    );
+    let took = now_rounds - rounds;
+    assert!(
+        took * 2 <= handled,
+        "{handled} DDL transactions that arrived together took {took} rounds"
+    );
+    let (_, metrics) = proxy.http_get("/metrics").await;
+    let series = format!("pgcache_replication_ddl_rounds{{database=\"{db}\"}} ");
+    let shown: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse().ok())
+        .expect("the DDL rounds series");
+    assert!(
+        shown >= now_rounds,
+        "{shown} rounds shown, {now_rounds} counted"
+    );
+}
+
 #[tokio::test]
 async fn a_killed_walsender_reconnects_and_flushes_the_cache() {
     let (db, proxy, client, direct) = setup_streaming(

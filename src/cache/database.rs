@@ -132,6 +132,10 @@ pub struct StreamHealth {
     beats: Mutex<std::collections::VecDeque<(u64, u64)>>,
     /// How many times the stream (re)started.
     starts: AtomicU64,
+    /// DDL transactions the stream handled, and the rounds of naming and
+    /// publication checks it took (several arriving together share one).
+    ddl_transactions: AtomicU64,
+    ddl_rounds: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity:
     /// qualified name to bare name.
     unpublished: Mutex<BTreeMap<String, String>>,
@@ -172,6 +176,8 @@ impl Default for StreamHealth {
             applied_lsn: AtomicU64::new(0),
             beats: Mutex::default(),
             starts: AtomicU64::new(0),
+            ddl_transactions: AtomicU64::new(0),
+            ddl_rounds: AtomicU64::new(0),
             unpublished: Mutex::default(),
             unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
@@ -313,6 +319,21 @@ impl StreamHealth {
 
     pub fn starts(&self) -> u64 {
         self.starts.load(Ordering::Acquire)
+    }
+
+    /// The stream handles `transactions` DDL transactions in one round.
+    pub fn ddl_handled(&self, transactions: usize) {
+        self.ddl_transactions
+            .fetch_add(transactions as u64, Ordering::Relaxed);
+        self.ddl_rounds.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// DDL transactions handled, and the rounds they took.
+    pub fn ddl(&self) -> (u64, u64) {
+        (
+            self.ddl_transactions.load(Ordering::Relaxed),
+            self.ddl_rounds.load(Ordering::Relaxed),
+        )
     }
 
     /// A heartbeat sent at `sent`, written at WAL position `lsn`, came

@@ -50,6 +50,22 @@ impl Announced {
     }
 }
 
+/// DDL transactions committed and not yet handled, taken together: the
+/// stream names what they changed and checks the publication once for all
+/// of them.
+#[derive(Debug, Default)]
+pub(super) struct Committed {
+    pub(super) xids: Vec<u32>,
+    pub(super) announced: Announced,
+}
+
+impl Committed {
+    pub(super) fn add(&mut self, (xid, announced): (u32, Announced)) {
+        self.xids.push(xid);
+        self.announced.merge(announced);
+    }
+}
+
 /// Turns pgoutput events into version bumps, transaction by transaction,
 /// notes heartbeats coming back, and keeps the byte lag.
 pub(super) struct Decoder {
@@ -232,5 +248,23 @@ mod tests {
             }
         );
         assert_eq!(names(b"ALTER TABLE\n@1259,x,0"), Ddl::All, "unreadable");
+    }
+
+    #[test]
+    fn ddl_transactions_committed_together_are_handled_as_one() {
+        let mut committed = Committed::default();
+        committed.add((7, ddl_message(b"DROP TABLE\nt")));
+        committed.add((9, ddl_message(b"CREATE TABLE\n@1259,16384,0")));
+        committed.add((12, ddl_message(b"DROP TABLE\nu")));
+        assert_eq!(committed.xids, [7, 9, 12]);
+        assert_eq!(
+            committed.announced,
+            Announced {
+                names: Ddl::objects(["t", "u"]),
+                objects: vec![(1259, 16384, 0)],
+            }
+        );
+        committed.add((13, ddl_message(b"DROP SCHEMA\ns\n*")));
+        assert_eq!(committed.announced.names, Ddl::All);
     }
 }

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
+
 use tokio_postgres::error::SqlState;
 use tokio_util::task::AbortOnDropHandle;
 
@@ -13,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use super::ReplicationError;
 use super::control::{Control, full_message, install_ddl_trigger};
-use super::decoder::{Announced, Decoder};
+use super::decoder::{Committed, Decoder};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
 use crate::cache::hold::Paused;
@@ -268,22 +270,40 @@ impl Streams {
         db.stream.set_streaming(true);
         info!(database, slot, "replication stream up");
         let mut state = Decoder::new(beats);
+        // DDL transactions seen and not yet handled. They are handled once
+        // nothing else waits in the stream, or before a heartbeat: DDL that
+        // arrives together (a migration, DDL from several sessions, DDL
+        // that committed while the last was being handled) costs one round
+        // of queries, and lone DDL is handled as soon as it arrives.
+        let mut ddl: Option<Committed> = None;
         loop {
-            let event = tokio::select! {
-                event = stream.recv() => event?,
-                payload = listener.payloads.recv() => {
-                    let Some(payload) = payload else {
-                        return Err(ReplicationError::Config(format!("the {CHANNEL} listener's connection ended")));
-                    };
-                    self.notified(db, &payload).await;
-                    continue;
-                }
-                failed = &mut beating => {
-                    return Err(match failed {
-                        Ok(e) => e,
-                        Err(_) => ReplicationError::Config("the heartbeat task ended".into()),
-                    });
-                }
+            let ready = ddl
+                .is_some()
+                .then(|| stream.recv().now_or_never())
+                .flatten();
+            if ready.is_none()
+                && let Some(committed) = ddl.take()
+            {
+                self.after_ddl(&ctl, db, committed).await?;
+            }
+            let event = match ready {
+                Some(event) => event?,
+                None => tokio::select! {
+                    event = stream.recv() => event?,
+                    payload = listener.payloads.recv() => {
+                        let Some(payload) = payload else {
+                            return Err(ReplicationError::Config(format!("the {CHANNEL} listener's connection ended")));
+                        };
+                        self.notified(db, &payload).await;
+                        continue;
+                    }
+                    failed = &mut beating => {
+                        return Err(match failed {
+                            Ok(e) => e,
+                            Err(_) => ReplicationError::Config("the heartbeat task ended".into()),
+                        });
+                    }
+                },
             };
             let Some(event) = event else {
                 return Ok(());
@@ -298,11 +318,14 @@ impl Streams {
                 self.invalidate(db, step.bumps).await;
             }
             if let Some(committed) = step.ddl_committed {
-                self.after_ddl(&ctl, db, committed).await?;
+                ddl.get_or_insert_default().add(committed);
             }
             if let Some((sent, lsn)) = step.beat {
-                // After the step: a heartbeat back proves what came before
-                // it, DDL named and invalidated included.
+                // A heartbeat back proves what came before it, DDL named
+                // and invalidated included.
+                if let Some(committed) = ddl.take() {
+                    self.after_ddl(&ctl, db, committed).await?;
+                }
                 db.stream.heartbeat_applied(sent, lsn);
                 // After the bumps of what it follows are in Redis.
                 if let Some(tier) = self.cache.shared() {
@@ -399,18 +422,19 @@ impl Streams {
         Ok(stream)
     }
 
-    /// A transaction that ran DDL committed. The stream can deliver a
+    /// Transactions that ran DDL committed. The stream can deliver a
     /// commit before the transaction is visible to other sessions: wait
-    /// until it is, name the objects it created or altered, forget what it
-    /// changed again (a fetch may have read the old catalog meanwhile) and
-    /// bring the publication up to date.
+    /// until they are, name the objects they created or altered, forget
+    /// what they changed again (a fetch may have read the old catalog
+    /// meanwhile) and bring the publication up to date.
     async fn after_ddl(
         &self,
         ctl: &Control,
         db: &Arc<DbState>,
-        (xid, announced): (u32, Announced),
+        Committed { xids, announced }: Committed,
     ) -> Result<(), ReplicationError> {
-        ctl.wait_visible(&[xid]).await?;
+        db.stream.ddl_handled(xids.len());
+        ctl.wait_visible(&xids).await?;
         let mut ddl = announced.names;
         if !announced.objects.is_empty() {
             let named = ctl.ddl_names(&announced.objects).await?;

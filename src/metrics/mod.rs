@@ -259,6 +259,8 @@ pub struct ReplicationGauges {
     pub lag_seconds: GaugeVec,
     pub lag_bytes: IntGaugeVec,
     pub restarts: IntGaugeVec,
+    pub ddl_transactions: IntGaugeVec,
+    pub ddl_rounds: IntGaugeVec,
     pub unpublished_tables: IntGaugeVec,
 }
 
@@ -287,6 +289,16 @@ impl ReplicationGauges {
             restarts: r.database_gauge(
                 "pgcache_replication_stream_starts",
                 "Times the database's stream (re)started",
+            ),
+            ddl_transactions: r.database_gauge(
+                "pgcache_replication_ddl_transactions",
+                "Transactions with DDL the stream saw commit and handled (named what they \
+                 changed, checked the publication)",
+            ),
+            ddl_rounds: r.database_gauge(
+                "pgcache_replication_ddl_rounds",
+                "Rounds of queries the stream ran to handle DDL: transactions that arrive \
+                 together share one",
             ),
             unpublished_tables: r.database_gauge(
                 "pgcache_unpublished_tables",

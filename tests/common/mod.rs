@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 pub use pg::*;
 #[allow(unused_imports)]
-pub use process::{pg_bindir, scratch_dir};
+pub use process::{Stopped, pg_bindir, scratch_dir};
 pub use proxy::Proxy;
 // Only the fault tests relay connections.
 #[allow(unused_imports)]

@@ -92,3 +92,29 @@ pub fn on_process_exit(script: &str) {
         .spawn()
         .expect("spawn cleanup watchdog");
 }
+
+/// A process stopped with SIGSTOP, continued (SIGCONT) when dropped, so a
+/// failing test never leaves a stopped server process behind.
+pub struct Stopped(i32);
+
+impl Stopped {
+    pub fn new(pid: i32) -> Self {
+        signal("-STOP", pid);
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal("-CONT", self.0);
+    }
+}
+
+fn signal(sig: &str, pid: i32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
