@@ -132,23 +132,30 @@ macro_rules! has_identity {
     };
 }
 
-/// Tables that may join the publication: permanent user tables (partitioned
-/// roots rather than partitions) `c` of `$from`, whether publication `$1`
-/// lists them, and whether they have a replica identity.
+/// Publication `$1`: whether it publishes every table (NULL: it does not
+/// exist), and unless it does, the tables that may join it, one row each:
+/// permanent user tables (partitioned roots rather than partitions) `c` of
+/// `$from`, their qualified and bare names, whether the publication lists
+/// them and whether they have a replica identity. One round trip: the
+/// stream runs it after every DDL.
 macro_rules! publishable {
     ($from:literal) => {
         concat!(
-            "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, c.oid IN
-    (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr
-     JOIN pg_catalog.pg_publication p ON p.oid = pr.prpubid WHERE p.pubname = $1),
+            "SELECT p.puballtables, t.qualified, t.name, t.published, t.identity
+FROM (SELECT) one
+LEFT JOIN pg_catalog.pg_publication p ON p.pubname = $1
+LEFT JOIN LATERAL (
+  SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text,
+    c.oid IN (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr WHERE pr.prpubid = p.oid),
   ",
             has_identity!(),
             "
-FROM ",
+  FROM ",
             $from,
             " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
-  AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'"
+  WHERE NOT p.puballtables AND c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
+    AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
+) t(qualified, name, published, identity) ON true"
         )
     };
 }
@@ -162,20 +169,8 @@ const PUBLISHABLE: &str = publishable!("pg_catalog.pg_class c");
 /// once for any names, the join would scan pg_class.
 const PUBLISHABLE_NAMED: &str = publishable!(
     "pg_catalog.unnest($2::pg_catalog.name[]) w(relname)
-CROSS JOIN LATERAL (SELECT * FROM pg_catalog.pg_class c WHERE c.relname = w.relname OFFSET 0) c"
+  CROSS JOIN LATERAL (SELECT * FROM pg_catalog.pg_class c WHERE c.relname = w.relname OFFSET 0) c"
 );
-
-/// Whether publication `$1` exists and publishes every table.
-const PUBLICATION: &str = "SELECT puballtables FROM pg_catalog.pg_publication WHERE pubname = $1";
-
-/// Whether every transaction of `$1` (32-bit xids from the stream) is
-/// visible in a new snapshot; each xid is widened with the epoch of the
-/// snapshot's xmax.
-const VISIBLE: &str = "SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
-    ((((m.x >> 32) - CASE WHEN d.xid > (m.x & 4294967295) THEN 1 ELSE 0 END) << 32) | d.xid)::text::xid8, s))
-    FROM pg_catalog.pg_current_snapshot() s,
-         LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m,
-         pg_catalog.unnest($1::int8[]) d(xid)";
 
 /// Object types whose changes leave every fact pgcache keeps as it was (a
 /// schema renamed keeps its relations' bare names; a dropped table's row
@@ -187,26 +182,43 @@ macro_rules! no_facts {
     };
 }
 
-/// The bare names whose facts objects `($1, $2, $3)` (class, object and
-/// sub-object ids) changed: each object's own relation or function name,
-/// plus the tables whose facts depend on it (inheritance relatives, tables
-/// its foreign keys reference). NULL for an object that is gone.
-const NAMES: &str = concat!(
-    "SELECT CASE WHEN a.type IS NULL OR cardinality(a.object_names) < 2 THEN NULL
+/// Whether every transaction of `$1` (32-bit xids from the stream) is
+/// visible in the statement's snapshot (each xid widened with the epoch of
+/// the snapshot's xmax; NULL for none), and if so, one row per name whose
+/// facts objects `($2, $3, $4)` (class, object and sub-object ids) changed:
+/// each object's own relation or function name, plus the tables whose
+/// facts depend on it (inheritance relatives, tables its foreign keys
+/// reference). `named` marks those rows; a NULL name is an object that is
+/// gone. One round trip, in the snapshot that saw the transactions.
+const VISIBLE_NAMES: &str = concat!(
+    "SELECT v.visible, n.named, n.name
+FROM (
+  SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
+    ((((m.x >> 32) - CASE WHEN d.xid > (m.x & 4294967295) THEN 1 ELSE 0 END) << 32) | d.xid)::text::xid8, s))
+  FROM pg_catalog.pg_current_snapshot() s,
+       LATERAL (SELECT pg_catalog.pg_snapshot_xmax(s)::text::bigint AS x) m,
+       pg_catalog.unnest($1::int8[]) d(xid)
+) v(visible)
+LEFT JOIN LATERAL (
+  SELECT true, x.name FROM (
+    SELECT CASE WHEN a.type IS NULL OR cardinality(a.object_names) < 2 THEN NULL
         ELSE a.object_names[2] END
- FROM unnest($1::pg_catalog.oid[], $2::pg_catalog.oid[], $3::pg_catalog.int4[]) d(classid, objid, objsubid)
- CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
- WHERE a.type IS NULL OR a.type NOT IN (",
+    FROM unnest($2::pg_catalog.oid[], $3::pg_catalog.oid[], $4::pg_catalog.int4[]) d(classid, objid, objsubid)
+    CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
+    WHERE a.type IS NULL OR a.type NOT IN (",
     no_facts!(),
     ")
- UNION ALL
- SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
-   JOIN pg_catalog.pg_inherits i ON d.objid IN (i.inhrelid, i.inhparent)
-   JOIN pg_catalog.pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
- UNION ALL
- SELECT r.relname::text FROM unnest($2::pg_catalog.oid[]) d(objid)
-   JOIN pg_catalog.pg_constraint k ON k.conrelid = d.objid AND k.contype = 'f'
-   JOIN pg_catalog.pg_class r ON r.oid = k.confrelid"
+    UNION ALL
+    SELECT r.relname::text FROM unnest($3::pg_catalog.oid[]) d(objid)
+      JOIN pg_catalog.pg_inherits i ON d.objid IN (i.inhrelid, i.inhparent)
+      JOIN pg_catalog.pg_class r ON r.oid IN (i.inhrelid, i.inhparent)
+    UNION ALL
+    SELECT r.relname::text FROM unnest($3::pg_catalog.oid[]) d(objid)
+      JOIN pg_catalog.pg_constraint k ON k.conrelid = d.objid AND k.contype = 'f'
+      JOIN pg_catalog.pg_class r ON r.oid = k.confrelid
+  ) x(name)
+  WHERE v.visible IS NOT FALSE
+) n(named, name) ON true"
 );
 
 /// An object a DDL command created or altered: `(classid, objid, objsubid)`
@@ -219,9 +231,7 @@ pub type ObjectAddress = (u32, u32, i32);
 /// connection instead of once per DDL statement.
 pub struct Control {
     client: Arc<Client>,
-    visible: Statement,
-    names: Statement,
-    publication: Statement,
+    visible_names: Statement,
     publishable: Statement,
 }
 
@@ -233,19 +243,23 @@ impl Control {
         client
             .batch_execute("SET plan_cache_mode = force_generic_plan")
             .await?;
-        let visible = client.prepare_typed(VISIBLE, &[Type::INT8_ARRAY]).await?;
-        let names = client
-            .prepare_typed(NAMES, &[Type::OID_ARRAY, Type::OID_ARRAY, Type::INT4_ARRAY])
+        let visible_names = client
+            .prepare_typed(
+                VISIBLE_NAMES,
+                &[
+                    Type::INT8_ARRAY,
+                    Type::OID_ARRAY,
+                    Type::OID_ARRAY,
+                    Type::INT4_ARRAY,
+                ],
+            )
             .await?;
-        let publication = client.prepare_typed(PUBLICATION, &[Type::TEXT]).await?;
         let publishable = client
             .prepare_typed(PUBLISHABLE_NAMED, &[Type::TEXT, Type::NAME_ARRAY])
             .await?;
         Ok(Control {
             client: Arc::new(client),
-            visible,
-            names,
-            publication,
+            visible_names,
             publishable,
         })
     }
@@ -257,44 +271,47 @@ impl Control {
     }
 
     /// Waits until transactions `xids` (32-bit, from the stream) are
-    /// visible in a new snapshot. Gives up after two seconds.
-    pub async fn wait_visible(&self, xids: &[u32]) -> Result<(), ReplicationError> {
+    /// visible, then names what `objects` changed (see [`VISIBLE_NAMES`]).
+    /// `None`, meaning anything may have changed, for an object gone before
+    /// it could be named, or transactions still invisible after two
+    /// seconds.
+    pub async fn visible_names(
+        &self,
+        xids: &[u32],
+        objects: &[ObjectAddress],
+    ) -> Result<Option<Vec<String>>, ReplicationError> {
         let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
+        let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
+        let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
+        let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
         loop {
-            let visible: Option<bool> =
-                self.client.query_one(&self.visible, &[&xids]).await?.get(0);
-            if visible != Some(false) || tokio::time::Instant::now() >= deadline {
-                return Ok(());
+            let rows = match self
+                .client
+                .query(&self.visible_names, &[&xids, &classids, &objids, &subids])
+                .await
+            {
+                Ok(rows) => rows,
+                // An object gone before it could be named.
+                Err(e) if e.as_db_error().is_some() => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            let visible: Option<bool> = rows.first().and_then(|r| r.get(0));
+            if visible != Some(false) {
+                return Ok(rows
+                    .iter()
+                    .filter(|r| r.get::<_, Option<bool>>(1).is_some())
+                    .map(|r| r.get::<_, Option<String>>(2))
+                    .collect());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(None);
             }
             // The window is the few microseconds between a commit's WAL
             // flush and its proc-array update: a short pause, not a
             // synchronisation.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-    }
-
-    /// The bare names whose facts `objects` changed (see [`NAMES`]). Asked
-    /// after the DDL committed, so an object may be gone: `None` then,
-    /// meaning anything may have changed.
-    pub async fn ddl_names(
-        &self,
-        objects: &[ObjectAddress],
-    ) -> Result<Option<Vec<String>>, ReplicationError> {
-        let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
-        let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
-        let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
-        let rows = match self
-            .client
-            .query(&self.names, &[&classids, &objids, &subids])
-            .await
-        {
-            Ok(rows) => rows,
-            // An object gone before it could be named.
-            Err(e) if e.as_db_error().is_some() => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        Ok(rows.iter().map(|r| r.get::<_, Option<String>>(0)).collect())
     }
 
     /// Creates the publication if needed and makes it list exactly the
@@ -308,28 +325,30 @@ impl Control {
     ) -> Result<Synced, ReplicationError> {
         let ctl = &self.client;
         let quoted = quote_ident(publication);
-        match ctl.query_opt(&self.publication, &[&publication]).await? {
-            Some(row) if row.get::<_, bool>(0) => {
+        let mut created = false;
+        let rows = loop {
+            let rows = match only {
+                Some(names) => {
+                    ctl.query(&self.publishable, &[&publication, &names])
+                        .await?
+                }
+                None => {
+                    ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
+                        .await?
+                }
+            };
+            match rows.first().map(|r| r.get::<_, Option<bool>>(0)) {
                 // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-                return Ok(Synced::default());
-            }
-            Some(_) => {}
-            None => {
-                ctl.batch_execute(&format!(
-                    "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
-                ))
-                .await?;
-                info!(publication, "created publication");
-            }
-        }
-        let rows = match only {
-            Some(names) => {
-                ctl.query(&self.publishable, &[&publication, &names])
-                    .await?
-            }
-            None => {
-                ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
-                    .await?
+                Some(Some(true)) => return Ok(Synced::default()),
+                Some(None) if !created => {
+                    ctl.batch_execute(&format!(
+                        "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
+                    ))
+                    .await?;
+                    info!(publication, "created publication");
+                    created = true;
+                }
+                _ => break rows,
             }
         };
         let mut add = Vec::new();
@@ -337,19 +356,22 @@ impl Control {
         let mut drop = Vec::new();
         let mut unpublishable = Vec::new();
         for row in rows {
-            let name: String = row.get(0);
-            let published: bool = row.get(2);
-            let has_identity: bool = row.get(3);
+            // The one row of a publication with no table to look at.
+            let Some(name) = row.get::<_, Option<String>>(1) else {
+                continue;
+            };
+            let published: bool = row.get(3);
+            let has_identity: bool = row.get(4);
             match (published, has_identity) {
                 (false, true) => {
                     add.push(name);
-                    added.push(row.get(1));
+                    added.push(row.get(2));
                 }
                 (true, false) => {
-                    unpublishable.push((name.clone(), row.get(1)));
+                    unpublishable.push((name.clone(), row.get(2)));
                     drop.push(name);
                 }
-                (false, false) => unpublishable.push((name, row.get(1))),
+                (false, false) => unpublishable.push((name, row.get(2))),
                 (true, true) => {}
             }
         }

@@ -434,15 +434,12 @@ impl Streams {
         Committed { xids, announced }: Committed,
     ) -> Result<(), ReplicationError> {
         db.stream.ddl_handled(xids.len());
-        ctl.wait_visible(&xids).await?;
+        let named = ctl.visible_names(&xids, &announced.objects).await?;
+        debug!(database = %db.name, ?named, "DDL objects named");
         let mut ddl = announced.names;
-        if !announced.objects.is_empty() {
-            let named = ctl.ddl_names(&announced.objects).await?;
-            debug!(database = %db.name, ?named, "DDL objects named");
-            ddl.merge(&match named {
-                Some(names) => Ddl::objects(names),
-                None => Ddl::All,
-            });
+        match named {
+            Some(names) => ddl.merge(&Ddl::objects(names)),
+            None => ddl = Ddl::All,
         }
         // Only tables of the names it touched can have joined or left.
         let only: Option<Vec<String>> = match &ddl {
