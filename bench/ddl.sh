@@ -4,13 +4,19 @@
 # through pgcache with the DDL event trigger (the default) and without it
 # (replication.ddl_event_trigger = false), ROUNDS interleaved rounds, each on
 # a fresh database. Prints wall seconds and the CPU ticks (1/100 s) pgcache
-# and every PostgreSQL process spent, from /proc.
+# and every PostgreSQL process spent, from /proc; then, from
+# pg_stat_statements, what pgcache's own statements (everything but the
+# script's) cost PostgreSQL per DDL statement: how many, and their planning
+# and execution time.
 #   bench/ddl.sh [ROUNDS]   (default 2)
 source "$(dirname "$0")/lib.sh"
 ROUNDS=${1:-2}
 
 build_pgcache
-start_postgres
+PG_CONF="shared_preload_libraries = 'pg_stat_statements'
+pg_stat_statements.track_planning = on
+pg_stat_statements.track_utility = off" start_postgres
+psql_at "$PGPORT" postgres -c "CREATE EXTENSION pg_stat_statements" >/dev/null
 python3 - "$RUNDIR" <<'PY'
 import sys
 with open(f"{sys.argv[1]}/ddl.sql", "w") as f:
@@ -53,3 +59,25 @@ for round in $(seq "$ROUNDS"); do
         printf '%-10s %-6s %8.2f %14d %15d\n' "$variant" "$round" "$(python3 -c "print($t1 - $t0)")" $((c1 - c0)) $((g1 - g0))
     done
 done
+
+echo
+echo "pgcache's own statements per DDL statement (pg_stat_statements, every round):"
+psql_at "$PGPORT" postgres -c "
+    SELECT CASE WHEN d.datname LIKE 'ddl_trigger%' THEN 'trigger' ELSE 'none' END AS variant,
+           round(sum(s.calls) / (2000.0 * $ROUNDS), 2) AS statements,
+           round((sum(s.total_plan_time) * 1000 / (2000 * $ROUNDS))::numeric, 1) AS plan_us,
+           round((sum(s.total_exec_time) * 1000 / (2000 * $ROUNDS))::numeric, 1) AS exec_us
+    FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+    WHERE d.datname LIKE 'ddl\\_%' AND s.toplevel
+      AND s.query !~ '^(CREATE TABLE ddl_|SELECT count\\(\\*\\) FROM t WHERE)'
+    GROUP BY 1 ORDER BY 1 DESC"
+echo "the most costly of them:"
+psql_at "$PGPORT" postgres -c "
+    SELECT CASE WHEN d.datname LIKE 'ddl_trigger%' THEN 'trigger' ELSE 'none' END AS variant,
+           round(sum(s.calls) / (2000.0 * $ROUNDS), 2) AS per_ddl,
+           round((sum(s.total_plan_time + s.total_exec_time) * 1000 / (2000 * $ROUNDS))::numeric, 1) AS us_per_ddl,
+           left(regexp_replace(s.query, '\s+', ' ', 'g'), 60) AS statement
+    FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+    WHERE d.datname LIKE 'ddl\\_%' AND s.toplevel
+      AND s.query !~ '^(CREATE TABLE ddl_|SELECT count\\(\\*\\) FROM t WHERE)'
+    GROUP BY 1, 4 ORDER BY 3 DESC LIMIT 8"

@@ -38,6 +38,8 @@ start_postgres() {
     mkdir -p "$RUNDIR/sock"
     [ "$(id -u)" -eq 0 ] && chown postgres: "$RUNDIR" "$RUNDIR/sock"
     as_pg "$PGBIN/initdb" -D "$RUNDIR/pgdata" -U postgres --auth=trust -E UTF8 --locale=C --no-sync >/dev/null
+    # PG_CONF: more postgresql.conf lines (a library to preload, say).
+    [ -z "${PG_CONF:-}" ] || printf '%s\n' "$PG_CONF" >>"$RUNDIR/pgdata/postgresql.conf"
     as_pg "$PGBIN/pg_ctl" -D "$RUNDIR/pgdata" -l "$RUNDIR/pg.log" -w start -o \
         "-p $PGPORT -k $RUNDIR/sock -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=${PG_MAX_CONNECTIONS:-300} -c shared_buffers=256MB -c fsync=off" >/dev/null
     export PGHOST=127.0.0.1 PGUSER=postgres

@@ -88,18 +88,25 @@ for round in $(seq "${ROUNDS:-1}"); do
             make_db "s$n"
             if [ "$port" != "$PGCACHE_PORT" ]; then
                 wall[$script,$port]+=" $(seconds "$port" "s$n" "$RUNDIR/$script.sql")"
+                psql_at "$PGPORT" postgres -c "DROP DATABASE s$n WITH (FORCE)" >/dev/null
                 continue
             fi
-            # What pgcache spends idle (the heartbeats of every database
-            # it watches), over a second, is taken off the script's count;
+            # The database's stream starts with its first client: steady
+            # state is what is measured. What pgcache spends idle (the
+            # heartbeats), over a second, is taken off the script's count;
             # the stream handles DDL after the script, so a second after it
             # counts too.
+            psql_at "$port" "s$n" -c "SELECT 1" >/dev/null
             idle=$(cpu_ticks); sleep 1; idle=$(( $(cpu_ticks) - idle ))
             before=$(cpu_ticks)
             took=$(seconds "$port" "s$n" "$RUNDIR/$script.sql")
             sleep 1
             wall[$script,$port]+=" $took"
             cpu[$script]+=" $(python3 -c "print(max(0, $(cpu_ticks) - $before - $idle * ($took + 1)))")"
+            # Dropped through pgcache, which lets go of its stream: every
+            # walsender decodes the whole cluster's WAL, so streams left
+            # running would slow every later run, direct ones included.
+            psql_at "$port" bench -c "DROP DATABASE s$n" >/dev/null
         done
     done
 done

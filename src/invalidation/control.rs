@@ -136,8 +136,10 @@ macro_rules! has_identity {
 /// exist), and unless it does, the tables that may join it, one row each:
 /// permanent user tables (partitioned roots rather than partitions) `c` of
 /// `$from`, their qualified and bare names, whether the publication lists
-/// them and whether they have a replica identity. One round trip: the
-/// stream runs it after every DDL.
+/// them and whether they have a replica identity (the rule of `has_identity!`).
+/// One round trip, as the stream runs it after every DDL; each
+/// table's facts are looked up through indexes (`OFFSET 0` keeps them per
+/// table), not by hashing every index and published table of the database.
 macro_rules! publishable {
     ($from:literal) => {
         concat!(
@@ -145,14 +147,15 @@ macro_rules! publishable {
 FROM (SELECT) one
 LEFT JOIN pg_catalog.pg_publication p ON p.pubname = $1
 LEFT JOIN LATERAL (
-  SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text,
-    c.oid IN (SELECT pr.prrelid FROM pg_catalog.pg_publication_rel pr WHERE pr.prpubid = p.oid),
-  ",
-            has_identity!(),
-            "
+  SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, f.published, f.identity
   FROM ",
             $from,
             " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+  CROSS JOIN LATERAL (SELECT
+      EXISTS (SELECT FROM pg_catalog.pg_publication_rel pr WHERE pr.prrelid = c.oid AND pr.prpubid = p.oid),
+      c.relreplident = 'f' OR EXISTS (SELECT FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid
+        AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END)
+    OFFSET 0) f(published, identity)
   WHERE NOT p.puballtables AND c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
     AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
 ) t(qualified, name, published, identity) ON true"
