@@ -239,8 +239,13 @@ async fn a_database_no_client_uses_is_let_go_and_taken_again_on_use() {
         .await;
         assert_eq!(proxy.app.cache.stream_state(&state), "released");
     }
-    // Dropped directly: nothing of pgcache's is in the way.
-    pg().psql_admin(&format!("DROP DATABASE {dropped}"));
+    // Dropped directly: nothing of pgcache's is in the way. PostgreSQL
+    // waits for sessions that are closing; off this thread, which runs
+    // pgcache's tasks (its control connection's close among them).
+    let drop_sql = format!("DROP DATABASE {dropped}");
+    tokio::task::spawn_blocking(move || pg().psql_admin(&drop_sql))
+        .await
+        .unwrap();
     // The database still in use gets its stream back at the next read,
     // which PostgreSQL answers meanwhile.
     assert_eq!(
