@@ -11,7 +11,12 @@
 #   sampler     the default mode with the sampler at its default rate
 # and prints the ratios that bench/trust.sh targets (shadow / no-cache,
 # sampler / cache), in instructions.
-#   bench/instructions.sh [simple|prepared ...]   (default: both)
+# The modes ddl and distinct count what is not a hit instead, per statement
+# of a psql script in one session (default settings, its stream up, the
+# second after the script counted too, as the stream handles DDL then):
+#   ddl        100 x (CREATE TABLE ddl_i(a int); SELECT count(*) FROM t WHERE k < i)
+#   distinct   1,000 distinct SELECT v FROM t WHERE k = <i>
+#   bench/instructions.sh [simple|prepared|ddl|distinct ...]   (default: simple prepared)
 # KEEP=dir keeps the callgrind profiles there, for callgrind_annotate (build
 # with CARGO_PROFILE_RELEASE_DEBUG=line-tables-only and a CARGO_TARGET_DIR
 # of its own to see functions and lines).
@@ -53,8 +58,51 @@ count() {
     callgrind_annotate "$out.1" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print int($1 / 10000)}'
 }
 
-printf '%-10s %12s %12s %12s %12s %10s %10s\n' mode no-cache shadow cache sampler shadow/nc sampler/c
+# script NAME STATEMENTS: instructions per statement of $RUNDIR/NAME.sql,
+# run on a fresh database with t(k, v).
+script() {
+    local name=$1 statements=$2
+    local port metrics out="$RUNDIR/callgrind.$name"
+    port=$(free_port); metrics=$(free_port)
+    "$PGBIN/psql" -X -q -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres -c "CREATE DATABASE s_$name" \
+        -c "\\c s_$name" -c "CREATE TABLE t(k int PRIMARY KEY, v int); INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i" >/dev/null
+    RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" "$PGCACHE_BIN" \
+        --listen "127.0.0.1:$port" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
+        --metrics "127.0.0.1:$metrics" >"$RUNDIR/valgrind.$name.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do
+        "$PGBIN/psql" -X -h 127.0.0.1 -p "$port" -U postgres -d "s_$name" -Atc 'SELECT 1' >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    # The stream starts with the first client.
+    sleep 3
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    "$PGBIN/psql" -X -q -h 127.0.0.1 -p "$port" -U postgres -d "s_$name" -f "$RUNDIR/$name.sql" >/dev/null
+    sleep 1
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp "$out.1" "$KEEP/callgrind.$name"; fi
+    callgrind_annotate "$out.1" | awk -v n="$statements" '/PROGRAM TOTALS/ {gsub(",", "", $1); print int($1 / n)}'
+}
+
+header=
 for mode in "${MODES[@]}"; do
+    case $mode in
+        ddl)
+            python3 -c "
+for i in range(100):
+    print(f'CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};')" >"$RUNDIR/ddl.sql"
+            printf '%-10s %12s instructions per statement\n' ddl "$(script ddl 200)"
+            continue;;
+        distinct)
+            python3 -c "
+for i in range(1, 1001):
+    print(f'SELECT v FROM t WHERE k = {i};')" >"$RUNDIR/distinct.sql"
+            printf '%-10s %12s instructions per statement\n' distinct "$(script distinct 1000)"
+            continue;;
+    esac
+    [ -n "$header" ] || printf '%-10s %12s %12s %12s %12s %10s %10s\n' mode no-cache shadow cache sampler shadow/nc sampler/c
+    header=1
     nc=$(count no-cache "$mode" --no-cache)
     shadow=$(count shadow "$mode" --config "$RUNDIR/shadow.toml")
     cache=$(count cache "$mode" --config "$RUNDIR/cache.toml")
