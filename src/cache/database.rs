@@ -4,7 +4,7 @@
 //! stream bump versions, the stream reports its health, the shared tier
 //! records its sync.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -137,8 +137,11 @@ pub struct StreamHealth {
     ddl_transactions: AtomicU64,
     ddl_rounds: AtomicU64,
     /// Tables left out of the publication for lack of a replica identity:
-    /// qualified name to bare name.
-    unpublished: Mutex<BTreeMap<String, String>>,
+    /// their qualified names by bare name, as DDL names them (a DDL
+    /// statement's update costs what it touched, not the whole list).
+    unpublished: Mutex<BTreeMap<String, BTreeSet<String>>>,
+    /// How many tables `unpublished` holds.
+    unpublished_count: AtomicU64,
     /// When the last warning about them was logged, and their count then.
     unpublished_warned: Mutex<Option<(Instant, u64)>>,
     /// The temporary slot of the running stream.
@@ -179,6 +182,7 @@ impl Default for StreamHealth {
             ddl_transactions: AtomicU64::new(0),
             ddl_rounds: AtomicU64::new(0),
             unpublished: Mutex::default(),
+            unpublished_count: AtomicU64::new(0),
             unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
             ended: tokio::sync::Notify::new(),
@@ -410,29 +414,40 @@ impl StreamHealth {
         found: Vec<(String, String)>,
     ) -> Vec<String> {
         let mut tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
-        let before = std::mem::take(&mut *tables);
-        *tables = match checked {
-            None => BTreeMap::new(),
-            Some(names) => before
+        let before = match checked {
+            None => std::mem::take(&mut *tables),
+            Some(names) => names
                 .iter()
-                .filter(|(_, bare)| !names.contains(bare))
-                .map(|(q, b)| (q.clone(), b.clone()))
+                .filter_map(|bare| Some((bare.clone(), tables.remove(bare)?)))
                 .collect(),
+        };
+        // Kept under the lock, so the count never disagrees with the list.
+        let mut count = match checked {
+            None => 0,
+            Some(_) => {
+                let gone: usize = before.values().map(BTreeSet::len).sum();
+                self.unpublished_count.load(Ordering::Acquire) - gone as u64
+            }
         };
         let mut news = Vec::new();
         for (qualified, bare) in found {
-            if !before.contains_key(&qualified) {
+            if !before.get(&bare).is_some_and(|q| q.contains(&qualified)) {
                 news.push(qualified.clone());
             }
-            tables.insert(qualified, bare);
+            if tables.entry(bare).or_default().insert(qualified) {
+                count += 1;
+            }
         }
+        self.unpublished_count.store(count, Ordering::Release);
         news
     }
 
-    /// The tables left out of the publication, qualified.
+    /// The tables left out of the publication, qualified, in order.
     pub fn unpublished_names(&self) -> Vec<String> {
         let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
-        tables.keys().cloned().collect()
+        let mut names: Vec<String> = tables.values().flatten().cloned().collect();
+        names.sort_unstable();
+        names
     }
 
     /// Whether the count of tables left out is worth a warning at `now`:
@@ -458,10 +473,7 @@ impl StreamHealth {
     }
 
     pub fn unpublished(&self) -> u64 {
-        self.unpublished
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len() as u64
+        self.unpublished_count.load(Ordering::Acquire)
     }
 }
 
@@ -589,6 +601,18 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(health.unpublished(), 1);
+        // One bare name in two schemas: DDL that names it checks both.
+        let both = health.note_unpublished(
+            Some(&["a".to_owned()]),
+            vec![t("s.a", "a"), t("public.a", "a")],
+        );
+        assert_eq!(both, ["s.a", "public.a"]);
+        assert_eq!(health.unpublished(), 3);
+        assert_eq!(health.unpublished_names(), ["public.a", "public.b", "s.a"]);
+        let one_left = health.note_unpublished(Some(&["a".to_owned()]), vec![t("s.a", "a")]);
+        assert!(one_left.is_empty());
+        assert_eq!(health.unpublished(), 2);
+        assert_eq!(health.unpublished_names(), ["public.b", "s.a"]);
     }
 
     #[test]
