@@ -404,7 +404,7 @@ impl Control {
     }
 }
 
-/// What [`sync_publication`] did.
+/// What [`Control::sync_publication`] did.
 #[derive(Debug, Default)]
 pub struct Synced {
     /// Tables it checked and left out for lack of a replica identity:
@@ -449,9 +449,10 @@ pub async fn install_ddl_trigger(
     };
     // The message says what changed, one line each after the command tag:
     // a dropped object's bare name, "@classid,objid,objsubid" for an object
-    // a command created or altered (named later, by [`ddl_names`], off the
-    // user's transaction: naming it here costed a third more per DDL
-    // statement), "*" for anything. The tag alone means anything.
+    // a command created or altered (named later, by
+    // [`Control::visible_names`], off the user's transaction: naming it here
+    // costed a third more per DDL statement), "*" for anything. The tag
+    // alone means anything.
     let no_facts = no_facts!();
     let body = format!(
         "
