@@ -87,13 +87,9 @@ async fn stale_reads_end_within_the_lease(
     let (status, body) = proxy.http_get("/readyz").await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("stale"), "{body}");
-    let (_, metrics) = proxy.http_get("/metrics").await;
-    let series = format!("pgcache_replication_lag_seconds{{database=\"{db}\"}} ");
-    let lag: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.parse().ok())
-        .expect("the lag series");
+    let lag = proxy
+        .database_metric("pgcache_replication_lag_seconds", db)
+        .await;
     assert!(lag > STALENESS_MS as f64 / 1000.0, "lag {lag}");
     eprintln!("first fresh read {fresh_since:?} after the write (bound on stale reads {bound:?})");
 }
@@ -102,15 +98,7 @@ async fn stale_reads_end_within_the_lease(
 async fn a_stopped_walsender_stops_serving_within_the_lease_and_resumes_after() {
     let (db, proxy, client) = setup("fresh_stop", pg().port).await;
     let direct = pg().direct(&db).await;
-    let pid = scalar(
-        &direct,
-        &format!("SELECT active_pid FROM pg_replication_slots WHERE database = '{db}'"),
-    )
-    .await
-    .expect("pgcache's slot is active")
-    .parse()
-    .unwrap();
-    let stopped = Stopped::new(pid);
+    let stopped = stop_walsender(&direct, &db).await;
     stale_reads_end_within_the_lease(&db, &proxy, &client).await;
     drop(stopped);
     let state = proxy.app.cache.db(&db);

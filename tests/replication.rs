@@ -214,15 +214,7 @@ async fn ddl_that_arrives_together_is_handled_in_few_rounds() {
     );
     let state = proxy.app.cache.db(&db);
     let (transactions, rounds) = state.stream.ddl();
-    let pid = scalar(
-        &direct,
-        &format!("SELECT active_pid FROM pg_replication_slots WHERE database = '{db}'"),
-    )
-    .await
-    .expect("pgcache's slot is active")
-    .parse()
-    .unwrap();
-    let stopped = Stopped::new(pid);
+    let stopped = stop_walsender(&direct, &db).await;
     for i in 0..TABLES {
         direct
             .batch_execute(&format!("CREATE TABLE burst_{i}(id int PRIMARY KEY)"))
@@ -249,13 +241,9 @@ async fn ddl_that_arrives_together_is_handled_in_few_rounds() {
         took * 2 <= handled,
         "{handled} DDL transactions that arrived together took {took} rounds"
     );
-    let (_, metrics) = proxy.http_get("/metrics").await;
-    let series = format!("pgcache_replication_ddl_rounds{{database=\"{db}\"}} ");
-    let shown: u64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.parse().ok())
-        .expect("the DDL rounds series");
+    let shown = proxy
+        .database_metric("pgcache_replication_ddl_rounds", &db)
+        .await as u64;
     assert!(
         shown >= now_rounds,
         "{shown} rounds shown, {now_rounds} counted"

@@ -114,6 +114,20 @@ pub async fn scalar(client: &tokio_postgres::Client, sql: &str) -> Option<String
         .flatten()
 }
 
+/// Stops (SIGSTOP) the walsender of pgcache's slot on `db` until the
+/// returned guard is dropped.
+pub async fn stop_walsender(direct: &tokio_postgres::Client, db: &str) -> Stopped {
+    let pid = scalar(
+        direct,
+        &format!("SELECT active_pid FROM pg_replication_slots WHERE database = '{db}'"),
+    )
+    .await
+    .expect("pgcache's slot is active")
+    .parse()
+    .unwrap();
+    Stopped::new(pid)
+}
+
 /// Reads `sql` through `client` until it returns `want` (a change made
 /// directly arrives within the replication stream's lag).
 pub async fn eventually_reads(client: &tokio_postgres::Client, sql: &str, want: &str) {

@@ -68,6 +68,17 @@ impl Proxy {
         (status, body)
     }
 
+    /// The value of metric `name` for database `db` on `/metrics`.
+    pub async fn database_metric(&self, name: &str, db: &str) -> f64 {
+        let (_, metrics) = self.http_get("/metrics").await;
+        let series = format!("{name}{{database=\"{db}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no series {series}"))
+    }
+
     pub fn hits(&self) -> u64 {
         self.app.metrics.hits.get()
     }
