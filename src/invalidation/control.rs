@@ -126,9 +126,8 @@ pub async fn cluster_id(upstream: &Upstream) -> Option<String> {
 /// UPDATE/DELETE cannot make them fail.
 macro_rules! has_identity {
     () => {
-        "(c.relreplident = 'f'
-    OR (c.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
-    OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)))"
+        "(c.relreplident = 'f' OR EXISTS (SELECT FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid
+        AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END))"
     };
 }
 
@@ -136,7 +135,7 @@ macro_rules! has_identity {
 /// exist), and unless it does, the tables that may join it, one row each:
 /// permanent user tables (partitioned roots rather than partitions) `c` of
 /// `$from`, their qualified and bare names, whether the publication lists
-/// them and whether they have a replica identity (the rule of `has_identity!`).
+/// them and whether they have a replica identity (`has_identity!`).
 /// One round trip, as the stream runs it after every DDL; each
 /// table's facts are looked up through indexes (`OFFSET 0` keeps them per
 /// table), not by hashing every index and published table of the database.
@@ -153,8 +152,9 @@ LEFT JOIN LATERAL (
             " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
   CROSS JOIN LATERAL (SELECT
       EXISTS (SELECT FROM pg_catalog.pg_publication_rel pr WHERE pr.prrelid = c.oid AND pr.prpubid = p.oid),
-      c.relreplident = 'f' OR EXISTS (SELECT FROM pg_catalog.pg_index i WHERE i.indrelid = c.oid
-        AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END)
+      ",
+            has_identity!(),
+            "
     OFFSET 0) f(published, identity)
   WHERE NOT p.puballtables AND c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
     AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
