@@ -155,6 +155,44 @@ async fn a_table_created_directly_becomes_cacheable_within_the_stream_lag() {
     eventually_reads(&client, read, "6").await;
 }
 
+/// A table joins pgcache's publication when a statement through pgcache
+/// first finds it missing, not when DDL makes it: DDL of tables nobody
+/// reads or writes through pgcache changes no publication.
+#[tokio::test]
+async fn a_new_table_joins_the_publication_when_first_read_not_when_made() {
+    let (db, proxy, client, direct) = setup_streaming("cat_lazy", "SELECT 1").await;
+    client
+        .batch_execute("CREATE TABLE made(id int PRIMARY KEY, v int); CREATE INDEX ON made(v)")
+        .await
+        .unwrap();
+    direct
+        .batch_execute(
+            "INSERT INTO made VALUES (1, 5); CREATE TABLE made_directly(id int PRIMARY KEY)",
+        )
+        .await
+        .unwrap();
+    // A heartbeat back follows the DDL before it, and what was done after it.
+    let state = proxy.app.cache.db(&db);
+    let after = Instant::now();
+    eventually(
+        Duration::from_secs(10),
+        "the stream to pass the DDL",
+        || async { state.stream.covers(after).then_some(()) },
+    )
+    .await;
+    let published = "SELECT string_agg(tablename, ',' ORDER BY tablename) FROM pg_publication_tables WHERE pubname = 'pgcache'";
+    assert_eq!(scalar(&direct, published).await, None, "nothing read yet");
+    let read = "SELECT v FROM made WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("5")
+    );
+    assert_eq!(scalar(&direct, published).await.as_deref(), Some("made"));
+    // Its writes made directly reach the cache through the stream.
+    direct.batch_execute("UPDATE made SET v = 6").await.unwrap();
+    eventually_reads(&client, read, "6").await;
+}
+
 #[tokio::test]
 async fn a_table_replaced_renamed_or_moved_directly_never_serves_an_old_entry() {
     let (_db, proxy, client, direct) = setup_streaming(

@@ -442,6 +442,13 @@ impl StreamHealth {
         news
     }
 
+    /// Whether a table of bare name `bare` was left out of the publication
+    /// (it has no replica identity, or is unlogged).
+    pub fn is_unpublished(&self, bare: &str) -> bool {
+        let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
+        tables.contains_key(bare)
+    }
+
     /// The tables left out of the publication, qualified, in order.
     pub fn unpublished_names(&self) -> Vec<String> {
         let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());

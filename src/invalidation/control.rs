@@ -317,14 +317,16 @@ impl Control {
         }
     }
 
-    /// Creates the publication if needed and makes it list exactly the
-    /// tables that have a replica identity: every table, or (after DDL that
-    /// named them) the tables of these names, so that the cost of a DDL
-    /// statement does not grow with the database.
+    /// Creates the publication if needed, takes out of it the tables that
+    /// have no replica identity and, with `add`, puts in the tables that
+    /// have one: of every table, or (after DDL that named them, or reads
+    /// that found them missing) of the tables of these names, so that the
+    /// cost of a DDL statement does not grow with the database.
     pub async fn sync_publication(
         &self,
         publication: &str,
         only: Option<&[String]>,
+        add_tables: bool,
     ) -> Result<Synced, ReplicationError> {
         let ctl = &self.client;
         let quoted = quote_ident(publication);
@@ -366,10 +368,11 @@ impl Control {
             let published: bool = row.get(3);
             let has_identity: bool = row.get(4);
             match (published, has_identity) {
-                (false, true) => {
+                (false, true) if add_tables => {
                     add.push(name);
                     added.push(row.get(2));
                 }
+                (false, true) => {}
                 (true, false) => {
                     unpublishable.push((name.clone(), row.get(2)));
                     drop.push(name);

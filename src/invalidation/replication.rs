@@ -235,7 +235,7 @@ impl Streams {
     async fn prepare(&self, ctl: &Control, db: &DbState) -> Result<(), ReplicationError> {
         if self.settings.manage_publication {
             let synced = ctl
-                .sync_publication(&self.settings.publication, None)
+                .sync_publication(&self.settings.publication, None, true)
                 .await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
@@ -290,6 +290,10 @@ impl Streams {
                 Some(event) => event?,
                 None => tokio::select! {
                     event = stream.recv() => event?,
+                    () = db.catalog.unwatched_found.notified() => {
+                        self.publish_unwatched(&ctl, db).await;
+                        continue;
+                    }
                     payload = listener.payloads.recv() => {
                         let Some(payload) = payload else {
                             return Err(ReplicationError::Config(format!("the {CHANNEL} listener's connection ended")));
@@ -426,7 +430,8 @@ impl Streams {
     /// commit before the transaction is visible to other sessions: wait
     /// until they are, name the objects they created or altered, forget
     /// what they changed again (a fetch may have read the old catalog
-    /// meanwhile) and bring the publication up to date.
+    /// meanwhile) and take tables that lost their replica identity out of
+    /// the publication.
     async fn after_ddl(
         &self,
         ctl: &Control,
@@ -448,35 +453,68 @@ impl Streams {
             Ddl::None => Some(Vec::new()),
         };
         self.invalidate(db, Bumps::ddl(ddl)).await;
-        if self.settings.manage_publication && only.as_ref().is_none_or(|o| !o.is_empty()) {
-            match ctl
-                .sync_publication(&self.settings.publication, only.as_deref())
-                .await
-            {
-                Ok(synced) => {
-                    self.note_unpublished(db, only.as_deref(), synced.unpublished);
-                    // Facts fetched before a table joined the publication
-                    // say it cannot be watched.
-                    db.catalog.forget(&Ddl::objects(synced.added));
-                }
-                // A table dropped meanwhile, or added by another instance:
-                // the outcome is the intended one.
-                Err(ReplicationError::Control(e))
-                    if e.code().is_some_and(|c| {
-                        *c == SqlState::UNDEFINED_TABLE || *c == SqlState::DUPLICATE_OBJECT
-                    }) =>
-                {
-                    debug!(database = %db.name, error = %full_message(&e), "publication update raced with other DDL");
-                }
-                Err(ReplicationError::Control(e)) => {
-                    warn!(database = %db.name, error = %full_message(&e), "could not update the publication after DDL")
-                }
-                Err(e) => {
-                    warn!(database = %db.name, error = %e, "could not update the publication after DDL")
-                }
-            }
+        // Tables that lost their replica identity leave the publication;
+        // new ones join it when first read ([`Self::publish_unwatched`]).
+        if only.as_ref().is_none_or(|o| !o.is_empty()) {
+            self.sync_publication(ctl, db, only.as_deref(), false).await;
         }
         Ok(())
+    }
+
+    /// Reads found tables missing from the publication: those with a
+    /// replica identity join it, after which their facts are fetched
+    /// again and their reads cached.
+    async fn publish_unwatched(&self, ctl: &Control, db: &Arc<DbState>) {
+        let names: Vec<String> = db
+            .catalog
+            .take_unwatched()
+            .into_iter()
+            .filter(|name| !db.stream.is_unpublished(name))
+            .collect();
+        if !names.is_empty() {
+            debug!(database = %db.name, tables = ?names, "tables read that the publication lacks");
+            self.sync_publication(ctl, db, Some(&names), true).await;
+        }
+    }
+
+    /// Brings the publication up to date for the tables of the bare names
+    /// `only` (all with `None`), adding those that can join it if `add`.
+    async fn sync_publication(
+        &self,
+        ctl: &Control,
+        db: &Arc<DbState>,
+        only: Option<&[String]>,
+        add: bool,
+    ) {
+        if !self.settings.manage_publication {
+            return;
+        }
+        match ctl
+            .sync_publication(&self.settings.publication, only, add)
+            .await
+        {
+            Ok(synced) => {
+                self.note_unpublished(db, only, synced.unpublished);
+                // Facts fetched before a table joined the publication
+                // say it cannot be watched.
+                db.catalog.forget(&Ddl::objects(synced.added));
+            }
+            // A table dropped meanwhile, or added by another instance:
+            // the outcome is the intended one.
+            Err(ReplicationError::Control(e))
+                if e.code().is_some_and(|c| {
+                    *c == SqlState::UNDEFINED_TABLE || *c == SqlState::DUPLICATE_OBJECT
+                }) =>
+            {
+                debug!(database = %db.name, error = %full_message(&e), "publication update raced with other DDL");
+            }
+            Err(ReplicationError::Control(e)) => {
+                warn!(database = %db.name, error = %full_message(&e), "could not update the publication")
+            }
+            Err(e) => {
+                warn!(database = %db.name, error = %e, "could not update the publication")
+            }
+        }
     }
 }
 

@@ -45,7 +45,8 @@ fn name_array(names: &[&str]) -> String {
 /// One row per relation name and function name asked for, and one per
 /// policy of those relations, fully qualified so that no search_path can
 /// redirect it. With `publication`, a relation counts as readable only if it
-/// (or its partition root) is in it.
+/// (or its partition root) is in it, and the last column says whether some
+/// permanent table of the name (or its root) is missing from it.
 pub fn facts_sql(rels: &[&str], funcs: &[&str], publication: Option<&str>) -> String {
     let mut parts = Vec::new();
     if !rels.is_empty() {
@@ -75,12 +76,14 @@ pub fn facts_sql(rels: &[&str], funcs: &[&str], publication: Option<&str>) -> St
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast'))::text,
   pg_catalog.bool_and(c.relkind IN ('r','p') AND c.relpersistence <> 't'
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')
-    AND NOT (c.relkind = 'r' AND c.relhassubclass))::text
+    AND NOT (c.relkind = 'r' AND c.relhassubclass))::text,
+  pg_catalog.bool_or(c.relkind IN ('r','p') AND c.relpersistence = 'p'
+    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast') AND NOT {published})::text
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r','p','v','m','f','S') AND c.relname = ANY ({names})
 GROUP BY c.relname
 UNION ALL
-SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL, NULL
+SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL, NULL, NULL
 FROM pg_catalog.pg_policy pol JOIN pg_catalog.pg_class c ON c.oid = pol.polrelid
 WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
         ));
@@ -89,7 +92,7 @@ WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
         parts.push(format!(
             "SELECT 'f', p.proname::text, pg_catalog.bool_and(p.provolatile = 'i')::text,
   pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text,
-  pg_catalog.bool_and(p.provolatile <> 'v')::text, NULL, NULL
+  pg_catalog.bool_and(p.provolatile <> 'v')::text, NULL, NULL, NULL
 FROM pg_catalog.pg_proc p WHERE p.proname = ANY ({}) GROUP BY p.proname",
             name_array(funcs)
         ));
@@ -103,6 +106,7 @@ struct Parsed {
     rels: HashMap<String, RelFacts>,
     funcs: HashMap<String, FuncFacts>,
     policies: Vec<(String, String)>,
+    unwatched: BTreeSet<String>,
 }
 
 impl Parsed {
@@ -114,6 +118,10 @@ impl Parsed {
             };
             match kind {
                 "r" => {
+                    // The publication lists partitioned tables by root.
+                    if col(7) == Some("true") {
+                        self.unwatched.insert(col(4).unwrap_or(name).to_owned());
+                    }
                     self.rels.insert(
                         name.to_owned(),
                         RelFacts {
@@ -188,6 +196,7 @@ impl Parsed {
             rels: self.rels,
             funcs: self.funcs,
             settings,
+            unwatched: self.unwatched,
         }
     }
 }

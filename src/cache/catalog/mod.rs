@@ -55,7 +55,8 @@ pub struct RelFacts {
     pub ttl_ok: bool,
     /// Every relation of this name is a table replication could watch if
     /// the publication had it: when it is not `readable`, it lacks a
-    /// replica identity, is unlogged, or DDL has not added it yet.
+    /// replica identity, is unlogged, or its first read has not added it
+    /// yet.
     pub table: bool,
     /// Functions its row-level security policies call: these facts are
     /// stale when one of them changes.
@@ -102,6 +103,9 @@ pub struct Fetched {
     pub funcs: HashMap<String, FuncFacts>,
     /// Custom settings the found relations' policies read.
     pub settings: BTreeSet<String>,
+    /// Bare names of permanent tables (partition roots) found missing from
+    /// the publication.
+    pub unwatched: BTreeSet<String>,
 }
 
 #[derive(Default)]
@@ -185,6 +189,13 @@ pub struct Catalog {
     /// Names DDL made or changed since this instance started (bounded): no
     /// tier can hold an answer about them worth waiting for.
     made_by_ddl: Mutex<HashSet<Box<str>>>,
+    /// Tables read and found missing from the publication (bare names,
+    /// bounded), for the stream to add: a table joins the publication when
+    /// it is first read, not when it is made, so DDL of tables nobody reads
+    /// through pgcache costs no publication change.
+    unwatched: Mutex<BTreeSet<String>>,
+    /// Wakes the stream when `unwatched` grows.
+    pub unwatched_found: Notify,
 }
 
 impl Catalog {
@@ -274,12 +285,25 @@ impl Catalog {
                     .store(settings.0, Ordering::Release);
             }
         }
+        if !fetched.unwatched.is_empty() {
+            let mut unwatched = self.unwatched.lock().unwrap_or_else(|e| e.into_inner());
+            if unwatched.len() + fetched.unwatched.len() <= MAX_NAMES {
+                unwatched.append(&mut fetched.unwatched);
+                drop(unwatched);
+                self.unwatched_found.notify_one();
+            }
+        }
         let now = Instant::now();
         let mut names = self.names.write().unwrap_or_else(|e| e.into_inner());
         settle(&mut names.rels, &asked.rels, fetched.rels, now);
         settle(&mut names.funcs, &asked.funcs, fetched.funcs, now);
         drop(names);
         self.settled.notify_waiters();
+    }
+
+    /// The tables found missing from the publication since the last call.
+    pub fn take_unwatched(&self) -> BTreeSet<String> {
+        std::mem::take(&mut *self.unwatched.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// A fetch of `asked` failed: the names are asked for again by the
