@@ -20,7 +20,21 @@ start_postgres
 init_bench_db
 start_pgbouncer
 PGCACHE_PORT=$(free_port)
-start_pgcache "$PGCACHE_PORT"
+# Defaults, but a database no client uses is let go after a second rather
+# than a minute: every stream's walsender decodes the whole cluster's WAL,
+# and one left from an earlier run would slow the next (direct runs too).
+printf '[replication]\nidle_release_secs = 1\n' >"$RUNDIR/uncached.toml"
+start_pgcache "$PGCACHE_PORT" --config "$RUNDIR/uncached.toml"
+
+# Waits until no walsender runs: pgcache has let go of every database.
+no_streams() {
+    for _ in $(seq 100); do
+        [ "$(psql_at "$PGPORT" postgres -Atc "SELECT count(*) FROM pg_stat_replication")" = 0 ] && return
+        sleep 0.1
+    done
+    echo "pgcache's streams are still up after 10 s" >&2
+    exit 1
+}
 
 
 # A database with t(k, v) of 10,000 rows; with $2 = big, also 20,000 tables
@@ -86,6 +100,7 @@ for round in $(seq "${ROUNDS:-1}"); do
         for port in "$PGPORT" "$PGCACHE_PORT" "$BOUNCER_PORT"; do
             n=$((n + 1))
             make_db "s$n"
+            no_streams
             if [ "$port" != "$PGCACHE_PORT" ]; then
                 wall[$script,$port]+=" $(seconds "$port" "s$n" "$RUNDIR/$script.sql")"
                 psql_at "$PGPORT" postgres -c "DROP DATABASE s$n WITH (FORCE)" >/dev/null
@@ -103,10 +118,9 @@ for round in $(seq "${ROUNDS:-1}"); do
             sleep 1
             wall[$script,$port]+=" $took"
             cpu[$script]+=" $(python3 -c "print(max(0, $(cpu_ticks) - $before - $idle * ($took + 1)))")"
-            # Dropped through pgcache, which lets go of its stream: every
-            # walsender decodes the whole cluster's WAL, so streams left
-            # running would slow every later run, direct ones included.
-            psql_at "$port" bench -c "DROP DATABASE s$n" >/dev/null
+            # Dropped through pgcache, which lets go of its stream first;
+            # the stream of "postgres" goes a second later.
+            psql_at "$port" postgres -c "DROP DATABASE s$n" >/dev/null
         done
     done
 done
@@ -125,8 +139,10 @@ for what in select hot-key; do
         args=(-f "$RUNDIR/hot.sql" -c 8 -j 2 -T "$DURATION")
         tps "$PGCACHE_PORT" simple -f "$RUNDIR/hot.sql" -c 8 -j 2 -T 2 >/dev/null
     fi
+    no_streams
     d=$(best2 tps "$PGPORT" simple "${args[@]}")
     c=$(best2 tps "$PGCACHE_PORT" simple "${args[@]}")
+    no_streams
     b=$(best2 tps "$BOUNCER_PORT" simple "${args[@]}")
     row "$what (tps)" "$(printf %.0f "$d")" "$(printf %.0f "$c")" "$(printf %.0f "$b")"
     [ "$what" = select ] && select_vs_bouncer=$(ratio "$c" "$b")

@@ -398,3 +398,31 @@ async fn a_table_that_loses_its_replica_identity_can_be_updated_at_once() {
         .expect("through pgcache");
     assert_eq!(scalar(&direct, published).await.as_deref(), Some("0"));
 }
+
+/// A table whose identity index is dropped (DDL that does not name the
+/// table) leaves the publication within the DDL too, and the stream lists
+/// it as having no replica identity.
+#[tokio::test]
+async fn a_table_whose_identity_index_is_dropped_leaves_the_publication() {
+    let (db, proxy, _client, direct) = setup_streaming(
+        "cat_identity_index",
+        "CREATE TABLE t(id int NOT NULL, v int); CREATE UNIQUE INDEX t_id ON t(id);
+         ALTER TABLE t REPLICA IDENTITY USING INDEX t_id; INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    let published =
+        "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'pgcache' AND tablename = 't'";
+    eventually_reads(&direct, published, "1").await;
+    direct
+        .batch_execute("DROP INDEX t_id; UPDATE t SET v = 2")
+        .await
+        .expect("an UPDATE right after the DDL");
+    assert_eq!(scalar(&direct, published).await.as_deref(), Some("0"));
+    let state = proxy.app.cache.db(&db);
+    eventually(
+        Duration::from_secs(10),
+        "t to be listed without a replica identity",
+        || async { state.stream.is_unpublished("t").then_some(()) },
+    )
+    .await;
+}

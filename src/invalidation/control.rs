@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::types::Type;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row, Statement};
 use tracing::{debug, info, warn};
 
 use super::{DDL_MESSAGE_PREFIX, ReplicationError};
@@ -140,11 +140,13 @@ macro_rules! has_identity {
 /// table's facts are looked up through indexes (`OFFSET 0` keeps them per
 /// table), not by hashing every index and published table of the database.
 macro_rules! publishable {
-    ($from:literal) => {
+    ($publication:literal, $from:literal) => {
         concat!(
             "SELECT p.puballtables, t.qualified, t.name, t.published, t.identity
 FROM (SELECT) one
-LEFT JOIN pg_catalog.pg_publication p ON p.pubname = $1
+LEFT JOIN pg_catalog.pg_publication p ON p.pubname = ",
+            $publication,
+            "
 LEFT JOIN LATERAL (
   SELECT pg_catalog.format('%I.%I', n.nspname, c.relname), c.relname::text, f.published, f.identity
   FROM ",
@@ -164,13 +166,14 @@ LEFT JOIN LATERAL (
 }
 
 /// Every table of the database; run once per stream.
-const PUBLISHABLE: &str = publishable!("pg_catalog.pg_class c");
+const PUBLISHABLE: &str = publishable!("$1", "pg_catalog.pg_class c");
 
 /// The tables of the bare names `$2`, after DDL named them, looked up name
 /// by name in pg_class's name index so that a DDL statement's cost does not
 /// grow with the database. `OFFSET 0` keeps the lookup per name: planned
 /// once for any names, the join would scan pg_class.
 const PUBLISHABLE_NAMED: &str = publishable!(
+    "$1",
     "pg_catalog.unnest($2::pg_catalog.name[]) w(relname)
   CROSS JOIN LATERAL (SELECT * FROM pg_catalog.pg_class c WHERE c.relname = w.relname OFFSET 0) c"
 );
@@ -192,8 +195,9 @@ macro_rules! no_facts {
 /// each object's own relation or function name, plus the tables whose
 /// facts depend on it (inheritance relatives, tables its foreign keys
 /// reference). `named` marks those rows; a NULL name is an object that is
-/// gone. One round trip, in the snapshot that saw the transactions.
-const VISIBLE_NAMES: &str = concat!(
+/// gone.
+macro_rules! visible_names {
+    () => { concat!(
     "SELECT v.visible, n.named, n.name
 FROM (
   SELECT pg_catalog.bool_and(pg_catalog.pg_visible_in_snapshot(
@@ -222,6 +226,38 @@ LEFT JOIN LATERAL (
   ) x(name)
   WHERE v.visible IS NOT FALSE
 ) n(named, name) ON true"
+    ) };
+}
+
+/// One round after DDL, in one statement and snapshot: [`visible_names!`]
+/// (`$1`..`$4`) as rows `('n', visible, named, name)`, then, once every
+/// transaction is visible and every object named, the publication `$5`'s
+/// facts ([`publishable!`]) of the tables of those names and of the names
+/// `$6` the trigger announced, as rows `('p', ...)` from the fifth column.
+/// `$5` NULL (a publication pgcache does not manage) finds no tables.
+const AFTER_DDL: &str = concat!(
+    "WITH named(visible, named, name) AS MATERIALIZED (",
+    visible_names!(),
+    "),
+wanted(relname) AS (
+  SELECT DISTINCT x.relname FROM (
+    SELECT named.name::pg_catalog.name FROM named WHERE named.named
+    UNION ALL SELECT pg_catalog.unnest($6::pg_catalog.name[])
+  ) x(relname)
+  WHERE x.relname IS NOT NULL
+    AND NOT EXISTS (SELECT FROM named WHERE named.visible IS FALSE OR (named.named AND named.name IS NULL))
+)
+SELECT 'n', named.visible, named.named, named.name,
+  NULL::bool, NULL::text, NULL::text, NULL::bool, NULL::bool
+FROM named
+UNION ALL
+SELECT 'p', NULL, NULL, NULL, q.* FROM (",
+    publishable!(
+        "$5",
+        "wanted w
+  CROSS JOIN LATERAL (SELECT * FROM pg_catalog.pg_class c WHERE c.relname = w.relname OFFSET 0) c"
+    ),
+    ") q"
 );
 
 /// An object a DDL command created or altered: `(classid, objid, objsubid)`
@@ -234,8 +270,56 @@ pub type ObjectAddress = (u32, u32, i32);
 /// connection instead of once per DDL statement.
 pub struct Control {
     client: Arc<Client>,
-    visible_names: Statement,
+    after_ddl: Statement,
     publishable: Statement,
+}
+
+/// What one round after DDL found ([`Control::after_ddl`]).
+pub struct AfterDdl {
+    /// The names of what the DDL changed; `None`: anything may have.
+    pub names: Option<Vec<String>>,
+    /// The publication as it stands for the tables of those names and of
+    /// the names announced; `None` when it was not looked at (anything
+    /// changed, or no publication pgcache manages).
+    pub publication: Option<Publishable>,
+}
+
+/// A publication, and the tables it may list, as [`publishable!`] finds
+/// them.
+pub struct Publishable {
+    /// Whether it lists every table (`FOR ALL TABLES`); `None`: it does not
+    /// exist.
+    all: Option<bool>,
+    tables: Vec<Table>,
+}
+
+/// A table that may join a publication.
+struct Table {
+    qualified: String,
+    name: String,
+    published: bool,
+    identity: bool,
+}
+
+impl Publishable {
+    /// From rows of [`publishable!`], its columns from `at` on.
+    fn from_rows<'r>(rows: impl IntoIterator<Item = &'r Row>, at: usize) -> Publishable {
+        let mut all = None;
+        let mut tables = Vec::new();
+        for row in rows {
+            all = row.get(at);
+            // The one row of a publication with no table to look at.
+            if let Some(qualified) = row.get::<_, Option<String>>(at + 1) {
+                tables.push(Table {
+                    qualified,
+                    name: row.get(at + 2),
+                    published: row.get(at + 3),
+                    identity: row.get(at + 4),
+                });
+            }
+        }
+        Publishable { all, tables }
+    }
 }
 
 impl Control {
@@ -246,14 +330,16 @@ impl Control {
         client
             .batch_execute("SET plan_cache_mode = force_generic_plan")
             .await?;
-        let visible_names = client
+        let after_ddl = client
             .prepare_typed(
-                VISIBLE_NAMES,
+                AFTER_DDL,
                 &[
                     Type::INT8_ARRAY,
                     Type::OID_ARRAY,
                     Type::OID_ARRAY,
                     Type::INT4_ARRAY,
+                    Type::TEXT,
+                    Type::NAME_ARRAY,
                 ],
             )
             .await?;
@@ -262,7 +348,7 @@ impl Control {
             .await?;
         Ok(Control {
             client: Arc::new(client),
-            visible_names,
+            after_ddl,
             publishable,
         })
     }
@@ -274,41 +360,52 @@ impl Control {
     }
 
     /// Waits until transactions `xids` (32-bit, from the stream) are
-    /// visible, then names what `objects` changed (see [`VISIBLE_NAMES`]).
-    /// `None`, meaning anything may have changed, for an object gone before
-    /// it could be named, or transactions still invisible after two
+    /// visible, then names what `objects` changed and looks at the
+    /// publication `publication` (if pgcache manages it) for the tables of
+    /// those names and of `announced`: one statement ([`AFTER_DDL`]).
+    /// Names `None`, meaning anything may have changed, for an object gone
+    /// before it could be named, or transactions still invisible after two
     /// seconds.
-    pub async fn visible_names(
+    pub async fn after_ddl(
         &self,
         xids: &[u32],
         objects: &[ObjectAddress],
-    ) -> Result<Option<Vec<String>>, ReplicationError> {
+        announced: &[String],
+        publication: Option<&str>,
+    ) -> Result<AfterDdl, ReplicationError> {
         let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
         let classids: Vec<u32> = objects.iter().map(|o| o.0).collect();
         let objids: Vec<u32> = objects.iter().map(|o| o.1).collect();
         let subids: Vec<i32> = objects.iter().map(|o| o.2).collect();
+        let anything = AfterDdl {
+            names: None,
+            publication: None,
+        };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
         loop {
-            let rows = match self
-                .client
-                .query(&self.visible_names, &[&xids, &classids, &objids, &subids])
-                .await
-            {
+            let params: [&(dyn ToSql + Sync); 6] =
+                [&xids, &classids, &objids, &subids, &publication, &announced];
+            let rows = match self.client.query(&self.after_ddl, &params).await {
                 Ok(rows) => rows,
                 // An object gone before it could be named.
-                Err(e) if e.as_db_error().is_some() => return Ok(None),
+                Err(e) if e.as_db_error().is_some() => return Ok(anything),
                 Err(e) => return Err(e.into()),
             };
-            let visible: Option<bool> = rows.first().and_then(|r| r.get(0));
+            let (named, tables): (Vec<&Row>, Vec<&Row>) =
+                rows.iter().partition(|r| r.get::<_, &str>(0) == "n");
+            let visible: Option<bool> = named.first().and_then(|r| r.get(1));
             if visible != Some(false) {
-                return Ok(rows
+                let names: Option<Vec<String>> = named
                     .iter()
-                    .filter(|r| r.get::<_, Option<bool>>(1).is_some())
-                    .map(|r| r.get::<_, Option<String>>(2))
-                    .collect());
+                    .filter(|r| r.get::<_, Option<bool>>(2).is_some())
+                    .map(|r| r.get::<_, Option<String>>(3))
+                    .collect();
+                let publication = (names.is_some() && publication.is_some())
+                    .then(|| Publishable::from_rows(tables, 4));
+                return Ok(AfterDdl { names, publication });
             }
             if tokio::time::Instant::now() >= deadline {
-                return Ok(None);
+                return Ok(anything);
             }
             // The window is the few microseconds between a commit's WAL
             // flush and its proc-array update: a short pause, not a
@@ -321,31 +418,36 @@ impl Control {
     /// have no replica identity and, with `add`, puts in the tables that
     /// have one: of every table, or (after DDL that named them, or reads
     /// that found them missing) of the tables of these names, so that the
-    /// cost of a DDL statement does not grow with the database.
+    /// cost of a DDL statement does not grow with the database. `found`:
+    /// the publication as a round after DDL already found it.
     pub async fn sync_publication(
         &self,
         publication: &str,
         only: Option<&[String]>,
-        add_tables: bool,
+        add: bool,
+        mut found: Option<Publishable>,
     ) -> Result<Synced, ReplicationError> {
         let ctl = &self.client;
         let quoted = quote_ident(publication);
         let mut created = false;
-        let rows = loop {
-            let rows = match only {
-                Some(names) => {
-                    ctl.query(&self.publishable, &[&publication, &names])
-                        .await?
-                }
-                None => {
-                    ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
-                        .await?
-                }
+        let tables = loop {
+            let publishable = match (found.take(), only) {
+                (Some(found), _) => found,
+                (None, Some(names)) => Publishable::from_rows(
+                    &ctl.query(&self.publishable, &[&publication, &names])
+                        .await?,
+                    0,
+                ),
+                (None, None) => Publishable::from_rows(
+                    &ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
+                        .await?,
+                    0,
+                ),
             };
-            match rows.first().map(|r| r.get::<_, Option<bool>>(0)) {
+            match publishable.all {
                 // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-                Some(Some(true)) => return Ok(Synced::default()),
-                Some(None) if !created => {
+                Some(true) => return Ok(Synced::default()),
+                None if !created => {
                     ctl.batch_execute(&format!(
                         "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
                     ))
@@ -353,50 +455,43 @@ impl Control {
                     info!(publication, "created publication");
                     created = true;
                 }
-                _ => break rows,
+                _ => break publishable.tables,
             }
         };
-        let mut add = Vec::new();
+        let mut to_add = Vec::new();
         let mut added = Vec::new();
-        let mut drop = Vec::new();
+        let mut to_drop = Vec::new();
         let mut unpublishable = Vec::new();
-        for row in rows {
-            // The one row of a publication with no table to look at.
-            let Some(name) = row.get::<_, Option<String>>(1) else {
-                continue;
-            };
-            let published: bool = row.get(3);
-            let has_identity: bool = row.get(4);
-            match (published, has_identity) {
-                (false, true) if add_tables => {
-                    add.push(name);
-                    added.push(row.get(2));
+        for table in tables {
+            match (table.published, table.identity) {
+                (false, true) if add => {
+                    to_add.push(table.qualified);
+                    added.push(table.name);
                 }
-                (false, true) => {}
                 (true, false) => {
-                    unpublishable.push((name.clone(), row.get(2)));
-                    drop.push(name);
+                    to_drop.push(table.qualified.clone());
+                    unpublishable.push((table.qualified, table.name));
                 }
-                (false, false) => unpublishable.push((name, row.get(2))),
-                (true, true) => {}
+                (false, false) => unpublishable.push((table.qualified, table.name)),
+                (false, true) | (true, true) => {}
             }
         }
-        if !add.is_empty() {
+        if !to_add.is_empty() {
             ctl.batch_execute(&format!(
                 "ALTER PUBLICATION {quoted} ADD TABLE {}",
-                add.join(", ")
+                to_add.join(", ")
             ))
             .await?;
             debug!(
                 publication,
-                tables = add.len(),
+                tables = to_add.len(),
                 "added tables to the publication"
             );
         }
-        if !drop.is_empty() {
+        if !to_drop.is_empty() {
             ctl.batch_execute(&format!(
                 "ALTER PUBLICATION {quoted} DROP TABLE {}",
-                drop.join(", ")
+                to_drop.join(", ")
             ))
             .await?;
         }
@@ -426,6 +521,10 @@ pub struct Synced {
 /// table that loses its replica identity out of the publication in the same
 /// transaction: PostgreSQL refuses UPDATE and DELETE on a published table
 /// without one, and waiting for the stream would leave that window open.
+/// ALTER TABLE names its table; DROP INDEX does not (the index is gone when
+/// the trigger runs), so after one the published tables that use an
+/// identity index are checked, and those left without one are named in the
+/// message.
 pub async fn install_ddl_trigger(
     ctl: &tokio_postgres::Client,
     database: &str,
@@ -444,6 +543,17 @@ pub async fn install_ddl_trigger(
                  END LOOP;
                EXCEPTION WHEN OTHERS THEN NULL;
                END;
+             ELSIF tg_tag = 'DROP INDEX' AND tg_event = 'sql_drop' THEN
+               BEGIN
+                 FOR rel, bare IN SELECT c.oid::regclass::text, c.relname::text FROM pg_publication p
+                     JOIN pg_publication_rel pr ON pr.prpubid = p.oid
+                     JOIN pg_class c ON c.oid = pr.prrelid
+                   WHERE p.pubname = {name} AND c.relreplident = 'i' AND NOT {identity} LOOP
+                   EXECUTE format('ALTER PUBLICATION %I DROP TABLE %s', {name}, rel);
+                   unpublished := concat_ws(E'\\n', unpublished, bare);
+                 END LOOP;
+               EXCEPTION WHEN OTHERS THEN NULL;
+               END;
              END IF;",
             name = quote_literal(publication),
             identity = has_identity!(),
@@ -451,9 +561,10 @@ pub async fn install_ddl_trigger(
         None => String::new(),
     };
     // The message says what changed, one line each after the command tag:
-    // a dropped object's bare name, "@classid,objid,objsubid" for an object
+    // a dropped object's bare name, the bare name of a table the trigger
+    // took out of the publication, "@classid,objid,objsubid" for an object
     // a command created or altered (named later, by
-    // [`Control::visible_names`], off the user's transaction: naming it here
+    // [`Control::after_ddl`], off the user's transaction: naming it here
     // costed a third more per DDL statement), "*" for anything. The tag
     // alone means anything.
     let no_facts = no_facts!();
@@ -462,6 +573,8 @@ pub async fn install_ddl_trigger(
            DECLARE
              names text;
              rel text;
+             bare text;
+             unpublished text;
            BEGIN
              {unpublish}
              BEGIN
@@ -474,7 +587,7 @@ pub async fn install_ddl_trigger(
                  SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
                    INTO names FROM pg_event_trigger_ddl_commands() c;
                END IF;
-               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || coalesce(names, ''));
+               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || concat_ws(E'\\n', names, unpublished));
              EXCEPTION WHEN OTHERS THEN
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
              END;

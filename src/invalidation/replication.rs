@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::ReplicationError;
-use super::control::{Control, full_message, install_ddl_trigger};
+use super::control::{Control, Publishable, full_message, install_ddl_trigger};
 use super::decoder::{Committed, Decoder};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
@@ -235,7 +235,7 @@ impl Streams {
     async fn prepare(&self, ctl: &Control, db: &DbState) -> Result<(), ReplicationError> {
         if self.settings.manage_publication {
             let synced = ctl
-                .sync_publication(&self.settings.publication, None, true)
+                .sync_publication(&self.settings.publication, None, true, None)
                 .await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
@@ -439,10 +439,20 @@ impl Streams {
         Committed { xids, announced }: Committed,
     ) -> Result<(), ReplicationError> {
         db.stream.ddl_handled(xids.len());
-        let named = ctl.visible_names(&xids, &announced.objects).await?;
-        debug!(database = %db.name, ?named, "DDL objects named");
+        let announced_names: Vec<String> = match &announced.names {
+            Ddl::Objects(names) => names.iter().map(|n| n.to_string()).collect(),
+            Ddl::All | Ddl::None => Vec::new(),
+        };
+        let managed = self
+            .settings
+            .manage_publication
+            .then_some(self.settings.publication.as_str());
+        let round = ctl
+            .after_ddl(&xids, &announced.objects, &announced_names, managed)
+            .await?;
+        debug!(database = %db.name, named = ?round.names, "DDL objects named");
         let mut ddl = announced.names;
-        match named {
+        match round.names {
             Some(names) => ddl.merge(&Ddl::objects(names)),
             None => ddl = Ddl::All,
         }
@@ -456,7 +466,11 @@ impl Streams {
         // Tables that lost their replica identity leave the publication;
         // new ones join it when first read ([`Self::publish_unwatched`]).
         if only.as_ref().is_none_or(|o| !o.is_empty()) {
-            self.sync_publication(ctl, db, only.as_deref(), false).await;
+            // The round looked at the tables of the names it found; for
+            // anything, every table is looked at.
+            let found = round.publication.filter(|_| only.is_some());
+            self.sync_publication(ctl, db, only.as_deref(), false, found)
+                .await;
         }
         Ok(())
     }
@@ -473,24 +487,27 @@ impl Streams {
             .collect();
         if !names.is_empty() {
             debug!(database = %db.name, tables = ?names, "tables read that the publication lacks");
-            self.sync_publication(ctl, db, Some(&names), true).await;
+            self.sync_publication(ctl, db, Some(&names), true, None)
+                .await;
         }
     }
 
     /// Brings the publication up to date for the tables of the bare names
-    /// `only` (all with `None`), adding those that can join it if `add`.
+    /// `only` (all with `None`), adding those that can join it if `add`;
+    /// `found` is the publication as a round after DDL found it.
     async fn sync_publication(
         &self,
         ctl: &Control,
         db: &Arc<DbState>,
         only: Option<&[String]>,
         add: bool,
+        found: Option<Publishable>,
     ) {
         if !self.settings.manage_publication {
             return;
         }
         match ctl
-            .sync_publication(&self.settings.publication, only, add)
+            .sync_publication(&self.settings.publication, only, add, found)
             .await
         {
             Ok(synced) => {
