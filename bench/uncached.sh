@@ -11,7 +11,10 @@
 #   bench/uncached.sh [SECONDS-PER-RUN]   (default 10; LARGE=0 skips ddl-large,
 #   whose set-up takes a minute; ROUNDS=3 runs the three psql scripts in 3
 #   interleaved rounds and prints each one's median, with pgcache's CPU time
-#   per statement: its user and system time over the script)
+#   per statement: its user and system time over the script). pgcache runs
+#   with its defaults but lets go of a database a second after its last
+#   client, and each run starts once no stream is left: a walsender decodes
+#   the whole cluster's WAL, and one left running slows every route.
 source "$(dirname "$0")/lib.sh"
 DURATION=${1:-10}
 
