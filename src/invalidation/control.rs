@@ -1,15 +1,15 @@
 //! What pgcache asks PostgreSQL on its own connections, outside any
-//! stream: the start-up checks, the cluster's identity, the publication
-//! and the DDL event trigger.
+//! stream: the start-up checks, the cluster's identity, what DDL changed,
+//! and the publication.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row, Statement};
-use tracing::{debug, info, warn};
+use tracing::warn;
 
-use super::{DDL_MESSAGE_PREFIX, ReplicationError};
+use super::ReplicationError;
 use crate::upstream::Upstream;
 
 /// Checks, once at start-up, that PostgreSQL can stream changes to pgcache:
@@ -166,7 +166,7 @@ LEFT JOIN LATERAL (
 }
 
 /// Every table of the database; run once per stream.
-const PUBLISHABLE: &str = publishable!("$1", "pg_catalog.pg_class c");
+pub(super) const PUBLISHABLE: &str = publishable!("$1", "pg_catalog.pg_class c");
 
 /// The tables of the bare names `$2`, after DDL named them, looked up name
 /// by name in pg_class's name index so that a DDL statement's cost does not
@@ -269,9 +269,9 @@ pub type ObjectAddress = (u32, u32, i32);
 /// catalog queries than to run them: prepared, they are planned once per
 /// connection instead of once per DDL statement.
 pub struct Control {
-    client: Arc<Client>,
+    pub(super) client: Arc<Client>,
     after_ddl: Statement,
-    publishable: Statement,
+    pub(super) publishable: Statement,
 }
 
 /// What one round after DDL found ([`Control::after_ddl`]).
@@ -289,21 +289,21 @@ pub struct AfterDdl {
 pub struct Publishable {
     /// Whether it lists every table (`FOR ALL TABLES`); `None`: it does not
     /// exist.
-    all: Option<bool>,
-    tables: Vec<Table>,
+    pub(super) all: Option<bool>,
+    pub(super) tables: Vec<Table>,
 }
 
 /// A table that may join a publication.
-struct Table {
-    qualified: String,
-    name: String,
-    published: bool,
-    identity: bool,
+pub(super) struct Table {
+    pub(super) qualified: String,
+    pub(super) name: String,
+    pub(super) published: bool,
+    pub(super) identity: bool,
 }
 
 impl Publishable {
     /// From rows of [`publishable!`], its columns from `at` on.
-    fn from_rows<'r>(rows: impl IntoIterator<Item = &'r Row>, at: usize) -> Publishable {
+    pub(super) fn from_rows<'r>(rows: impl IntoIterator<Item = &'r Row>, at: usize) -> Publishable {
         let mut all = None;
         let mut tables = Vec::new();
         for row in rows {
@@ -412,221 +412,6 @@ impl Control {
             // synchronisation.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-    }
-
-    /// Creates the publication if needed, takes out of it the tables that
-    /// have no replica identity and, with `add`, puts in the tables that
-    /// have one: of every table, or (after DDL that named them, or reads
-    /// that found them missing) of the tables of these names, so that the
-    /// cost of a DDL statement does not grow with the database. `found`:
-    /// the publication as a round after DDL already found it.
-    pub async fn sync_publication(
-        &self,
-        publication: &str,
-        only: Option<&[String]>,
-        add: bool,
-        mut found: Option<Publishable>,
-    ) -> Result<Synced, ReplicationError> {
-        let ctl = &self.client;
-        let quoted = quote_ident(publication);
-        let mut created = false;
-        let tables = loop {
-            let publishable = match (found.take(), only) {
-                (Some(found), _) => found,
-                (None, Some(names)) => Publishable::from_rows(
-                    &ctl.query(&self.publishable, &[&publication, &names])
-                        .await?,
-                    0,
-                ),
-                (None, None) => Publishable::from_rows(
-                    &ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
-                        .await?,
-                    0,
-                ),
-            };
-            match publishable.all {
-                // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-                Some(true) => return Ok(Synced::default()),
-                None if !created => {
-                    ctl.batch_execute(&format!(
-                        "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
-                    ))
-                    .await?;
-                    info!(publication, "created publication");
-                    created = true;
-                }
-                _ => break publishable.tables,
-            }
-        };
-        let mut to_add = Vec::new();
-        let mut added = Vec::new();
-        let mut to_drop = Vec::new();
-        let mut unpublishable = Vec::new();
-        for table in tables {
-            match (table.published, table.identity) {
-                (false, true) if add => {
-                    to_add.push(table.qualified);
-                    added.push(table.name);
-                }
-                (true, false) => {
-                    to_drop.push(table.qualified.clone());
-                    unpublishable.push((table.qualified, table.name));
-                }
-                (false, false) => unpublishable.push((table.qualified, table.name)),
-                (false, true) | (true, true) => {}
-            }
-        }
-        if !to_add.is_empty() {
-            ctl.batch_execute(&format!(
-                "ALTER PUBLICATION {quoted} ADD TABLE {}",
-                to_add.join(", ")
-            ))
-            .await?;
-            debug!(
-                publication,
-                tables = to_add.len(),
-                "added tables to the publication"
-            );
-        }
-        if !to_drop.is_empty() {
-            ctl.batch_execute(&format!(
-                "ALTER PUBLICATION {quoted} DROP TABLE {}",
-                to_drop.join(", ")
-            ))
-            .await?;
-        }
-        Ok(Synced {
-            unpublished: unpublishable,
-            added,
-        })
-    }
-}
-
-/// What [`Control::sync_publication`] did.
-#[derive(Debug, Default)]
-pub struct Synced {
-    /// Tables it checked and left out for lack of a replica identity:
-    /// (qualified name, bare name).
-    pub unpublished: Vec<(String, String)>,
-    /// Bare names of the tables it added.
-    pub added: Vec<String>,
-}
-
-/// Installs an event trigger that announces DDL in the stream, so DDL made
-/// outside pgcache invalidates too. Needs superuser; without it pgcache logs
-/// a warning and notices outside DDL only through the TTL. The function can
-/// never fail the user's DDL.
-///
-/// With `managed` (the publication pgcache keeps), the trigger also takes a
-/// table that loses its replica identity out of the publication in the same
-/// transaction: PostgreSQL refuses UPDATE and DELETE on a published table
-/// without one, and waiting for the stream would leave that window open.
-/// ALTER TABLE names its table; DROP INDEX does not (the index is gone when
-/// the trigger runs), so after one the published tables that use an
-/// identity index are checked, and those left without one are named in the
-/// message.
-pub async fn install_ddl_trigger(
-    ctl: &tokio_postgres::Client,
-    database: &str,
-    managed: Option<&str>,
-) {
-    let unpublish = match managed {
-        Some(publication) => format!(
-            "IF tg_tag = 'ALTER TABLE' THEN
-               BEGIN
-                 FOR rel IN SELECT DISTINCT c.oid::regclass::text FROM pg_event_trigger_ddl_commands() d
-                     JOIN pg_class c ON d.classid = 'pg_class'::regclass AND c.oid = d.objid
-                     JOIN pg_publication_rel pr ON pr.prrelid = c.oid
-                     JOIN pg_publication p ON p.oid = pr.prpubid AND p.pubname = {name}
-                   WHERE NOT {identity} LOOP
-                   EXECUTE format('ALTER PUBLICATION %I DROP TABLE %s', {name}, rel);
-                 END LOOP;
-               EXCEPTION WHEN OTHERS THEN NULL;
-               END;
-             ELSIF tg_tag = 'DROP INDEX' AND tg_event = 'sql_drop' THEN
-               BEGIN
-                 FOR rel, bare IN SELECT c.oid::regclass::text, c.relname::text FROM pg_publication p
-                     JOIN pg_publication_rel pr ON pr.prpubid = p.oid
-                     JOIN pg_class c ON c.oid = pr.prrelid
-                   WHERE p.pubname = {name} AND c.relreplident = 'i' AND NOT {identity} LOOP
-                   EXECUTE format('ALTER PUBLICATION %I DROP TABLE %s', {name}, rel);
-                   unpublished := concat_ws(E'\\n', unpublished, bare);
-                 END LOOP;
-               EXCEPTION WHEN OTHERS THEN NULL;
-               END;
-             END IF;",
-            name = quote_literal(publication),
-            identity = has_identity!(),
-        ),
-        None => String::new(),
-    };
-    // The message says what changed, one line each after the command tag:
-    // a dropped object's bare name, the bare name of a table the trigger
-    // took out of the publication, "@classid,objid,objsubid" for an object
-    // a command created or altered (named later, by
-    // [`Control::after_ddl`], off the user's transaction: naming it here
-    // costed a third more per DDL statement), "*" for anything. The tag
-    // alone means anything.
-    let no_facts = no_facts!();
-    let body = format!(
-        "
-           DECLARE
-             names text;
-             rel text;
-             bare text;
-             unpublished text;
-           BEGIN
-             {unpublish}
-             BEGIN
-               IF tg_event = 'sql_drop' THEN
-                 SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
-                     ELSE o.address_names[2] END, E'\\n')
-                   INTO names FROM pg_event_trigger_dropped_objects() o
-                   WHERE o.object_type NOT IN ({no_facts});
-               ELSE
-                 SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
-                   INTO names FROM pg_event_trigger_ddl_commands() c;
-               END IF;
-               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || concat_ws(E'\\n', names, unpublished));
-             EXCEPTION WHEN OTHERS THEN
-               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
-             END;
-           EXCEPTION WHEN OTHERS THEN NULL;
-           END"
-    );
-    // Installing is DDL, which the trigger announces and every instance
-    // treats as a change of everything: only when it differs.
-    if installed(ctl, &body).await {
-        return;
-    }
-    let sql = format!(
-        "CREATE SCHEMA IF NOT EXISTS pgcache;
-         CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
-           LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $pgcache${body}$pgcache$;
-         DO $$ BEGIN
-           IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl') THEN
-             CREATE EVENT TRIGGER pgcache_ddl ON ddl_command_end EXECUTE FUNCTION pgcache.announce_ddl();
-           END IF;
-           IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl_drop') THEN
-             CREATE EVENT TRIGGER pgcache_ddl_drop ON sql_drop EXECUTE FUNCTION pgcache.announce_ddl();
-           END IF;
-         END $$;"
-    );
-    if let Err(e) = ctl.batch_execute(&sql).await {
-        warn!(database, error = %e, "cannot install the DDL event trigger (needs superuser): DDL made outside pgcache is not seen");
-    }
-}
-
-/// Whether the DDL trigger is in place with the function body `body`.
-async fn installed(ctl: &tokio_postgres::Client, body: &str) -> bool {
-    const INSTALLED: &str =
-        "SELECT p.prosrc = $1 AND (SELECT count(*) FROM pg_catalog.pg_event_trigger
-           WHERE evtname IN ('pgcache_ddl', 'pgcache_ddl_drop')) = 2
-         FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
-         WHERE n.nspname = 'pgcache' AND p.proname = 'announce_ddl'";
-    match ctl.query_opt(INSTALLED, &[&body]).await {
-        Ok(Some(row)) => row.get::<_, Option<bool>>(0) == Some(true),
-        _ => false,
     }
 }
 

@@ -7,9 +7,10 @@
 //!
 //! ```text
 //! control connection (tokio-postgres, upstream credentials)
-//!   → keep the publication current: every table with a replica identity,
-//!     never one without (that would make its UPDATE/DELETE fail)
-//!   → install the DDL event trigger (best effort)
+//!   → keep the publication current: the tables with a replica identity
+//!     that statements use, never one without (that would make its
+//!     UPDATE/DELETE fail)
+//!   → install the DDL event trigger (best effort, `trigger.rs`)
 //! replication connection (pgwire-replication)
 //!   → CREATE_REPLICATION_SLOT ... TEMPORARY LOGICAL pgoutput
 //!   → START_REPLICATION; then bump the epoch (anything may have been
@@ -24,12 +25,15 @@
 //! reconnect
 //! ```
 
+#[macro_use]
 pub mod control;
 mod decoder;
 pub mod heartbeat;
 pub mod listen;
 pub mod pgoutput;
+mod publication;
 pub mod replication;
+mod trigger;
 
 pub use control::{cluster_id, full_message, preflight, quote_ident, quote_literal};
 pub use replication::Streams;

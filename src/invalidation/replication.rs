@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 
-use tokio_postgres::error::SqlState;
 use tokio_util::task::AbortOnDropHandle;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
@@ -14,10 +13,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::ReplicationError;
-use super::control::{Control, Publishable, full_message, install_ddl_trigger};
-use super::decoder::{Committed, Decoder};
+use super::control::Control;
+use super::decoder::{Committed, Decoder, Step};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
+use super::trigger::install_ddl_trigger;
 use crate::cache::hold::Paused;
 use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
@@ -31,7 +31,7 @@ const RELEASE_WAIT: Duration = Duration::from_secs(5);
 pub struct Streams {
     cache: Arc<Cache>,
     upstream: Arc<Upstream>,
-    settings: Settings,
+    pub(super) settings: Settings,
     drain: CancellationToken,
     /// Counts the invalidations the streams apply.
     applied: prometheus::IntCounter,
@@ -318,25 +318,39 @@ impl Streams {
             if let Some(lsn) = step.ack {
                 stream.update_applied_lsn(lsn);
             }
-            if !step.bumps.is_empty() {
-                self.invalidate(db, step.bumps).await;
+            self.apply(&ctl, db, step, &mut ddl, start).await?;
+        }
+    }
+
+    /// What one event asks beyond its acknowledgement: its bumps, its DDL
+    /// kept for a round, and for a heartbeat back, that round first.
+    async fn apply(
+        &self,
+        ctl: &Control,
+        db: &Arc<DbState>,
+        step: Step,
+        ddl: &mut Option<Committed>,
+        start: u64,
+    ) -> Result<(), ReplicationError> {
+        if !step.bumps.is_empty() {
+            self.invalidate(db, step.bumps).await;
+        }
+        if let Some(committed) = step.ddl_committed {
+            ddl.get_or_insert_default().add(committed);
+        }
+        if let Some((sent, lsn)) = step.beat {
+            // A heartbeat back proves what came before it, DDL named and
+            // invalidated included.
+            if let Some(committed) = ddl.take() {
+                self.after_ddl(ctl, db, committed).await?;
             }
-            if let Some(committed) = step.ddl_committed {
-                ddl.get_or_insert_default().add(committed);
-            }
-            if let Some((sent, lsn)) = step.beat {
-                // A heartbeat back proves what came before it, DDL named
-                // and invalidated included.
-                if let Some(committed) = ddl.take() {
-                    self.after_ddl(&ctl, db, committed).await?;
-                }
-                db.stream.heartbeat_applied(sent, lsn);
-                // After the bumps of what it follows are in Redis.
-                if let Some(tier) = self.cache.shared() {
-                    tier.cover(db, start, lsn, sent).await;
-                }
+            db.stream.heartbeat_applied(sent, lsn);
+            // After the bumps of what it follows are in Redis.
+            if let Some(tier) = self.cache.shared() {
+                tier.cover(db, start, lsn, sent).await;
             }
         }
+        Ok(())
     }
 
     /// The stream just started: changes made while no stream of this
@@ -474,65 +488,6 @@ impl Streams {
         }
         Ok(())
     }
-
-    /// Reads found tables missing from the publication: those with a
-    /// replica identity join it, after which their facts are fetched
-    /// again and their reads cached.
-    async fn publish_unwatched(&self, ctl: &Control, db: &Arc<DbState>) {
-        let names: Vec<String> = db
-            .catalog
-            .take_unwatched()
-            .into_iter()
-            .filter(|name| !db.stream.is_unpublished(name))
-            .collect();
-        if !names.is_empty() {
-            debug!(database = %db.name, tables = ?names, "tables read that the publication lacks");
-            self.sync_publication(ctl, db, Some(&names), true, None)
-                .await;
-        }
-    }
-
-    /// Brings the publication up to date for the tables of the bare names
-    /// `only` (all with `None`), adding those that can join it if `add`;
-    /// `found` is the publication as a round after DDL found it.
-    async fn sync_publication(
-        &self,
-        ctl: &Control,
-        db: &Arc<DbState>,
-        only: Option<&[String]>,
-        add: bool,
-        found: Option<Publishable>,
-    ) {
-        if !self.settings.manage_publication {
-            return;
-        }
-        match ctl
-            .sync_publication(&self.settings.publication, only, add, found)
-            .await
-        {
-            Ok(synced) => {
-                self.note_unpublished(db, only, synced.unpublished);
-                // Facts fetched before a table joined the publication
-                // say it cannot be watched.
-                db.catalog.forget(&Ddl::objects(synced.added));
-            }
-            // A table dropped meanwhile, or added by another instance:
-            // the outcome is the intended one.
-            Err(ReplicationError::Control(e))
-                if e.code().is_some_and(|c| {
-                    *c == SqlState::UNDEFINED_TABLE || *c == SqlState::DUPLICATE_OBJECT
-                }) =>
-            {
-                debug!(database = %db.name, error = %full_message(&e), "publication update raced with other DDL");
-            }
-            Err(ReplicationError::Control(e)) => {
-                warn!(database = %db.name, error = %full_message(&e), "could not update the publication")
-            }
-            Err(e) => {
-                warn!(database = %db.name, error = %e, "could not update the publication")
-            }
-        }
-    }
 }
 
 /// The application name of the walsender streaming into `slot`: how
@@ -563,35 +518,5 @@ impl std::ops::DerefMut for Walsender {
 impl Drop for Walsender {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-impl Streams {
-    /// Keeps the count of unpublishable tables, and reports a table once,
-    /// when it becomes one (not after every DDL that checks it again).
-    fn note_unpublished(
-        &self,
-        db: &DbState,
-        checked: Option<&[String]>,
-        found: Vec<(String, String)>,
-    ) {
-        let news = db.stream.note_unpublished(checked, found);
-        if news.is_empty() {
-            return;
-        }
-        debug!(database = %db.name, tables = %news.join(", "), "tables without a replica identity");
-        let count = db.stream.unpublished();
-        if db.stream.warn_unpublished(count, std::time::Instant::now()) {
-            let mut some = news.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
-            if news.len() > 5 {
-                some.push_str(", ...");
-            }
-            warn!(
-                database = %db.name,
-                count,
-                tables = %some,
-                "tables without a replica identity (no primary key, identity index or FULL) are not cached; SHOW TABLES lists them"
-            );
-        }
     }
 }

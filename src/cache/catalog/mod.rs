@@ -55,8 +55,8 @@ pub struct RelFacts {
     pub ttl_ok: bool,
     /// Every relation of this name is a table replication could watch if
     /// the publication had it: when it is not `readable`, it lacks a
-    /// replica identity, is unlogged, or its first read has not added it
-    /// yet.
+    /// replica identity, is unlogged, or the statement that first used it
+    /// has not added it yet.
     pub table: bool,
     /// Functions its row-level security policies call: these facts are
     /// stale when one of them changes.
@@ -189,10 +189,11 @@ pub struct Catalog {
     /// Names DDL made or changed since this instance started (bounded): no
     /// tier can hold an answer about them worth waiting for.
     made_by_ddl: Mutex<HashSet<Box<str>>>,
-    /// Tables read and found missing from the publication (bare names,
-    /// bounded), for the stream to add: a table joins the publication when
-    /// it is first read, not when it is made, so DDL of tables nobody reads
-    /// through pgcache costs no publication change.
+    /// Tables a statement named and their lookup found missing from the
+    /// publication (bare names, bounded), for the stream to add: a table
+    /// joins the publication when a statement first uses it, not when DDL
+    /// makes it, so tables nobody reads or writes through pgcache cost no
+    /// publication change.
     unwatched: Mutex<BTreeSet<String>>,
     /// Wakes the stream when `unwatched` grows.
     pub unwatched_found: Notify,
@@ -504,6 +505,26 @@ mod tests {
             !catalog.made_by_ddl(["u"].into_iter()),
             "forgetting everything (a stream's start) names nothing"
         );
+    }
+
+    #[test]
+    fn tables_found_missing_from_the_publication_are_handed_to_the_stream_once() {
+        let catalog = Catalog::default();
+        let (_, _) = catalog.facts(["fresh", "old"], []);
+        let wanted = catalog.take_wanted();
+        let mut fetched = Fetched::default();
+        fetched.rels.insert("fresh".into(), table("fresh"));
+        fetched.rels.insert("old".into(), table("old"));
+        fetched.unwatched.insert("fresh".into());
+        catalog.install(&wanted, fetched);
+        let found = catalog.unwatched_found.notified();
+        futures_util::pin_mut!(found);
+        assert!(
+            futures_util::FutureExt::now_or_never(found).is_some(),
+            "the stream is woken"
+        );
+        assert_eq!(catalog.take_unwatched(), BTreeSet::from(["fresh".into()]));
+        assert!(catalog.take_unwatched().is_empty(), "taken once");
     }
 
     #[test]
