@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Where DDL's extra time goes: the DDL and migration psql scripts of
+# uncached.sh, ROUNDS interleaved rounds (default 3) on fresh databases,
+# through each route, each adding one thing to the one before:
+#   direct      PostgreSQL
+#   bouncer     PgBouncer (session mode)
+#   hop         pgcache --no-cache: the relay alone
+#   analysis    caching on, replication off: statements analysed and
+#               planned, DDL's own invalidation (replication.enabled = false)
+#   stream      replication on, no DDL event trigger: a walsender decoding
+#               the WAL (replication.ddl_event_trigger = false)
+#   default     the defaults: the event trigger, a round after DDL
+# Prints each route's median wall time and its ratio to direct.
+#   bench/ddl-split.sh [ROUNDS]
+source "$(dirname "$0")/lib.sh"
+ROUNDS=${1:-3}
+
+build_pgcache
+start_postgres
+start_pgbouncer
+# Every pgcache lets go of a database a second after its last client, and
+# each run starts once no stream is left (see uncached.sh).
+declare -A PORT
+PORT[direct]=$PGPORT
+PORT[bouncer]=$BOUNCER_PORT
+for route in hop analysis stream default; do
+    conf="$RUNDIR/$route.toml"
+    printf '[replication]\nidle_release_secs = 1\n' >"$conf"
+    case $route in
+        analysis) printf 'enabled = false\nrequired = false\n' >>"$conf" ;;
+        stream) printf 'ddl_event_trigger = false\n' >>"$conf" ;;
+    esac
+    PORT[$route]=$(free_port)
+    if [ "$route" = hop ]; then
+        start_pgcache "${PORT[$route]}" --config "$conf" --no-cache
+    else
+        start_pgcache "${PORT[$route]}" --config "$conf"
+    fi
+done
+ROUTES="direct bouncer hop analysis stream default"
+
+python3 - "$RUNDIR" <<'PY'
+import sys
+d = sys.argv[1]
+with open(f"{d}/ddl.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
+with open(f"{d}/migration.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE mig_{i}(a int PRIMARY KEY, b text);\n"
+                f"CREATE INDEX ON mig_{i}(b);\n"
+                f"ALTER TABLE mig_{i} ADD COLUMN c int DEFAULT 0;\n")
+PY
+
+no_streams() {
+    for _ in $(seq 100); do
+        [ "$(psql_at "$PGPORT" postgres -Atc "SELECT count(*) FROM pg_stat_replication")" = 0 ] && return
+        sleep 0.1
+    done
+    echo "pgcache's streams are still up after 10 s" >&2
+    exit 1
+}
+
+declare -A wall
+n=0
+for round in $(seq "$ROUNDS"); do
+    for script in ddl migration; do
+        for route in $ROUTES; do
+            n=$((n + 1))
+            psql_at "$PGPORT" postgres -c "CREATE DATABASE s$n" >/dev/null
+            psql_at "$PGPORT" "s$n" -c "CREATE TABLE t(k int PRIMARY KEY, v int);
+                INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i;" >/dev/null
+            no_streams
+            # A first statement starts the database's stream, where there is one.
+            psql_at "${PORT[$route]}" "s$n" -c "SELECT 1" >/dev/null
+            start=$(date +%s.%N)
+            psql_at "${PORT[$route]}" "s$n" -f "$RUNDIR/$script.sql" >/dev/null
+            end=$(date +%s.%N)
+            wall[$script,$route]+=" $(python3 -c "print(f'{$end - $start:.3f}')")"
+            # Dropped directly once pgcache has let go of it.
+            no_streams
+            psql_at "$PGPORT" postgres -c "DROP DATABASE s$n WITH (FORCE)" >/dev/null
+        done
+    done
+done
+
+median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
+printf '%-10s' route; for script in ddl migration; do printf ' %12s %8s' "$script (s)" ratio; done; echo
+for route in $ROUTES; do
+    printf '%-10s' "$route"
+    for script in ddl migration; do
+        m=$(median ${wall[$script,$route]})
+        printf ' %12s %8s' "$m" "$(ratio "$m" "$(median ${wall[$script,direct]})")"
+    done
+    echo
+done
