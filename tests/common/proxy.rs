@@ -162,6 +162,49 @@ impl Proxy {
     pub async fn wait_streaming(&self, db: &str) {
         self.wait_stream(db).await;
         self.learn_all(db).await;
+        self.wait_published(db).await;
+    }
+
+    /// Tables made since the stream started join the publication when a
+    /// statement first names them ([`Proxy::learn_all`] names them all):
+    /// waits until those that can have joined, then until the stream has
+    /// handled pgcache's ALTER PUBLICATION (DDL too, which forgets those
+    /// tables' facts), and looks everything up again.
+    async fn wait_published(&self, db: &str) {
+        let config = self.app.config();
+        if !self.app.cache.replication_on() || !config.replication.manage_publication {
+            return;
+        }
+        let direct = self
+            .app
+            .upstream
+            .control(db)
+            .await
+            .expect("control connection");
+        let publication = &config.replication.publication;
+        eventually(Duration::from_secs(20), "new tables in the publication", || {
+            let direct = &direct;
+            async move {
+                let missing: i64 = direct
+                    .query_one(
+                        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                         WHERE c.relkind IN ('r', 'p') AND c.relpersistence = 'p' AND NOT c.relispartition
+                           AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'
+                           AND (c.relreplident = 'f' OR EXISTS (SELECT FROM pg_index i WHERE i.indrelid = c.oid
+                             AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END))
+                           AND NOT EXISTS (SELECT FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                             WHERE p.pubname = $1 AND pr.prrelid = c.oid)",
+                        &[publication],
+                    )
+                    .await
+                    .expect("tables missing from the publication")
+                    .get(0);
+                (missing == 0).then_some(())
+            }
+        })
+        .await;
+        self.wait_stream(db).await;
+        self.learn_all(db).await;
     }
 
     /// Waits until the database's replication stream is up and has applied
@@ -176,6 +219,10 @@ impl Proxy {
                 Duration::from_secs(20),
                 "a current replication stream",
                 || {
+                    // Waiting for the stream is using the database: with a
+                    // short idle_release_secs, pgcache could otherwise let
+                    // go of it while the helpers run.
+                    self.app.streams.ensure(&state);
                     let up = state.stream.is_current() && state.stream.covers(now);
                     async move { up.then_some(()) }
                 },

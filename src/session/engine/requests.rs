@@ -532,7 +532,14 @@ impl Engine {
         row_limit: u32,
     ) -> Answer {
         let (bytes, refresh) = match looked {
-            Err(_) => return Answer::Forward(None),
+            Err(reason) => {
+                if reason == BypassReason::ReplicationDown {
+                    // As below; here for a read of a table not published
+                    // (yet), which only the stream can add.
+                    self.actions.push(Action::Watch);
+                }
+                return Answer::Forward(None);
+            }
             Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
             Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
             Ok(Lookup::Bypass(reason)) => {
