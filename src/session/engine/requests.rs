@@ -531,22 +531,18 @@ impl Engine {
         request: &[u8],
         row_limit: u32,
     ) -> Answer {
+        if let Err(BypassReason::ReplicationDown)
+        | Ok(Lookup::Bypass(BypassReason::ReplicationDown)) = &looked
+        {
+            // pgcache may have let go of the database: take hold again
+            // (also for a table not yet published: the stream adds it).
+            self.actions.push(Action::Watch);
+        }
         let (bytes, refresh) = match looked {
-            Err(reason) => {
-                if reason == BypassReason::ReplicationDown {
-                    // As below; here for a read of a table not published
-                    // (yet), which only the stream can add.
-                    self.actions.push(Action::Watch);
-                }
-                return Answer::Forward(None);
-            }
+            Err(_) => return Answer::Forward(None),
             Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
             Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
             Ok(Lookup::Bypass(reason)) => {
-                if reason == BypassReason::ReplicationDown {
-                    // pgcache may have let go of the database: take hold again.
-                    self.actions.push(Action::Watch);
-                }
                 plan.stats.bypassed(reason);
                 return Answer::Forward(None);
             }
