@@ -39,27 +39,7 @@ for route in hop analysis stream default; do
 done
 ROUTES="direct bouncer hop analysis stream default"
 
-python3 - "$RUNDIR" <<'PY'
-import sys
-d = sys.argv[1]
-with open(f"{d}/ddl.sql", "w") as f:
-    for i in range(200):
-        f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
-with open(f"{d}/migration.sql", "w") as f:
-    for i in range(200):
-        f.write(f"CREATE TABLE mig_{i}(a int PRIMARY KEY, b text);\n"
-                f"CREATE INDEX ON mig_{i}(b);\n"
-                f"ALTER TABLE mig_{i} ADD COLUMN c int DEFAULT 0;\n")
-PY
-
-no_streams() {
-    for _ in $(seq 100); do
-        [ "$(psql_at "$PGPORT" postgres -Atc "SELECT count(*) FROM pg_stat_replication")" = 0 ] && return
-        sleep 0.1
-    done
-    echo "pgcache's streams are still up after 10 s" >&2
-    exit 1
-}
+ddl_scripts
 
 declare -A wall
 n=0
@@ -67,9 +47,7 @@ for round in $(seq "$ROUNDS"); do
     for script in ddl migration; do
         for route in $ROUTES; do
             n=$((n + 1))
-            psql_at "$PGPORT" postgres -c "CREATE DATABASE s$n" >/dev/null
-            psql_at "$PGPORT" "s$n" -c "CREATE TABLE t(k int PRIMARY KEY, v int);
-                INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i;" >/dev/null
+            table_db "s$n"
             no_streams
             # A first statement starts the database's stream, where there is one.
             psql_at "${PORT[$route]}" "s$n" -c "SELECT 1" >/dev/null

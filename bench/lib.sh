@@ -212,3 +212,43 @@ machine_busy_secs() {
 
 # Peak resident memory of a process, in MiB.
 peak_rss_mib() { awk '/VmHWM/ {printf "%.0f", $2/1024}' "/proc/$1/status" 2>/dev/null; }
+
+# no_streams: waits until no walsender runs (pgcache has let go of every
+# database); a walsender left running decodes every later run's WAL.
+no_streams() {
+    for _ in $(seq 100); do
+        [ "$(psql_at "$PGPORT" postgres -Atc "SELECT count(*) FROM pg_stat_replication")" = 0 ] && return
+        sleep 0.1
+    done
+    echo "pgcache's streams are still up after 10 s" >&2
+    exit 1
+}
+
+# table_db NAME: a database with t(k, v) of 10,000 rows.
+table_db() {
+    psql_at "$PGPORT" postgres -c "CREATE DATABASE $1" >/dev/null
+    psql_at "$PGPORT" "$1" -c "CREATE TABLE t(k int PRIMARY KEY, v int);
+        INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i;" >/dev/null
+}
+
+# ddl_scripts: the psql scripts of what is not a hit, in $RUNDIR:
+#   ddl.sql        200 x (CREATE TABLE ddl_i(a int); SELECT count(*) FROM t WHERE k < i)
+#   migration.sql  200 x (CREATE TABLE mig_i(...); CREATE INDEX ...; ALTER TABLE ...)
+#   distinct.sql   2,000 distinct SELECT v FROM t WHERE k = <i>
+ddl_scripts() {
+    python3 - "$RUNDIR" <<'PY'
+import sys
+d = sys.argv[1]
+with open(f"{d}/ddl.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
+with open(f"{d}/migration.sql", "w") as f:
+    for i in range(200):
+        f.write(f"CREATE TABLE mig_{i}(a int PRIMARY KEY, b text);\n"
+                f"CREATE INDEX ON mig_{i}(b);\n"
+                f"ALTER TABLE mig_{i} ADD COLUMN c int DEFAULT 0;\n")
+with open(f"{d}/distinct.sql", "w") as f:
+    for i in range(1, 2001):
+        f.write(f"SELECT v FROM t WHERE k = {i};\n")
+PY
+}

@@ -29,23 +29,10 @@ PGCACHE_PORT=$(free_port)
 printf '[replication]\nidle_release_secs = 1\n' >"$RUNDIR/uncached.toml"
 start_pgcache "$PGCACHE_PORT" --config "$RUNDIR/uncached.toml"
 
-# Waits until no walsender runs: pgcache has let go of every database.
-no_streams() {
-    for _ in $(seq 100); do
-        [ "$(psql_at "$PGPORT" postgres -Atc "SELECT count(*) FROM pg_stat_replication")" = 0 ] && return
-        sleep 0.1
-    done
-    echo "pgcache's streams are still up after 10 s" >&2
-    exit 1
-}
-
-
 # A database with t(k, v) of 10,000 rows; with $2 = big, also 20,000 tables
 # and 5,000 functions, made in transactions of 1,000 (the lock table's size).
 make_db() {
-    psql_at "$PGPORT" postgres -c "CREATE DATABASE $1" >/dev/null
-    psql_at "$PGPORT" "$1" -c "CREATE TABLE t(k int PRIMARY KEY, v int);
-        INSERT INTO t SELECT i, i FROM generate_series(1, 10000) i;" >/dev/null
+    table_db "$1"
     [ "${2:-}" = big ] || return 0
     python3 - "$RUNDIR/big.sql" <<'PY'
 import sys
@@ -63,21 +50,7 @@ PY
     psql_at "$PGPORT" "$1" -f "$RUNDIR/big.sql" >/dev/null
 }
 
-python3 - "$RUNDIR" <<'PY'
-import sys
-d = sys.argv[1]
-with open(f"{d}/ddl.sql", "w") as f:
-    for i in range(200):
-        f.write(f"CREATE TABLE ddl_{i}(a int);\nSELECT count(*) FROM t WHERE k < {i};\n")
-with open(f"{d}/migration.sql", "w") as f:
-    for i in range(200):
-        f.write(f"CREATE TABLE mig_{i}(a int PRIMARY KEY, b text);\n"
-                f"CREATE INDEX ON mig_{i}(b);\n"
-                f"ALTER TABLE mig_{i} ADD COLUMN c int DEFAULT 0;\n")
-with open(f"{d}/distinct.sql", "w") as f:
-    for i in range(1, 2001):
-        f.write(f"SELECT v FROM t WHERE k = {i};\n")
-PY
+ddl_scripts
 
 # seconds PORT DB FILE: wall time of one psql run of FILE.
 seconds() {

@@ -172,14 +172,7 @@ async fn a_new_table_joins_the_publication_when_first_read_not_when_made() {
         .await
         .unwrap();
     // A heartbeat back follows the DDL before it, and what was done after it.
-    let state = proxy.app.cache.db(&db);
-    let after = Instant::now();
-    eventually(
-        Duration::from_secs(10),
-        "the stream to pass the DDL",
-        || async { state.stream.covers(after).then_some(()) },
-    )
-    .await;
+    proxy.wait_stream(&db).await;
     let published = "SELECT string_agg(tablename, ',' ORDER BY tablename) FROM pg_publication_tables WHERE pubname = 'pgcache'";
     assert_eq!(scalar(&direct, published).await, None, "nothing read yet");
     let read = "SELECT v FROM made WHERE id = 1";

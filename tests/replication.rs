@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use tokio_postgres::{Client, SimpleQueryMessage};
@@ -228,13 +228,7 @@ async fn ddl_that_arrives_together_is_handled_in_few_rounds() {
     drop(stopped);
     eventually_reads(&client, "SELECT v FROM a", "7").await;
     // A heartbeat back follows the DDL before it.
-    let after = Instant::now();
-    eventually(
-        Duration::from_secs(10),
-        "the stream to pass the DDL",
-        || async { state.stream.covers(after).then_some(()) },
-    )
-    .await;
+    proxy.wait_stream(&db).await;
     let (now_transactions, now_rounds) = state.stream.ddl();
     let handled = now_transactions - transactions;
     assert!(

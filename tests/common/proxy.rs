@@ -111,15 +111,19 @@ impl Proxy {
         client
     }
 
-    /// [`Proxy::learn`] for every relation outside the system schemas and
-    /// every function `db` has now.
-    pub async fn learn_all(&self, db: &str) {
-        let direct = self
-            .app
+    /// A connection of pgcache's own kind (its upstream credentials) to `db`.
+    async fn control(&self, db: &str) -> tokio_postgres::Client {
+        self.app
             .upstream
             .control(db)
             .await
-            .expect("control connection");
+            .expect("control connection")
+    }
+
+    /// [`Proxy::learn`] for every relation outside the system schemas and
+    /// every function `db` has now.
+    pub async fn learn_all(&self, db: &str) {
+        let direct = self.control(db).await;
         let names = |sql: &'static str| {
             let direct = &direct;
             async move {
@@ -175,12 +179,7 @@ impl Proxy {
         if !self.app.cache.replication_on() || !config.replication.manage_publication {
             return;
         }
-        let direct = self
-            .app
-            .upstream
-            .control(db)
-            .await
-            .expect("control connection");
+        let direct = self.control(db).await;
         let publication = &config.replication.publication;
         eventually(Duration::from_secs(20), "new tables in the publication", || {
             let direct = &direct;
