@@ -154,7 +154,8 @@ async fn health_and_readiness() {
     assert_eq!(get(&proxy, "/readyz").await.0, 200);
     assert_eq!(get(&proxy, "/nope").await.0, 404);
     let mut config = pg().proxy_config();
-    config.upstream.url = format!("postgres://postgres@127.0.0.1:{}", free_port());
+    let (_reserved, port) = refused_port();
+    config.upstream.url = format!("postgres://postgres@127.0.0.1:{port}");
     let down = Proxy::start(config).await;
     let (status, body) = get(&down, "/readyz").await;
     assert_eq!(status, 503);

@@ -347,7 +347,8 @@ async fn md5_and_scram_authentication_are_relayed() {
 #[tokio::test]
 async fn unreachable_backend_gives_08006_and_pgcache_keeps_serving() {
     let mut config = pg().proxy_config();
-    config.upstream.url = format!("postgres://127.0.0.1:{}", free_port());
+    let (_reserved, port) = refused_port();
+    config.upstream.url = format!("postgres://127.0.0.1:{port}");
     let proxy = Proxy::start(config).await;
     for _ in 0..3 {
         let err = connect_dsn(&proxy.dsn("postgres", "postgres"))

@@ -491,7 +491,7 @@ async fn redis_killed_mid_workload_costs_no_client_an_error_and_hits_resume() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_at_start_leaves_the_local_tier_working() {
-    let port = free_port(); // nothing listens here
+    let (_reserved, port) = refused_port();
     let db = pg().create_db("shared_down");
     pg().psql_db(&db, ITEMS);
     let proxy = Proxy::start(config(&format!("redis://127.0.0.1:{port}"))).await;

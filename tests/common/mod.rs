@@ -66,6 +66,17 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A port connections to are refused, which nothing else can take while
+/// the returned socket lives (bound, never listening). A port from
+/// [`free_port`] is free again at once: pgcache's own listener could be
+/// given it, and connect to itself.
+pub fn refused_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    (socket, port)
+}
+
 /// Holds `table` under ACCESS EXCLUSIVE on a direct connection until the
 /// returned client is dropped or rolls back: a forwarded read of it would
 /// block, a cached one returns at once.
