@@ -419,3 +419,32 @@ async fn a_table_whose_identity_index_is_dropped_leaves_the_publication() {
     )
     .await;
 }
+
+/// A table made without a replica identity is left out of the publication
+/// when first read. Given one through pgcache (DDL its own session handles,
+/// with no round after it in the stream), its next reads bring it into the
+/// publication, and it is cached from then on.
+#[tokio::test]
+async fn a_table_given_an_identity_through_pgcache_is_cached_from_then_on() {
+    let (db, proxy, client, _direct) = setup_streaming("cat_identity_later", "SELECT 1").await;
+    client
+        .batch_execute("CREATE TABLE late(id int, v int); INSERT INTO late VALUES (1, 1)")
+        .await
+        .unwrap();
+    let read = "SELECT v FROM late WHERE id = 1";
+    let state = proxy.app.cache.db(&db);
+    eventually(Duration::from_secs(10), "late to be left out", || async {
+        scalar(&client, read).await;
+        state.stream.is_unpublished("late").then_some(())
+    })
+    .await;
+    client
+        .batch_execute("ALTER TABLE late ADD PRIMARY KEY (id)")
+        .await
+        .unwrap();
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("1")
+    );
+    assert!(!state.stream.is_unpublished("late"));
+}

@@ -405,3 +405,97 @@ async fn while_the_stream_is_down_the_database_is_served_from_postgres() {
         Some("2")
     );
 }
+
+/// The number of columns `SELECT * FROM t` shows.
+async fn columns(client: &Client) -> usize {
+    rows(client, "SELECT * FROM t WHERE id = 1").await[0].len()
+}
+
+async fn columns_become(client: &Client, want: usize) {
+    eventually(Duration::from_secs(10), "the new column", || async {
+        (columns(client).await == want).then_some(())
+    })
+    .await;
+}
+
+/// DDL a client sends through pgcache is handled by its session, which
+/// forgets what the statement names once it is visible: the stream of the
+/// same instance takes no round for it. DDL inside a function a statement
+/// calls, DDL made directly and DDL another instance's client sent each
+/// take a round where they were not sent, and each is seen.
+async fn ddl_sent_through_an_instance_takes_no_round_there(mode: pgcache::config::PoolMode) {
+    let db = pg().create_db(&format!("ddlown_{mode:?}").to_lowercase());
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1);
+         CREATE FUNCTION migrate() RETURNS void LANGUAGE plpgsql
+           AS $$ BEGIN ALTER TABLE t ADD COLUMN y int DEFAULT 8; END $$",
+    );
+    let mut config = pg().proxy_config();
+    config.pool.mode = mode;
+    let a = Proxy::start(config).await;
+    let ca = a.connect(&db).await;
+    let b = Proxy::start(pg().proxy_config()).await;
+    let cb = b.connect(&db).await;
+    let direct = pg().direct(&db).await;
+    a.wait_stream(&db).await;
+    for (proxy, client) in [(&a, &ca), (&b, &cb)] {
+        columns(client).await;
+        let hits = proxy.hits();
+        assert_eq!(columns(client).await, 2);
+        assert_eq!(proxy.hits(), hits + 1, "served from the cache");
+    }
+    let (sa, sb) = (a.app.cache.db(&db), b.app.cache.db(&db));
+    let ((a_transactions, a_rounds), (_, b_rounds)) = (sa.stream.ddl(), sb.stream.ddl());
+
+    for ddl in [
+        "ALTER TABLE t ADD COLUMN w int DEFAULT 5",
+        "CREATE TABLE made(id int PRIMARY KEY)",
+        "DROP TABLE made",
+    ] {
+        ca.batch_execute(ddl).await.unwrap();
+    }
+    assert_eq!(columns(&ca).await, 3, "the sender's own session forgot t");
+    columns_become(&cb, 3).await;
+    a.wait_stream(&db).await;
+    b.wait_stream(&db).await;
+    let (transactions, rounds) = sa.stream.ddl();
+    assert!(
+        transactions >= a_transactions + 3,
+        "{} DDL transactions seen",
+        transactions - a_transactions
+    );
+    assert_eq!(rounds, a_rounds, "no round for DDL its own session sent");
+    assert!(sb.stream.ddl().1 > b_rounds, "the other instance names it");
+
+    // DDL the client's statement did not spell out.
+    ca.batch_execute("SELECT migrate()").await.unwrap();
+    columns_become(&ca, 4).await;
+    a.wait_stream(&db).await;
+    let (_, after_function) = sa.stream.ddl();
+    assert!(
+        after_function > rounds,
+        "DDL inside a function takes a round"
+    );
+
+    direct
+        .batch_execute("ALTER TABLE t ADD COLUMN x int DEFAULT 6")
+        .await
+        .unwrap();
+    columns_become(&ca, 5).await;
+    a.wait_stream(&db).await;
+    assert!(
+        sa.stream.ddl().1 > after_function,
+        "DDL made directly takes a round"
+    );
+}
+
+#[tokio::test]
+async fn ddl_sent_through_pgcache_takes_no_round_there() {
+    ddl_sent_through_an_instance_takes_no_round_there(pgcache::config::PoolMode::Session).await;
+}
+
+#[tokio::test]
+async fn ddl_sent_through_a_transaction_pool_takes_no_round_there() {
+    ddl_sent_through_an_instance_takes_no_round_there(pgcache::config::PoolMode::Transaction).await;
+}

@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use super::catalog::Catalog;
 use super::hold::Hold;
 use super::shared::state::SharedSync;
-#[cfg(test)]
-use super::versions::Ddl;
-use super::versions::{Bumps, Family, Versions};
+use super::versions::{Bumps, Ddl, Family, Versions};
 use crate::metrics::DbMetrics;
 
 /// Heartbeats back kept per database: a minute's worth at the default
@@ -48,6 +46,7 @@ impl DbState {
         self.catalog.forget(&bumps.ddl);
         if !bumps.ddl.is_none() {
             self.versions.schema_changed();
+            self.stream.ddl_named(&bumps.ddl);
         }
         if !bumps.ddl.is_none() || bumps.epoch {
             bump(&self.versions.epoch);
@@ -142,6 +141,10 @@ pub struct StreamHealth {
     unpublished: Mutex<BTreeMap<String, BTreeSet<String>>>,
     /// How many tables `unpublished` holds.
     unpublished_count: AtomicU64,
+    /// Bare names in `unpublished` that DDL named since they were found
+    /// so: DDL may have given them an identity, so the next read that
+    /// finds one missing from the publication checks it again.
+    recheck: Mutex<BTreeSet<String>>,
     /// When the last warning about them was logged, and their count then.
     unpublished_warned: Mutex<Option<(Instant, u64)>>,
     /// The temporary slot of the running stream.
@@ -183,6 +186,7 @@ impl Default for StreamHealth {
             ddl_rounds: AtomicU64::new(0),
             unpublished: Mutex::default(),
             unpublished_count: AtomicU64::new(0),
+            recheck: Mutex::default(),
             unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
             ended: tokio::sync::Notify::new(),
@@ -332,6 +336,12 @@ impl StreamHealth {
         self.ddl_rounds.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A DDL transaction a session of this instance sent and handled: it
+    /// takes no round.
+    pub fn ddl_handled_by_session(&self) {
+        self.ddl_transactions.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// DDL transactions handled, and the rounds they took.
     pub fn ddl(&self) -> (u64, u64) {
         (
@@ -447,6 +457,37 @@ impl StreamHealth {
     pub fn is_unpublished(&self, bare: &str) -> bool {
         let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
         tables.contains_key(bare)
+    }
+
+    /// DDL changed `ddl`: tables left out that it names are checked again
+    /// when next read ([`Self::settled_unpublished`]).
+    pub fn ddl_named(&self, ddl: &Ddl) {
+        let tables = self.unpublished.lock().unwrap_or_else(|e| e.into_inner());
+        if tables.is_empty() {
+            return;
+        }
+        let mut recheck = self.recheck.lock().unwrap_or_else(|e| e.into_inner());
+        match ddl {
+            Ddl::None => {}
+            Ddl::Objects(names) => recheck.extend(
+                names
+                    .iter()
+                    .filter(|n| tables.contains_key(&***n))
+                    .map(|n| n.to_string()),
+            ),
+            Ddl::All => recheck.extend(tables.keys().cloned()),
+        }
+    }
+
+    /// Whether a table of bare name `bare` was left out of the publication
+    /// and no DDL named it since (which this call forgets, once).
+    pub fn settled_unpublished(&self, bare: &str) -> bool {
+        let rechecked = self
+            .recheck
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(bare);
+        !rechecked && self.is_unpublished(bare)
     }
 
     /// The tables left out of the publication, qualified, in order.

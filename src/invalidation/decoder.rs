@@ -23,6 +23,8 @@ pub(super) struct Step {
     pub(super) bumps: Bumps,
     /// A transaction that ran DDL committed: its xid and what it changed.
     pub(super) ddl_committed: Option<(u32, Announced)>,
+    /// A transaction whose DDL this instance's session handled committed.
+    pub(super) ddl_handled: bool,
     /// A heartbeat of this instance came back: when it was sent, and its
     /// position (every change committed before it is applied once this
     /// step is handled).
@@ -37,6 +39,10 @@ pub(super) struct Announced {
     /// Objects created or altered, to be named once the transaction is
     /// visible.
     pub(super) objects: Vec<ObjectAddress>,
+    /// The pgcache instance whose session sent the DDL, if one did.
+    pub(super) origin: Option<u64>,
+    /// The trigger took a table out of the publication (named in `names`).
+    pub(super) unpublished: bool,
 }
 
 impl Announced {
@@ -47,6 +53,22 @@ impl Announced {
     fn merge(&mut self, other: Announced) {
         self.names.merge(&other.names);
         self.objects.extend(other.objects);
+        if self.origin != other.origin {
+            self.origin = None;
+        }
+        self.unpublished |= other.unpublished;
+    }
+
+    /// Whether instance `instance`'s own session sent the DDL, and so
+    /// handled it already: it forgot what its statement's analysis names
+    /// once the transaction was visible (its ReadyForQuery), before its
+    /// client heard of it. What the message names (objects dropped, with
+    /// those a CASCADE took) is still forgotten as it arrives; the round
+    /// after DDL is left out. Not when the trigger took a table out of the
+    /// publication (the round records it and forgets it once visible), nor
+    /// for anything (the trigger could not say what changed).
+    fn handled_by(&self, instance: u64) -> bool {
+        self.origin == Some(instance) && !self.unpublished && self.names != Ddl::All
     }
 }
 
@@ -76,6 +98,8 @@ pub(super) struct Decoder {
     current_xid: u32,
     /// The current transaction's DDL, as its messages announce it.
     ddl: Announced,
+    /// The current transaction ran DDL a session of this instance handled.
+    ddl_handled: bool,
     /// Server WAL position seen and position applied, for the byte lag.
     server_lsn: u64,
     applied_lsn: u64,
@@ -90,6 +114,7 @@ impl Decoder {
             in_transaction: false,
             current_xid: 0,
             ddl: Announced::default(),
+            ddl_handled: false,
             server_lsn: 0,
             applied_lsn: 0,
         }
@@ -145,8 +170,15 @@ impl Decoder {
                 debug!(database = %db.name, ?announced, "DDL seen in the stream");
                 // What is named already is forgotten at once; the rest once
                 // the transaction is visible and its objects named.
-                step.bumps = Bumps::ddl(announced.names.clone());
-                self.ddl.merge(announced);
+                if announced.handled_by(self.beats.instance()) {
+                    if announced.names.changes_facts() {
+                        step.bumps = Bumps::ddl(announced.names);
+                    }
+                    self.ddl_handled = true;
+                } else {
+                    step.bumps = Bumps::ddl(announced.names.clone());
+                    self.ddl.merge(announced);
+                }
             }
             ReplicationEvent::Message { lsn, .. } => step.ack = Some(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -164,6 +196,9 @@ impl Decoder {
         db.stream.set_applied_lsn(self.applied_lsn);
         if !self.in_transaction && !self.ddl.is_empty() {
             step.ddl_committed = Some((self.current_xid, std::mem::take(&mut self.ddl)));
+        }
+        if !self.in_transaction {
+            step.ddl_handled = std::mem::take(&mut self.ddl_handled);
         }
         Some(step)
     }
@@ -183,14 +218,26 @@ impl Decoder {
     }
 }
 
-/// What the event trigger's message says a DDL command changed: its tag,
+/// What the event trigger's message says a DDL command changed: a first
+/// line of its tag, ` -` if the trigger took a table out of the
+/// publication, and ` !` and the (hex) instance whose session sent it;
 /// then one line per thing: a bare name, `@classid,objid,objsubid` for an
-/// object to name later, `*` for anything. A message with nothing after its
-/// tag (an older trigger) changed anything.
+/// object to name later, `*` for anything. A message with nothing after
+/// its first line (an older trigger) changed anything. Marks go on the
+/// first line, where a command tag cannot be mistaken for them: a name
+/// can begin with anything.
 fn ddl_message(content: &[u8]) -> Announced {
     let text = String::from_utf8_lossy(content);
     let mut announced = Announced::default();
-    let mut lines = text.split('\n').skip(1).peekable();
+    let mut lines = text.split('\n');
+    for mark in lines.next().unwrap_or_default().split(' ') {
+        if mark == "-" {
+            announced.unpublished = true;
+        } else if let Some(origin) = mark.strip_prefix('!') {
+            announced.origin = u64::from_str_radix(origin, 16).ok();
+        }
+    }
+    let mut lines = lines.peekable();
     if lines.peek().is_none() {
         announced.names = Ddl::All;
         return announced;
@@ -245,9 +292,39 @@ mod tests {
             Announced {
                 names: Ddl::objects(Vec::<String>::new()),
                 objects: vec![(1259, 16384, 0), (2606, 16390, 0)],
+                ..Announced::default()
             }
         );
         assert_eq!(names(b"ALTER TABLE\n@1259,x,0"), Ddl::All, "unreadable");
+    }
+
+    #[test]
+    fn ddl_an_instance_sent_itself_needs_no_round_there() {
+        let ours = 0x2a;
+        let created = ddl_message(b"CREATE TABLE !000000000000002a\n@1259,16384,0");
+        assert_eq!(created.origin, Some(ours));
+        assert!(created.handled_by(ours));
+        assert!(!created.handled_by(0x2b), "another instance names it");
+        assert!(!ddl_message(b"CREATE TABLE\n@1259,16384,0").handled_by(ours));
+        let dropped = ddl_message(b"DROP TABLE !2a\nt\n!v\n-w");
+        assert_eq!(
+            dropped.names,
+            Ddl::objects(["!v", "-w", "t"]),
+            "names are any text"
+        );
+        assert!(dropped.handled_by(ours));
+        // A table the trigger took out of the publication: recorded by a
+        // round, and forgotten once the transaction is visible.
+        let unpublished = ddl_message(b"DROP INDEX - !2a\nt_id\nt");
+        assert!(unpublished.unpublished);
+        assert_eq!(unpublished.names, Ddl::objects(["t", "t_id"]));
+        assert!(!unpublished.handled_by(ours));
+        assert!(!ddl_message(b"DROP SCHEMA !2a\ns\n*").handled_by(ours));
+        assert!(!ddl_message(b"CREATE TABLE !zz\n@1259,16384,0").handled_by(ours));
+        assert!(
+            !ddl_message(b"CREATE TABLE !2a").handled_by(ours),
+            "an older trigger's"
+        );
     }
 
     #[test]
@@ -262,6 +339,7 @@ mod tests {
             Announced {
                 names: Ddl::objects(["t", "u"]),
                 objects: vec![(1259, 16384, 0)],
+                ..Announced::default()
             }
         );
         committed.add((13, ddl_message(b"DROP SCHEMA\ns\n*")));

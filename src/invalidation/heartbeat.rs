@@ -54,6 +54,11 @@ impl Heartbeats {
         }
     }
 
+    /// The instance whose heartbeats these are.
+    pub fn instance(&self) -> u64 {
+        self.instance
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Sent> {
         // Every critical section leaves the queue whole.
         self.sent.lock().unwrap_or_else(|e| e.into_inner())

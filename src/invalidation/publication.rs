@@ -123,7 +123,7 @@ impl Streams {
             .catalog
             .take_unwatched()
             .into_iter()
-            .filter(|name| !db.stream.is_unpublished(name))
+            .filter(|name| !db.stream.settled_unpublished(name))
             .collect();
         if !names.is_empty() {
             debug!(database = %db.name, tables = ?names, "tables read that the publication lacks");

@@ -37,8 +37,6 @@ pub struct Streams {
     applied: prometheus::IntCounter,
     /// Counts those asked for by NOTIFY.
     notified: prometheus::IntCounter,
-    /// Names this instance in its heartbeats.
-    instance: u64,
     /// Server connections parked for later clients, which let go of a
     /// database with the stream.
     pool: Arc<ServerPool>,
@@ -61,7 +59,6 @@ impl Streams {
             drain,
             applied,
             notified,
-            instance: rand::random(),
             pool,
         }
     }
@@ -256,7 +253,7 @@ impl Streams {
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
-        let beats = Arc::new(Heartbeats::new(self.instance));
+        let beats = Arc::new(Heartbeats::new(self.upstream.origin));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
         let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
             Arc::clone(ctl.client()),
@@ -337,6 +334,9 @@ impl Streams {
         }
         if let Some(committed) = step.ddl_committed {
             ddl.get_or_insert_default().add(committed);
+        }
+        if step.ddl_handled {
+            db.stream.ddl_handled_by_session();
         }
         if let Some((sent, lsn)) = step.beat {
             // A heartbeat back proves what came before it, DDL named and

@@ -1,12 +1,15 @@
 //! The DDL event trigger pgcache installs in each database it streams:
 //! it announces DDL in the stream, so DDL made outside pgcache invalidates
 //! too, and keeps a table that loses its replica identity out of the
-//! publication within the DDL itself.
+//! publication within the DDL itself. DDL a client sent through pgcache is
+//! announced with the instance that carried it, whose session handled it
+//! ([`origin_line`]).
 
 use tracing::warn;
 
 use super::DDL_MESSAGE_PREFIX;
 use super::control::quote_literal;
+use crate::upstream::ORIGIN_SETTING;
 
 /// The trigger's first step with `managed` (the publication pgcache
 /// keeps): a table that loses its replica identity leaves the publication
@@ -49,6 +52,20 @@ fn unpublish_step(managed: Option<&str>) -> String {
     }
 }
 
+/// The message's `!origin` (NULL for none): the instance whose
+/// session's connection ran the DDL ([`ORIGIN_SETTING`]), when the DDL is
+/// the client's statement itself: the query holds one statement and it
+/// starts with the command's verb. The session handled that statement;
+/// DDL run inside one (a function a SELECT calls, a DO block, a CALL) is
+/// not what its analysis named.
+fn origin_line() -> String {
+    format!(
+        "CASE WHEN upper(substring(ltrim(current_query(), E' \\t\\r\\n') FROM '^[A-Za-z]+')) = split_part(tg_tag, ' ', 1)
+             AND strpos(rtrim(current_query(), E' \\t\\r\\n;'), ';') = 0
+           THEN '!' || nullif(current_setting('{ORIGIN_SETTING}', true), '') END"
+    )
+}
+
 /// Installs an event trigger that announces DDL in the stream, so DDL made
 /// outside pgcache invalidates too. Needs superuser; without it pgcache logs
 /// a warning and notices outside DDL only through the TTL. The function can
@@ -60,14 +77,19 @@ pub async fn install_ddl_trigger(
     managed: Option<&str>,
 ) {
     let unpublish = unpublish_step(managed);
-    // The message says what changed, one line each after the command tag:
-    // a dropped object's bare name, the bare name of a table the trigger
-    // took out of the publication, "@classid,objid,objsubid" for an object
+    // The message's first line is the command tag, then " -" if the
+    // trigger took a table out of the publication, then " !" and the
+    // instance whose session sent the DDL (its connections carry
+    // ORIGIN_SETTING; that instance handled the DDL already). Then it says
+    // what changed, one line each: a dropped object's bare name, the bare
+    // name of a table the trigger took out of the publication,
+    // "@classid,objid,objsubid" for an object
     // a command created or altered (named later, by
     // [`Control::after_ddl`], off the user's transaction: naming it here
     // costed a third more per DDL statement), "*" for anything. The tag
     // alone means anything.
     let no_facts = no_facts!();
+    let origin = origin_line();
     let body = format!(
         "
            DECLARE
@@ -87,7 +109,9 @@ pub async fn install_ddl_trigger(
                  SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
                    INTO names FROM pg_event_trigger_ddl_commands() c;
                END IF;
-               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag || E'\\n' || concat_ws(E'\\n', names, unpublished));
+               PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}',
+                 tg_tag || CASE WHEN unpublished IS NULL THEN '' ELSE ' -' END || coalesce(' ' || {origin}, '')
+                   || E'\\n' || concat_ws(E'\\n', names, unpublished));
              EXCEPTION WHEN OTHERS THEN
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
              END;

@@ -132,6 +132,53 @@ pub fn encode_startup(params: &[(&str, &str)]) -> Vec<u8> {
     out
 }
 
+/// The StartupMessage `raw` (whole and well formed, as [`parse`] accepted
+/// it) with `-c name=value` added to its `options`, byte for byte
+/// otherwise. `None` when it cannot be added: the packet would pass
+/// PostgreSQL's limit, or the client's `options` ends in an escaping
+/// backslash.
+pub fn with_setting(raw: &[u8], name: &str, value: &str) -> Option<Vec<u8>> {
+    let setting = format!("-c {name}={value}");
+    let mut out = Vec::with_capacity(raw.len() + setting.len() + 16);
+    out.extend_from_slice(raw.get(..8)?);
+    let mut pos = 8;
+    let mut added = false;
+    loop {
+        let key = read_cstr(raw, &mut pos)?;
+        if key.is_empty() {
+            break;
+        }
+        let value = read_cstr(raw, &mut pos)?;
+        out.extend_from_slice(key);
+        out.push(0);
+        out.extend_from_slice(value);
+        if key == b"options" && !added {
+            let escapes = value.iter().rev().take_while(|b| **b == b'\\').count();
+            if escapes % 2 == 1 {
+                return None;
+            }
+            if !value.is_empty() {
+                out.push(b' ');
+            }
+            out.extend_from_slice(setting.as_bytes());
+            added = true;
+        }
+        out.push(0);
+    }
+    if !added {
+        out.extend_from_slice(b"options\0");
+        out.extend_from_slice(setting.as_bytes());
+        out.push(0);
+    }
+    out.push(0);
+    if out.len() > MAX_STARTUP_PACKET_LEN {
+        return None;
+    }
+    let len = out.len() as u32;
+    out[..4].copy_from_slice(&len.to_be_bytes());
+    Some(out)
+}
+
 /// Encodes a CancelRequest for `pid` and `secret`.
 /// An SSLRequest packet.
 pub fn encode_ssl_request() -> [u8; 8] {
@@ -169,6 +216,29 @@ mod tests {
         assert_eq!(s.user(), "alice");
         assert_eq!(s.database(), "shop");
         assert_eq!(s.params[2], ("options".into(), "-c x=1".into()));
+    }
+
+    #[test]
+    fn a_setting_joins_the_options_and_leaves_the_rest_as_sent() {
+        let param = |raw: &[u8], name: &str| match parse(raw).unwrap() {
+            StartupPacket::Startup(s) => s.param(name).map(str::to_owned),
+            _ => panic!("not a startup packet"),
+        };
+        let plain = encode_startup(&[("user", "alice"), ("database", "shop")]);
+        let added = with_setting(&plain, "a.b", "1").unwrap();
+        assert_eq!(packet_len(&added), Ok(Some(added.len())));
+        assert_eq!(param(&added, "options").as_deref(), Some("-c a.b=1"));
+        assert_eq!(param(&added, "database").as_deref(), Some("shop"));
+        let with = encode_startup(&[("user", "alice"), ("options", "-c x=1"), ("z", "\u{e9}")]);
+        let added = with_setting(&with, "a.b", "1").unwrap();
+        assert_eq!(param(&added, "options").as_deref(), Some("-c x=1 -c a.b=1"));
+        assert_eq!(param(&added, "z").as_deref(), Some("\u{e9}"));
+        // A trailing escape would swallow the separating space.
+        let escaped = encode_startup(&[("user", "alice"), ("options", "-c x=a\\")]);
+        assert_eq!(with_setting(&escaped, "a.b", "1"), None);
+        let long = "v".repeat(MAX_STARTUP_PACKET_LEN - 30);
+        let full = encode_startup(&[("user", "alice"), ("application_name", &long)]);
+        assert_eq!(with_setting(&full, "a.b", "1"), None);
     }
 
     #[test]
