@@ -499,3 +499,51 @@ async fn ddl_sent_through_pgcache_takes_no_round_there() {
 async fn ddl_sent_through_a_transaction_pool_takes_no_round_there() {
     ddl_sent_through_an_instance_takes_no_round_there(pgcache::config::PoolMode::Transaction).await;
 }
+
+/// The DDL messages of `db` since the last call, as a probe slot of
+/// `direct`'s session decodes them.
+async fn ddl_messages(direct: &Client) -> Vec<String> {
+    rows(
+        direct,
+        "SELECT data FROM pg_logical_slot_get_changes('probe', NULL, NULL)
+         WHERE data LIKE 'message:%pgcache_ddl%'",
+    )
+    .await
+    .into_iter()
+    .filter_map(|row| Some(row[0].clone()?.split_once("content:")?.1.to_owned()))
+    .collect()
+}
+
+/// Listing what a command created or altered is most of the trigger's
+/// cost, and only instances that did not send the DDL need it: for DDL a
+/// session sent while no other instance streams the database, the trigger
+/// leaves it out; once another streams, it lists it again.
+#[tokio::test]
+async fn the_trigger_lists_objects_only_while_another_instance_streams() {
+    let (db, a, ca, direct) =
+        setup_streaming("ddllist", "CREATE TABLE t(id int PRIMARY KEY)").await;
+    direct
+        .batch_execute("SELECT pg_create_logical_replication_slot('probe', 'test_decoding', true)")
+        .await
+        .unwrap();
+    let origin = a.app.upstream.origin_value();
+    ca.batch_execute("CREATE TABLE alone(id int)")
+        .await
+        .unwrap();
+    let alone = ddl_messages(&direct).await;
+    assert_eq!(alone, [format!("CREATE TABLE ~ !{origin}\n")], "left out");
+
+    let b = Proxy::start(pg().proxy_config()).await;
+    let _cb = b.connect(&db).await;
+    a.wait_stream(&db).await;
+    ddl_messages(&direct).await;
+    ca.batch_execute("CREATE TABLE shared(id int)")
+        .await
+        .unwrap();
+    let listed = ddl_messages(&direct).await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert!(
+        listed[0].starts_with(&format!("CREATE TABLE !{origin}\n@1259,")),
+        "{listed:?}"
+    );
+}

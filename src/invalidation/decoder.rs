@@ -43,6 +43,9 @@ pub(super) struct Announced {
     pub(super) origin: Option<u64>,
     /// The trigger took a table out of the publication (named in `names`).
     pub(super) unpublished: bool,
+    /// The trigger left out the objects a command created or altered (for
+    /// the instance whose session sent it, which needs none).
+    pub(super) omitted: bool,
 }
 
 impl Announced {
@@ -57,6 +60,7 @@ impl Announced {
             self.origin = None;
         }
         self.unpublished |= other.unpublished;
+        self.omitted |= other.omitted;
     }
 
     /// Whether instance `instance`'s own session sent the DDL, and so
@@ -176,6 +180,11 @@ impl Decoder {
                     }
                     self.ddl_handled = true;
                 } else {
+                    let mut announced = announced;
+                    if announced.omitted {
+                        // Meant for another instance: what changed is unknown here.
+                        announced.names = Ddl::All;
+                    }
                     step.bumps = Bumps::ddl(announced.names.clone());
                     self.ddl.merge(announced);
                 }
@@ -220,7 +229,8 @@ impl Decoder {
 
 /// What the event trigger's message says a DDL command changed: a first
 /// line of its tag, ` -` if the trigger took a table out of the
-/// publication, and ` !` and the (hex) instance whose session sent it;
+/// publication, ` ~` if it left out the objects a command created or
+/// altered, and ` !` and the (hex) instance whose session sent it;
 /// then one line per thing: a bare name, `@classid,objid,objsubid` for an
 /// object to name later, `*` for anything. A message with nothing after
 /// its first line (an older trigger) changed anything. Marks go on the
@@ -233,6 +243,8 @@ fn ddl_message(content: &[u8]) -> Announced {
     for mark in lines.next().unwrap_or_default().split(' ') {
         if mark == "-" {
             announced.unpublished = true;
+        } else if mark == "~" {
+            announced.omitted = true;
         } else if let Some(origin) = mark.strip_prefix('!') {
             announced.origin = u64::from_str_radix(origin, 16).ok();
         }
@@ -325,6 +337,11 @@ mod tests {
             !ddl_message(b"CREATE TABLE !2a").handled_by(ours),
             "an older trigger's"
         );
+        // The objects left out, as when no other instance streamed.
+        let alone = ddl_message(b"CREATE TABLE ~ !2a\n");
+        assert!(alone.omitted && alone.objects.is_empty());
+        assert!(alone.handled_by(ours));
+        assert_eq!(alone.names, Ddl::objects(Vec::<String>::new()));
     }
 
     #[test]

@@ -78,9 +78,14 @@ pub async fn install_ddl_trigger(
 ) {
     let unpublish = unpublish_step(managed);
     // The message's first line is the command tag, then " -" if the
-    // trigger took a table out of the publication, then " !" and the
-    // instance whose session sent the DDL (its connections carry
-    // ORIGIN_SETTING; that instance handled the DDL already). Then it says
+    // trigger took a table out of the publication, " ~" if it left out the
+    // objects a command created or altered, then " !" and the instance
+    // whose session sent the DDL (its connections carry ORIGIN_SETTING;
+    // that instance handled the DDL already). The objects are left out for
+    // DDL an instance's session sent when no other instance streams the
+    // database (one slot of pgcache's at most): listing them is most of
+    // the trigger's cost, and only other instances need them. One that
+    // starts streaming meanwhile takes " ~" for a change of anything. Then it says
     // what changed, one line each: a dropped object's bare name, the bare
     // name of a table the trigger took out of the publication,
     // "@classid,objid,objsubid" for an object
@@ -97,20 +102,27 @@ pub async fn install_ddl_trigger(
              rel text;
              bare text;
              unpublished text;
+             origin text;
+             omitted bool := false;
            BEGIN
              {unpublish}
              BEGIN
+               origin := {origin};
                IF tg_event = 'sql_drop' THEN
                  SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
                      ELSE o.address_names[2] END, E'\\n')
                    INTO names FROM pg_event_trigger_dropped_objects() o
                    WHERE o.object_type NOT IN ({no_facts});
+               ELSIF origin IS NOT NULL AND (SELECT count(*) FROM pg_replication_slots
+                   WHERE database = current_database() AND slot_name LIKE 'pgcache\\_%') <= 1 THEN
+                 omitted := true;
                ELSE
                  SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
                    INTO names FROM pg_event_trigger_ddl_commands() c;
                END IF;
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}',
-                 tg_tag || CASE WHEN unpublished IS NULL THEN '' ELSE ' -' END || coalesce(' ' || {origin}, '')
+                 tg_tag || CASE WHEN unpublished IS NULL THEN '' ELSE ' -' END
+                   || CASE WHEN omitted THEN ' ~' ELSE '' END || coalesce(' ' || origin, '')
                    || E'\\n' || concat_ws(E'\\n', names, unpublished));
              EXCEPTION WHEN OTHERS THEN
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}', tg_tag);
