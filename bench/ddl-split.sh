@@ -3,13 +3,17 @@
 # uncached.sh, ROUNDS interleaved rounds (default 3) on fresh databases,
 # through each route, each adding one thing to the one before:
 #   direct      PostgreSQL
+#   trigger     PostgreSQL, in a database holding pgcache's DDL event
+#               trigger (the default pgcache installs it, then lets go):
+#               what the trigger alone costs, outside the chain
 #   bouncer     PgBouncer (session mode)
 #   hop         pgcache --no-cache: the relay alone
 #   analysis    caching on, replication off: statements analysed and
 #               planned, DDL's own invalidation (replication.enabled = false)
 #   stream      replication on, no DDL event trigger: a walsender decoding
 #               the WAL (replication.ddl_event_trigger = false)
-#   default     the defaults: the event trigger, a round after DDL
+#   default     the defaults: the event trigger (DDL sent through pgcache
+#               takes no round after it there)
 # Prints each route's median wall time and its ratio to direct.
 #   bench/ddl-split.sh [ROUNDS]
 source "$(dirname "$0")/lib.sh"
@@ -22,6 +26,7 @@ start_pgbouncer
 # each run starts once no stream is left (see uncached.sh).
 declare -A PORT
 PORT[direct]=$PGPORT
+PORT[trigger]=$PGPORT
 PORT[bouncer]=$BOUNCER_PORT
 for route in hop analysis stream default; do
     conf="$RUNDIR/$route.toml"
@@ -37,7 +42,7 @@ for route in hop analysis stream default; do
         start_pgcache "${PORT[$route]}" --config "$conf"
     fi
 done
-ROUTES="direct bouncer hop analysis stream default"
+ROUTES="direct trigger bouncer hop analysis stream default"
 
 ddl_scripts
 
@@ -49,6 +54,14 @@ for round in $(seq "$ROUNDS"); do
             n=$((n + 1))
             table_db "s$n"
             no_streams
+            if [ "$route" = trigger ]; then
+                psql_at "${PORT[default]}" "s$n" -c "SELECT 1" >/dev/null
+                for _ in $(seq 100); do
+                    [ "$(psql_at "$PGPORT" "s$n" -Atc "SELECT count(*) FROM pg_event_trigger WHERE evtname LIKE 'pgcache%'")" = 2 ] && break
+                    sleep 0.1
+                done
+                no_streams
+            fi
             # A first statement starts the database's stream, where there is one.
             psql_at "${PORT[$route]}" "s$n" -c "SELECT 1" >/dev/null
             start=$(date +%s.%N)
