@@ -172,22 +172,7 @@ impl Decoder {
             } if prefix == DDL_MESSAGE_PREFIX => {
                 let announced = ddl_message(&content);
                 debug!(database = %db.name, ?announced, "DDL seen in the stream");
-                // What is named already is forgotten at once; the rest once
-                // the transaction is visible and its objects named.
-                if announced.handled_by(self.beats.instance()) {
-                    if announced.names.changes_facts() {
-                        step.bumps = Bumps::ddl(announced.names);
-                    }
-                    self.ddl_handled = true;
-                } else {
-                    let mut announced = announced;
-                    if announced.omitted {
-                        // Meant for another instance: what changed is unknown here.
-                        announced.names = Ddl::All;
-                    }
-                    step.bumps = Bumps::ddl(announced.names.clone());
-                    self.ddl.merge(announced);
-                }
+                step.bumps = self.on_ddl(announced);
             }
             ReplicationEvent::Message { lsn, .. } => step.ack = Some(lsn),
             ReplicationEvent::KeepAlive { wal_end, .. } => {
@@ -210,6 +195,26 @@ impl Decoder {
             step.ddl_handled = std::mem::take(&mut self.ddl_handled);
         }
         Some(step)
+    }
+
+    /// A DDL message: what it names is forgotten at once (the bumps
+    /// returned); the rest once the transaction is visible and its objects
+    /// named, unless this instance's session sent it.
+    fn on_ddl(&mut self, mut announced: Announced) -> Bumps {
+        if announced.handled_by(self.beats.instance()) {
+            self.ddl_handled = true;
+            return match announced.names.changes_facts() {
+                true => Bumps::ddl(announced.names),
+                false => Bumps::default(),
+            };
+        }
+        if announced.omitted {
+            // Meant for another instance: what changed is unknown here.
+            announced.names = Ddl::All;
+        }
+        let bumps = Bumps::ddl(announced.names.clone());
+        self.ddl.merge(announced);
+        bumps
     }
 
     fn on_change(&mut self, database: &str, data: &[u8]) {

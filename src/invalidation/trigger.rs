@@ -66,16 +66,8 @@ fn origin_line() -> String {
     )
 }
 
-/// Installs an event trigger that announces DDL in the stream, so DDL made
-/// outside pgcache invalidates too. Needs superuser; without it pgcache logs
-/// a warning and notices outside DDL only through the TTL. The function can
-/// never fail the user's DDL. With `managed`, it also keeps the publication
-/// free of tables without a replica identity ([`unpublish_step`]).
-pub async fn install_ddl_trigger(
-    ctl: &tokio_postgres::Client,
-    database: &str,
-    managed: Option<&str>,
-) {
+/// The body of `pgcache.announce_ddl()`: see [`install_ddl_trigger`].
+fn function_body(managed: Option<&str>) -> String {
     let unpublish = unpublish_step(managed);
     // The message's first line is the command tag, then " -" if the
     // trigger took a table out of the publication, " ~" if it left out the
@@ -95,7 +87,7 @@ pub async fn install_ddl_trigger(
     // alone means anything.
     let no_facts = no_facts!();
     let origin = origin_line();
-    let body = format!(
+    format!(
         "
            DECLARE
              names text;
@@ -129,7 +121,20 @@ pub async fn install_ddl_trigger(
              END;
            EXCEPTION WHEN OTHERS THEN NULL;
            END"
-    );
+    )
+}
+
+/// Installs an event trigger that announces DDL in the stream, so DDL made
+/// outside pgcache invalidates too. Needs superuser; without it pgcache logs
+/// a warning and notices outside DDL only through the TTL. The function can
+/// never fail the user's DDL. With `managed`, it also keeps the publication
+/// free of tables without a replica identity ([`unpublish_step`]).
+pub async fn install_ddl_trigger(
+    ctl: &tokio_postgres::Client,
+    database: &str,
+    managed: Option<&str>,
+) {
+    let body = function_body(managed);
     // Installing is DDL, which the trigger announces and every instance
     // treats as a change of everything: only when it differs.
     if installed(ctl, &body).await {
