@@ -241,6 +241,39 @@ mod tests {
         assert_eq!(with_setting(&full, "a.b", "1"), None);
     }
 
+    proptest::proptest! {
+        /// Whatever a client sent, the packet with the setting added says
+        /// the same but for `options`, which ends with the setting.
+        #[test]
+        fn a_setting_added_changes_only_the_options(
+            params in proptest::collection::vec(("[a-z_]{1,12}", "[^\\x00]{0,40}"), 0..6),
+        ) {
+            let mut all: Vec<(&str, &str)> = vec![("user", "u")];
+            all.extend(params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let raw = encode_startup(&all);
+            let Ok(StartupPacket::Startup(before)) = parse(&raw) else {
+                return Ok(());
+            };
+            let Some(added) = with_setting(&raw, "a.b", "1") else {
+                let options = before.param("options").unwrap_or_default();
+                proptest::prop_assert!(options.ends_with('\\'));
+                return Ok(());
+            };
+            let Ok(StartupPacket::Startup(after)) = parse(&added) else {
+                return Err(proptest::test_runner::TestCaseError::fail("unparsable"));
+            };
+            let options = |s: &Startup| s.params.iter().filter(|(k, _)| k == "options").count();
+            proptest::prop_assert_eq!(options(&after), options(&before).max(1));
+            for ((k, v), (k2, v2)) in before.params.iter().zip(&after.params) {
+                proptest::prop_assert_eq!(k, k2);
+                if k != "options" {
+                    proptest::prop_assert_eq!(v, v2);
+                }
+            }
+            proptest::prop_assert!(after.param("options").unwrap().ends_with("-c a.b=1"));
+        }
+    }
+
     #[test]
     fn database_defaults_to_user() {
         let raw = encode_startup(&[("user", "bob")]);
