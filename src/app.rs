@@ -149,7 +149,12 @@ impl App {
             .unwrap_or_else(|e| e.into_inner()) = Some(listener);
         if config.cache.enabled && config.replication.enabled {
             match invalidation::preflight(&app.upstream).await {
-                Ok(()) => app.cache.set_replication(true),
+                Ok(()) => {
+                    app.cache.set_replication(true);
+                    if config.replication.ddl_event_trigger {
+                        invalidation::probe_origin(&app.upstream).await;
+                    }
+                }
                 Err(e @ ReplicationError::Login(_)) => return Err(e.into()),
                 Err(e) if config.replication.required => return Err(e.into()),
                 Err(e) => warn!(

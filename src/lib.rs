@@ -33,6 +33,7 @@ pub mod hints;
 pub mod http;
 pub mod invalidation;
 pub mod metrics;
+pub mod origin;
 pub mod policy;
 pub mod pool;
 pub mod protocol;

@@ -76,19 +76,11 @@ pub struct Upstream {
     pub addrs: Vec<UpstreamAddr>,
     pub tls: UpstreamTls,
     pub connect_timeout: Duration,
-    /// This instance, as its server connections name it to PostgreSQL
-    /// ([`ORIGIN_SETTING`]) and its heartbeats name it in the stream.
-    pub origin: u64,
+    /// This instance, as its client sessions' server connections name it
+    /// to PostgreSQL and its heartbeats name it in the stream.
+    pub origin: crate::origin::Origin,
     pg: tokio_postgres::Config,
 }
-
-/// The setting every server connection of a client session carries, so
-/// that the DDL event trigger can tell the stream which instance's session
-/// sent the DDL: that instance handled it already (see
-/// [`crate::invalidation::trigger`]). pgcache's own connections do not
-/// carry it: no session handles their DDL. A placeholder setting: `SHOW
-/// ALL` and `pg_settings` do not list it.
-pub const ORIGIN_SETTING: &str = "pgcache.origin";
 
 impl Upstream {
     pub fn new(url: &str, connect_timeout: Duration) -> Result<Self, UpstreamError> {
@@ -97,28 +89,9 @@ impl Upstream {
             addrs: addrs(&url.pg),
             tls: UpstreamTls::new(&url)?,
             connect_timeout,
-            origin: rand::random(),
+            origin: crate::origin::Origin::default(),
             pg: url.pg,
         })
-    }
-
-    /// [`ORIGIN_SETTING`]'s value on this instance's connections.
-    pub fn origin_value(&self) -> String {
-        format!("{:016x}", self.origin)
-    }
-
-    /// The `options` startup parameter of the pools' logins.
-    pub fn origin_options(&self) -> String {
-        format!("-c {ORIGIN_SETTING}={}", self.origin_value())
-    }
-
-    /// A client's StartupMessage `raw` as it goes to PostgreSQL: with
-    /// [`ORIGIN_SETTING`] added (unchanged where it cannot be).
-    pub fn client_startup<'a>(&self, raw: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
-        match crate::protocol::startup::with_setting(raw, ORIGIN_SETTING, &self.origin_value()) {
-            Some(tagged) => std::borrow::Cow::Owned(tagged),
-            None => std::borrow::Cow::Borrowed(raw),
-        }
     }
 
     /// Settings for a connection of pgcache's own to `database`, as the

@@ -526,7 +526,7 @@ async fn the_trigger_lists_objects_only_while_another_instance_streams() {
         .batch_execute("SELECT pg_create_logical_replication_slot('probe', 'test_decoding', true)")
         .await
         .unwrap();
-    let origin = a.app.upstream.origin_value();
+    let origin = a.app.upstream.origin.value();
     ca.batch_execute("CREATE TABLE alone(id int)")
         .await
         .unwrap();
@@ -546,4 +546,43 @@ async fn the_trigger_lists_objects_only_while_another_instance_streams() {
         listed[0].starts_with(&format!("CREATE TABLE !{origin}\n@1259,")),
         "{listed:?}"
     );
+}
+
+/// Behind a pooler that refuses the startup option `pgcache.origin`,
+/// pgcache finds out at start-up and its clients' connections go without
+/// it: they work, and their DDL takes a round like DDL made elsewhere.
+#[tokio::test]
+async fn behind_an_upstream_that_refuses_the_origin_setting_clients_work_without_it() {
+    use pgcache::config::PoolMode;
+    let db = pg().create_db("ddlrefused");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    );
+    let port = refusing_relay(pg().port, b"pgcache.origin").await;
+    for (mode, column) in [(PoolMode::Session, "s"), (PoolMode::Transaction, "x")] {
+        let mut config = pg().proxy_config();
+        config.upstream.url = format!("postgres://postgres@127.0.0.1:{port}");
+        config.pool.mode = mode;
+        let proxy = Proxy::start(config).await;
+        assert_eq!(proxy.app.upstream.origin.options(), None, "{mode:?}");
+        let client = proxy.connect(&db).await;
+        let read = "SELECT v FROM t WHERE id = 1";
+        assert_eq!(
+            scalar(&client, read).await.as_deref(),
+            Some("1"),
+            "{mode:?}"
+        );
+        let state = proxy.app.cache.db(&db);
+        let (_, rounds) = state.stream.ddl();
+        client
+            .batch_execute(&format!("ALTER TABLE t ADD COLUMN {column} int"))
+            .await
+            .unwrap();
+        proxy.wait_stream(&db).await;
+        assert!(
+            state.stream.ddl().1 > rounds,
+            "{mode:?}: DDL from a connection without the setting takes a round"
+        );
+    }
 }

@@ -93,6 +93,33 @@ pub async fn preflight(upstream: &Upstream) -> Result<(), ReplicationError> {
     }
 }
 
+/// Finds out, once, whether the upstream takes
+/// [`crate::origin::ORIGIN_SETTING`]: a login with it on a connection of
+/// pgcache's own. Unreachable: asked again at the next call.
+pub async fn probe_origin(upstream: &Upstream) {
+    let origin = &upstream.origin;
+    if origin.known() {
+        return;
+    }
+    let mut pg = upstream.control_config(upstream.default_database());
+    let setting = format!("-c {}={}", crate::origin::ORIGIN_SETTING, origin.value());
+    let options = match pg.get_options() {
+        Some(theirs) if !theirs.is_empty() => format!("{theirs} {setting}"),
+        _ => setting,
+    };
+    pg.options(&options);
+    match pg.connect(upstream.tls.make_tls()).await {
+        Ok(_) => origin.settle(true),
+        Err(e) if e.as_db_error().is_some() => {
+            warn!(error = %full_message(&e),
+                "the upstream refuses the startup option {}: DDL sent through pgcache is handled as \
+                 DDL made elsewhere (one catalog query after it)", crate::origin::ORIGIN_SETTING);
+            origin.settle(false);
+        }
+        Err(_) => {}
+    }
+}
+
 /// An error with its cause: tokio-postgres's Display leaves the cause out
 /// ("invalid configuration", without "password missing").
 pub fn full_message(e: &tokio_postgres::Error) -> String {

@@ -35,7 +35,7 @@ mod publication;
 pub mod replication;
 mod trigger;
 
-pub use control::{cluster_id, full_message, preflight, quote_ident, quote_literal};
+pub use control::{cluster_id, full_message, preflight, probe_origin, quote_ident, quote_literal};
 pub use replication::Streams;
 
 #[derive(Debug, thiserror::Error)]

@@ -247,13 +247,17 @@ impl Streams {
     async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
+        if self.settings.ddl_event_trigger {
+            // Not known when PostgreSQL was down at start-up.
+            super::probe_origin(&self.upstream).await;
+        }
         self.prepare(&ctl, db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
-        let beats = Arc::new(Heartbeats::new(self.upstream.origin));
+        let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
         let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
             Arc::clone(ctl.client()),

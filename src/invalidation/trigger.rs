@@ -9,7 +9,7 @@ use tracing::warn;
 
 use super::DDL_MESSAGE_PREFIX;
 use super::control::quote_literal;
-use crate::upstream::ORIGIN_SETTING;
+use crate::origin::ORIGIN_SETTING;
 
 /// The trigger's first step with `managed` (the publication pgcache
 /// keeps): a table that loses its replica identity leaves the publication

@@ -52,12 +52,12 @@ pub(super) async fn log_in(
     let (stream, addr) = crate::backend::connect(upstream).await?;
     let buf = BytesMut::with_capacity(READ_CHUNK);
     let mut stream = FramedStream::new(stream, buf, MAX_BACKEND_FRAME);
-    let options = upstream.origin_options();
-    let startup = encode_startup(&[
-        ("user", user),
-        ("database", database),
-        ("options", &options),
-    ]);
+    let options = upstream.origin.options();
+    let mut params = vec![("user", user), ("database", database)];
+    if let Some(options) = &options {
+        params.push(("options", options));
+    }
+    let startup = encode_startup(&params);
     match &credentials {
         Credentials::Secret(secret) => {
             auth::login_backend(&mut stream, &startup, user, secret)

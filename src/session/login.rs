@@ -31,7 +31,7 @@ where
         secret: Option<Box<ClientSecret>>,
     ) -> Result<Flow, SessionError> {
         let app = std::sync::Arc::clone(&self.app);
-        let startup_raw = &*app.upstream.client_startup(startup_raw);
+        let startup_raw = &*app.upstream.origin.client_startup(startup_raw);
         let Some(secret) = secret else {
             self.server()?
                 .write_all(startup_raw)

@@ -32,7 +32,7 @@ pub use process::{Stopped, pg_bindir, scratch_dir};
 pub use proxy::Proxy;
 // Only the fault tests relay connections.
 #[allow(unused_imports)]
-pub use relay::{Faults, relay};
+pub use relay::{Faults, refusing_relay, relay};
 // Not every test binary starts Redis or makes certificates.
 #[allow(unused_imports)]
 pub use redis::*;

@@ -85,3 +85,67 @@ impl Pipe {
         }
     }
 }
+
+/// Relays like a pooler that refuses a startup option it does not know
+/// (PgBouncer does, unless told to ignore it): a startup packet holding
+/// `marker` is answered FATAL 08P01 and closed; anything else is relayed to
+/// `target_port`. SSLRequest is answered `N`. Returns the port.
+pub async fn refusing_relay(target_port: u16, marker: &'static [u8]) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((inbound, _)) = listener.accept().await {
+            tokio::spawn(refuse_or_relay(inbound, target_port, marker));
+        }
+    });
+    port
+}
+
+async fn refuse_or_relay(mut inbound: TcpStream, target_port: u16, marker: &[u8]) {
+    const SSL_REQUEST: u32 = 80_877_103;
+    let startup = loop {
+        let mut len = [0u8; 4];
+        if inbound.read_exact(&mut len).await.is_err() {
+            return;
+        }
+        let mut body = vec![0u8; (u32::from_be_bytes(len) as usize).saturating_sub(4)];
+        if inbound.read_exact(&mut body).await.is_err() {
+            return;
+        }
+        if body == SSL_REQUEST.to_be_bytes() {
+            if inbound.write_all(b"N").await.is_err() {
+                return;
+            }
+            continue;
+        }
+        break [&len[..], &body].concat();
+    };
+    if startup.windows(marker.len()).any(|w| w == marker) {
+        let mut fields = Vec::new();
+        for (field, value) in [
+            (b'S', "FATAL"),
+            (b'V', "FATAL"),
+            (b'C', "08P01"),
+            (
+                b'M',
+                "unsupported startup parameter in options: pgcache.origin",
+            ),
+        ] {
+            fields.push(field);
+            fields.extend_from_slice(value.as_bytes());
+            fields.push(0);
+        }
+        fields.push(0);
+        let mut frame = vec![b'E'];
+        frame.extend_from_slice(&(fields.len() as u32 + 4).to_be_bytes());
+        frame.extend(fields);
+        let _ = inbound.write_all(&frame).await;
+        return;
+    }
+    let Ok(mut outbound) = TcpStream::connect(("127.0.0.1", target_port)).await else {
+        return;
+    };
+    if outbound.write_all(&startup).await.is_ok() {
+        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+    }
+}
