@@ -3,7 +3,7 @@
 //! too, and keeps a table that loses its replica identity out of the
 //! publication within the DDL itself. DDL a client sent through pgcache is
 //! announced with the instance that carried it, whose session handled it
-//! ([`origin_line`]).
+//! ([`origin_mark`]).
 
 use tracing::warn;
 
@@ -58,7 +58,7 @@ fn unpublish_step(managed: Option<&str>) -> String {
 /// starts with the command's verb. The session handled that statement;
 /// DDL run inside one (a function a SELECT calls, a DO block, a CALL) is
 /// not what its analysis named.
-fn origin_line() -> String {
+fn origin_mark() -> String {
     format!(
         "CASE WHEN upper(substring(ltrim(current_query(), E' \\t\\r\\n') FROM '^[A-Za-z]+')) = split_part(tg_tag, ' ', 1)
              AND strpos(rtrim(current_query(), E' \\t\\r\\n;'), ';') = 0
@@ -76,17 +76,16 @@ fn function_body(managed: Option<&str>) -> String {
     // that instance handled the DDL already). The objects are left out for
     // DDL an instance's session sent when no other instance streams the
     // database (one slot of pgcache's at most): listing them is most of
-    // the trigger's cost, and only other instances need them. One that
-    // starts streaming meanwhile takes " ~" for a change of anything. Then it says
-    // what changed, one line each: a dropped object's bare name, the bare
-    // name of a table the trigger took out of the publication,
-    // "@classid,objid,objsubid" for an object
-    // a command created or altered (named later, by
-    // [`Control::after_ddl`], off the user's transaction: naming it here
-    // costed a third more per DDL statement), "*" for anything. The tag
-    // alone means anything.
+    // the trigger's cost, and only other instances need them; one that
+    // starts streaming meanwhile takes " ~" for a change of anything.
+    // Then one line per thing changed: a dropped object's bare name, the
+    // bare name of a table the trigger took out of the publication,
+    // "@classid,objid,objsubid" for an object a command created or altered
+    // (named later, by [`Control::after_ddl`], off the user's transaction:
+    // naming it here costed a third more per DDL statement), "*" for
+    // anything. The tag alone means anything.
     let no_facts = no_facts!();
-    let origin = origin_line();
+    let origin = origin_mark();
     format!(
         "
            DECLARE
