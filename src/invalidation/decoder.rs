@@ -53,14 +53,12 @@ impl Announced {
         self.names.is_none() && self.objects.is_empty()
     }
 
+    /// What `other` changed as well. Its marks (origin, unpublished,
+    /// omitted) were acted on when its message arrived
+    /// ([`Decoder::on_ddl`]): they do not carry over.
     fn merge(&mut self, other: Announced) {
         self.names.merge(&other.names);
         self.objects.extend(other.objects);
-        if self.origin != other.origin {
-            self.origin = None;
-        }
-        self.unpublished |= other.unpublished;
-        self.omitted |= other.omitted;
     }
 
     /// Whether instance `instance`'s own session sent the DDL, and so
