@@ -1,8 +1,8 @@
-//! This instance's name on its client sessions' server connections, so the
-//! DDL event trigger can tell the stream which instance's session sent the
-//! DDL: that instance handled it already (see
-//! [`crate::invalidation::trigger`]). pgcache's own connections do not
-//! carry it: no session handles their DDL.
+//! This instance's name on its connections to PostgreSQL, its client
+//! sessions' and its own, so the DDL event trigger can tell the stream
+//! which instance sent the DDL: that instance handled it already, its
+//! session by analysing the statement, pgcache itself where it ran it (its
+//! publication's tables); see [`crate::invalidation::trigger`].
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU8, Ordering};

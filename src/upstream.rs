@@ -76,10 +76,20 @@ pub struct Upstream {
     pub addrs: Vec<UpstreamAddr>,
     pub tls: UpstreamTls,
     pub connect_timeout: Duration,
-    /// This instance, as its client sessions' server connections name it
-    /// to PostgreSQL and its heartbeats name it in the stream.
+    /// This instance, as its connections (its client sessions' and its
+    /// own) name it to PostgreSQL and its heartbeats name it in the stream.
     pub origin: crate::origin::Origin,
     pg: tokio_postgres::Config,
+}
+
+/// Adds `option` (`-c name=value`) to the `options` startup parameter
+/// of `pg`, after those `upstream.url` gives.
+pub fn add_option(pg: &mut tokio_postgres::Config, option: &str) {
+    let options = match pg.get_options() {
+        Some(theirs) if !theirs.is_empty() => format!("{theirs} {option}"),
+        _ => option.to_owned(),
+    };
+    pg.options(&options);
 }
 
 impl Upstream {
@@ -104,6 +114,12 @@ impl Upstream {
         pg.dbname(database);
         pg.application_name("pgcache");
         pg.connect_timeout(self.connect_timeout);
+        // Its DDL (the publication's, the trigger's) is handled where it
+        // is run, as a client session's is: the trigger names this
+        // instance, whose stream takes no round after it.
+        if let Some(origin) = self.origin.options() {
+            add_option(&mut pg, &origin);
+        }
         pg
     }
 

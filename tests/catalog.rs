@@ -448,3 +448,37 @@ async fn a_table_given_an_identity_through_pgcache_is_cached_from_then_on() {
     );
     assert!(!state.stream.is_unpublished("late"));
 }
+
+/// pgcache's own DDL is handled where it is made: a table joining its
+/// publication (when a read first names it) takes no round after it in the
+/// stream of the instance that added it.
+#[tokio::test]
+async fn a_table_joining_the_publication_takes_no_round() {
+    let (db, proxy, client, direct) = setup_streaming("cat_join_round", "SELECT 1").await;
+    direct
+        .batch_execute(
+            "CREATE TABLE joined(id int PRIMARY KEY, v int); INSERT INTO joined VALUES (1, 7)",
+        )
+        .await
+        .unwrap();
+    proxy.wait_stream(&db).await;
+    let state = proxy.app.cache.db(&db);
+    let (_, rounds) = state.stream.ddl();
+    let read = "SELECT v FROM joined WHERE id = 1";
+    assert_eq!(
+        eventually_hit(&proxy, &client, read).await.as_deref(),
+        Some("7")
+    );
+    let published = scalar(
+        &direct,
+        "SELECT count(*) FROM pg_publication_tables WHERE tablename = 'joined'",
+    )
+    .await;
+    assert_eq!(published.as_deref(), Some("1"));
+    proxy.wait_stream(&db).await;
+    assert_eq!(
+        state.stream.ddl().1,
+        rounds,
+        "no round after its own ALTER PUBLICATION"
+    );
+}

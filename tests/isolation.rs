@@ -177,6 +177,25 @@ async fn a_revoke_made_directly_on_postgresql_stops_cached_results_within_the_re
     }
 }
 
+/// DROP OWNED also revokes what was granted to the role, and drops
+/// nothing of hers here: at its command's end it is announced, unlike
+/// other DROPs, which the objects they dropped announce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_owned_made_directly_stops_cached_results_within_the_replication_lag() {
+    let (db, alice, _bob, proxy) = setup("iso_drop_owned").await;
+    let a = login(&proxy, &alice, &db).await;
+    let hits = proxy.hits();
+    for _ in 0..2 {
+        assert!(try_rows(&a, SALARY).await.is_ok());
+    }
+    assert_eq!(proxy.hits(), hits + 1);
+    pg().psql_db(&db, &format!("DROP OWNED BY {alice}"));
+    eventually(Duration::from_secs(10), "the revoke to be seen", || async {
+        (try_rows(&a, SALARY).await == Err("42501".to_owned())).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn views_cached_by_hint_keep_each_roles_answer() {
     let (db, alice, bob, proxy) = setup("iso_views").await;

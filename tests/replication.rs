@@ -500,13 +500,29 @@ async fn ddl_sent_through_a_transaction_pool_takes_no_round_there() {
     ddl_sent_through_an_instance_takes_no_round_there(pgcache::config::PoolMode::Transaction).await;
 }
 
-/// The DDL messages of `db` since the last call, as a probe slot of
-/// `direct`'s session decodes them.
-async fn ddl_messages(direct: &Client) -> Vec<String> {
+/// A logical slot of `direct`'s session, named after its database (slots
+/// are the cluster's: tests running at once each need their own), which
+/// [`ddl_messages`] reads.
+async fn probe_slot(direct: &Client, db: &str) -> String {
+    let slot = format!("probe_{db}");
+    direct
+        .batch_execute(&format!(
+            "SELECT pg_create_logical_replication_slot('{slot}', 'test_decoding', true)"
+        ))
+        .await
+        .unwrap();
+    slot
+}
+
+/// The DDL messages of `slot`'s database since the last call, as the probe
+/// slot decodes them.
+async fn ddl_messages(direct: &Client, slot: &str) -> Vec<String> {
     rows(
         direct,
-        "SELECT data FROM pg_logical_slot_get_changes('probe', NULL, NULL)
-         WHERE data LIKE 'message:%pgcache_ddl%'",
+        &format!(
+            "SELECT data FROM pg_logical_slot_get_changes('{slot}', NULL, NULL)
+             WHERE data LIKE 'message:%pgcache_ddl%'"
+        ),
     )
     .await
     .into_iter()
@@ -522,29 +538,146 @@ async fn ddl_messages(direct: &Client) -> Vec<String> {
 async fn the_trigger_lists_objects_only_while_another_instance_streams() {
     let (db, a, ca, direct) =
         setup_streaming("ddllist", "CREATE TABLE t(id int PRIMARY KEY)").await;
-    direct
-        .batch_execute("SELECT pg_create_logical_replication_slot('probe', 'test_decoding', true)")
-        .await
-        .unwrap();
+    let probe = probe_slot(&direct, &db).await;
     let origin = a.app.upstream.origin.value();
     ca.batch_execute("CREATE TABLE alone(id int)")
         .await
         .unwrap();
-    let alone = ddl_messages(&direct).await;
+    let alone = ddl_messages(&direct, &probe).await;
     assert_eq!(alone, [format!("CREATE TABLE ~ !{origin}\n")], "left out");
 
     let b = Proxy::start(pg().proxy_config()).await;
     let _cb = b.connect(&db).await;
+    // B rewrote the trigger once its slot was made, before its stream
+    // was up.
+    b.wait_stream(&db).await;
     a.wait_stream(&db).await;
-    ddl_messages(&direct).await;
+    assert_eq!(
+        ddl_messages(&direct, &probe).await,
+        Vec::<String>::new(),
+        "installing the trigger is not announced"
+    );
     ca.batch_execute("CREATE TABLE shared(id int)")
         .await
         .unwrap();
-    let listed = ddl_messages(&direct).await;
+    let listed = ddl_messages(&direct, &probe).await;
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert!(
         listed[0].starts_with(&format!("CREATE TABLE !{origin}\n@1259,")),
         "{listed:?}"
+    );
+}
+
+/// The trigger names the instance for DDL its session analysed: the
+/// client's statement itself, whatever comments come before it or
+/// semicolons its body holds; not DDL run below it, by a function, a DO
+/// block or another event trigger, even of the same verb.
+#[tokio::test]
+async fn the_trigger_names_the_origin_for_the_statements_a_session_sent() {
+    let (db, a, ca, direct) =
+        setup_streaming("ddlorigin", "CREATE TABLE t(id int PRIMARY KEY)").await;
+    direct
+        .batch_execute(
+            "CREATE FUNCTION audit() RETURNS event_trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NOT EXISTS (SELECT FROM pg_class WHERE relname = 'audit_log') THEN
+                 CREATE TABLE audit_log(id int);
+               END IF;
+             END $$;
+             CREATE EVENT TRIGGER audit ON ddl_command_end WHEN TAG IN ('CREATE TABLE')
+               EXECUTE FUNCTION audit()",
+        )
+        .await
+        .unwrap();
+    let probe = probe_slot(&direct, &db).await;
+    let origin = a.app.upstream.origin.value();
+    ca.batch_execute(
+        "/* made by a migration; */ -- step 1;
+         CREATE FUNCTION grow(n int) RETURNS int LANGUAGE plpgsql AS $$
+           BEGIN n := n + 1; RETURN n; END $$",
+    )
+    .await
+    .unwrap();
+    ca.batch_execute("DO $$ BEGIN CREATE INDEX ON t(id); END $$")
+        .await
+        .unwrap();
+    ca.batch_execute("CREATE TABLE audited(id int)")
+        .await
+        .unwrap();
+    let messages = ddl_messages(&direct, &probe).await;
+    assert_eq!(messages.len(), 4, "{messages:?}");
+    assert_eq!(messages[0], format!("CREATE FUNCTION ~ !{origin}\n"));
+    // Below a DO block and below the user's event trigger: listed, for
+    // every instance's round.
+    assert!(
+        messages[1].starts_with("CREATE INDEX\n@1259,"),
+        "{messages:?}"
+    );
+    assert!(
+        messages[2].starts_with("CREATE TABLE\n@1259,"),
+        "{messages:?}"
+    );
+    assert_eq!(messages[3], format!("CREATE TABLE ~ !{origin}\n"));
+}
+
+/// Temporary objects made directly are their session's alone: their DDL
+/// is not announced, and what the cache holds stays. A table dropped at
+/// commit used to be gone before its round could name it, which counted
+/// as a change of anything.
+#[tokio::test]
+async fn temporary_objects_made_directly_leave_the_cache_alone() {
+    let (db, a, ca, direct) = setup_streaming(
+        "ddltemp",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    let probe = probe_slot(&direct, &db).await;
+    a.wait_stream(&db).await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    eventually(Duration::from_secs(10), "the read to hit", || async {
+        let hits = a.hits();
+        rows(&ca, read).await;
+        (a.hits() > hits).then_some(())
+    })
+    .await;
+    let state = a.app.cache.db(&db);
+    let (_, rounds) = state.stream.ddl();
+    direct
+        .batch_execute(
+            "BEGIN;
+             CREATE TEMP TABLE scratch(id int PRIMARY KEY) ON COMMIT DROP;
+             INSERT INTO scratch VALUES (1);
+             COMMIT;
+             CREATE TEMP TABLE kept(id int);
+             DROP TABLE kept",
+        )
+        .await
+        .unwrap();
+    a.wait_stream(&db).await;
+    let hits = a.hits();
+    rows(&ca, read).await;
+    assert_eq!(a.hits(), hits + 1, "still served from the cache");
+    assert_eq!(state.stream.ddl().1, rounds, "no round");
+    // A permanent table, for contrast: announced, listed, one round.
+    direct
+        .batch_execute("CREATE TABLE other(id int)")
+        .await
+        .unwrap();
+    a.wait_stream(&db).await;
+    let messages = ddl_messages(&direct, &probe).await;
+    assert_eq!(
+        messages.len(),
+        1,
+        "only the permanent table's: {messages:?}"
+    );
+    assert!(
+        messages[0].starts_with("CREATE TABLE\n@1259,"),
+        "{messages:?}"
+    );
+    assert_eq!(
+        state.stream.ddl().1,
+        rounds + 1,
+        "one round, for that table"
     );
 }
 

@@ -103,11 +103,7 @@ pub async fn probe_origin(upstream: &Upstream) {
     }
     let mut pg = upstream.control_config(upstream.default_database());
     let setting = format!("-c {}={}", crate::origin::ORIGIN_SETTING, origin.value());
-    let options = match pg.get_options() {
-        Some(theirs) if !theirs.is_empty() => format!("{theirs} {setting}"),
-        _ => setting,
-    };
-    pg.options(&options);
+    crate::upstream::add_option(&mut pg, &setting);
     match pg.connect(upstream.tls.make_tls()).await {
         Ok(_) => origin.settle(true),
         Err(e) if e.as_db_error().is_some() => {

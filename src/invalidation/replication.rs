@@ -17,7 +17,7 @@ use super::control::Control;
 use super::decoder::{Committed, Decoder, Step};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
-use super::trigger::install_ddl_trigger;
+use super::trigger::{install_ddl_trigger, streams_alone};
 use crate::cache::hold::Paused;
 use crate::cache::{Bumps, Cache, DbState, Ddl};
 use crate::config::ReplicationConfig as Settings;
@@ -26,6 +26,14 @@ use crate::upstream::{Upstream, UpstreamAddr};
 
 /// How long letting go of a database may take.
 const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a stream checks whether other instances stream its database
+/// ([`Streams::keep_trigger`]). One that starts rewrites the trigger
+/// itself once its slot is made; one gone is noticed within this long.
+/// Two instances that check at once may leave the trigger saying the
+/// wrong thing until the next check: the cost of a few messages each
+/// taken for a change of anything, never a missed change.
+const TRIGGER_CHECK: Duration = Duration::from_secs(30);
 
 /// Starts and keeps the replication streams, one per database served.
 pub struct Streams {
@@ -236,12 +244,24 @@ impl Streams {
                 .await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
-        if self.settings.ddl_event_trigger {
-            let managed = self.settings.manage_publication;
-            let publication = managed.then_some(self.settings.publication.as_str());
-            install_ddl_trigger(ctl.client(), &db.name, publication).await;
-        }
+        self.keep_trigger(ctl, db).await;
         Ok(())
+    }
+
+    /// The DDL event trigger in place, its body saying whether this
+    /// instance streams the database alone ([`streams_alone`]). Checked
+    /// before the stream's slot is made and after, and again every
+    /// [`TRIGGER_CHECK`]: an instance that starts streaming makes the
+    /// trigger list objects again; once it is gone, the trigger leaves them
+    /// out again. The body is only rewritten when this changes.
+    async fn keep_trigger(&self, ctl: &Control, db: &DbState) {
+        if !self.settings.ddl_event_trigger {
+            return;
+        }
+        let managed = self.settings.manage_publication;
+        let publication = managed.then_some(self.settings.publication.as_str());
+        let alone = streams_alone(ctl.client()).await;
+        install_ddl_trigger(ctl.client(), &db.name, publication, alone).await;
     }
 
     async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
@@ -257,6 +277,9 @@ impl Streams {
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
+        self.keep_trigger(&ctl, db).await;
+        let mut trigger_check = tokio::time::interval(TRIGGER_CHECK);
+        trigger_check.reset();
         let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
         let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
@@ -293,6 +316,10 @@ impl Streams {
                     event = stream.recv() => event?,
                     () = db.catalog.unwatched_found.notified() => {
                         self.publish_unwatched(&ctl, db).await;
+                        continue;
+                    }
+                    _ = trigger_check.tick() => {
+                        self.keep_trigger(&ctl, db).await;
                         continue;
                     }
                     payload = listener.payloads.recv() => {

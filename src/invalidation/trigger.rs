@@ -54,36 +54,43 @@ fn unpublish_step(managed: Option<&str>) -> String {
 
 /// The message's `!origin` (NULL for none): the instance whose
 /// session's connection ran the DDL ([`ORIGIN_SETTING`]), when the DDL is
-/// the client's statement itself: the query holds one statement and it
-/// starts with the command's verb. The session handled that statement;
-/// DDL run inside one (a function a SELECT calls, a DO block, a CALL) is
-/// not what its analysis named.
+/// a statement the client sent, which its session analysed: run at the top
+/// level (the trigger's call stack, `stack` from `PG_CONTEXT`, is the
+/// trigger alone; DDL that a function, a DO block, a CALL or another event
+/// trigger ran has their frames below it) and the query's first word,
+/// after comments, is the command's verb.
 fn origin_mark() -> String {
     format!(
-        "CASE WHEN upper(substring(ltrim(current_query(), E' \\t\\r\\n') FROM '^[A-Za-z]+')) = split_part(tg_tag, ' ', 1)
-             AND strpos(rtrim(current_query(), E' \\t\\r\\n;'), ';') = 0
-           THEN '!' || nullif(current_setting('{ORIGIN_SETTING}', true), '') END"
+        r"CASE WHEN current_setting('{ORIGIN_SETTING}', true) <> '' AND strpos(stack, E'\n') = 0
+             AND upper(substring(current_query() FROM E'^(?:\\s|/\\*.*?\\*/|--[^\\n]*\\n)*([A-Za-z]+)'))
+               = split_part(tg_tag, ' ', 1)
+           THEN '!' || current_setting('{ORIGIN_SETTING}', true) END"
     )
 }
 
 /// The body of `pgcache.announce_ddl()`: see [`install_ddl_trigger`].
-fn function_body(managed: Option<&str>) -> String {
+fn function_body(managed: Option<&str>, alone: bool) -> String {
     let unpublish = unpublish_step(managed);
     // The message's first line is the command tag, then " -" if the
     // trigger took a table out of the publication, " ~" if it left out the
     // objects a command created or altered, then " !" and the instance
     // whose session sent the DDL (its connections carry ORIGIN_SETTING;
     // that instance handled the DDL already). The objects are left out for
-    // DDL an instance's session sent when no other instance streams the
-    // database (one slot of pgcache's at most): listing them is most of
-    // the trigger's cost, and only other instances need them; one that
-    // starts streaming meanwhile takes " ~" for a change of anything.
-    // Then one line per thing changed: a dropped object's bare name, the
-    // bare name of a table the trigger took out of the publication,
-    // "@classid,objid,objsubid" for an object a command created or altered
-    // (named later, by [`Control::after_ddl`], off the user's transaction:
-    // naming it here costed a third more per DDL statement), "*" for
-    // anything. The tag alone means anything.
+    // DDL an instance sent while it streams the database `alone`: listing
+    // them is most of the trigger's cost, and only other instances need
+    // them; one that starts streaming meanwhile takes " ~" for a change of
+    // anything until it has installed the trigger anew. DDL on temporary
+    // objects alone is not announced, and they are left out of a list:
+    // they are their session's alone (a session of pgcache's tracks its
+    // own), and one dropped at commit would be gone before it could be
+    // named. Nor is a DROP at its command's end: sql_drop announced what
+    // it dropped (DROP OWNED, which also revokes, is). Then one line per
+    // thing changed: a dropped
+    // object's bare name, the bare name of a table the trigger took out of
+    // the publication, "@classid,objid,objsubid" for an object a command
+    // created or altered (named later, by [`Control::after_ddl`], off the
+    // user's transaction: naming it here costed a third more per DDL
+    // statement), "*" for anything. The tag alone means anything.
     let no_facts = no_facts!();
     let origin = origin_mark();
     format!(
@@ -94,22 +101,33 @@ fn function_body(managed: Option<&str>) -> String {
              bare text;
              unpublished text;
              origin text;
+             stack text;
              omitted bool := false;
+             temporary_only bool;
            BEGIN
+             IF tg_event = 'ddl_command_end' AND tg_tag LIKE 'DROP %' AND tg_tag <> 'DROP OWNED' THEN
+               RETURN;
+             END IF;
              {unpublish}
              BEGIN
+               GET DIAGNOSTICS stack = PG_CONTEXT;
                origin := {origin};
                IF tg_event = 'sql_drop' THEN
-                 SELECT string_agg(CASE WHEN cardinality(o.address_names) < 2 THEN '*'
-                     ELSE o.address_names[2] END, E'\\n')
-                   INTO names FROM pg_event_trigger_dropped_objects() o
-                   WHERE o.object_type NOT IN ({no_facts});
-               ELSIF origin IS NOT NULL AND (SELECT count(*) FROM pg_replication_slots
-                   WHERE database = current_database() AND slot_name LIKE 'pgcache\\_%') <= 1 THEN
+                 SELECT string_agg(CASE WHEN o.is_temporary OR o.object_type IN ({no_facts}) THEN NULL
+                     WHEN cardinality(o.address_names) < 2 THEN '*' ELSE o.address_names[2] END, E'\\n'),
+                   bool_and(o.is_temporary)
+                   INTO names, temporary_only FROM pg_event_trigger_dropped_objects() o;
+               ELSIF origin IS NOT NULL AND {alone} THEN
                  omitted := true;
                ELSE
-                 SELECT string_agg('@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid, E'\\n')
-                   INTO names FROM pg_event_trigger_ddl_commands() c;
+                 SELECT string_agg(CASE WHEN t.is_temp THEN NULL ELSE
+                     '@' || c.classid::oid::int8 || ',' || c.objid::oid::int8 || ',' || c.objsubid END, E'\\n'),
+                   bool_and(t.is_temp)
+                   INTO names, temporary_only FROM pg_event_trigger_ddl_commands() c
+                   CROSS JOIN LATERAL (SELECT coalesce(c.schema_name ~ '^pg_(toast_)?temp(_[0-9]+)?$', false)) t(is_temp);
+               END IF;
+               IF temporary_only AND unpublished IS NULL THEN
+                 RETURN;
                END IF;
                PERFORM pg_logical_emit_message(true, '{DDL_MESSAGE_PREFIX}',
                  tg_tag || CASE WHEN unpublished IS NULL THEN '' ELSE ' -' END
@@ -127,33 +145,51 @@ fn function_body(managed: Option<&str>) -> String {
 /// outside pgcache invalidates too. Needs superuser; without it pgcache logs
 /// a warning and notices outside DDL only through the TTL. The function can
 /// never fail the user's DDL. With `managed`, it also keeps the publication
-/// free of tables without a replica identity ([`unpublish_step`]).
+/// free of tables without a replica identity ([`unpublish_step`]). With
+/// `alone` (no other instance streams the database), it lists no objects
+/// for DDL an instance sent ([`function_body`]).
 pub async fn install_ddl_trigger(
     ctl: &tokio_postgres::Client,
     database: &str,
     managed: Option<&str>,
+    alone: bool,
 ) {
-    let body = function_body(managed);
-    // Installing is DDL, which the trigger announces and every instance
-    // treats as a change of everything: only when it differs.
+    let body = function_body(managed, alone);
     if installed(ctl, &body).await {
         return;
     }
+    // One statement, with event triggers off for it (session_replication_role
+    // is local to its transaction): what pgcache installs changes no fact
+    // any instance keeps, and announced it would be a change of anything to
+    // other instances (the trigger's schema-only CREATE lists no objects).
     let sql = format!(
-        "CREATE SCHEMA IF NOT EXISTS pgcache;
-         CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
-           LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $pgcache${body}$pgcache$;
-         DO $$ BEGIN
+        "DO $install$ BEGIN
+           PERFORM pg_catalog.set_config('session_replication_role', 'replica', true);
+           CREATE SCHEMA IF NOT EXISTS pgcache;
+           CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
+             LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $pgcache${body}$pgcache$;
            IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl') THEN
              CREATE EVENT TRIGGER pgcache_ddl ON ddl_command_end EXECUTE FUNCTION pgcache.announce_ddl();
            END IF;
            IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_event_trigger WHERE evtname = 'pgcache_ddl_drop') THEN
              CREATE EVENT TRIGGER pgcache_ddl_drop ON sql_drop EXECUTE FUNCTION pgcache.announce_ddl();
            END IF;
-         END $$;"
+         END $install$"
     );
     if let Err(e) = ctl.batch_execute(&sql).await {
         warn!(database, error = %e, "cannot install the DDL event trigger (needs superuser): DDL made outside pgcache is not seen");
+    }
+}
+
+/// Whether this instance streams `ctl`'s database alone: pgcache's
+/// replication slots there number one at most. Asked after its own slot
+/// was made, and again from time to time; unknown, it is taken as not.
+pub async fn streams_alone(ctl: &tokio_postgres::Client) -> bool {
+    const SLOTS: &str = "SELECT count(*) <= 1 FROM pg_catalog.pg_replication_slots
+        WHERE database = pg_catalog.current_database() AND slot_name LIKE 'pgcache\\_%'";
+    match ctl.query_one(SLOTS, &[]).await {
+        Ok(row) => row.get(0),
+        Err(_) => false,
     }
 }
 
