@@ -157,17 +157,18 @@ async fn a_revoke_through_pgcache_stops_cached_results_at_once() {
     assert_eq!(try_rows(&a, SALARY).await, Err("42501".to_owned()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_revoke_made_directly_on_postgresql_stops_cached_results_within_the_replication_lag() {
-    let (db, alice, _bob, proxy) = setup("iso_revoke_direct").await;
+/// Alice's salary read, cached, then `revoke` (given her role) run
+/// directly: the DDL event trigger announces it in the replication stream,
+/// and her cached answer stops being served within the lag.
+async fn revoked_directly(name: &str, revoke: impl Fn(&str) -> String) {
+    let (db, alice, _bob, proxy) = setup(name).await;
     let a = login(&proxy, &alice, &db).await;
     let hits = proxy.hits();
     for _ in 0..2 {
         assert!(try_rows(&a, SALARY).await.is_ok());
     }
     assert_eq!(proxy.hits(), hits + 1);
-    pg().psql_db(&db, &format!("REVOKE SELECT ON pay FROM {alice}"));
-    // The DDL event trigger announces the REVOKE in the replication stream.
+    pg().psql_db(&db, &revoke(&alice));
     eventually(Duration::from_secs(10), "the revoke to be seen", || async {
         (try_rows(&a, SALARY).await == Err("42501".to_owned())).then_some(())
     })
@@ -177,23 +178,20 @@ async fn a_revoke_made_directly_on_postgresql_stops_cached_results_within_the_re
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoke_made_directly_on_postgresql_stops_cached_results_within_the_replication_lag() {
+    revoked_directly("iso_revoke_direct", |alice| {
+        format!("REVOKE SELECT ON pay FROM {alice}")
+    })
+    .await;
+}
+
 /// DROP OWNED also revokes what was granted to the role, and drops
 /// nothing of hers here: at its command's end it is announced, unlike
 /// other DROPs, which the objects they dropped announce.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_owned_made_directly_stops_cached_results_within_the_replication_lag() {
-    let (db, alice, _bob, proxy) = setup("iso_drop_owned").await;
-    let a = login(&proxy, &alice, &db).await;
-    let hits = proxy.hits();
-    for _ in 0..2 {
-        assert!(try_rows(&a, SALARY).await.is_ok());
-    }
-    assert_eq!(proxy.hits(), hits + 1);
-    pg().psql_db(&db, &format!("DROP OWNED BY {alice}"));
-    eventually(Duration::from_secs(10), "the revoke to be seen", || async {
-        (try_rows(&a, SALARY).await == Err("42501".to_owned())).then_some(())
-    })
-    .await;
+    revoked_directly("iso_drop_owned", |alice| format!("DROP OWNED BY {alice}")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -235,9 +235,13 @@ impl Streams {
         }
     }
 
-    /// What the stream needs of the database: the publication current, the
-    /// DDL event trigger in place.
+    /// What the stream needs of the database: whether the upstream takes
+    /// the origin setting (not known when PostgreSQL was down at
+    /// start-up), the publication current, the DDL event trigger in place.
     async fn prepare(&self, ctl: &Control, db: &DbState) -> Result<(), ReplicationError> {
+        if self.settings.ddl_event_trigger {
+            super::probe_origin(&self.upstream).await;
+        }
         if self.settings.manage_publication {
             let synced = ctl
                 .sync_publication(&self.settings.publication, None, true, None)
@@ -267,10 +271,6 @@ impl Streams {
     async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
-        if self.settings.ddl_event_trigger {
-            // Not known when PostgreSQL was down at start-up.
-            super::probe_origin(&self.upstream).await;
-        }
         self.prepare(&ctl, db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
@@ -278,15 +278,12 @@ impl Streams {
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
         self.keep_trigger(&ctl, db).await;
-        let mut trigger_check = tokio::time::interval(TRIGGER_CHECK);
-        trigger_check.reset();
+        let mut trigger_check =
+            tokio::time::interval_at(tokio::time::Instant::now() + TRIGGER_CHECK, TRIGGER_CHECK);
         let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
-        let mut beating = AbortOnDropHandle::new(tokio::spawn(heartbeat::beat(
-            Arc::clone(ctl.client()),
-            Arc::clone(&beats),
-            every,
-        )));
+        let beat = heartbeat::beat(Arc::clone(ctl.client()), Arc::clone(&beats), every);
+        let mut beating = AbortOnDropHandle::new(tokio::spawn(beat));
         let mut listener = listen(&self.upstream, database).await?;
         let start = self.missed(ctl.client(), db).await?;
         db.stream
