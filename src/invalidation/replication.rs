@@ -248,23 +248,24 @@ impl Streams {
                 .await?;
             self.note_unpublished(db, None, synced.unpublished);
         }
-        self.keep_trigger(ctl, db).await;
+        self.keep_trigger(ctl, db, false).await;
         Ok(())
     }
 
     /// The DDL event trigger in place, its body saying whether this
-    /// instance streams the database alone ([`streams_alone`]). Checked
-    /// before the stream's slot is made and after, and again every
-    /// [`TRIGGER_CHECK`]: an instance that starts streaming makes the
-    /// trigger list objects again; once it is gone, the trigger leaves them
-    /// out again. The body is only rewritten when this changes.
-    async fn keep_trigger(&self, ctl: &Control, db: &DbState) {
+    /// instance streams the database alone ([`streams_alone`]; `own_slot`:
+    /// the stream's slot is made). Checked before the slot is made and
+    /// after, and again every [`TRIGGER_CHECK`]: an instance that starts
+    /// streaming makes the trigger list objects again; once it is gone, the
+    /// trigger leaves them out again. The body is only rewritten when this
+    /// changes.
+    async fn keep_trigger(&self, ctl: &Control, db: &DbState, own_slot: bool) {
         if !self.settings.ddl_event_trigger {
             return;
         }
         let managed = self.settings.manage_publication;
         let publication = managed.then_some(self.settings.publication.as_str());
-        let alone = streams_alone(ctl.client()).await;
+        let alone = streams_alone(ctl.client(), own_slot).await;
         install_ddl_trigger(ctl.client(), &db.name, publication, alone).await;
     }
 
@@ -277,7 +278,7 @@ impl Streams {
         let slot = format!("pgcache_{:08x}", rand::random::<u32>());
         db.stream.set_slot(Some(slot.clone()));
         let mut stream = self.start(database, &slot).await?;
-        self.keep_trigger(&ctl, db).await;
+        self.keep_trigger(&ctl, db, true).await;
         let mut trigger_check =
             tokio::time::interval_at(tokio::time::Instant::now() + TRIGGER_CHECK, TRIGGER_CHECK);
         let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
@@ -316,7 +317,7 @@ impl Streams {
                         continue;
                     }
                     _ = trigger_check.tick() => {
-                        self.keep_trigger(&ctl, db).await;
+                        self.keep_trigger(&ctl, db, true).await;
                         continue;
                     }
                     payload = listener.payloads.recv() => {

@@ -85,12 +85,12 @@ fn function_body(managed: Option<&str>, alone: bool) -> String {
     // own), and one dropped at commit would be gone before it could be
     // named. Nor is a DROP at its command's end: sql_drop announced what
     // it dropped (DROP OWNED, which also revokes, is). Then one line per
-    // thing changed: a dropped
-    // object's bare name, the bare name of a table the trigger took out of
-    // the publication, "@classid,objid,objsubid" for an object a command
-    // created or altered (named later, by [`Control::after_ddl`], off the
-    // user's transaction: naming it here costed a third more per DDL
-    // statement), "*" for anything. The tag alone means anything.
+    // thing changed: a dropped object's bare name, the bare name of a
+    // table the trigger took out of the publication,
+    // "@classid,objid,objsubid" for an object a command created or altered
+    // (named later, by [`Control::after_ddl`], off the user's transaction:
+    // naming it here costed a third more per DDL statement), "*" for
+    // anything. The tag alone means anything.
     let no_facts = no_facts!();
     let origin = origin_mark();
     format!(
@@ -158,13 +158,17 @@ pub async fn install_ddl_trigger(
     if installed(ctl, &body).await {
         return;
     }
-    // One statement, with event triggers off for it (session_replication_role
-    // is local to its transaction): what pgcache installs changes no fact
-    // any instance keeps, and announced it would be a change of anything to
-    // other instances (the trigger's schema-only CREATE lists no objects).
+    // One statement, with event triggers off for it where the role may set
+    // session_replication_role (local to the statement's transaction): what
+    // pgcache installs changes no fact any instance keeps, and announced
+    // it would read as a change of anything to other instances (its
+    // CREATE SCHEMA IF NOT EXISTS lists no objects).
     let sql = format!(
         "DO $install$ BEGIN
-           PERFORM pg_catalog.set_config('session_replication_role', 'replica', true);
+           BEGIN
+             PERFORM pg_catalog.set_config('session_replication_role', 'replica', true);
+           EXCEPTION WHEN insufficient_privilege THEN NULL;
+           END;
            CREATE SCHEMA IF NOT EXISTS pgcache;
            CREATE OR REPLACE FUNCTION pgcache.announce_ddl() RETURNS event_trigger
              LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $pgcache${body}$pgcache$;
@@ -181,13 +185,13 @@ pub async fn install_ddl_trigger(
     }
 }
 
-/// Whether this instance streams `ctl`'s database alone: pgcache's
-/// replication slots there number one at most. Asked after its own slot
-/// was made, and again from time to time; unknown, it is taken as not.
-pub async fn streams_alone(ctl: &tokio_postgres::Client) -> bool {
-    const SLOTS: &str = "SELECT count(*) <= 1 FROM pg_catalog.pg_replication_slots
+/// Whether this instance streams `ctl`'s database alone: no replication
+/// slot of pgcache's there but its own (`own_slot`: made already).
+/// Unknown, it is taken as not.
+pub async fn streams_alone(ctl: &tokio_postgres::Client, own_slot: bool) -> bool {
+    const SLOTS: &str = "SELECT count(*) <= $1 FROM pg_catalog.pg_replication_slots
         WHERE database = pg_catalog.current_database() AND slot_name LIKE 'pgcache\\_%'";
-    match ctl.query_one(SLOTS, &[]).await {
+    match ctl.query_one(SLOTS, &[&i64::from(own_slot)]).await {
         Ok(row) => row.get(0),
         Err(_) => false,
     }
