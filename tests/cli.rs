@@ -35,8 +35,9 @@ async fn first_log_line(wrap: &[&str], args: &[&str], env: &[(&str, &str)]) -> S
     if wrap.is_empty() {
         command.args(&line[1..]);
     } else {
-        // script -c takes one command line.
-        command.arg(line.join(" "));
+        // script -c takes one command line; exec makes pgcache the child
+        // of script, which it runs in a session of its own.
+        command.arg(format!("exec {}", line.join(" ")));
         command.arg("/dev/null");
     }
     command
@@ -54,6 +55,14 @@ async fn first_log_line(wrap: &[&str], args: &[&str], env: &[(&str, &str)]) -> S
         .expect("a log line within 30 s")
         .unwrap()
         .expect("a log line before pgcache exits");
+    // pgcache under script is in a session of its own: killing script
+    // leaves it running (it takes the hangup for a reload).
+    if let (false, Some(pid)) = (wrap.is_empty(), child.id()) {
+        let _ = tokio::process::Command::new("pkill")
+            .args(["-KILL", "-P", &pid.to_string()])
+            .status()
+            .await;
+    }
     let _ = child.kill().await;
     first
 }
