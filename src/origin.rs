@@ -45,10 +45,15 @@ impl Origin {
         self.state.load(Ordering::Acquire) == ACCEPTED
     }
 
-    /// The `options` startup parameter of a pool's logins, if any.
+    /// [`ORIGIN_SETTING`] as an `options` startup parameter's entry.
+    pub fn option(&self) -> String {
+        format!("-c {ORIGIN_SETTING}={}", self.value())
+    }
+
+    /// The `options` entry of this instance's logins, once the upstream is
+    /// known to take it.
     pub fn options(&self) -> Option<String> {
-        self.accepted()
-            .then(|| format!("-c {ORIGIN_SETTING}={}", self.value()))
+        self.accepted().then(|| self.option())
     }
 
     /// A client's StartupMessage `raw` as it goes to PostgreSQL: with

@@ -102,8 +102,7 @@ pub async fn probe_origin(upstream: &Upstream) {
         return;
     }
     let mut pg = upstream.control_config(upstream.default_database());
-    let setting = format!("-c {}={}", crate::origin::ORIGIN_SETTING, origin.value());
-    crate::upstream::add_option(&mut pg, &setting);
+    crate::upstream::add_option(&mut pg, &origin.option());
     match pg.connect(upstream.tls.make_tls()).await {
         Ok(_) => origin.settle(true),
         Err(e) if e.as_db_error().is_some() => {

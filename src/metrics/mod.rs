@@ -293,8 +293,8 @@ impl ReplicationGauges {
             ddl_transactions: r.database_gauge(
                 "pgcache_replication_ddl_transactions",
                 "Transactions with DDL the stream saw commit and handled (named what they \
-                 changed, checked the publication; DDL this instance's clients sent needs \
-                 neither)",
+                 changed, checked the publication; DDL this instance sent, its clients' or its \
+                 own, needs neither)",
             ),
             ddl_rounds: r.database_gauge(
                 "pgcache_replication_ddl_rounds",
