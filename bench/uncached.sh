@@ -10,8 +10,9 @@
 #              functions, divided by the same script on an empty database
 #   bench/uncached.sh [SECONDS-PER-RUN]   (default 10; LARGE=0 skips ddl-large,
 #   whose set-up takes a minute; ROUNDS=3 runs the three psql scripts in 3
-#   interleaved rounds and prints each one's median, with pgcache's CPU time
-#   per statement: its user and system time over the script). pgcache runs
+#   interleaved rounds and prints each one's median, with pgcache's and
+#   PgBouncer's CPU time per statement: user and system time over the
+#   script, pgcache's less what it spends idle). pgcache runs
 #   with its defaults but lets go of a database a second after its last
 #   client, and each run starts once no stream is left: a walsender decodes
 #   the whole cluster's WAL, and one left running slows every route.
@@ -22,6 +23,7 @@ build_pgcache
 start_postgres
 init_bench_db
 start_pgbouncer
+BOUNCER_PID=$(cat "$RUNDIR/pgbouncer/pgbouncer.pid")
 PGCACHE_PORT=$(free_port)
 # Defaults, but a database no client uses is let go after a second rather
 # than a minute: every stream's walsender decodes the whole cluster's WAL,
@@ -61,13 +63,13 @@ seconds() {
     python3 -c "print(f'{$end - $start:.3f}')"
 }
 
-printf '%-22s %10s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cache/dir bouncer/dir 'cpu us/st'
-row() { printf '%-22s %10s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")" "${5:-}"; }
+printf '%-22s %10s %10s %10s %10s %10s %10s %10s\n' workload direct pgcache pgbouncer cache/dir bouncer/dir 'cpu us/st' 'bouncer us'
+row() { printf '%-22s %10s %10s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" "$(ratio "$3" "$2")" "$(ratio "$4" "$2")" "${5:-}" "${6:-}"; }
 
-# CPU ticks (1/100 s, user + system) pgcache has used so far.
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$PGCACHE_PID/stat"; }
+# CPU ticks (1/100 s, user + system) pgcache (or process $1) has used so far.
+cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/${1:-$PGCACHE_PID}/stat"; }
 median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
-declare -A statements=([ddl]=400 [migration]=600 [distinct]=2000) wall=() cpu=()
+declare -A statements=([ddl]=400 [migration]=600 [distinct]=2000) wall=() cpu=() bouncer_cpu=()
 
 # Round by round, each script directly, through pgcache, through PgBouncer.
 n=0
@@ -78,7 +80,9 @@ for round in $(seq "${ROUNDS:-1}"); do
             make_db "s$n"
             no_streams
             if [ "$port" != "$PGCACHE_PORT" ]; then
+                before=$(cpu_ticks "$BOUNCER_PID")
                 wall[$script,$port]+=" $(seconds "$port" "s$n" "$RUNDIR/$script.sql")"
+                [ "$port" = "$BOUNCER_PORT" ] && bouncer_cpu[$script]+=" $(( $(cpu_ticks "$BOUNCER_PID") - before ))"
                 psql_at "$PGPORT" postgres -c "DROP DATABASE s$n WITH (FORCE)" >/dev/null
                 continue
             fi
@@ -100,11 +104,12 @@ for round in $(seq "${ROUNDS:-1}"); do
         done
     done
 done
+per_statement() { python3 -c "print(round($1 * 10000 / $2))"; }
 for script in ddl migration distinct; do
-    ticks=$(median ${cpu[$script]})
     row "$script (s)" "$(median ${wall[$script,$PGPORT]})" "$(median ${wall[$script,$PGCACHE_PORT]})" \
         "$(median ${wall[$script,$BOUNCER_PORT]})" \
-        "$(python3 -c "print(round($ticks * 10000 / ${statements[$script]}))")"
+        "$(per_statement "$(median ${cpu[$script]})" "${statements[$script]}")" \
+        "$(per_statement "$(median ${bouncer_cpu[$script]})" "${statements[$script]}")"
 done
 
 for what in select hot-key; do
