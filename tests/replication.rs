@@ -533,7 +533,8 @@ async fn ddl_messages(direct: &Client, slot: &str) -> Vec<String> {
 /// Listing what a command created or altered is most of the trigger's
 /// cost, and only instances that did not send the DDL need it: for DDL a
 /// session sent while no other instance streams the database, the trigger
-/// leaves it out; once another streams, it lists it again.
+/// leaves it out; once another streams, it lists it again, and once that
+/// one has gone, the first one's next check leaves it out again.
 #[tokio::test]
 async fn the_trigger_lists_objects_only_while_another_instance_streams() {
     let (db, a, ca, direct) =
@@ -546,8 +547,10 @@ async fn the_trigger_lists_objects_only_while_another_instance_streams() {
     let alone = ddl_messages(&direct, &probe).await;
     assert_eq!(alone, [format!("CREATE TABLE ~ !{origin}\n")], "left out");
 
-    let b = Proxy::start(pg().proxy_config()).await;
-    let _cb = b.connect(&db).await;
+    let mut config = pg().proxy_config();
+    config.replication.idle_release_secs = 1;
+    let b = Proxy::start(config).await;
+    let cb = b.connect(&db).await;
     // B rewrote the trigger once its slot was made, before its stream
     // was up.
     b.wait_stream(&db).await;
@@ -566,6 +569,31 @@ async fn the_trigger_lists_objects_only_while_another_instance_streams() {
         listed[0].starts_with(&format!("CREATE TABLE !{origin}\n@1259,")),
         "{listed:?}"
     );
+
+    // B lets go of the database a second after its last client, and its
+    // slot goes with its stream. A checks every 30 seconds.
+    drop(cb);
+    let body = "SELECT prosrc FROM pg_proc WHERE proname = 'announce_ddl'";
+    eventually(
+        Duration::from_secs(60),
+        "A to find itself alone",
+        || async {
+            let alone = scalar(&direct, body)
+                .await
+                .is_some_and(|b| b.contains("origin IS NOT NULL AND true"));
+            alone.then_some(())
+        },
+    )
+    .await;
+    ca.batch_execute("CREATE TABLE alone_again(id int)")
+        .await
+        .unwrap();
+    assert_eq!(
+        ddl_messages(&direct, &probe).await,
+        [format!("CREATE TABLE ~ !{origin}\n")],
+        "left out again, and rewriting the trigger was not announced"
+    );
+    drop(b);
 }
 
 /// The trigger names the instance for DDL its session analysed: the
