@@ -889,10 +889,12 @@ async fn the_old_client(
     for _ in 0..2 {
         run(s, "from then on").await;
     }
-    assert!(
-        matches!(run_prepared(s, "a", None, m.param).await, Ran::Rows { .. }),
-        "{who}: the old client, at last"
-    );
+    match run_prepared(s, "a", None, m.param).await {
+        Ran::Rows { type_oid, value } => {
+            assert_eq!(&(type_oid, value), want, "{who}: the old client, at last")
+        }
+        Ran::Error(code) => panic!("{who}: the old client, at last: {code} after {errors:?}"),
+    }
 }
 
 /// Through a transaction pool of one connection: a statement prepared
