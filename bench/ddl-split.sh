@@ -75,7 +75,6 @@ for round in $(seq "$ROUNDS"); do
     done
 done
 
-median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
 printf '%-10s' route; for script in ddl migration; do printf ' %12s %8s' "$script (s)" ratio; done; echo
 for route in $ROUTES; do
     printf '%-10s' "$route"

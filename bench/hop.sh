@@ -57,7 +57,6 @@ for round in $(seq "$ROUNDS"); do
     done
 done
 
-median() { python3 -c "import statistics, sys; print(statistics.median(map(float, sys.argv[1:])))" "$@"; }
 direct=$(median ${wall[direct]})
 printf '%-11s %9s %9s %12s %12s\n' route 'wall s' '÷ direct' 'user us/st' 'sys us/st'
 for route in "${ROUTES[@]}"; do

@@ -166,6 +166,9 @@ best2() {
 
 ratio() { python3 -c "print(f'{float($1)/float($2):.2f}')"; }
 
+# median NUMBERS...: their median, to three decimals.
+median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
+
 # Pgpool-II with its in-memory query cache, from the anchor config.
 start_pgpool() {
     command -v pgpool >/dev/null || apt_install pgpool2

@@ -67,7 +67,6 @@ run() {
 }
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$CACHE_PID/stat"; }
-median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.1f}')" "$@"; }
 declare -A wall=() ran=() failed=()
 cpu=""
 for round in $(seq "${ROUNDS:-3}"); do

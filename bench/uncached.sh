@@ -68,7 +68,6 @@ row() { printf '%-22s %10s %10s %10s %10s %10s %10s %10s\n' "$1" "$2" "$3" "$4" 
 
 # CPU ticks (1/100 s, user + system) pgcache (or process $1) has used so far.
 cpu_ticks() { awk '{sub(/^.*\) /, ""); print $12 + $13}' "/proc/${1:-$PGCACHE_PID}/stat"; }
-median() { python3 -c "import statistics, sys; print(f'{statistics.median(map(float, sys.argv[1:])):.3f}')" "$@"; }
 declare -A statements=([ddl]=400 [migration]=600 [distinct]=2000) wall=() cpu=() bouncer_cpu=()
 
 # Round by round, each script directly, through pgcache, through PgBouncer.
