@@ -1164,3 +1164,216 @@ async fn a_pooled_client_is_told_its_encoding_as_postgresql_names_it() {
         );
     }
 }
+
+/// A client that keeps the notifications it gets, as (channel, payload).
+async fn notified_client(
+    proxy: &Proxy,
+    db: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<(String, String)>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut connection) =
+        tokio_postgres::connect(&proxy.dsn("postgres", db), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let (tx, notifications) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                let _ = tx.send((n.channel().to_owned(), n.payload().to_owned()));
+            }
+        }
+    });
+    (client, notifications)
+}
+
+/// The three shapes a statement's text travels in.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    Simple,
+    Unnamed,
+    Named,
+}
+
+async fn run_as(client: &tokio_postgres::Client, sql: &str, shape: Shape) {
+    match shape {
+        Shape::Simple => client.batch_execute(sql).await.map(drop),
+        Shape::Unnamed => client.query_typed(sql, &[]).await.map(drop),
+        Shape::Named => {
+            let statement = client.prepare(sql).await.unwrap();
+            client.query(&statement, &[]).await.map(drop)
+        }
+    }
+    .unwrap_or_else(|e| panic!("{sql} as {shape:?}: {e}"));
+}
+
+#[tokio::test]
+async fn what_pins_a_client_does_so_in_every_shape() {
+    let pg = pg();
+    let db = pg.create_db("tx_pin_shapes");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let pins = &proxy.app.metrics.pooled.pins;
+    let table = [
+        ("LISTEN jobs", "listen"),
+        ("PREPARE q AS SELECT 1", "sql_prepare"),
+        ("CREATE TEMP TABLE scratch(a int)", "temp_objects"),
+        ("SELECT pg_advisory_lock(1)", "advisory_lock"),
+        ("SELECT pg_backend_pid()", "backend_pid"),
+    ];
+    for (sql, reason) in table {
+        for shape in [Shape::Simple, Shape::Unnamed, Shape::Named] {
+            let before = pins.with_label_values(&[reason]).get();
+            let client = proxy.connect(&db).await;
+            run_as(&client, sql, shape).await;
+            assert_eq!(
+                pins.with_label_values(&[reason]).get(),
+                before + 1,
+                "{sql} as {shape:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_listen_as_a_named_statement_keeps_its_notifications_to_its_client() {
+    let pg = pg();
+    let db = pg.create_db("tx_named_listen");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let (listener, mut heard) = notified_client(&proxy, &db).await;
+    run_as(&listener, "LISTEN pinned_ch", Shape::Named).await;
+    let mut others = Vec::new();
+    for _ in 0..4 {
+        others.push(notified_client(&proxy, &db).await);
+    }
+    for (other, _) in &others {
+        other.batch_execute("SELECT 1").await.unwrap();
+    }
+    others[0]
+        .0
+        .batch_execute("NOTIFY pinned_ch, 'hello'")
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(WAIT, heard.recv()).await.unwrap();
+    assert_eq!(got, Some(("pinned_ch".to_owned(), "hello".to_owned())));
+    for (other, _) in &others {
+        other.batch_execute("SELECT 2").await.unwrap();
+    }
+    for (_, leaked) in &mut others {
+        assert!(leaked.try_recv().is_err(), "another client got it");
+    }
+    assert_eq!(proxy.app.metrics.pooled.notifications_withheld.get(), 0);
+}
+
+#[tokio::test]
+async fn a_connection_that_listens_for_nobody_never_notifies_the_next_client() {
+    let pg = pg();
+    let db = pg.create_db("tx_stray_listen");
+    // A LISTEN no scan can see: run by a function.
+    pg.direct(&db)
+        .await
+        .batch_execute(
+            "CREATE FUNCTION sneak() RETURNS void LANGUAGE plpgsql AS \
+             $$ BEGIN EXECUTE 'LISTEN stray'; END $$",
+        )
+        .await
+        .unwrap();
+    let proxy = Proxy::start(config(pg, 1)).await;
+    let sneaky = proxy.connect(&db).await;
+    sneaky.batch_execute("SELECT sneak()").await.unwrap();
+    drop(sneaky);
+    // The only connection, now listening, goes to the next client.
+    let (next, mut heard) = notified_client(&proxy, &db).await;
+    let listening = scalar(&next, "SELECT pg_listening_channels()").await;
+    assert_eq!(listening.as_deref(), Some("stray"), "the same connection");
+    // A notification reaches a backend between transactions: this one
+    // comes while the client holds the connection. (One that comes while
+    // the connection is idle in the pool makes it look broken: closed.)
+    next.batch_execute("BEGIN").await.unwrap();
+    pg.direct(&db)
+        .await
+        .batch_execute("NOTIFY stray, 'not yours'")
+        .await
+        .unwrap();
+    next.batch_execute("COMMIT").await.unwrap();
+    next.batch_execute("SELECT 1").await.unwrap();
+    let metrics = &proxy.app.metrics.pooled;
+    assert_eq!(metrics.notifications_withheld.get(), 1);
+    assert!(heard.try_recv().is_err(), "the client never sees it");
+    // That connection is closed, not given to anyone else.
+    assert_eq!(metrics.closed_listening.get(), 1);
+    assert_eq!(
+        scalar(&next, "SELECT count(*) FROM pg_listening_channels()")
+            .await
+            .as_deref(),
+        Some("0")
+    );
+}
+
+/// One batch as asyncpg sends it by default: a named Parse, then Bind,
+/// Execute and Sync; the first error's SQLSTATE, or the first column of
+/// the first row.
+async fn named_batch(
+    s: &mut tokio::net::TcpStream,
+    name: &str,
+    sql: &str,
+) -> Result<Option<String>, String> {
+    use tokio::io::AsyncWriteExt;
+    let batch = [
+        wire::parse(name, sql),
+        wire::bind(name),
+        wire::execute(),
+        wire::sync(),
+    ]
+    .concat();
+    s.write_all(&batch).await.unwrap();
+    let answer = wire::read_until_ready(s).await;
+    if let Some((_, body)) = answer.iter().find(|(t, _)| *t == b'E') {
+        return Err(wire::sqlstate_of(body).unwrap_or_default());
+    }
+    Ok(answer.iter().find(|(t, _)| *t == b'D').map(|(_, row)| {
+        let len = u32::from_be_bytes(row[2..6].try_into().unwrap()) as usize;
+        String::from_utf8_lossy(&row[6..6 + len]).into_owned()
+    }))
+}
+
+#[tokio::test]
+async fn sql_execute_and_deallocate_sent_as_named_statements_find_the_protocol_statement() {
+    let pg = pg();
+    let db = pg.create_db("tx_named_execute");
+    let proxy = Proxy::start(config(pg, 2)).await;
+    let (mut s, _) = wire::raw_login(proxy.addr, &db).await;
+    // Another client holds a connection meanwhile, so that the next
+    // batches may run on either.
+    let other = proxy.connect(&db).await;
+    assert_eq!(
+        named_batch(&mut s, "_pg3_0", "select 41 + 1").await,
+        Ok(Some("42".into()))
+    );
+    for round in 0..3 {
+        if round == 1 {
+            other.batch_execute("BEGIN").await.unwrap();
+        }
+        assert_eq!(
+            named_batch(&mut s, &format!("run_{round}"), "EXECUTE _pg3_0").await,
+            Ok(Some("42".into())),
+            "round {round}"
+        );
+    }
+    other.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(
+        named_batch(&mut s, "free", "DEALLOCATE _pg3_0").await,
+        Ok(None)
+    );
+    // Freed: the server refuses it, as it would directly.
+    assert_eq!(
+        named_batch(&mut s, "again", "EXECUTE _pg3_0").await,
+        Err("26000".into())
+    );
+    assert_eq!(
+        named_batch(&mut s, "_pg3_0", "select 7").await,
+        Ok(Some("7".into()))
+    );
+}

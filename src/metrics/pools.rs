@@ -80,6 +80,10 @@ pub struct TransactionPoolMetrics {
     pub closed_lifetime: IntCounter,
     pub closed_broken: IntCounter,
     pub closed_stale: IntCounter,
+    pub closed_listening: IntCounter,
+    /// Notifications for a channel the client holding the connection never
+    /// listened on, not given to it.
+    pub notifications_withheld: IntCounter,
     /// Sessions pinned to one server connection, by why.
     pub pins: IntCounterVec,
 }
@@ -91,7 +95,8 @@ impl TransactionPoolMetrics {
             "Transaction-mode server connections closed, by reason: idle past \
              pool.server_idle_timeout_secs (idle), past pool.server_lifetime_secs (lifetime), \
              found dead or left in an unknown state (broken), logged in under role or database \
-             settings that changed since (stale)",
+             settings that changed since (stale), delivering notifications of another \
+             client's LISTEN (listening)",
             &["reason"],
         );
         let servers = r.add(
@@ -146,6 +151,13 @@ impl TransactionPoolMetrics {
             closed_lifetime: by(&closed, "lifetime"),
             closed_broken: by(&closed, "broken"),
             closed_stale: by(&closed, "stale"),
+            closed_listening: by(&closed, "listening"),
+            notifications_withheld: r.counter(
+                "pgcache_pool_notifications_withheld_total",
+                "Notifications a transaction-mode server connection sent for a channel the client \
+                 holding it never listened on, withheld from that client (its connection is then \
+                 closed rather than given back)",
+            ),
             pins: {
                 let pins = r.counter_vec(
                     "pgcache_pool_pins_total",

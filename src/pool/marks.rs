@@ -91,6 +91,9 @@ pub struct Marks {
     /// A statement starts with `ALTER`, `CREATE` or `DROP`: statements
     /// prepared on server connections before it may be stale.
     pub schema: bool,
+    /// A statement is a `LISTEN`: its channels are read from the text
+    /// ([`listened`]).
+    pub listen: bool,
 }
 
 impl Marks {
@@ -157,6 +160,7 @@ pub fn marks(sql: &[u8]) -> Marks {
             marks.frees = true;
             None
         } else if is(word, b"listen") && first {
+            marks.listen = true;
             Some(Pin::Listen)
         } else if is(word, b"prepare") && first {
             Some(Pin::SqlPrepare)
@@ -176,6 +180,79 @@ pub fn marks(sql: &[u8]) -> Marks {
         first = false;
     }
     marks
+}
+
+/// The channel of each `LISTEN` statement in `sql`, as PostgreSQL names it
+/// (folded to lower case unless quoted), or `None` for one this scan
+/// cannot read (a comment before it, a Unicode escape, a name PostgreSQL
+/// would truncate).
+pub fn listened(sql: &[u8]) -> Vec<Option<Vec<u8>>> {
+    let mut found = Vec::new();
+    let mut first = true;
+    let mut pos = 0;
+    while pos < sql.len() {
+        if !WORD_BYTE[usize::from(sql[pos])] {
+            first |= sql[pos] == b';';
+            pos += 1;
+            continue;
+        }
+        let start = pos;
+        while pos < sql.len() && WORD_BYTE[usize::from(sql[pos])] {
+            pos += 1;
+        }
+        if first && is(&sql[start..pos], b"listen") {
+            let (channel, end) = channel(sql, pos);
+            found.push(channel);
+            pos = end;
+        }
+        first = false;
+    }
+    found
+}
+
+/// The identifier at `pos` (after white space) and where it ends.
+fn channel(sql: &[u8], mut pos: usize) -> (Option<Vec<u8>>, usize) {
+    /// NAMEDATALEN - 1: a longer name is truncated, by character.
+    const MAX_NAME: usize = 63;
+    while sql.get(pos).is_some_and(u8::is_ascii_whitespace) {
+        pos += 1;
+    }
+    let mut name = Vec::new();
+    match sql.get(pos) {
+        Some(b'"') => {
+            pos += 1;
+            loop {
+                match (sql.get(pos), sql.get(pos + 1)) {
+                    (Some(b'"'), Some(b'"')) => {
+                        name.push(b'"');
+                        pos += 2;
+                    }
+                    (Some(b'"'), _) => {
+                        pos += 1;
+                        break;
+                    }
+                    (Some(&b), _) => {
+                        name.push(b);
+                        pos += 1;
+                    }
+                    (None, _) => return (None, pos),
+                }
+            }
+        }
+        Some(&b) if WORD_BYTE[usize::from(b)] && !b.is_ascii_digit() => {
+            while let Some(&b) = sql.get(pos).filter(|b| WORD_BYTE[usize::from(**b)]) {
+                name.push(b.to_ascii_lowercase());
+                pos += 1;
+            }
+            if sql.get(pos) == Some(&b'&') {
+                // U&"...": escapes this scan does not decode.
+                return (None, pos);
+            }
+        }
+        _ => return (None, pos),
+    }
+    let readable = !name.is_empty() && name.len() <= MAX_NAME;
+    (readable.then_some(name), pos)
 }
 
 /// The session-level advisory lock functions (the `_xact_` ones end with
@@ -268,6 +345,172 @@ mod tests {
         (marks.taints, marks.evicts)
     }
 
+    /// Every mark of session state, found alike whichever shape carries
+    /// the text: a simple Query, an unnamed Parse and a named one (whose
+    /// statement name comes first in its body, and is not SQL).
+    #[test]
+    fn every_mark_is_found_in_every_shape() {
+        use crate::protocol::codec::frame_of;
+        use crate::protocol::extended::statement_text;
+        use crate::protocol::frontend as fe;
+        let none = Marks::default();
+        let table: &[(&str, Marks)] = &[
+            (
+                "LISTEN jobs",
+                Marks {
+                    pin: Some(Pin::Listen),
+                    listen: true,
+                    ..none
+                },
+            ),
+            (
+                "listen \"Jobs\"",
+                Marks {
+                    pin: Some(Pin::Listen),
+                    listen: true,
+                    ..none
+                },
+            ),
+            (
+                "PREPARE q AS SELECT 1",
+                Marks {
+                    pin: Some(Pin::SqlPrepare),
+                    ..none
+                },
+            ),
+            (
+                "CREATE TEMP TABLE t(a int)",
+                Marks {
+                    taints: true,
+                    pin: Some(Pin::TempObjects),
+                    schema: true,
+                    ..none
+                },
+            ),
+            (
+                "SELECT pg_advisory_lock(1)",
+                Marks {
+                    pin: Some(Pin::AdvisoryLock),
+                    ..none
+                },
+            ),
+            (
+                "DECLARE c CURSOR WITH HOLD FOR SELECT 1",
+                Marks {
+                    pin: Some(Pin::HoldCursor),
+                    ..none
+                },
+            ),
+            (
+                "LOAD 'auto_explain'",
+                Marks {
+                    taints: true,
+                    pin: Some(Pin::Load),
+                    ..none
+                },
+            ),
+            (
+                "SELECT pg_backend_pid()",
+                Marks {
+                    pin: Some(Pin::BackendPid),
+                    ..none
+                },
+            ),
+            (
+                "SET app.tenant = 4",
+                Marks {
+                    taints: true,
+                    settings: true,
+                    ..none
+                },
+            ),
+            (
+                "SET TimeZone = 'UTC'",
+                Marks {
+                    settings: true,
+                    ..none
+                },
+            ),
+            (
+                "RESET ALL",
+                Marks {
+                    settings: true,
+                    ..none
+                },
+            ),
+            (
+                "DISCARD ALL",
+                Marks {
+                    settings: true,
+                    frees: true,
+                    ..none
+                },
+            ),
+            (
+                "DEALLOCATE q",
+                Marks {
+                    frees: true,
+                    ..none
+                },
+            ),
+            (
+                "SELECT set_config('app.x', '1', false)",
+                Marks {
+                    taints: true,
+                    settings: true,
+                    ..none
+                },
+            ),
+            (
+                "DROP DATABASE x",
+                Marks {
+                    evicts: true,
+                    schema: true,
+                    ..none
+                },
+            ),
+            (
+                "ALTER TABLE t SET UNLOGGED",
+                Marks {
+                    unlogged: true,
+                    schema: true,
+                    ..none
+                },
+            ),
+            (
+                "ALTER TABLE t ADD c int",
+                Marks {
+                    schema: true,
+                    ..none
+                },
+            ),
+            ("SELECT 1", none),
+        ];
+        let frame = |tag: u8, parts: &[&[u8]]| {
+            let mut out = bytes::BytesMut::new();
+            frame_of(&mut out, tag, parts);
+            out.to_vec()
+        };
+        for (sql, want) in table {
+            let text = sql.as_bytes();
+            let shapes = [
+                ("simple", frame(fe::QUERY, &[text, &[0]])),
+                ("unnamed", frame(fe::PARSE, &[&[0], text, &[0], &[0, 0]])),
+                (
+                    "named",
+                    frame(fe::PARSE, &[b"stmt_1\0", text, &[0], &[0, 0]]),
+                ),
+                (
+                    "asyncpg",
+                    frame(fe::PARSE, &[b"__asyncpg_stmt_2__\0", text, &[0], &[0, 0]]),
+                ),
+            ];
+            for (shape, frame) in shapes {
+                assert_eq!(marks(statement_text(&frame)), *want, "{sql} as {shape}");
+            }
+        }
+    }
+
     #[test]
     fn custom_settings_and_load_taint() {
         assert_eq!(m("SET app.tenant = 4"), (true, false));
@@ -333,6 +576,28 @@ mod tests {
         assert!(settings("SELECT set_config('a.b', '1', false)"));
         assert!(!settings("UPDATE t SET v = 1"));
         assert!(!settings("SELECT 1"));
+    }
+
+    #[test]
+    fn listened_channels_are_named_as_postgresql_names_them() {
+        let names = |sql: &str| {
+            listened(sql.as_bytes())
+                .into_iter()
+                .map(|c| c.map(|c| String::from_utf8(c).unwrap()))
+                .collect::<Vec<_>>()
+        };
+        let some = |c: &str| Some(c.to_owned());
+        assert_eq!(names("LISTEN Jobs"), [some("jobs")]);
+        assert_eq!(
+            names("listen \"Mixed \"\"Case\"\"\";"),
+            [some("Mixed \"Case\"")]
+        );
+        assert_eq!(names("SELECT 1; LISTEN a;LISTEN b"), [some("a"), some("b")]);
+        assert_eq!(names("LISTEN U&\"d\\0061t\""), [None]);
+        assert_eq!(names("LISTEN /* c */ x"), [None]);
+        assert_eq!(names(&format!("LISTEN {}", "x".repeat(64))), [None]);
+        assert_eq!(names("UNLISTEN a"), Vec::<Option<String>>::new());
+        assert_eq!(names("SELECT listen FROM t"), Vec::<Option<String>>::new());
     }
 
     #[test]

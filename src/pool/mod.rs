@@ -22,6 +22,7 @@
 
 pub mod clients;
 mod error;
+pub mod listens;
 mod login;
 pub mod marks;
 mod owed;

@@ -3,6 +3,8 @@
 //! how a client's statements are translated).
 
 use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use bytes::{Bytes, BytesMut};
@@ -120,6 +122,39 @@ pub(super) struct Statement {
     pub(super) generation: u64,
     /// Its server name's hash: `content` in `generation`.
     pub(super) hash: u128,
+    /// Its SQL text names another statement of the client's (`EXECUTE
+    /// s`): `query` has that one's server name in its place.
+    pub(super) refers: Option<Arc<Refers>>,
+}
+
+/// A named statement's text that names another statement of the client's,
+/// as the client wrote it.
+pub(super) struct Refers {
+    pub(super) query: Bytes,
+    /// Where the name is in `query`, in bytes.
+    pub(super) span: Range<usize>,
+    /// The statement it names, as the client knows it.
+    pub(super) name: Bytes,
+    /// The text is a `DEALLOCATE`.
+    pub(super) frees: bool,
+}
+
+impl Refers {
+    /// The text with `name` in place of the client's name; as the client
+    /// wrote it with none.
+    pub(super) fn text(&self, name: Option<&[u8]>) -> Bytes {
+        match name {
+            Some(name) => Bytes::from(
+                [
+                    &self.query[..self.span.start],
+                    name,
+                    &self.query[self.span.end..],
+                ]
+                .concat(),
+            ),
+            None => self.query.clone(),
+        }
+    }
 }
 
 impl Statement {
@@ -133,6 +168,7 @@ impl Statement {
             content,
             generation,
             hash: server_hash(content, generation),
+            refers: None,
         }
     }
 

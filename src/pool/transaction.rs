@@ -205,6 +205,19 @@ impl Lease {
     }
 }
 
+impl Lease {
+    /// Closes the connection: it listens on a channel for a client that
+    /// no longer holds it ([`super::listens`]).
+    pub fn close_listening(mut self) {
+        if let Some(server) = self.server.take() {
+            self.pool.lock().held.remove(&server.id);
+            self.pool.metrics.active.dec();
+            self.pool.metrics.closed_listening.inc();
+            self.pool.closed();
+        }
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(server) = &self.server {

@@ -37,6 +37,25 @@ pub fn parse(body: &[u8]) -> Option<Parse<'_>> {
     })
 }
 
+/// The SQL text of a Query or Parse frame (header included): a Parse's
+/// text comes after its statement's name, which is not SQL and must not be
+/// scanned as such. Empty for a malformed frame or another message.
+pub fn statement_text(frame: &[u8]) -> &[u8] {
+    let Some(body) = frame.get(super::codec::HEADER_LEN..) else {
+        return &[];
+    };
+    match frame[0] {
+        super::frontend::QUERY => body.strip_suffix(&[0]).unwrap_or(body),
+        super::frontend::PARSE => {
+            let mut pos = 0;
+            read_cstr(body, &mut pos)
+                .and_then(|_name| read_cstr(body, &mut pos))
+                .unwrap_or_default()
+        }
+        _ => &[],
+    }
+}
+
 /// Only the portal and statement names of a Bind: what the session needs for
 /// every Bind, without reading its parameters.
 pub fn bind_names(body: &[u8]) -> Option<(&[u8], &[u8])> {

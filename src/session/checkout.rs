@@ -118,15 +118,17 @@ where
                         return Ok(());
                     }
                 }
-                Some(LinkStep::GiveBack) => return self.give_back().await,
+                Some(LinkStep::GiveBack) => return self.give_back(false).await,
+                Some(LinkStep::Close) => return self.give_back(true).await,
                 Some(LinkStep::CheckOut) | None => return Ok(()),
             }
         }
     }
 
-    /// Hands the held connection back to its pool (or closes the one the
-    /// client logged in on, which no pool owns).
-    async fn give_back(&mut self) -> Result<(), SessionError> {
+    /// Hands the held connection back to its pool, or closes it: with
+    /// `close` (see [`LinkStep::Close`]), and the one the client logged in
+    /// on, which no pool owns.
+    async fn give_back(&mut self, close: bool) -> Result<(), SessionError> {
         tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
         let Link::Pooled(link) = &mut self.engine.link else {
             return Ok(());
@@ -136,9 +138,13 @@ where
             return Ok(());
         };
         match link.lease.take() {
-            Some(lease) => lease.give_back(stream, lifetime),
-            None => {
-                // The connection the client logged in on: not the pool's.
+            Some(lease) if !close => lease.give_back(stream, lifetime),
+            lease => {
+                // The connection the client logged in on, which is not the
+                // pool's, or one that listens for another client.
+                if let Some(lease) = lease {
+                    lease.close_listening();
+                }
                 link.own_statements = None;
                 let _ = stream.write_all(&messages::TERMINATE).await;
             }
@@ -176,6 +182,10 @@ where
     /// The session holds no connection any more.
     fn detached_now(&mut self) {
         self.engine.backend_key = None;
+        if let Link::Pooled(link) = &mut self.engine.link {
+            // What it listened on was the connection's.
+            link.listens = Default::default();
+        }
         if let Some(cancel) = &self.engine.cancel {
             cancel.retarget(None);
         }
@@ -207,7 +217,9 @@ where
             return;
         };
         match link.lease.take() {
-            Some(mut lease) if clean && link.pinned.is_none() => {
+            Some(mut lease)
+                if clean && link.pinned.is_none() && !link.listens.carries_foreign() =>
+            {
                 if link.state_dirty {
                     lease.server_mut().state = UNKNOWN_STATE;
                 }

@@ -13,9 +13,8 @@ use crate::policy::Policy;
 use crate::pool::marks::{Marks, marks};
 use crate::pool::reference::{Freed, freed};
 use crate::pool::transaction::SettingsRow;
-use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::extended;
 use crate::protocol::startup::Startup;
-use crate::protocol::{extended, frontend as fe};
 
 const MAX_PLANS: usize = 4096;
 
@@ -67,12 +66,12 @@ pub(super) struct Known {
     portals: HashMap<Bytes, Arc<Statement>>,
     /// Parse messages answered from the cache that the backend has not seen.
     pub unsent_parses: Vec<(Bytes, Bytes)>,
-    /// The word scans of Parse bodies, and with caching off of Query
-    /// bodies too, by hash: a repeated text skips the scan, which was a
+    /// The word scans of Parse texts, and with caching off of Query texts
+    /// too, by hash of the text (a Parse's statement name is not scanned): a repeated text skips the scan, which was a
     /// tenth of relaying a pgbench statement through a pool. (A Query's
     /// marks with caching on are kept with its text's plan, found by the
     /// same lookup.)
-    body_marks: HashMap<u128, Marks>,
+    text_marks: HashMap<u128, Marks>,
 }
 
 impl Known {
@@ -88,7 +87,7 @@ impl Known {
             unnamed_portal: None,
             portals: HashMap::default(),
             unsent_parses: Vec::new(),
-            body_marks: HashMap::default(),
+            text_marks: HashMap::default(),
         }
     }
 
@@ -140,18 +139,19 @@ impl Known {
         }
     }
 
-    /// The marks of a Parse body, or of a Query body relayed with caching
-    /// off.
-    pub fn body_marks(&mut self, body: &[u8]) -> Marks {
-        let hash = sql_hash(body);
-        if let Some(known) = self.body_marks.get(&hash) {
+    /// The marks of a Parse's text, or of a Query's relayed with caching
+    /// off (`frame`, header included).
+    pub fn frame_marks(&mut self, frame: &[u8]) -> Marks {
+        let text = extended::statement_text(frame);
+        let hash = sql_hash(text);
+        if let Some(known) = self.text_marks.get(&hash) {
             return *known;
         }
-        if self.body_marks.len() >= MAX_PLANS {
-            self.body_marks.clear();
+        if self.text_marks.len() >= MAX_PLANS {
+            self.text_marks.clear();
         }
-        let found = marks(body);
-        self.body_marks.insert(hash, found);
+        let found = marks(text);
+        self.text_marks.insert(hash, found);
         found
     }
 
@@ -216,11 +216,7 @@ impl Known {
     /// the cache (PostgreSQL would refuse it). Their unsent Parses stay,
     /// to go out before it.
     pub fn forget_freed(&mut self, frame: &[u8]) {
-        let body = &frame[HEADER_LEN.min(frame.len())..];
-        let sql = match frame.first() {
-            Some(&fe::PARSE) => extended::parse(body).map_or(&[][..], |p| p.query),
-            _ => body.strip_suffix(&[0]).unwrap_or(body),
-        };
+        let sql = extended::statement_text(frame);
         match freed(&String::from_utf8_lossy(sql)) {
             Freed::All => self.statements.clear(),
             Freed::Some(names) => {

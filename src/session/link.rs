@@ -18,6 +18,7 @@ use bytes::BytesMut;
 
 use crate::invalidation::control::quote_literal;
 use crate::pool::PoolError;
+use crate::pool::listens::Listens;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool};
@@ -281,6 +282,9 @@ pub(super) struct PooledLink {
     /// A statement that may change the schema went out: the database's
     /// schema generation moves when the session is next idle.
     pub schema_changes: bool,
+    /// The channels the client listens on, and whether its connection
+    /// sent a notification for another.
+    pub listens: Listens,
     pub(super) knobs: Knobs,
 }
 
@@ -306,6 +310,7 @@ impl Link {
             scratch: BytesMut::new(),
             spliced: 0..0,
             schema_changes: false,
+            listens: Listens::default(),
             knobs: Knobs::default(),
         }))
     }

@@ -34,7 +34,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::owed::{Expect, Kind, MAX_RETRY_BYTES, Origin};
 use super::reference::{Reference, Verb, may_refer, reference};
-use super::statement::{Named, Statement, UNNAMED, Unnamed};
+use super::statement::{Named, Refers, Statement, UNNAMED, Unnamed};
 pub use super::statement::{ServerName, ServerStatements, server_name};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::codec::frame_of;
@@ -228,7 +228,8 @@ impl Translator {
         let names = extended::bind_names(body);
         self.bound = match names {
             Some((_, b"")) => self.unnamed.as_ref().and_then(|u| u.named.clone()),
-            _ => None,
+            Some((_, statement)) => self.resolve(statement, server, max, out),
+            None => None,
         };
         match names {
             Some((portal, statement)) => {
@@ -251,6 +252,7 @@ impl Translator {
         let body = &frame[HEADER_LEN..];
         match extended::target(body) {
             Some((fe::TARGET_STATEMENT, name)) => {
+                self.resolve(name, server, max, out);
                 self.with_statement(name, server, max, out, |server_name, out| {
                     frame_of(
                         out,
@@ -344,7 +346,25 @@ impl Translator {
             self.skipping = true;
             return;
         }
-        let statement = Statement::new(p.query, p.param_types, generation);
+        let statement = match self.reference(p.query) {
+            Some(r) => {
+                let refers = Refers {
+                    query: Bytes::copy_from_slice(p.query),
+                    span: r.span,
+                    name: Bytes::from(r.name),
+                    frees: r.verb == Verb::Deallocate,
+                };
+                // The statement it names is prepared first, and the text
+                // names it as the server does.
+                let named = self.with_statement(&refers.name, server, max, out, |_, _| {});
+                let query = refers.text(named.map(server_name).as_ref().map(ServerName::as_bytes));
+                Statement {
+                    refers: Some(Arc::new(refers)),
+                    ..Statement::new(&query, p.param_types, generation)
+                }
+            }
+            None => Statement::new(p.query, p.param_types, generation),
+        };
         let hash = statement.hash;
         // Most Parses find their statement on the connection already.
         let parse = (!server.touch(hash)).then(|| statement.parse());
@@ -438,6 +458,37 @@ impl Translator {
         }
         let r = reference(std::str::from_utf8(sql).ok()?)?;
         self.statements.contains_key(r.name.as_slice()).then_some(r)
+    }
+
+    /// Before a Bind or Describe of the client's statement `name`: if its
+    /// text names another statement of the client's (a named `EXECUTE s`),
+    /// that one is prepared on the server, and the text names it as the
+    /// server does now (its name may have changed with the schema), or as
+    /// the client wrote it once the client has freed it, for the server to
+    /// refuse as it would directly. Returns the statement it names.
+    fn resolve(
+        &mut self,
+        name: &[u8],
+        server: &mut ServerStatements,
+        max: usize,
+        out: &mut BytesMut,
+    ) -> Option<Named> {
+        let refers = self.statements.get(name)?.refers.clone()?;
+        let named = self.with_statement(&refers.name, server, max, out, |_, _| {});
+        let query = refers.text(named.map(server_name).as_ref().map(ServerName::as_bytes));
+        let generation = self.generation();
+        let statement = self.statements.get_mut(name)?;
+        if statement.query != query {
+            *statement = Statement {
+                refers: Some(Arc::clone(&refers)),
+                ..Statement::new(&query, &statement.param_types, generation)
+            };
+        }
+        named.map(|hash| Named {
+            hash,
+            name: refers.name.clone(),
+            frees: refers.frees,
+        })
     }
 
     /// Writes a message naming a statement, with pgcache's name for it,
@@ -924,6 +975,60 @@ mod tests {
             assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
         }
         assert!(!t.statements.contains_key("s".as_bytes()) && !server.contains(hash));
+    }
+
+    #[test]
+    fn a_named_statement_that_executes_or_deallocates_names_the_server_statement() {
+        let (mut t, mut server, _) = prepared();
+        let inner = t.statements["s".as_bytes()].hash;
+        let inner_name = String::from_utf8_lossy(server_name(inner).as_bytes()).into_owned();
+        let parse_complete = || vec![be::PARSE_COMPLETE, 0, 0, 0, 4];
+        let bind_complete = || vec![be::BIND_COMPLETE, 0, 0, 0, 4];
+        // asyncpg's shape: a named Parse, then Bind, Execute, Sync.
+        let run = |name: &str| [bind(name), execute(), sync()].concat();
+        let mut out = BytesMut::new();
+        let batch = [parse("x", "EXECUTE s"), run("x")].concat();
+        t.translate(&batch, &mut server, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PBES");
+        assert_eq!(texts_in(&out), [format!("EXECUTE {inner_name}")]);
+        for answer in [
+            parse_complete(),
+            bind_complete(),
+            complete("SELECT 1"),
+            ready(b'I'),
+        ] {
+            assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
+        }
+        // On a connection with neither, the one it names is prepared first.
+        let mut fresh = ServerStatements::default();
+        let mut out = BytesMut::new();
+        t.translate(&run("x"), &mut fresh, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PPBES");
+        assert_eq!(
+            texts_in(&out),
+            ["select 1".to_owned(), format!("EXECUTE {inner_name}")]
+        );
+        t.clear_owed();
+        // A named DEALLOCATE frees both names once the server did.
+        let mut out = BytesMut::new();
+        let batch = [parse("d", "DEALLOCATE s"), run("d")].concat();
+        t.translate(&batch, &mut server, 10, true, &mut out);
+        assert_eq!(texts_in(&out), [format!("DEALLOCATE {inner_name}")]);
+        for answer in [
+            parse_complete(),
+            bind_complete(),
+            complete("DEALLOCATE"),
+            ready(b'I'),
+        ] {
+            assert_eq!(t.on_frame(&answer, &mut server).reply, Reply::Pass);
+        }
+        assert!(!t.statements.contains_key("s".as_bytes()) && !server.contains(inner));
+        // The EXECUTE now names what the client freed: the server is sent
+        // the client's text, and refuses it as it would directly.
+        let mut out = BytesMut::new();
+        t.translate(&run("x"), &mut server, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PBES");
+        assert_eq!(texts_in(&out), ["EXECUTE s"]);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::cache::stats::QueryStats;
 use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
 use crate::pool::LoginSettings;
+use crate::pool::marks::Pin;
 use crate::pool::prepared::Reply;
 use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
@@ -51,6 +52,7 @@ impl Engine {
         let mut copied = 0; // buffered bytes before this are in `out` or dropped
         let mut resend = BytesMut::new();
         let pooled = self.link.is_pooled();
+        let mut listened = false;
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
@@ -64,6 +66,21 @@ impl Engine {
             if let Link::Pooled(link) = &mut self.link
                 && !link.spliced.contains(&pos)
             {
+                let frame = &buf[pos..pos + len];
+                if frame[0] == be::NOTIFICATION && !link.listens.admits(frame) {
+                    // Another client's LISTEN on this connection: never
+                    // this client's to see ([`crate::pool::listens`]).
+                    ctx.app.metrics.pooled.notifications_withheld.inc();
+                    self.out.extend_from_slice(&buf[copied..pos]);
+                    copied = pos + len;
+                    pos += len;
+                    continue;
+                }
+                if frame[0] == be::COMMAND_COMPLETE && frame[HEADER_LEN..].starts_with(b"LISTEN\0")
+                {
+                    link.listens.completed();
+                    listened = true;
+                }
                 let answer = link.on_server_frame(&buf[pos..pos + len]);
                 if !answer.to_client.is_empty() {
                     // pgcache's answers in the server's place come next.
@@ -118,6 +135,10 @@ impl Engine {
         }
         if let Link::Pooled(link) = &mut self.link {
             link.spliced = 0..0;
+        }
+        if listened {
+            // Whatever shape carried it, a LISTEN keeps its connection.
+            self.pin(ctx, Pin::Listen);
         }
         Ok(Relayed {
             end: pos,

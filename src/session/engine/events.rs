@@ -53,6 +53,8 @@ pub(in crate::session) enum LinkStep {
     ReadBack,
     /// The connection is in a state another client may be given it in.
     GiveBack,
+    /// The connection is idle but carries another client's LISTEN: closed.
+    Close,
 }
 
 /// What a client frame's decision waits for. The driver meets it, notes

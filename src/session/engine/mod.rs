@@ -20,9 +20,8 @@ use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::classify::BypassReason;
 use crate::pool::marks::{Marks, Pin};
-use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
-use crate::protocol::{TxStatus, frontend as fe, messages};
+use crate::protocol::{TxStatus, extended, frontend as fe, messages};
 use crate::session::batch::Batch;
 use crate::session::known::Known;
 use crate::session::known::settings_sql;
@@ -129,10 +128,10 @@ impl Engine {
         self.ready && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
     }
 
-    /// Notes what a Query's or Parse's text means for the connection
-    /// ([`Marks`]); parked connections are closed before a database-level
-    /// statement goes out.
-    pub fn note_marks(&mut self, ctx: &Ctx, marks: Marks) {
+    /// Notes what a Query's or Parse's text (`frame`) means for the
+    /// connection ([`Marks`]); parked connections are closed before a
+    /// database-level statement goes out.
+    pub fn note_marks(&mut self, ctx: &Ctx, marks: Marks, frame: &[u8]) {
         self.server.tainted |= marks.taints;
         if marks.evicts {
             ctx.app.pool.evict_all();
@@ -140,6 +139,9 @@ impl Engine {
         if let Link::Pooled(pooled) = &mut self.link {
             pooled.state_dirty |= marks.settings;
             pooled.schema_changes |= marks.schema;
+            if marks.listen {
+                pooled.listens.note(extended::statement_text(frame));
+            }
             if let Some(why) = marks.pin {
                 self.pin(ctx, why);
             }
@@ -211,6 +213,8 @@ impl Engine {
             Some(LinkStep::ReadBack)
         } else if link.pinned.is_some() {
             None
+        } else if link.listens.carries_foreign() {
+            Some(LinkStep::Close)
         } else {
             Some(LinkStep::GiveBack)
         }
@@ -235,8 +239,8 @@ impl Engine {
         let tag = frame[0];
         let pooled = self.link.is_pooled();
         if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
-            let marks = self.known.body_marks(&frame[HEADER_LEN..]);
-            self.note_marks(ctx, marks);
+            let marks = self.known.frame_marks(frame);
+            self.note_marks(ctx, marks, frame);
         } else if tag == fe::FUNCTION_CALL {
             self.link.settings_may_have_changed();
         } else if tag == fe::TERMINATE {

@@ -64,7 +64,7 @@ impl Engine {
         let flow = match frame[0] {
             fe::QUERY => self.on_query(ctx, frame)?,
             fe::PARSE => {
-                let marks = self.known.body_marks(&frame[HEADER_LEN..]);
+                let marks = self.known.frame_marks(frame);
                 self.prerequisites(ctx, marks, frame)?;
                 self.on_extended(ctx, frame)?
             }
@@ -118,7 +118,7 @@ impl Engine {
             self.known.forget_freed(frame);
         }
         if self.server.pooling || self.link.is_pooled() {
-            self.note_marks(ctx, marks);
+            self.note_marks(ctx, marks, frame);
         }
         if (marks.evicts || marks.unlogged)
             && !self.found.prerequisites
@@ -138,7 +138,7 @@ impl Engine {
         let (mut memo, known_marks) =
             self.known
                 .text(hash, generation, ctx.app.policy_generation());
-        let marks = known_marks.unwrap_or_else(|| marks(body));
+        let marks = known_marks.unwrap_or_else(|| marks(sql));
         self.prerequisites(ctx, marks, frame)?;
         if self.found.prerequisites {
             // Meeting them may have changed the catalog.
