@@ -184,7 +184,17 @@ pub async fn send_cancel(
             addr: addr.to_string(),
             source,
         })?;
-    let _ = stream.shutdown().await;
+    // PostgreSQL closes the connection once it has signalled the backend:
+    // only then may the client's own be closed, or its next statement
+    // could be the one cancelled. Nothing is sent on it but the close.
+    let mut rest = [0u8; 64];
+    let closed = async { while stream.read(&mut rest).await.is_ok_and(|n| n > 0) {} };
+    if tokio::time::timeout(upstream.connect_timeout, closed)
+        .await
+        .is_err()
+    {
+        tracing::warn!(%addr, "PostgreSQL did not close the cancel connection in time");
+    }
     Ok(())
 }
 

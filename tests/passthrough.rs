@@ -679,3 +679,65 @@ async fn parameter_status_changes_reach_the_client() {
         .unwrap();
     assert_eq!(row.get::<_, String>(0), "2024-01-01 09:00:00+09");
 }
+
+/// Sends a CancelRequest for `key` (BackendKeyData's body) to `addr` and
+/// waits for the connection to close, as libpq and asyncpg do before they
+/// send their next statement.
+async fn cancel_and_wait(addr: std::net::SocketAddr, key: &[u8]) {
+    let pid = u32::from_be_bytes(key[..4].try_into().unwrap());
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&pgcache::protocol::startup::encode_cancel(pid, &key[4..]))
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let closed = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "the cancel connection closes");
+}
+
+/// A cancel that reaches an idle backend cancels nothing, and the client's
+/// next statement, sent as soon as the cancel's connection closed, is not
+/// the one cancelled: pgcache closes that connection only once PostgreSQL
+/// has signalled the backend (and closed its own).
+#[tokio::test]
+async fn a_cancel_lands_before_the_next_statement_in_both_modes() {
+    let db = pg().create_db("cancel_order");
+    for mode in [
+        pgcache::config::PoolMode::Session,
+        pgcache::config::PoolMode::Transaction,
+    ] {
+        let mut config = pg().proxy_config();
+        config.pool.mode = mode;
+        // The cancel reaches PostgreSQL late, as on a loaded machine.
+        let late = Faults {
+            cancel_delay: Duration::from_millis(100),
+            ..Faults::default()
+        };
+        let port = relay(pg().port, late).await;
+        config.upstream.url = format!("postgres://postgres@127.0.0.1:{port}");
+        let proxy = Proxy::start(config).await;
+        let (mut s, login) = wire::raw_login(proxy.addr, &db).await;
+        let key = login
+            .iter()
+            .find(|(tag, _)| *tag == b'K')
+            .map(|(_, body)| body.clone())
+            .expect("BackendKeyData");
+        // A transaction holds a pooled connection, for the key to reach.
+        s.write_all(&wire::query("BEGIN")).await.unwrap();
+        wire::read_until_ready(&mut s).await;
+        for round in 0..10 {
+            cancel_and_wait(proxy.addr, &key).await;
+            s.write_all(&wire::query("SELECT pg_sleep(0.1)"))
+                .await
+                .unwrap();
+            let answer = wire::read_until_ready(&mut s).await;
+            let error = answer
+                .iter()
+                .find(|(tag, _)| *tag == b'E')
+                .and_then(|(_, body)| wire::sqlstate_of(body));
+            assert_eq!(
+                error, None,
+                "{mode:?}, round {round}: the next statement was cancelled"
+            );
+        }
+    }
+}

@@ -14,6 +14,9 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct Faults {
     /// Each chunk from the server waits this long before it goes on.
     pub delay: Duration,
+    /// A CancelRequest waits this long before it goes on (the cancel
+    /// reaches PostgreSQL late; nothing else is slowed).
+    pub cancel_delay: Duration,
     /// While set, connections whose client sent `frozen_marker` stop
     /// forwarding, both ways.
     pub freeze: Arc<AtomicBool>,
@@ -78,6 +81,10 @@ impl Pipe {
             }
             if !self.from_client && !self.faults.delay.is_zero() {
                 tokio::time::sleep(self.faults.delay).await;
+            }
+            const CANCEL: [u8; 8] = [0, 0, 0, 16, 0x04, 0xd2, 0x16, 0x2e];
+            if self.from_client && buf[..n].starts_with(&CANCEL) {
+                tokio::time::sleep(self.faults.cancel_delay).await;
             }
             if to.write_all(&buf[..n]).await.is_err() {
                 return;
