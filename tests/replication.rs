@@ -747,3 +747,88 @@ async fn behind_an_upstream_that_refuses_the_origin_setting_clients_work_without
         );
     }
 }
+
+/// pgcache adds tables to its publication as they are first read. A
+/// migration that holds one of them, and then wants another that pgcache
+/// has just added, must not meet a deadlock: pgcache gives up waiting
+/// first, adds the table later, and nothing it ran writes an ERROR into
+/// the server's log.
+#[tokio::test]
+async fn publication_changes_never_fail_a_concurrent_migration() {
+    let pg = Pg::dedicated();
+    let db = pg.create_db("pub_migration");
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg.direct(&db).await;
+    // Made after the stream started: they join the publication when read.
+    direct
+        .batch_execute(
+            "CREATE TABLE a_first(id int PRIMARY KEY, v int CONSTRAINT positive CHECK (v > 0)); \
+             CREATE TABLE m_later(id int PRIMARY KEY); \
+             INSERT INTO a_first VALUES (1, 1); INSERT INTO m_later VALUES (1)",
+        )
+        .await
+        .unwrap();
+    let published = |table: &'static str| {
+        let direct = &direct;
+        async move {
+            let row = direct
+                .query_one(
+                    "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'pgcache' AND tablename = $1",
+                    &[&table],
+                )
+                .await
+                .unwrap();
+            row.get::<_, i64>(0) == 1
+        }
+    };
+    // The migration holds m_later, and will want a_first. Its deadlock
+    // check comes before pgcache's own would (1 s).
+    let migration = pg.direct(&db).await;
+    migration
+        .batch_execute("BEGIN; SET LOCAL deadlock_timeout = '500ms'; LOCK TABLE m_later IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let reader = tokio::spawn(async move {
+        scalar(
+            &client,
+            "SELECT a_first.v FROM m_later JOIN a_first USING (id)",
+        )
+        .await
+    });
+    // pgcache tries both: it has added a_first, or it waits for m_later.
+    eventually(
+        Duration::from_secs(20),
+        "pgcache to change the publication",
+        || async {
+            let waiting = direct
+                .query_one(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity s USING (pid) \
+                 WHERE l.relation = 'm_later'::regclass AND NOT l.granted \
+                 AND s.query LIKE '%ALTER PUBLICATION%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0);
+            (waiting > 0 || published("a_first").await).then_some(())
+        },
+    )
+    .await;
+    migration
+        .batch_execute("ALTER TABLE a_first DROP CONSTRAINT positive")
+        .await
+        .expect("the migration is never the victim of pgcache's publication change");
+    migration.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(reader.await.unwrap().as_deref(), Some("1"));
+    // m_later joins later, off the client's path.
+    eventually(
+        Duration::from_secs(20),
+        "m_later to join the publication",
+        || async { (published("a_first").await && published("m_later").await).then_some(()) },
+    )
+    .await;
+    let log = std::fs::read_to_string(pg.dir.join("log")).unwrap();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR:")).collect();
+    assert!(errors.is_empty(), "errors in the server's log: {errors:?}");
+}

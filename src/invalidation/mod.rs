@@ -36,6 +36,7 @@ pub mod replication;
 mod trigger;
 
 pub use control::{cluster_id, full_message, preflight, probe_origin, quote_ident, quote_literal};
+pub use publication::{Alter, alter_tables};
 pub use replication::Streams;
 
 #[derive(Debug, thiserror::Error)]

@@ -6,12 +6,13 @@
 
 use std::sync::Arc;
 
+use tokio_postgres::SimpleQueryMessage;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 use tracing::{debug, info, warn};
 
 use super::ReplicationError;
-use super::control::{Control, PUBLISHABLE, Publishable, full_message, quote_ident};
+use super::control::{Control, PUBLISHABLE, Publishable, full_message, quote_ident, quote_literal};
 use super::replication::Streams;
 use crate::cache::{DbState, Ddl};
 
@@ -50,8 +51,11 @@ impl Control {
                 // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
                 Some(true) => return Ok(Synced::default()),
                 None if !created => {
+                    // Another instance may make it first: then it is there.
                     ctl.batch_execute(&format!(
-                        "CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true)"
+                        "DO $pgcache$ BEGIN \
+                           CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true); \
+                         EXCEPTION WHEN duplicate_object THEN NULL; END $pgcache$"
                     ))
                     .await?;
                     info!(publication, "created publication");
@@ -60,47 +64,54 @@ impl Control {
                 _ => break publishable.tables,
             }
         };
+        // (qualified name, bare name) of each table to change.
         let mut to_add = Vec::new();
-        let mut added = Vec::new();
         let mut to_drop = Vec::new();
         let mut unpublishable = Vec::new();
         for table in tables {
             match (table.published, table.identity) {
-                (false, true) if add => {
-                    to_add.push(table.qualified);
-                    added.push(table.name);
-                }
+                (false, true) if add => to_add.push((table.qualified, table.name)),
                 (true, false) => {
-                    to_drop.push(table.qualified.clone());
+                    to_drop.push((table.qualified.clone(), table.name.clone()));
                     unpublishable.push((table.qualified, table.name));
                 }
                 (false, false) => unpublishable.push((table.qualified, table.name)),
                 (false, true) | (true, true) => {}
             }
         }
-        if !to_add.is_empty() {
-            ctl.batch_execute(&format!(
-                "ALTER PUBLICATION {quoted} ADD TABLE {}",
-                to_add.join(", ")
-            ))
-            .await?;
+        let mut synced = Synced {
+            unpublished: unpublishable,
+            ..Synced::default()
+        };
+        for (verb, tables) in [(Alter::Add, to_add), (Alter::Drop, to_drop)] {
+            if tables.is_empty() {
+                continue;
+            }
+            let refused = alter_tables(ctl, publication, verb, &tables).await?;
+            for (qualified, name) in tables {
+                match refused.iter().find(|r| r.table == qualified) {
+                    None if verb == Alter::Add => synced.added.push(name),
+                    None => {}
+                    Some(r) if r.code == SqlState::LOCK_NOT_AVAILABLE.code() => {
+                        synced.waited.push(name)
+                    }
+                    Some(r) if RACES.contains(&r.code.as_str()) => {
+                        debug!(publication, table = %qualified, error = %r.message, "publication change raced with other DDL");
+                    }
+                    Some(r) => {
+                        warn!(publication, table = %qualified, code = %r.code, error = %r.message, "could not change the publication")
+                    }
+                }
+            }
+        }
+        if !synced.added.is_empty() {
             debug!(
                 publication,
-                tables = to_add.len(),
+                tables = synced.added.len(),
                 "added tables to the publication"
             );
         }
-        if !to_drop.is_empty() {
-            ctl.batch_execute(&format!(
-                "ALTER PUBLICATION {quoted} DROP TABLE {}",
-                to_drop.join(", ")
-            ))
-            .await?;
-        }
-        Ok(Synced {
-            unpublished: unpublishable,
-            added,
-        })
+        Ok(synced)
     }
 }
 
@@ -112,6 +123,103 @@ pub struct Synced {
     pub unpublished: Vec<(String, String)>,
     /// Bare names of the tables it added.
     pub added: Vec<String>,
+    /// Bare names of the tables it would have changed, but whose lock was
+    /// not granted in time: to try again later.
+    pub waited: Vec<String>,
+}
+
+/// How long pgcache's own change of the publication waits for a table's
+/// lock (`ALTER PUBLICATION` takes SHARE UPDATE EXCLUSIVE): well under
+/// PostgreSQL's `deadlock_timeout` (1 s by default), so that an
+/// application's DDL that waits on pgcache's change, while pgcache waits on
+/// it, sees pgcache give up first and is never failed with 40P01. The
+/// change is tried again later, off every client's path.
+const LOCK_TIMEOUT: &str = "100ms";
+
+/// How long after a change that waited too long it is tried again.
+const PUBLICATION_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Outcomes that only mean other DDL got there first (the table dropped,
+/// its schema too, already added or taken out): what was intended holds.
+const RACES: [&str; 4] = ["42P01", "42710", "42704", "3F000"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alter {
+    Add,
+    Drop,
+}
+
+/// A table the publication change left as it was, and why.
+#[derive(Debug)]
+pub struct Refused {
+    pub table: String,
+    pub code: String,
+    pub message: String,
+}
+
+/// Adds `tables` (qualified names, first of each pair) to the publication
+/// or drops them from it, one by one, each in a subtransaction that waits
+/// at most [`LOCK_TIMEOUT`] for its lock. After a lock not granted in time
+/// the rest are not tried (so that pgcache never holds one table's lock
+/// while it waits for another's for long), and are refused as 55P03 too.
+/// The errors are caught in PostgreSQL, so none is written to the server's
+/// log; they come back as [`Refused`].
+pub async fn alter_tables(
+    ctl: &tokio_postgres::Client,
+    publication: &str,
+    verb: Alter,
+    tables: &[(String, String)],
+) -> Result<Vec<Refused>, tokio_postgres::Error> {
+    let verb = match verb {
+        Alter::Add => "ADD",
+        Alter::Drop => "DROP",
+    };
+    let names: Vec<String> = tables.iter().map(|(q, _)| quote_literal(q)).collect();
+    let sql = format!(
+        "BEGIN; \
+         DO $pgcache$ DECLARE t text; waited boolean := false; outcome text := ''; BEGIN \
+           PERFORM pg_catalog.set_config('lock_timeout', {timeout}, true); \
+           FOREACH t IN ARRAY ARRAY[{names}]::text[] LOOP \
+             IF waited THEN \
+               outcome := outcome || t || E'\\t55P03\\tnot tried after a lock wait\\n'; \
+               CONTINUE; \
+             END IF; \
+             BEGIN \
+               EXECUTE pg_catalog.format('ALTER PUBLICATION %I {verb} TABLE %s', {publication}, t); \
+             EXCEPTION WHEN OTHERS THEN \
+               waited := SQLSTATE = '55P03'; \
+               outcome := outcome || t || E'\\t' || SQLSTATE || E'\\t' || \
+                 pg_catalog.replace(SQLERRM, E'\\n', ' ') || E'\\n'; \
+             END; \
+           END LOOP; \
+           PERFORM pg_catalog.set_config('pgcache.outcome', outcome, true); \
+         END $pgcache$; \
+         SELECT pg_catalog.current_setting('pgcache.outcome', true); \
+         COMMIT",
+        timeout = quote_literal(LOCK_TIMEOUT),
+        names = names.join(", "),
+        publication = quote_literal(publication),
+    );
+    let outcome = ctl
+        .simple_query(&sql)
+        .await?
+        .into_iter()
+        .find_map(|m| match m {
+            SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+            _ => None,
+        })
+        .unwrap_or_default();
+    Ok(outcome
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, '\t');
+            Some(Refused {
+                table: parts.next()?.to_owned(),
+                code: parts.next()?.to_owned(),
+                message: parts.next().unwrap_or_default().to_owned(),
+            })
+        })
+        .collect())
 }
 
 impl Streams {
@@ -151,6 +259,15 @@ impl Streams {
             .await
         {
             Ok(synced) => {
+                if !synced.waited.is_empty() {
+                    debug!(database = %db.name, tables = ?synced.waited, "publication change waited too long for a lock: tried again later");
+                    db.catalog.requeue_unwatched(synced.waited);
+                    let db = Arc::clone(db);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(PUBLICATION_RETRY).await;
+                        db.catalog.unwatched_found.notify_one();
+                    });
+                }
                 self.note_unpublished(db, only, synced.unpublished);
                 // Facts fetched before a table joined the publication
                 // say it cannot be watched.

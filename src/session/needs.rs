@@ -11,7 +11,7 @@ use super::SessionError;
 use super::engine::Need;
 use super::relay::Session;
 use crate::classify::prerequisites::prerequisites;
-use crate::invalidation::{full_message, quote_ident, quote_literal};
+use crate::invalidation::{Alter, alter_tables, full_message, quote_literal};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{extended, frontend as fe};
 
@@ -132,15 +132,16 @@ where
                 return Ok(());
             }
         };
-        let sql = format!(
-            "ALTER PUBLICATION {} DROP TABLE {qualified}",
-            quote_ident(&publication)
-        );
-        match ctl.batch_execute(&sql).await {
-            Ok(()) => {
+        let tables = [(qualified.clone(), String::new())];
+        match alter_tables(&ctl, &publication, Alter::Drop, &tables).await {
+            Ok(refused) if refused.is_empty() => {
                 info!(table = %qualified, "took the table out of the publication for SET UNLOGGED")
             }
-            // Not in the publication: nothing to do.
+            // Not in the publication, or locked (by the client's own
+            // transaction, say): the statement meets PostgreSQL's answer.
+            Ok(refused) => {
+                debug!(table = %qualified, outcome = ?refused, "publication unchanged")
+            }
             Err(e) => {
                 debug!(table = %qualified, error = %full_message(&e), "publication unchanged")
             }

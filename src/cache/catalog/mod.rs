@@ -307,6 +307,15 @@ impl Catalog {
         std::mem::take(&mut *self.unwatched.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// Tables whose publication change could not be made now, to try
+    /// again at the stream's next wake-up.
+    pub fn requeue_unwatched(&self, names: Vec<String>) {
+        self.unwatched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(names);
+    }
+
     /// A fetch of `asked` failed: the names are asked for again by the
     /// next statement that needs them.
     pub fn abandon(&self, asked: &Wanted) {
