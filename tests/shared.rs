@@ -175,6 +175,34 @@ async fn a_starting_instance_answers_from_redis_and_voids_nothing_another_kept_c
     );
 }
 
+/// The same with B's own stream up, and a health check's `SELECT 1` as
+/// B's first statement: B's first read of the locked table still waits for
+/// its catalog facts (not for the lock) and is answered from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_instance_answers_its_first_read_of_a_locked_table_from_redis() {
+    let db = pg().create_db("shared_locked_read");
+    pg().psql_db(&db, ITEMS);
+    let url = redis().url();
+    let a = Proxy::start(config(&url)).await;
+    let ca = a.connect(&db).await;
+    a.shared_ready(&db).await;
+    let sql = "SELECT sum(v) FROM items WHERE id <= 20";
+    assert_eq!(scalar(&ca, sql).await.as_deref(), Some("2100"));
+    stored(&a, 1).await;
+
+    let b = Proxy::start(config(&url)).await;
+    // Not `connect`, which looks up every table's facts.
+    let cb = connect_dsn(&b.dsn("postgres", &db)).await.unwrap();
+    assert_eq!(scalar(&cb, "SELECT 1").await.as_deref(), Some("1"));
+    b.wait_stream(&db).await;
+    b.shared_ready(&db).await;
+    let _locker = lock_table(&db, "items").await;
+    let answer = tokio::time::timeout(Duration::from_secs(10), scalar(&cb, sql)).await;
+    let answer = answer.expect("B's first read is answered from Redis, not by PostgreSQL");
+    assert_eq!(answer.as_deref(), Some("2100"));
+    assert_eq!(b.app.metrics.shared.hit.get(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_redis_key_has_a_ttl_and_large_results_stay_local() {
     let redis = Redis::dedicated();

@@ -224,6 +224,16 @@ impl Cache {
             && self.shared().is_some_and(|t| !t.breaker_open())
     }
 
+    /// Whether a statement that names tables or functions whose facts are
+    /// not known yet may wait (`cache.first_read_wait_ms`) for their
+    /// fetch: with a shared tier that could answer it once they are known.
+    /// Not only a database's first statements: an instance restarted while
+    /// another kept Redis filled answers its first read of each table from
+    /// Redis, even while the table is locked.
+    pub fn may_wait_for_facts(&self, wait: Duration) -> bool {
+        !wait.is_zero() && self.shared().is_some_and(|t| !t.breaker_open())
+    }
+
     /// Waits up to `at_most` for the catalog facts of `rels` and `funcs`.
     pub async fn wait_for_facts(
         &self,

@@ -25,10 +25,11 @@ pub struct CacheConfig {
     /// cache before going to PostgreSQL itself.
     pub coalesce_wait_ms: u64,
     /// With a shared tier, how long a statement waits for this instance to
-    /// be able to answer it from the cache (its catalog facts fetched, its
-    /// stream or another instance's vouching for the shared counters)
-    /// before it goes to PostgreSQL; 0 = never waits. Only a database's
-    /// first statements wait, and never for names DDL made since start.
+    /// be able to answer it from the cache before it goes to PostgreSQL:
+    /// for the catalog facts of names not looked up yet, and for a
+    /// database's first statements, its stream or another instance's
+    /// vouching for the shared counters; 0 = never waits. Never for names
+    /// DDL made since start.
     pub first_read_wait_ms: u64,
     /// The share of hits checked against PostgreSQL after they are served
     /// (0: none). See docs/trust.md.

@@ -89,8 +89,13 @@ impl Control {
             }
             let refused = alter_tables(ctl, publication, verb, &tables).await?;
             for (qualified, name) in tables {
-                match refused.iter().find(|r| r.table == qualified) {
-                    None if verb == Alter::Add => synced.added.push(name),
+                let refused = refused.iter().find(|r| r.table == qualified);
+                // Added, by this change or another instance's.
+                let added = refused.is_none_or(|r| r.code == SqlState::DUPLICATE_OBJECT.code());
+                if verb == Alter::Add && added {
+                    synced.added.push(name.clone());
+                }
+                match refused {
                     None => {}
                     Some(r) if r.code == SqlState::LOCK_NOT_AVAILABLE.code() => {
                         synced.waited.push(name)
@@ -163,7 +168,10 @@ pub struct Refused {
 /// the rest are not tried (so that pgcache never holds one table's lock
 /// while it waits for another's for long), and are refused as 55P03 too.
 /// The errors are caught in PostgreSQL, so none is written to the server's
-/// log; they come back as [`Refused`].
+/// log; they come back as [`Refused`]. Where the role may, event triggers
+/// are off for the change: the instance that makes it handles it itself,
+/// and another instance learns of a table it wants added when its own
+/// attempt finds it there already (42710).
 pub async fn alter_tables(
     ctl: &tokio_postgres::Client,
     publication: &str,
@@ -179,6 +187,10 @@ pub async fn alter_tables(
         "BEGIN; \
          DO $pgcache$ DECLARE t text; waited boolean := false; outcome text := ''; BEGIN \
            PERFORM pg_catalog.set_config('lock_timeout', {timeout}, true); \
+           BEGIN \
+             PERFORM pg_catalog.set_config('session_replication_role', 'replica', true); \
+           EXCEPTION WHEN insufficient_privilege THEN NULL; \
+           END; \
            FOREACH t IN ARRAY ARRAY[{names}]::text[] LOOP \
              IF waited THEN \
                outcome := outcome || t || E'\\t55P03\\tnot tried after a lock wait\\n'; \

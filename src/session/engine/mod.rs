@@ -443,7 +443,7 @@ impl Engine {
         if ctx
             .app
             .cache
-            .may_warm(&self.db, self.known.policy.first_read_wait)
+            .may_wait_for_facts(self.known.policy.first_read_wait)
             && !self.db.catalog.made_by_ddl(names())
         {
             let owned = |names: &[&str]| names.iter().map(|n| n.to_string()).collect();
