@@ -1019,3 +1019,47 @@ async fn in_terminate_mode_a_password_users_reads_go_to_the_standby_as_that_user
     // password pgcache checked.
     assert_eq!(sessions_on(&standby, &db), [SCRAM_USER]);
 }
+
+/// Transactions the standby committed in database `db`, read-only ones
+/// included (a session's are counted once it ends, or later).
+fn standby_transactions(standby: &Pg, db: &str) -> i64 {
+    standby
+        .psql_db(
+            db,
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// A read routed to the standby costs it one transaction once its position
+/// is known (from the monitor's polls, or the probe of an earlier read on
+/// the same connection): no probe goes before each read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_read_costs_the_standby_one_transaction_once_its_position_is_known() {
+    let (_primary, standby, db, proxy) = routed_setup("routed_cost").await;
+    let server = proxy.app.replicas.servers[0].name.clone();
+    let routed = || proxy.app.metrics.replicas.of(&server).routed.get();
+    let before = standby_transactions(&standby, &db);
+    let client = proxy.connect(&db).await;
+    for k in 1..=50 {
+        let sql = format!("SELECT v FROM items WHERE k = {k}");
+        assert_eq!(scalar(&client, &sql).await, Some(format!("v{k}")));
+    }
+    assert_eq!(routed(), 50, "every miss went to the standby");
+    // The session's connection there ends, and its statistics with it.
+    drop(client);
+    eventually(WAIT, "the session on the standby to end", || {
+        let gone = sessions_on(&standby, &db).is_empty();
+        async move { gone.then_some(()) }
+    })
+    .await;
+    let transactions = standby_transactions(&standby, &db) - before;
+    // 50 reads, the client's settings applied once, the reading of
+    // `before`, and a probe or two while the position was not known yet.
+    assert!(
+        (50..=56).contains(&transactions),
+        "{transactions} standby transactions for 50 routed reads"
+    );
+}

@@ -15,7 +15,7 @@ pub mod monitor;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use clock::PrimaryClock;
 pub use connections::{Connection, Connections};
@@ -103,6 +103,9 @@ pub struct Replica {
     rotation: tokio::sync::watch::Sender<bool>,
     /// The position it has replayed to, as last read.
     replay: AtomicU64,
+    /// The latest reading of its position, with when it was asked for
+    /// ([`Self::known_since`]).
+    latest: Mutex<Option<(u64, Instant)>>,
     health: Mutex<Health>,
     pub metrics: ReplicaMetrics,
     /// The sessions' own connections to it (session mode).
@@ -126,6 +129,28 @@ impl Replica {
     /// last poll, so the next read that needs as much can go there.
     pub fn replayed_past(&self, lsn: u64) {
         self.replay.fetch_max(lsn, Ordering::AcqRel);
+    }
+
+    /// Its position was `lsn` when asked at `asked` (by a poll or a read's
+    /// probe). The latest question wins: a later, lower answer means a
+    /// restart (a standby resumes from its restartpoint).
+    pub fn observed(&self, lsn: u64, asked: Instant) {
+        let mut latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+        if latest.is_none_or(|(_, at)| at <= asked) {
+            *latest = Some((lsn, asked));
+        }
+    }
+
+    /// A position a read on a connection opened (logged in) at `opened`
+    /// will find replayed, without asking: the latest reading, if it was
+    /// asked for after then. A restart ends every connection, so if that
+    /// connection still answers, the reading was of the same server run,
+    /// whose position only moves forward.
+    pub fn known_since(&self, opened: Instant) -> Option<u64> {
+        let latest = self.latest.lock().unwrap_or_else(|e| e.into_inner());
+        latest
+            .filter(|(_, asked)| *asked >= opened)
+            .map(|(lsn, _)| lsn)
     }
 
     /// Follows whether it is in rotation.
@@ -189,6 +214,7 @@ impl Replica {
     /// read before.
     fn reset_replay(&self) {
         self.replay.store(0, Ordering::Release);
+        *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 }
 
@@ -227,6 +253,7 @@ impl Replicas {
                     weight: replica.weight(),
                     rotation: tokio::sync::watch::Sender::new(false),
                     replay: AtomicU64::new(0),
+                    latest: Mutex::new(None),
                     health: Mutex::new(Health {
                         out: Some(Out::Starting),
                         replay_lsn: 0,
@@ -370,6 +397,31 @@ mod tests {
         assert_eq!(format_lsn(0x16_B374_D848), "16/B374D848");
         assert_eq!(parse_lsn("16B374D848"), None);
         assert_eq!(parse_lsn("x/1"), None);
+    }
+
+    #[test]
+    fn a_position_is_known_to_connections_opened_before_it_was_asked() {
+        let set = replicas("[upstream]\nreplicas = [\"postgres://a:1\"]\n");
+        let a = &set.servers[0];
+        let t0 = Instant::now();
+        let (t1, t2, t3) = (
+            t0 + Duration::from_millis(1),
+            t0 + Duration::from_millis(2),
+            t0 + Duration::from_millis(3),
+        );
+        assert_eq!(a.known_since(t0), None, "never asked");
+        a.observed(100, t1);
+        assert_eq!(a.known_since(t0), Some(100));
+        assert_eq!(a.known_since(t1), Some(100));
+        assert_eq!(a.known_since(t2), None, "opened after: maybe another run");
+        // A later question with a lower answer: a restart. It stands.
+        a.observed(50, t3);
+        assert_eq!(a.known_since(t0), Some(50));
+        // An answer asked for earlier, arriving late, changes nothing.
+        a.observed(400, t2);
+        assert_eq!(a.known_since(t0), Some(50));
+        a.reset_replay();
+        assert_eq!(a.known_since(t0), None, "the monitor reconnected");
     }
 
     #[test]

@@ -131,6 +131,7 @@ async fn poll_once(
     replicas: &Replicas,
 ) -> Option<Result<(), Out>> {
     let sql = "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_last_wal_replay_lsn()::text";
+    let asked = Instant::now();
     let row = match tokio::time::timeout(QUERY_TIMEOUT, client.query_typed_one(sql, &[])).await {
         Ok(Ok(row)) => row,
         Ok(Err(e)) => {
@@ -159,6 +160,7 @@ async fn poll_once(
         return Some(Err(Out::Starting));
     };
     replica.record(replayed, bytes, lag);
+    replica.observed(replayed, asked);
     let config = &replicas.config;
     let too_far = (config.max_lag_bytes > 0 && bytes > config.max_lag_bytes)
         || (config.max_lag_ms > 0 && lag > Duration::from_millis(config.max_lag_ms));

@@ -59,8 +59,14 @@ pub(super) struct ReplicaLeg {
     /// Frames for it, written by the driver.
     pub staged: BytesMut,
     pub read: ReadState,
-    /// What the probe before the read in flight answered.
+    /// What the probe before the read in flight answered, or the position
+    /// known without one ([`Replica::known_since`]).
     pub replayed: Option<u64>,
+    /// When the connection logged in; `None` while in doubt.
+    pub opened: Option<Instant>,
+    /// When the probe of the read in flight was staged; `None` if it had
+    /// none.
+    pub asked: Option<Instant>,
 }
 
 impl ReplicaLeg {
@@ -72,6 +78,8 @@ impl ReplicaLeg {
             staged: BytesMut::new(),
             read: ReadState::Idle,
             replayed: None,
+            opened: None,
+            asked: None,
         }
     }
 
@@ -96,21 +104,37 @@ impl ReplicaLeg {
     }
 
     /// The read's connection is another one: in the state of `applied`,
-    /// with `prepared`.
-    pub fn on_connection(&mut self, applied: u64, prepared: ServerStatements) {
+    /// with `prepared`, logged in at `opened` (`None`: in doubt).
+    pub fn on_connection(
+        &mut self,
+        applied: u64,
+        prepared: ServerStatements,
+        opened: Option<Instant>,
+    ) {
         self.applied = applied;
         self.prepared = prepared;
+        self.opened = opened;
     }
 
-    /// Stages the probe and `request` for the replica, as an extended
-    /// batch for `statement` if one is given: how many requests of
-    /// pgcache's own it staged after the probe (their answers are
-    /// pgcache's).
-    pub fn stage(&mut self, request: &[u8], statement: Option<&Statement>) -> usize {
+    /// The replica's position the read in flight will find without asking:
+    /// known to be at least `needed` and `floor` since the connection
+    /// logged in ([`Replica::known_since`]).
+    pub fn known(&self, needed: u64, floor: Option<u64>) -> Option<u64> {
+        let known = self.server.known_since(self.opened?)?;
+        (known >= needed && floor.is_none_or(|f| known >= f)).then_some(known)
+    }
+
+    /// Stages `request` for the replica, as an extended batch for
+    /// `statement` if one is given, after the probe if `probe`: how many
+    /// requests of pgcache's own it staged after the probe (their answers
+    /// are pgcache's).
+    pub fn stage(&mut self, request: &[u8], statement: Option<&Statement>, probe: bool) -> usize {
         self.read = ReadState::Sent;
+        if probe {
+            self.staged.extend_from_slice(&messages::query(PROBE));
+        }
         match statement {
             None => {
-                self.staged.extend_from_slice(&messages::query(PROBE));
                 self.staged.extend_from_slice(request);
                 0
             }
@@ -118,7 +142,7 @@ impl ReplicaLeg {
         }
     }
 
-    /// Stages the probe and an extended batch, `request` (Bind, Describe,
+    /// Stages an extended batch, `request` (Bind, Describe,
     /// Execute and Sync, without the client's Parse), naming `statement`
     /// as the replica knows it; prepared there first, behind a Close of
     /// its name and with a Sync of its own, unless the connection has it.
@@ -126,7 +150,6 @@ impl ReplicaLeg {
     fn stage_batch(&mut self, request: &[u8], statement: &Statement) -> usize {
         let key = replica_key(statement);
         let name = replica_name(key);
-        self.staged.extend_from_slice(&messages::query(PROBE));
         let mut own = 0;
         if !self.prepared.touch(key) {
             own += 1;
@@ -369,7 +392,7 @@ mod tests {
     #[test]
     fn the_probe_reads_the_position_the_replica_replayed_to() {
         let mut leg = ReplicaLeg::new(server());
-        assert_eq!(leg.stage(&messages::query("SELECT 1"), None), 0);
+        assert_eq!(leg.stage(&messages::query("SELECT 1"), None, true), 0);
         assert!(leg.busy());
         assert_eq!(
             crate::protocol::codec::frames(&leg.staged).count(),
@@ -409,7 +432,11 @@ mod tests {
         request.extend(frame(fe::EXECUTE, &[0, 0, 0, 0, 0]));
         request.extend(frame(fe::SYNC, &[]));
         let mut leg = ReplicaLeg::new(server());
-        assert_eq!(leg.stage(&request, Some(&statement)), 1, "prepared first");
+        assert_eq!(
+            leg.stage(&request, Some(&statement), true),
+            1,
+            "prepared first"
+        );
         assert_eq!(leg.read, ReadState::Sent);
         let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
         assert_eq!(tags, b"QCPSBDES", "probe; Close, Parse, Sync; the batch");
@@ -428,7 +455,7 @@ mod tests {
         );
         // Prepared now: the next batch goes alone.
         leg.staged.clear();
-        assert_eq!(leg.stage(&request, Some(&statement)), 0);
+        assert_eq!(leg.stage(&request, Some(&statement), true), 0);
         let tags: Vec<u8> = codec::frames(&leg.staged).map(|f| f[0]).collect();
         assert_eq!(tags, b"QBDES");
         // Another parameter type is another statement there.
@@ -439,10 +466,10 @@ mod tests {
             leg.prepared.insert(i);
         }
         leg.staged.clear();
-        assert_eq!(leg.stage(&request, Some(&statement)), 0, "used last");
+        assert_eq!(leg.stage(&request, Some(&statement), true), 0, "used last");
         let other = self::statement(b"SELECT 2", &[0, 0]);
         leg.staged.clear();
-        assert_eq!(leg.stage(&request, Some(&other)), 1);
+        assert_eq!(leg.stage(&request, Some(&other), true), 1);
         assert_eq!(leg.prepared.len(), MAX_PREPARED);
         assert!(!leg.prepared.contains(0), "the oldest went");
         assert!(leg.prepared.contains(replica_key(&statement)));
@@ -454,9 +481,9 @@ mod tests {
             Some((b'S', &replica_name(0)[..]))
         );
         // A connection of the pool's comes with its own books.
-        leg.on_connection(7, ServerStatements::default());
+        leg.on_connection(7, ServerStatements::default(), None);
         leg.staged.clear();
-        assert_eq!(leg.stage(&request, Some(&statement)), 1);
+        assert_eq!(leg.stage(&request, Some(&statement), true), 1);
         assert_eq!(leg.applied, 7);
     }
 

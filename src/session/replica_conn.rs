@@ -7,7 +7,7 @@
 //! settings (again whenever they change) before a read is written to it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::backend::BackendStream;
 use crate::cancel::CancelTarget;
@@ -24,6 +24,8 @@ pub(super) struct ReplicaConn {
     pub stream: FramedStream<BackendStream>,
     /// Its cancel key: a CancelRequest goes there while a read is.
     pub key: Arc<CancelTarget>,
+    /// When it logged in.
+    pub opened: Instant,
     held: Held,
 }
 
@@ -64,6 +66,7 @@ impl ReplicaConn {
             server: Arc::clone(server),
             stream,
             key: Arc::new(key),
+            opened: Instant::now(),
             held: Held::Own {
                 listed: Listed(Arc::clone(server), shown),
                 rotation: server.watch_rotation(),
@@ -89,10 +92,12 @@ impl ReplicaConn {
         let applied = pooled.state;
         let prepared = std::mem::take(&mut pooled.prepared);
         let key = Arc::clone(&pooled.key);
+        let opened = pooled.born;
         let conn = Self {
             server: Arc::clone(server),
             stream,
             key,
+            opened,
             held: Held::Leased(lease),
         };
         Ok((conn, applied, prepared))

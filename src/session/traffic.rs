@@ -3,6 +3,7 @@
 //! client, and what the engine asked for carried out in between.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -340,9 +341,10 @@ where
                     .await
                     .map_err(|e| e.to_string())?,
             };
+            let opened = conn.opened;
             self.replica = Some(Box::new(conn));
             if let Some(leg) = &mut self.engine.replica {
-                leg.on_connection(applied, prepared);
+                leg.on_connection(applied, prepared, Some(opened));
             }
         }
         let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
@@ -353,7 +355,7 @@ where
             conn.apply(&state.apply_sql()).await?;
             leg.applied = state.id;
         }
-        self.engine.stage_replica();
+        self.engine.stage_replica(Instant::now());
         let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
             return Err("no replica".into());
         };

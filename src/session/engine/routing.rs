@@ -91,20 +91,29 @@ impl Engine {
     /// (its books in the leg, [`ReplicaLeg::on_connection`]): stages the
     /// probe and the read there, with the requests of pgcache's own that
     /// prepare its statement, ahead of it in the pipeline.
-    pub fn stage_replica(&mut self) {
+    /// No probe goes first when the replica's position since the
+    /// connection logged in is known to be far enough (a poll's or an
+    /// earlier probe's, [`ReplicaLeg::known`]): a read then costs the
+    /// replica one transaction, not two. `now`: the time, for the probe's
+    /// answer to be placed.
+    pub fn stage_replica(&mut self, now: Instant) {
         let routed = self.pipeline.front().and_then(|r| r.routed.as_deref());
         let (Some(leg), Some(routed)) = (&mut self.replica, routed) else {
             return;
         };
-        let own = leg.stage(&routed.request, routed.statement.as_deref());
+        leg.replayed = leg.known(routed.needed, routed.fill_floor);
+        let probe = leg.replayed.is_none();
+        leg.asked = probe.then_some(now);
+        let own = leg.stage(&routed.request, routed.statement.as_deref(), probe);
         for _ in 0..own {
             self.pipeline.push_front(Inflight::hidden(None));
         }
-        let probe = Inflight {
-            probe: true,
-            ..Inflight::hidden(None)
-        };
-        self.pipeline.push_front(probe);
+        if probe {
+            self.pipeline.push_front(Inflight {
+                probe: true,
+                ..Inflight::hidden(None)
+            });
+        }
     }
 
     /// An uncacheable read a replica may take (`routing = "all_reads"`)
@@ -219,16 +228,19 @@ impl Engine {
         let Some(routed) = done.routed.take() else {
             return true;
         };
-        let replayed = self.replica.as_mut().and_then(|leg| {
+        let (replayed, asked) = self.replica.as_mut().map_or((None, None), |leg| {
             leg.read = ReadState::Idle;
             if routed.to_primary() {
                 // A statement it should have had may be missing there.
                 leg.prepared.clear();
             }
-            leg.replayed.take()
+            (leg.replayed.take(), leg.asked.take())
         });
         if let Some(replayed) = replayed {
             routed.server.replayed_past(replayed);
+            if let Some(asked) = asked {
+                routed.server.observed(replayed, asked);
+            }
         }
         if routed.to_primary() {
             routed.server.metrics.retries.inc();
@@ -269,7 +281,7 @@ impl Engine {
         leg.staged.clear();
         leg.read = ReadState::Idle;
         // Its connection is closed: in doubt until another is had.
-        leg.on_connection(UNKNOWN_STATE, Default::default());
+        leg.on_connection(UNKNOWN_STATE, Default::default(), None);
         let mut request = None;
         let mut started = false;
         while let Some(done) = self.pipeline.pop() {
