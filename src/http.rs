@@ -59,6 +59,15 @@ fn render(app: &App) -> String {
             .unpublished_tables
             .with_label_values(&labels)
             .set(db.stream.unpublished() as i64);
+        m.replication
+            .heartbeats
+            .with_label_values(&labels)
+            .set(db.stream.demand.beats() as i64);
+        let resting = db.stream.freshness() == Err(Unfresh::Resting);
+        m.replication
+            .resting
+            .with_label_values(&labels)
+            .set(i64::from(resting));
     }
     m.local_entries.set(app.cache.local.entry_count() as i64);
     if let Some(shared) = app.cache.shared() {
@@ -358,7 +367,8 @@ async fn readiness(app: &App) -> Result<(), NotReady> {
                 continue;
             }
             match db.stream.freshness() {
-                Ok(()) => {}
+                // Resting: current as soon as a lookup needs it.
+                Ok(()) | Err(Unfresh::Resting) => {}
                 Err(Unfresh::Down) => return Err(NotReady::Stream(name)),
                 Err(Unfresh::Stale) => return Err(NotReady::Stale(name, db.stream.lag())),
             }

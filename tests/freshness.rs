@@ -134,3 +134,74 @@ async fn a_black_holed_stream_stops_serving_within_the_lease() {
     .await;
     eventually_reads(&client, READ, "2").await;
 }
+
+/// With nothing to do, a database's heartbeats rest (each costs PostgreSQL
+/// a commit that every walsender decodes). The lease keeps its promise
+/// across the rest: the next lookup sends a heartbeat and is served only
+/// once it is back. Here the stream is black-holed during the rest, and a
+/// direct write made then is never served stale; once the stream flows
+/// again, hits come back.
+#[tokio::test]
+async fn resting_heartbeats_wake_for_a_lookup_which_is_served_only_once_one_is_back() {
+    use pgcache::cache::database::Unfresh;
+    let faults = Faults {
+        frozen_marker: b"replication\0",
+        ..Faults::default()
+    };
+    let freeze = Arc::clone(&faults.freeze);
+    let port = relay(pg().port, faults).await;
+    let (db, proxy, client) = setup("fresh_rest", port).await;
+    let state = proxy.app.cache.db(&db);
+    eventually(Duration::from_secs(10), "the heartbeats to rest", || {
+        let resting = state.stream.freshness() == Err(Unfresh::Resting);
+        async move { resting.then_some(()) }
+    })
+    .await;
+    assert!(
+        state.stream.is_current(),
+        "resting is not down: /readyz stays 200"
+    );
+    assert_eq!(proxy.http_get("/readyz").await.0, 200);
+    let sent = state.stream.demand.beats();
+    // Absence is not a condition to poll: three heartbeat intervals pass.
+    tokio::time::sleep(Duration::from_millis(3 * HEARTBEAT_MS)).await;
+    assert_eq!(
+        state.stream.demand.beats(),
+        sent,
+        "no heartbeat while resting"
+    );
+    // A lookup after the rest, with the stream flowing: a hit, after one
+    // heartbeat.
+    let hits = proxy.hits();
+    assert_eq!(scalar(&client, READ).await.as_deref(), Some("1"));
+    assert_eq!(proxy.hits(), hits + 1, "served once a heartbeat was back");
+    assert!(state.stream.demand.beats() > sent);
+    // Rest again, black-hole the stream, and write directly.
+    eventually(
+        Duration::from_secs(10),
+        "the heartbeats to rest again",
+        || {
+            let resting = state.stream.freshness() == Err(Unfresh::Resting);
+            async move { resting.then_some(()) }
+        },
+    )
+    .await;
+    freeze.store(true, Ordering::Release);
+    let direct = pg().direct(&db).await;
+    direct.batch_execute("UPDATE t SET v = 2").await.unwrap();
+    let hits = proxy.hits();
+    assert_eq!(
+        scalar(&client, READ).await.as_deref(),
+        Some("2"),
+        "no heartbeat back: PostgreSQL answers"
+    );
+    assert_eq!(proxy.hits(), hits);
+    freeze.store(false, Ordering::Release);
+    eventually(Duration::from_secs(10), "hits again", || async {
+        let hits = proxy.hits();
+        let read = scalar(&client, READ).await;
+        assert_eq!(read.as_deref(), Some("2"), "never the old value");
+        (proxy.hits() > hits).then_some(())
+    })
+    .await;
+}

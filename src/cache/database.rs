@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::catalog::Catalog;
+use super::demand::Demand;
 use super::hold::Hold;
 use super::shared::state::SharedSync;
 use super::versions::{Bumps, Ddl, Family, Versions};
@@ -163,6 +164,8 @@ pub struct StreamHealth {
     /// Signalled when the database's cache may have become servable: a
     /// heartbeat back, a vouch, a stream up.
     pub changed: tokio::sync::Notify,
+    /// Whether its heartbeats are wanted.
+    pub demand: Demand,
 }
 
 impl Default for StreamHealth {
@@ -194,6 +197,7 @@ impl Default for StreamHealth {
             vouch_lease: AtomicU64::new(0),
             warming: AtomicBool::new(true),
             changed: tokio::sync::Notify::new(),
+            demand: Demand::default(),
         }
     }
 }
@@ -205,6 +209,9 @@ pub enum Unfresh {
     Down,
     /// The stream is up, but no heartbeat came back within the lease.
     Stale,
+    /// The stream is up, and its heartbeats rest for want of a need
+    /// ([`Demand`]): one is sent, and a lookup waits for it.
+    Resting,
 }
 
 impl StreamHealth {
@@ -301,13 +308,23 @@ impl StreamHealth {
         let as_of = self.fresh_as_of.load(Ordering::Acquire);
         let lease = self.lease.load(Ordering::Acquire);
         if as_of == 0 || self.micros(Instant::now()).saturating_sub(as_of) > lease {
+            if self.demand.resting(Duration::from_micros(lease)) {
+                return Err(Unfresh::Resting);
+            }
             return Err(Unfresh::Stale);
         }
         Ok(())
     }
 
+    /// Up and current, or resting (current as soon as it is needed): what
+    /// `/readyz`, the metrics and the console show.
     pub fn is_current(&self) -> bool {
-        self.freshness().is_ok()
+        matches!(self.freshness(), Ok(()) | Err(Unfresh::Resting))
+    }
+
+    /// `replication.max_staleness_ms`, as the stream last started with.
+    pub fn lease(&self) -> Duration {
+        Duration::from_micros(self.lease.load(Ordering::Acquire))
     }
 
     pub fn is_streaming(&self) -> bool {
@@ -323,6 +340,7 @@ impl StreamHealth {
             .store(self.micros(Instant::now()), Ordering::Release);
         // Heartbeats of an earlier stream say nothing of this one.
         self.fresh_as_of.store(0, Ordering::Release);
+        self.demand.started();
     }
 
     pub fn starts(&self) -> u64 {
@@ -363,6 +381,7 @@ impl StreamHealth {
             beats.push_back((sent, lsn));
         }
         self.fresh_as_of.fetch_max(sent, Ordering::AcqRel);
+        self.demand.beat_back();
         self.changed.notify_waiters();
     }
 
@@ -371,6 +390,7 @@ impl StreamHealth {
     /// back yet. (Past the heartbeats kept, the oldest kept stands in: a
     /// later position, so a stricter one.)
     pub fn covering(&self, at: Instant) -> Option<u64> {
+        self.demand.note();
         let at = self.micros(at);
         let beats = self.beats.lock().unwrap_or_else(|e| e.into_inner());
         beats
@@ -382,6 +402,7 @@ impl StreamHealth {
     /// Whether everything committed before `at` has been applied: a
     /// heartbeat sent after `at` came back.
     pub fn covers(&self, at: Instant) -> bool {
+        self.demand.note();
         self.fresh_as_of.load(Ordering::Acquire) >= self.micros(at)
     }
 
@@ -389,6 +410,10 @@ impl StreamHealth {
     /// newest heartbeat back was sent (or since the stream started, before
     /// the first). It grows while the stream stalls.
     pub fn lag(&self) -> Duration {
+        if self.freshness() == Err(Unfresh::Resting) {
+            // Nothing is served until a heartbeat is back.
+            return Duration::ZERO;
+        }
         let as_of = match self.fresh_as_of.load(Ordering::Acquire) {
             0 => self.started_at.load(Ordering::Acquire),
             t => t,

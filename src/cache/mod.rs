@@ -22,6 +22,7 @@ pub mod advice;
 pub mod analysis;
 pub mod catalog;
 pub mod database;
+pub mod demand;
 pub mod fill;
 pub mod hold;
 pub mod key;
@@ -115,6 +116,9 @@ pub enum Wait {
     /// The database's cache able to answer (its stream, or another
     /// instance's vouch), for at most so long.
     Warm { db: Arc<DbState>, at_most: Duration },
+    /// A heartbeat back, the stream's heartbeats having rested for want of
+    /// a need (see [`demand`]), for at most the lease.
+    Beat { db: Arc<DbState> },
     /// The end of a concurrent identical miss, for at most so long.
     Fill {
         filled: tokio::sync::watch::Receiver<()>,
@@ -133,6 +137,7 @@ pub struct Waited {
     shared: Option<Box<(u128, Vec<u64>, Option<shared::entry::Entry>)>>,
     filled: bool,
     warmed: bool,
+    beat: bool,
 }
 
 impl Waited {
@@ -143,7 +148,11 @@ impl Waited {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.confirmed.is_none() && self.shared.is_none() && !self.filled && !self.warmed
+        self.confirmed.is_none()
+            && self.shared.is_none()
+            && !self.filled
+            && !self.warmed
+            && !self.beat
     }
 }
 
@@ -204,14 +213,29 @@ impl Cache {
         if !self.replication_on() {
             return Ok(());
         }
+        // A lookup needs the stream's heartbeats.
+        db.stream.demand.note();
         match db.stream.freshness() {
             Ok(()) => Ok(()),
+            Err(Unfresh::Resting) => Err(BypassReason::ReplicationStale),
             // Another instance's stream keeps Redis's counters current,
             // and this instance's mirrors of them (see `SharedTier::usable`).
-            Err(_) if db.stream.vouched() && self.shared().is_some_and(|t| t.usable(db)) => Ok(()),
+            Err(_) if self.vouched(db) => Ok(()),
             Err(Unfresh::Down) => Err(BypassReason::ReplicationDown),
             Err(Unfresh::Stale) => Err(BypassReason::ReplicationStale),
         }
+    }
+
+    /// Another instance vouches for `db`, whose own stream is not current;
+    /// its heartbeats are asked for through Redis meanwhile.
+    fn vouched(&self, db: &DbState) -> bool {
+        let Some(tier) = self.shared() else {
+            return false;
+        };
+        if db.stream.demand.want_vouch() {
+            tier.want_heartbeats();
+        }
+        db.stream.vouched() && tier.usable(db)
     }
 
     /// Whether a statement of `db` may wait (`cache.first_read_wait_ms`)
@@ -386,6 +410,11 @@ impl Cache {
                     at_most: req.first_read_wait,
                 });
             }
+            if !waited.beat && req.db.stream.freshness() == Err(Unfresh::Resting) {
+                return Err(Wait::Beat {
+                    db: Arc::clone(req.db),
+                });
+            }
             self.bypassed(req.db, reason);
             return Ok(Err(reason));
         }
@@ -420,6 +449,20 @@ impl Cache {
                 let servable = || self.freshness(&db).is_ok();
                 warm_until(&db, &db.stream.changed, at_most, servable).await;
                 waited.warmed = true;
+            }
+            Wait::Beat { db } => {
+                // Resting ends once a heartbeat is back, or past the lease.
+                let deadline = tokio::time::Instant::now() + db.stream.lease();
+                loop {
+                    let changed = db.stream.changed.notified();
+                    if db.stream.freshness() != Err(Unfresh::Resting) {
+                        break;
+                    }
+                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                        break;
+                    }
+                }
+                waited.beat = true;
             }
             Wait::Fill {
                 mut filled,

@@ -1,7 +1,8 @@
 //! Heartbeats through the stream: the proof that a database's cache is
 //! fresh.
 //!
-//! Every `replication.heartbeat_ms` the stream's control connection commits
+//! Every `replication.heartbeat_ms`, while the database's cache is in use
+//! ([`crate::cache::demand`]), the stream's control connection commits
 //! a transactional logical message naming this instance and a sequence
 //! number, with `synchronous_commit = on` (so its commit also flushes the
 //! WAL of earlier asynchronous commits, which decoding would otherwise wait
@@ -21,8 +22,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::time::MissedTickBehavior;
+use tracing::debug;
 
 use super::ReplicationError;
+use crate::cache::database::DbState;
+use crate::cache::demand::{Demand, rest_after};
 
 /// Logical message prefix of heartbeats.
 pub const HEARTBEAT_PREFIX: &str = "pgcache_heartbeat";
@@ -104,23 +108,35 @@ impl Heartbeats {
 }
 
 /// Sends heartbeats on `ctl` until one fails, which ends the stream (the
-/// lease would expire anyway; a restart gets a new control connection).
+/// lease would expire anyway; a restart gets a new control connection),
+/// while `db`'s heartbeats are needed ([`Demand`]): past
+/// [`rest_after`] with no need they rest, and the next need sends one at
+/// once.
 pub async fn beat(
     ctl: Arc<tokio_postgres::Client>,
     beats: Arc<Heartbeats>,
     every: Duration,
+    db: Arc<DbState>,
 ) -> ReplicationError {
     if let Err(e) = ctl.batch_execute("SET synchronous_commit = on").await {
         return e.into();
     }
+    let demand: &Demand = &db.stream.demand;
+    let rest_after = rest_after(every);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        if demand.idle(rest_after) {
+            debug!(database = %db.name, "heartbeats rest: nothing needs them");
+            demand.rest(rest_after).await;
+            tick.reset();
+        }
         let sql = format!(
             "SELECT pg_catalog.pg_logical_emit_message(true, '{HEARTBEAT_PREFIX}', '{}')",
             beats.next()
         );
+        demand.sent();
         if let Err(e) = ctl.batch_execute(&sql).await {
             return e.into();
         }

@@ -283,7 +283,12 @@ impl Streams {
             tokio::time::interval_at(tokio::time::Instant::now() + TRIGGER_CHECK, TRIGGER_CHECK);
         let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
         let every = Duration::from_millis(self.settings.heartbeat_ms);
-        let beat = heartbeat::beat(Arc::clone(ctl.client()), Arc::clone(&beats), every);
+        let beat = heartbeat::beat(
+            Arc::clone(ctl.client()),
+            Arc::clone(&beats),
+            every,
+            Arc::clone(db),
+        );
         let mut beating = AbortOnDropHandle::new(tokio::spawn(beat));
         let mut listener = listen(&self.upstream, database).await?;
         let start = self.missed(ctl.client(), db).await?;
@@ -404,6 +409,8 @@ impl Streams {
         let covered = match self.cache.shared() {
             Some(tier) => {
                 let lease = Duration::from_millis(self.settings.max_staleness_ms);
+                // Their heartbeats may rest: ask for them.
+                tier.wake_others(db).await;
                 tier.covered(db, start, 2 * heartbeat, lease).await
             }
             None => false,

@@ -262,6 +262,8 @@ pub struct ReplicationGauges {
     pub ddl_transactions: IntGaugeVec,
     pub ddl_rounds: IntGaugeVec,
     pub unpublished_tables: IntGaugeVec,
+    pub heartbeats: IntGaugeVec,
+    pub resting: IntGaugeVec,
 }
 
 impl ReplicationGauges {
@@ -304,6 +306,15 @@ impl ReplicationGauges {
             unpublished_tables: r.database_gauge(
                 "pgcache_unpublished_tables",
                 "Tables without a replica identity: never published, never cached",
+            ),
+            heartbeats: r.database_gauge(
+                "pgcache_replication_heartbeats",
+                "Heartbeats this instance sent through the database's streams since start",
+            ),
+            resting: r.database_gauge(
+                "pgcache_replication_resting",
+                "1 while the database's heartbeats rest because nothing needs them (the next \
+                 lookup sends one and waits for it)",
             ),
         }
     }

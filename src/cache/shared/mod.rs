@@ -66,6 +66,10 @@ const WATCH: &str = "w";
 /// The writes watermark (`read_your_writes`): bumped by every write through
 /// an instance, read with every confirmation.
 const WRITES: &str = "r";
+/// On the channel only: an instance needs the database's heartbeats of
+/// the others (their vouch, their coverage), which rest when nothing needs
+/// them ([`crate::cache::demand`]).
+const WAKE: &str = "h";
 
 /// Increments fields and announces the new values, in one round trip.
 /// KEYS[1]: the version hash. ARGV[1]: channel; ARGV[2]: message header
@@ -166,6 +170,8 @@ pub struct SharedTier {
     /// Bumps of this instance on their way to Redis.
     pending: AtomicU64,
     resync: Notify,
+    /// A lookup newly needs another instance's vouch: ask for heartbeats.
+    wake: Notify,
     stores: Arc<Semaphore>,
     bump: Script,
     resync_script: Script,
@@ -205,6 +211,7 @@ impl SharedTier {
             sync_gen: AtomicU64::new(1),
             pending: AtomicU64::new(0),
             resync: Notify::new(),
+            wake: Notify::new(),
             stores: Arc::new(Semaphore::new(shared.max_pending_stores)),
             bump: Script::new(BUMP),
             resync_script: Script::new(RESYNC),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tracing::{debug, info, warn};
 
-use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WATCH, WRITES};
+use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WAKE, WATCH, WRITES};
 use crate::cache::database::DbState;
 use crate::cache::versions::Version;
 
@@ -64,7 +64,11 @@ impl SharedTier {
                         None => break,
                     },
                     _ = self.resync.notified() => self.resync_all(bg).await,
-                    _ = tick.tick() => self.resync_all(bg).await,
+                    _ = self.wake.notified() => self.ask_heartbeats(bg).await,
+                    _ = tick.tick() => {
+                        self.resync_all(bg).await;
+                        self.ask_heartbeats(bg).await;
+                    }
                     _ = bg.drain.cancelled() => return,
                 }
             }
@@ -157,12 +161,55 @@ impl SharedTier {
         {
             return self.vouched(&db, *age);
         }
+        if let [(field, _)] = updates.as_slice()
+            && field == WAKE
+        {
+            return db.stream.demand.note();
+        }
         self.metrics
             .invalidations_received
             .inc_by(updates.len() as u64);
         bg.peers.inc();
         for (field, value) in updates {
             apply_field(&db, &field, value);
+        }
+    }
+}
+
+impl SharedTier {
+    /// A lookup newly needs another instance's vouch ([`Self::ask_heartbeats`]
+    /// runs soon).
+    pub fn want_heartbeats(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Asks the other instances for heartbeats of every database whose
+    /// lookups need their vouch (this instance's own stream not current):
+    /// theirs rest when nothing of theirs needs them.
+    async fn ask_heartbeats(&self, bg: &Background) {
+        for (_, db) in bg.databases.all() {
+            if db.stream.demand.vouch_wanted(Duration::from_secs(1)) {
+                self.wake_others(&db).await;
+            }
+        }
+    }
+
+    /// Asks the other instances for `db`'s heartbeats, now: their vouch or
+    /// their coverage is needed.
+    pub async fn wake_others(&self, db: &DbState) {
+        let mut message = message_header(&db.name, &[WAKE.to_owned()]);
+        message.extend_from_slice(b"0");
+        let sent = self
+            .run(async |mut c| {
+                redis::cmd("PUBLISH")
+                    .arg(&self.channel)
+                    .arg(&message)
+                    .query_async::<i64>(&mut c)
+                    .await
+            })
+            .await;
+        if let Err(e) = sent {
+            debug!(database = %db.name, error = %e, "cannot ask for heartbeats");
         }
     }
 }
