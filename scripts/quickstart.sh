@@ -54,11 +54,13 @@ http_get() {
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"
 }
 
-echo "building pgcache ($PROFILE)..."
+# Cargo shows its progress: a first release build takes about ten
+# minutes on two cores.
+echo "building pgcache ($PROFILE; a first release build takes several minutes)..."
 if [ "$PROFILE" = release ]; then
-    cargo build --release --locked -q
+    cargo build --release --locked
 else
-    cargo build --locked -q
+    cargo build --locked
 fi
 # Where cargo put it: CARGO_TARGET_DIR or a cargo config may move target/.
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps --locked |
@@ -105,8 +107,9 @@ fi
 echo "loading pgbench's tables..."
 "$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -i -s 1 -q postgres >/dev/null 2>&1
 # Read-mostly: most transactions read one of 2,000 accounts (some much more
-# than others); a few record a teller's activity, as a write workload that
-# leaves the accounts' cached reads standing.
+# than others); a few record a teller's activity. Invalidation is per table:
+# those writes leave the accounts' cached reads standing, where writes to
+# pgbench_accounts would end every cached read of it.
 cat >"$RUNDIR/read.sql" <<'SQL'
 \set aid random_zipfian(1, 2000, 1.1)
 SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
@@ -147,7 +150,10 @@ echo
 echo "connect through pgcache:  psql -h 127.0.0.1 -p $PORT -U postgres postgres"
 echo "live page:                http://127.0.0.1:$METRICS_PORT/"
 echo "metrics:                  http://127.0.0.1:$METRICS_PORT/metrics"
-echo "pgcache's log:            $RUNDIR/pgcache.log"
+if [ -z "$DURATION" ]; then
+    # With --duration everything is removed on exit, the log too.
+    echo "pgcache's log:            $RUNDIR/pgcache.log"
+fi
 
 if [ "${HITS:-0}" = 0 ]; then
     echo "no read was answered from the cache: something is wrong (see the log above)" >&2

@@ -71,10 +71,12 @@ pub enum StartError {
     Upstream(#[from] crate::upstream::UpstreamError),
     #[error("upstream.replicas: {0}")]
     Replica(String),
-    #[error("cannot listen on {addr} (metrics.listen): {source}")]
+    // The cause is part of the message, not a source: printed as a chain,
+    // it would be said twice.
+    #[error("cannot listen on {addr} (metrics.listen): {cause}")]
     MetricsListen {
         addr: SocketAddr,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -140,7 +142,7 @@ impl App {
         let addr = config.metrics.listen;
         let listener = TcpListener::bind(addr)
             .await
-            .map_err(|source| StartError::MetricsListen { addr, source })?;
+            .map_err(|cause| StartError::MetricsListen { addr, cause })?;
         if let Ok(bound) = listener.local_addr() {
             let _ = app.metrics_addr.set(bound);
         }

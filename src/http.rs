@@ -256,9 +256,17 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             })
         })
         .collect();
+    let (mean_hit_ms, mean_miss_ms) = m.mean_latency_ms();
+    let bypass_reasons: Vec<serde_json::Value> = m
+        .bypass_breakdown()
+        .into_iter()
+        .map(|(reason, count)| serde_json::json!({ "reason": reason, "count": count }))
+        .collect();
     serde_json::json!({
         "time_ms": crate::cache::unix_ms(),
         "lookups": { "hit": hits, "miss": misses, "bypass": m.bypasses.get() },
+        "latency_ms": { "hit": mean_hit_ms, "miss": mean_miss_ms },
+        "bypass_reasons": bypass_reasons,
         "hit_ratio": if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
         "local": {
             "hits": m.hits_local.get(),

@@ -156,7 +156,10 @@ fn uninstall(config: &Config, force: bool) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     for (db, outcome) in &outcomes {
         writeln!(out, "{db}: {outcome}")?;
-        if *outcome != pgcache::uninstall::Outcome::Removed {
+        if !matches!(
+            outcome,
+            pgcache::uninstall::Outcome::Removed | pgcache::uninstall::Outcome::Absent
+        ) {
             incomplete += 1;
         }
     }

@@ -38,7 +38,10 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     let startups = StartupLimiter::new(config.server.max_startups_per_ip);
     let sessions = TaskTracker::new();
     tokio::pin!(shutdown);
-    info!(addr = ?listener.local_addr().ok(), "pgcache listening");
+    match listener.local_addr() {
+        Ok(addr) => info!(%addr, "pgcache listening"),
+        Err(_) => info!("pgcache listening"),
+    }
     loop {
         tokio::select! {
             _ = &mut shutdown => break,

@@ -10,8 +10,10 @@ use crate::upstream::Upstream;
 /// What became of one database.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Everything pgcache leaves was removed (or was never there).
+    /// Everything pgcache leaves was removed.
     Removed,
+    /// None of it was there.
+    Absent,
     /// A pgcache is still streaming from it; nothing was removed.
     Streaming,
     /// Removal failed with this server message.
@@ -22,6 +24,7 @@ impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Outcome::Removed => write!(f, "removed"),
+            Outcome::Absent => write!(f, "nothing to remove"),
             Outcome::Streaming => write!(
                 f,
                 "refused: a pgcache is streaming from it (stop it first, or pass --force)"
@@ -63,7 +66,8 @@ pub async fn uninstall(
             Outcome::Streaming
         } else {
             match remove(upstream, &db, publication).await {
-                Ok(()) => Outcome::Removed,
+                Ok(true) => Outcome::Removed,
+                Ok(false) => Outcome::Absent,
                 Err(e) => Outcome::Failed(
                     e.as_db_error()
                         .map(|d| d.message().to_owned())
@@ -76,12 +80,26 @@ pub async fn uninstall(
     Ok(outcomes)
 }
 
+/// Removes pgcache's objects from `db`; false if none was there.
 async fn remove(
     upstream: &Upstream,
     db: &str,
     publication: &str,
-) -> Result<(), tokio_postgres::Error> {
+) -> Result<bool, tokio_postgres::Error> {
     let client = upstream.control(db).await?;
+    let present: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_event_trigger
+                            WHERE evtname IN ('pgcache_ddl', 'pgcache_ddl_drop'))
+                 OR EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = 'pgcache')
+                 OR EXISTS (SELECT FROM pg_catalog.pg_publication WHERE pubname = $1)",
+            &[&publication],
+        )
+        .await?
+        .get(0);
+    if !present {
+        return Ok(false);
+    }
     let publication = crate::invalidation::quote_ident(publication);
     // The schema is dropped without CASCADE: anything a user put there
     // stays, and the failure says so.
@@ -95,5 +113,6 @@ async fn remove(
              DROP PUBLICATION IF EXISTS {publication};
              COMMIT;"
         ))
-        .await
+        .await?;
+    Ok(true)
 }

@@ -35,6 +35,13 @@ pub enum UpstreamError {
     Param { key: String, reason: String },
     #[error("missing \"=\" after {0:?} in connection string")]
     MissingEquals(String),
+    #[error(
+        "{0:?} is not a PostgreSQL URL: it must start with postgres:// or postgresql:// \
+         (or be key=value pairs: host=... port=...)"
+    )]
+    Scheme(String),
+    #[error("port {0:?}: a port is a number from 1 to 65535")]
+    Port(String),
     #[error("unterminated quoted value")]
     Unterminated,
     #[error("sslrootcert {path}: {reason}")]
@@ -287,6 +294,31 @@ impl UpstreamUrl {
     }
 }
 
+/// The ports of a URL's hosts (`postgres://user@h1:5432,[::1]:5433/db`)
+/// are numbers from 1 to 65535: tokio-postgres says only "invalid
+/// connection string" of one that is not.
+fn check_ports(url: &str) -> Result<(), UpstreamError> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    for host in hosts.split(',') {
+        // After an IPv6 address's closing bracket, or the last colon.
+        let port = match host.rsplit_once(']') {
+            Some((_, after)) => after.strip_prefix(':'),
+            None => host.rsplit_once(':').map(|(_, port)| port),
+        };
+        if let Some(port) = port
+            && !port.is_empty()
+            && port.parse::<u16>().ok().is_none_or(|p| p == 0)
+        {
+            return Err(UpstreamError::Port(port.to_owned()));
+        }
+    }
+    Ok(())
+}
+
 /// Takes the parameters named in `keys` out of a libpq URL
 /// (`postgres://...?k=v&...`) or key=value string, returning the rest and
 /// the (key, decoded value) pairs taken.
@@ -296,7 +328,13 @@ fn split_params(
 ) -> Result<(String, Vec<(String, String)>), UpstreamError> {
     let mut taken = Vec::new();
     let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if let Some((scheme, _)) = url.split_once("://")
+        && !is_url
+    {
+        return Err(UpstreamError::Scheme(format!("{scheme}://")));
+    }
     if is_url {
+        check_ports(url)?;
         let Some((base, query)) = url.split_once('?') else {
             return Ok((url.to_owned(), taken));
         };
@@ -596,6 +634,33 @@ mod tests {
 
     fn split(url: &str) -> (String, Vec<(String, String)>) {
         split_params(url, &TLS_PARAMS).unwrap()
+    }
+
+    #[test]
+    fn a_wrong_scheme_or_port_is_named() {
+        let err = |url: &str| UpstreamUrl::parse(url).err().map(|e| e.to_string());
+        assert!(
+            err("postgress://u@h:5432/db")
+                .is_some_and(|e| e.contains("\"postgress://\" is not a PostgreSQL URL"))
+        );
+        assert!(err("mysql://h/db").is_some_and(|e| e.contains("postgres://")));
+        for port in ["99999", "0", "54x"] {
+            let e = err(&format!("postgres://u:p@h:{port}/db"));
+            assert!(
+                e.as_deref()
+                    .is_some_and(|e| e.contains(&format!("port {port:?}"))),
+                "{e:?}"
+            );
+        }
+        let e = err("postgres://u@h1:5432,[::1]:70000/db");
+        assert!(e.is_some_and(|e| e.contains("\"70000\"")));
+        for ok in [
+            "postgres://u:p@h:5432/db",
+            "postgres://h/db",
+            "postgresql://[::1]:6543/db?sslmode=disable",
+        ] {
+            assert!(UpstreamUrl::parse(ok).is_ok(), "{ok}");
+        }
     }
 
     #[test]

@@ -86,6 +86,21 @@ async fn show_commands_report_what_the_cache_did() {
     assert_eq!(value(&out, "lookups_miss"), Some("2"), "{out}");
     assert_eq!(value(&out, "hit_ratio"), Some("0.500"), "{out}");
     assert_eq!(value(&out, "local_hits"), Some("2"), "{out}");
+    // Why the rest went to PostgreSQL: the UPDATE is not a SELECT.
+    let bypassed = proxy
+        .app
+        .metrics
+        .bypasses(pgcache::classify::BypassReason::NotSelect);
+    assert!(bypassed > 0);
+    assert_eq!(
+        value(&out, "bypass.not_select"),
+        Some(bypassed.to_string().as_str()),
+        "{out}"
+    );
+    assert!(
+        value(&out, "mean_hit_ms").is_some_and(|v| v.parse::<f64>().is_ok()),
+        "{out}"
+    );
 
     let (ok, out, err) = psql_admin(&proxy, "pgcache", PASSWORD, &["SHOW QUERIES 5"]).await;
     assert!(ok, "{err}");
@@ -223,7 +238,7 @@ async fn reload_applies_the_policy_and_a_bad_file_changes_nothing() {
     let (ok, _, err) = psql_admin(&proxy, "pgcache", PASSWORD, &["RELOAD"]).await;
     assert!(ok, "{err}");
     assert!(
-        err.contains("applied only at restart: cache.local"),
+        err.contains("applied only at restart: cache.local.max_bytes"),
         "{err}"
     );
 }

@@ -120,6 +120,50 @@ async fn a_start_up_error_is_its_message_without_a_backtrace() {
     assert!(!err.contains("src/main.rs"), "no stack frames: {err}");
 }
 
+/// What a new user gets wrong is named, and each cause said once.
+#[tokio::test]
+async fn mistaken_start_up_arguments_are_named_and_each_cause_said_once() {
+    let (_held, port) = refused_port();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = listener.local_addr().unwrap().to_string();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--upstream", "postgress://u@127.0.0.1:5432/db"],
+            "\"postgress://\" is not a PostgreSQL URL",
+        ),
+        (
+            &["--upstream", "postgres://u@127.0.0.1:99999/db"],
+            "port \"99999\": a port is a number from 1 to 65535",
+        ),
+        (
+            &["--config", "/nonexistent/pgcache.toml"],
+            "No such file or directory",
+        ),
+        (
+            &["--metrics", &taken, "--listen", "127.0.0.1:0"],
+            "Address already in use",
+        ),
+    ];
+    for (args, said) in cases {
+        let run = tokio::process::Command::new(bin())
+            .args(args)
+            .env(
+                "PGCACHE_UPSTREAM",
+                format!("postgres://postgres@127.0.0.1:{port}"),
+            )
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .unwrap_or_else(|_| panic!("{args:?}: pgcache started"))
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert_eq!(err.matches(said).count(), 1, "{args:?}: {err}");
+    }
+}
+
 #[tokio::test]
 async fn options_go_before_or_after_the_subcommand() {
     for args in [

@@ -177,6 +177,27 @@ async fn the_live_page_draws_its_chart_and_matches_the_metrics_in_chromium() {
     }
     assert_eq!(text_of("hit-ratio"), "0.500");
     assert_eq!(text_of("shared-state"), "up");
+    // Sizes with their unit, the mean hit and miss times, and why
+    // statements went to PostgreSQL.
+    let memory = text_of("local-bytes");
+    assert!(
+        [" B", " KiB", " MiB"].iter().any(|u| memory.ends_with(u)),
+        "{memory}"
+    );
+    assert!(
+        text_of("latency").contains(" ms / "),
+        "{}",
+        text_of("latency")
+    );
+    let reasons = stats["bypass_reasons"].as_array().expect("bypass reasons");
+    assert!(
+        reasons.iter().any(|r| r["reason"] == "volatile_function"),
+        "SELECT now(): {reasons:?}"
+    );
+    assert!(
+        dom.contains("<td class=\"text\">volatile_function</td>"),
+        "the bypass reasons table: {dom}"
+    );
     // Sessions of the workload may still be ending while the page loads:
     // the card must show what /stats.json said before or after.
     let (_, after) = http_get(addr, "/stats.json").await;

@@ -95,7 +95,33 @@ fn shell(command: &str, envs: &[(&str, String)]) -> Command {
     cmd.args(["-c", command])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .envs(envs.iter().map(|(k, v)| (*k, v.as_str())));
+    // As a user's shell has it: without what cargo sets for this test.
+    // Build scripts (ring's) track CARGO_MANIFEST_DIR and CARGO_PKG_*, so
+    // with them a `cargo run --release` here, and the next one outside,
+    // would each build the release profile again.
+    for (name, _) in std::env::vars_os() {
+        if cargo_set(&name.to_string_lossy()) {
+            cmd.env_remove(name);
+        }
+    }
     cmd
+}
+
+/// What cargo sets in a test's environment (not a user's own
+/// configuration, such as CARGO_HOME or CARGO_TARGET_DIR).
+fn cargo_set(name: &str) -> bool {
+    name == "CARGO"
+        || [
+            "CARGO_MANIFEST_",
+            "CARGO_PKG_",
+            "CARGO_CRATE_",
+            "CARGO_BIN_",
+            "CARGO_PRIMARY_PACKAGE",
+            "CARGO_TARGET_TMPDIR",
+            "CARGO_RUSTC_CURRENT_DIR",
+        ]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
 }
 
 fn start(command: &str, envs: &[(&str, String)]) -> Running {

@@ -341,8 +341,18 @@ fn stats(app: &App) -> Vec<Vec<String>> {
         ("local_bytes", app.cache.local.weighted_bytes().to_string()),
         ("client_connections", m.client_connections.get().to_string()),
     ];
+    let (hit_ms, miss_ms) = m.mean_latency_ms();
+    let ms = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.3}"));
+    let latency = [("mean_hit_ms", ms(hit_ms)), ("mean_miss_ms", ms(miss_ms))];
+    // Why statements did not use the cache, the most frequent first.
+    let bypasses = m
+        .bypass_breakdown()
+        .into_iter()
+        .map(|(reason, n)| vec![format!("bypass.{reason}"), n.to_string()]);
     rows.into_iter()
+        .chain(latency)
         .map(|(k, v)| vec![k.to_owned(), v])
+        .chain(bypasses)
         .collect()
 }
 

@@ -20,10 +20,12 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    // The cause is part of the message, not a source: printed as a chain,
+    // it would be said twice.
+    #[error("cannot read config file {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("config file {path}: {message}")]
     Parse { path: PathBuf, message: String },
@@ -333,9 +335,9 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
         let mut config = match path {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
                     path: path.to_owned(),
-                    source,
+                    cause,
                 })?;
                 Self::from_toml(&text, path)?
             }
@@ -435,6 +437,17 @@ mod tests {
         let text = include_str!("../../config/pgcache.toml");
         let parsed = parse(text).expect("config/pgcache.toml parses");
         assert_eq!(parsed, Config::default());
+    }
+
+    #[test]
+    fn a_reload_names_each_key_that_needs_a_restart() {
+        let old = Config::default();
+        let mut new = parse("[server]\nworkers = 3\n[cache.local]\nmax_bytes = 1048576\n").unwrap();
+        new.cache.mode = CacheMode::OptIn;
+        let restart = new.keep_restart_only(&old);
+        assert_eq!(restart, ["server.workers", "cache.local.max_bytes"]);
+        assert_eq!(new.server, old.server, "kept as it was");
+        assert_eq!(new.cache.mode, CacheMode::OptIn, "applied live");
     }
 
     #[test]

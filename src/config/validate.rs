@@ -230,11 +230,34 @@ impl Config {
     /// at restart as they are in `old` (in force), and names those that
     /// changed.
     pub fn keep_restart_only(&mut self, old: &Config) -> Vec<String> {
-        fn keep<T: PartialEq + Clone>(new: &mut T, old: &T, name: &str, out: &mut Vec<String>) {
-            if new != old {
-                out.push(name.to_owned());
-                *new = old.clone();
+        /// Keeps `old`, naming each key of it that `new` changed
+        /// (`server.workers`, not `server`).
+        fn keep<T: PartialEq + Clone + serde::Serialize>(
+            new: &mut T,
+            old: &T,
+            name: &str,
+            out: &mut Vec<String>,
+        ) {
+            if new == old {
+                return;
             }
+            let table = |v: &T| match toml::Value::try_from(v) {
+                Ok(toml::Value::Table(t)) => Some(t),
+                _ => None,
+            };
+            match (table(new), table(old)) {
+                (Some(n), Some(o)) => {
+                    let keys: std::collections::BTreeSet<&String> =
+                        n.keys().chain(o.keys()).collect();
+                    out.extend(
+                        keys.into_iter()
+                            .filter(|k| n.get(*k) != o.get(*k))
+                            .map(|k| format!("{name}.{k}")),
+                    );
+                }
+                _ => out.push(name.to_owned()),
+            }
+            *new = old.clone();
         }
         let mut changed = Vec::new();
         let c = &mut changed;

@@ -540,6 +540,28 @@ impl Metrics {
         self.bypass_reasons[reason as usize].get()
     }
 
+    /// Why statements did not use the cache: each reason counted so far,
+    /// the most frequent first (the answer to "why is nothing cached?").
+    pub fn bypass_breakdown(&self) -> Vec<(&'static str, u64)> {
+        let mut counted: Vec<(&'static str, u64)> = BypassReason::ALL
+            .iter()
+            .map(|r| (r.label(), self.bypasses(*r)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        counted.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        counted
+    }
+
+    /// The mean time a hit and a miss took to answer, in milliseconds
+    /// (`None` before the first).
+    pub fn mean_latency_ms(&self) -> (Option<f64>, Option<f64>) {
+        let mean = |h: &Histogram| {
+            let n = h.get_sample_count();
+            (n > 0).then(|| h.get_sample_sum() * 1e3 / n as f64)
+        };
+        (mean(&self.latency_hit), mean(&self.latency_miss))
+    }
+
     /// The handles of one database's lookups (resolve once, keep them).
     pub fn database(&self, name: &str) -> DbMetrics {
         DbMetrics {
