@@ -93,11 +93,49 @@ pub fn scan(sql: &str) -> Scan {
             normalized: String::with_capacity(sql.len().min(MAX_NORMALIZED + 1)),
             ..Scan::default()
         },
+        literals: None,
     };
     while lexer.i < lexer.b.len() {
         lexer.token();
     }
     lexer.out
+}
+
+/// A literal the normalised text replaced with `?`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Literal<'a> {
+    /// Where it starts in the text, in bytes.
+    pub start: usize,
+    pub kind: LiteralKind,
+    /// A number's text, or a quoted string's between its quotes (quotes
+    /// doubled, not undone).
+    pub raw: &'a str,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LiteralKind {
+    Number,
+    /// `'...'`, no prefix.
+    Quoted,
+    /// `E'...'`, `$$...$$` and the like: not read here.
+    Other,
+}
+
+/// The literals of `sql`, in the order the normalised text has them: the
+/// `n`th is the `n`th `?` of every text of the same shape.
+pub fn literals(sql: &str) -> Vec<Literal<'_>> {
+    let mut lexer = Lexer {
+        sql,
+        b: sql.as_bytes(),
+        i: 0,
+        space: false,
+        out: Scan::default(),
+        literals: Some(Vec::new()),
+    };
+    while lexer.i < lexer.b.len() {
+        lexer.token();
+    }
+    lexer.literals.unwrap_or_default()
 }
 
 /// Walks a statement's text token by token, collecting hints from its
@@ -109,6 +147,8 @@ struct Lexer<'a> {
     /// White space or a comment came before the next token.
     space: bool,
     out: Scan,
+    /// Where the literals go, when they are asked for ([`literals`]).
+    literals: Option<Vec<Literal<'a>>>,
 }
 
 impl<'a> Lexer<'a> {
@@ -150,9 +190,23 @@ impl<'a> Lexer<'a> {
             }
             b'/' if b.get(i + 1) == Some(&b'*') => self.block_comment(),
             b'\'' => {
+                // E'', B'', X'', N'', U&'': not read here.
+                let prefixed = i > 0 && (b[i - 1].is_ascii_alphabetic() || b[i - 1] == b'&');
                 self.i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
                 let end = self.i.saturating_sub(1).max(i + 1);
                 self.literal(&b[i + 1..end]);
+                if let Some(found) = &mut self.literals {
+                    let kind = if prefixed || self.i <= i + 1 || b[self.i - 1] != b'\'' {
+                        LiteralKind::Other
+                    } else {
+                        LiteralKind::Quoted
+                    };
+                    found.push(Literal {
+                        start: i,
+                        kind,
+                        raw: sql.get(i + 1..end).unwrap_or_default(),
+                    });
+                }
                 self.push("?");
             }
             b'"' => {
@@ -163,6 +217,13 @@ impl<'a> Lexer<'a> {
             b'0'..=b'9' => {
                 self.push("?");
                 self.i = run(b, i + 1, NUMBER);
+                if let Some(found) = &mut self.literals {
+                    found.push(Literal {
+                        start: i,
+                        kind: LiteralKind::Number,
+                        raw: &sql[i..self.i],
+                    });
+                }
             }
             _ if c.is_ascii_alphabetic() || c == b'_' || c >= 0x80 => self.word(),
             _ => {
@@ -219,6 +280,13 @@ impl<'a> Lexer<'a> {
             };
             self.literal(&b[j + 1..body_end]);
             self.i = end;
+            if let Some(found) = &mut self.literals {
+                found.push(Literal {
+                    start: i,
+                    kind: LiteralKind::Other,
+                    raw: "",
+                });
+            }
             self.push("?");
         } else {
             self.push(&sql[i..j]);

@@ -130,12 +130,7 @@ fn top_statements(app: &App) -> Vec<MetricFamily> {
 fn top_tables(app: &App) -> MetricFamily {
     let mut all: Vec<(String, std::sync::Arc<crate::cache::Family>)> = Vec::new();
     for (name, db) in app.cache.databases.all() {
-        all.extend(
-            db.versions
-                .families()
-                .into_iter()
-                .map(|f| (name.clone(), f)),
-        );
+        all.extend(db.versions.tables().into_iter().map(|f| (name.clone(), f)));
     }
     all.sort_by_key(|(_, f)| std::cmp::Reverse(f.version.changes()));
     all.truncate(TOP_TABLES);

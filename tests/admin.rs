@@ -62,6 +62,50 @@ async fn wrong_credentials_are_refused() {
     assert_eq!(out.trim(), format!("pgcache {}", env!("CARGO_PKG_VERSION")));
 }
 
+/// SHOW TABLES says which tables' reads by key are invalidated per row, and
+/// counts row and whole-table invalidations apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_tables_tells_row_invalidations_from_table_ones() {
+    let db = pg().create_db("admin_rows");
+    pg().psql_db(
+        &db,
+        "CREATE TABLE acc(id int PRIMARY KEY, v int); INSERT INTO acc VALUES (1, 10), (2, 20); \
+         CREATE TABLE pair(a int, b text, v int, PRIMARY KEY (a, b))",
+    );
+    let proxy = Proxy::start(config()).await;
+    let client = proxy.connect(&db).await;
+    proxy.wait_streaming(&db).await;
+    let read = "SELECT v FROM acc WHERE id = 1";
+    eventually_reads(&client, read, "10").await;
+    scalar(&client, "SELECT v FROM pair WHERE a = 1 AND b = 'x'").await;
+    for sql in [
+        "UPDATE acc SET v = 21 WHERE id = 2",
+        "UPDATE acc SET v = 22 WHERE id = 2",
+        "TRUNCATE pair",
+    ] {
+        client.batch_execute(sql).await.unwrap();
+    }
+    let (ok, out, err) = psql_admin(&proxy, "pgcache", PASSWORD, &["SHOW TABLES"]).await;
+    assert!(ok, "{err}");
+    let cols = |table: &str| -> Vec<String> {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{db}|{table}|")))
+            .unwrap_or_else(|| panic!("{table} is listed: {out}"))
+            .split('|')
+            .map(str::to_owned)
+            .collect()
+    };
+    let acc = cols("acc");
+    // Each write counts once from pgcache and once more when the stream
+    // brings it.
+    assert!(acc[8].parse::<u64>().unwrap() >= 2, "{acc:?}");
+    assert_eq!(&acc[9..], ["0", "key (id)"], "{acc:?}");
+    let pair = cols("pair");
+    assert_eq!(pair[8], "0", "{pair:?}");
+    assert!(pair[9].parse::<u64>().unwrap() >= 1, "{pair:?}");
+    assert_eq!(pair[10], "key (a, b)", "{pair:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn show_commands_report_what_the_cache_did() {
     let db = pg().create_db("admin_show");

@@ -425,7 +425,7 @@ fn queries(app: &App, n: usize, out: &mut BytesMut) {
 fn tables(app: &App, out: &mut BytesMut) {
     let mut rows = Vec::new();
     for (name, db) in app.cache.databases.all() {
-        let mut families = db.versions.families();
+        let mut families = db.versions.tables();
         families.sort_by(|a, b| a.name.cmp(&b.name));
         // Left out for lack of a replica identity: listed whether or not a
         // statement has named them yet.
@@ -440,14 +440,28 @@ fn tables(app: &App, out: &mut BytesMut) {
                 none(),
                 none(),
                 "no replica identity".to_owned(),
+                none(),
+                none(),
+                "no replica identity".to_owned(),
             ]);
         }
         for f in families {
-            let publication = match db.catalog.relation(&f.name) {
+            let facts = db.catalog.relation(&f.name);
+            let publication = match &facts {
                 Some(facts) if facts.readable => "published",
                 Some(_) => "not published",
                 None => "unknown",
             };
+            let invalidated_by = match facts.as_ref().map(|f| f.identity.as_deref()) {
+                Some(Some(identity)) => {
+                    let names: Vec<&str> =
+                        identity.columns.iter().map(|c| c.name.as_str()).collect();
+                    format!("key ({})", names.join(", "))
+                }
+                Some(None) => "table".to_owned(),
+                None => "unknown".to_owned(),
+            };
+            let (rows_changed, whole) = f.changes_by_scope();
             rows.push(vec![
                 name.clone(),
                 f.name.to_string(),
@@ -457,6 +471,9 @@ fn tables(app: &App, out: &mut BytesMut) {
                 timestamp(f.version.last_change_ms()),
                 f.version.entries().to_string(),
                 publication.to_owned(),
+                rows_changed.to_string(),
+                whole.to_string(),
+                invalidated_by,
             ]);
         }
     }
@@ -471,6 +488,9 @@ fn tables(app: &App, out: &mut BytesMut) {
             "last_invalidation",
             "entries",
             "publication",
+            "row_invalidations",
+            "table_invalidations",
+            "invalidated_by",
         ],
         &rows,
     );

@@ -177,6 +177,7 @@ fn opaque_analysis() -> Analysis {
         functions: Default::default(),
         creates_temp: false,
         ddl: classify::Ddl::All,
+        pins: None,
     });
     a
 }

@@ -89,9 +89,56 @@ impl DbState {
         Some(bumps)
     }
 
-    /// The families a replicated change to relation `name` invalidates: its
-    /// own, and its partition tree's if the catalog knows it.
+    /// A replicated change of relation `name`: its families (below), and
+    /// where this instance reads it by row, the stripes of the rows it
+    /// changed (`rows`: their stripes under an identity signature; `None`
+    /// for a change of the whole table, or of rows the stream could not
+    /// key). Under another identity than the one its plans hash under (the
+    /// identity changed, and the facts are older), the whole table, and
+    /// its facts are fetched again. The stripes of a table this instance
+    /// does not key by row move in Redis only, for the instances that do
+    /// (whose streams may be down).
+    pub fn relation_changed(&self, name: &str, rows: Option<(u64, &[usize])>, bumps: &mut Bumps) {
+        let table = self.versions.family(name);
+        match (table.rows(), rows) {
+            // Moved in Redis for the instances that key it.
+            (None, Some((_, stripes))) => {
+                self.table_families(name, bumps);
+                bumps.elsewhere.extend(
+                    stripes
+                        .iter()
+                        .map(|s| format!("{name}#k{}", s % super::rowkey::STRIPES)),
+                );
+            }
+            (Some(keyed), Some((signature, stripes))) if signature == keyed.signature() => {
+                self.table_families(name, bumps);
+                for &stripe in stripes {
+                    bumps.add_family(Arc::clone(&keyed.stripes[stripe % super::rowkey::STRIPES]));
+                }
+            }
+            (keyed, rows) => {
+                if keyed.is_some() && rows.is_some() {
+                    self.catalog.forget(&Ddl::objects([name.to_owned()]));
+                }
+                self.relation_families(name, bumps);
+            }
+        }
+    }
+
+    /// The families a change of relation `name` as a whole invalidates: its
+    /// own, its partition tree's if the catalog knows it, and the `wide`
+    /// of each, which its reads by row read.
     pub fn relation_families(&self, name: &str, bumps: &mut Bumps) {
+        let mut tables = Bumps::default();
+        self.table_families(name, &mut tables);
+        for family in tables.families {
+            bumps.add_family(self.versions.wide(&family));
+            bumps.add_family(family);
+        }
+    }
+
+    /// Relation `name`'s own family, and its partition tree's.
+    fn table_families(&self, name: &str, bumps: &mut Bumps) {
         bumps.add_family(self.versions.family(name));
         if let Some(facts) = self.catalog.relation(name)
             && facts.family != name
@@ -640,8 +687,10 @@ mod tests {
             })
         };
         assert_eq!(names("tag:pricing"), Some(vec!["#tag:pricing".to_owned()]));
-        assert_eq!(names(" table:orders "), Some(vec!["orders".to_owned()]));
-        assert_eq!(names("orders"), Some(vec!["orders".to_owned()]));
+        // A table as a whole: its reads by row too.
+        let table = Some(vec!["orders#all".to_owned(), "orders".to_owned()]);
+        assert_eq!(names(" table:orders "), table);
+        assert_eq!(names("orders"), table);
         assert_eq!(names("tag:"), None);
         assert_eq!(names("tag:a b"), None);
         assert_eq!(names("color:red"), None);
@@ -702,6 +751,7 @@ mod tests {
             ttl_ok: true,
             table: true,
             policy_functions: Vec::new(),
+            identity: None,
         };
         let mut fetched = super::super::catalog::Fetched::default();
         for name in ["t", "u"] {

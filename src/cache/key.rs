@@ -287,10 +287,7 @@ mod tests {
     }
 
     fn family() -> Arc<Family> {
-        Arc::new(Family {
-            name: "t".into(),
-            version: Version::default(),
-        })
+        Arc::new(Family::new("t"))
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod fill;
 pub mod hold;
 pub mod key;
 pub mod local;
+pub mod rowkey;
 pub mod sampler;
 pub mod shared;
 pub mod stats;
@@ -77,8 +78,13 @@ pub struct Cache {
 pub struct Request<'a> {
     pub db: &'a Arc<DbState>,
     pub key: RequestKey,
-    /// The versions of the tables it reads.
+    /// The versions of the tables it reads (of its rows, for a read by
+    /// row): its local key's.
     pub reads: &'a Reads,
+    /// Its shared key's: the same, but for a read by row before this
+    /// instance's mirrors of the table's rows were read from Redis
+    /// ([`versions::RowVersions::shared_ready`]): the table's.
+    pub shared_reads: &'a Reads,
     pub tier: Tier,
     pub lifetime: Lifetime,
     pub stats: &'a QueryStats,
@@ -325,9 +331,18 @@ impl Cache {
         if self.read_your_writes() {
             match waited.confirmed {
                 None => {
+                    let reads = match Arc::ptr_eq(req.reads, req.shared_reads) {
+                        true => Arc::clone(req.reads),
+                        false => req
+                            .reads
+                            .iter()
+                            .chain(req.shared_reads.iter())
+                            .cloned()
+                            .collect(),
+                    };
                     return Err(Wait::Confirm {
                         db: Arc::clone(req.db),
-                        reads: Arc::clone(req.reads),
+                        reads,
                     });
                 }
                 Some(false) => {
@@ -359,7 +374,7 @@ impl Cache {
         let mut shared = None;
         if let Some(tier) = self.shared().filter(|_| req.tier.shared()) {
             if tier.usable(req.db) {
-                let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.reads);
+                let (key, stamp) = req.key.shared(&req.db.versions.epoch, req.shared_reads);
                 // Redis's answer counts only for the key and versions it
                 // was asked under.
                 match waited.shared.take().map(|b| *b) {
@@ -529,7 +544,7 @@ impl Cache {
         let shared = self
             .shared()
             .filter(|tier| req.tier.shared() && tier.usable(req.db))
-            .map(|_| req.key.shared(&req.db.versions.epoch, req.reads));
+            .map(|_| req.key.shared(&req.db.versions.epoch, req.shared_reads));
         self.metrics.refreshes.inc();
         Some(Fill::new(req, local, shared, Some(guard)))
     }
@@ -549,6 +564,24 @@ impl Cache {
         }
     }
 
+    /// This instance began keying `table` of `db` by row: its mirrors of
+    /// the rows' counters are read from Redis (raised where behind), after
+    /// which its reads by row use the shared tier. Without a shared tier,
+    /// at once.
+    pub async fn mirror_rows(&self, db: &DbState, table: &versions::Family) {
+        let Some(rows) = table.rows() else {
+            return;
+        };
+        if let Some(tier) = self.shared()
+            && let Err(e) = tier.mirror(db, rows.families()).await
+        {
+            tracing::debug!(database = %db.name, table = %table.name, error = %e,
+                "cannot read the rows' counters from Redis: reads by row stay local");
+            return;
+        }
+        rows.mirrored();
+    }
+
     /// Applies invalidations, counted under `source`: the local counters at
     /// once; with a shared tier, the returned publication carries them to
     /// Redis and every other instance. While it is under way the shared
@@ -560,6 +593,14 @@ impl Cache {
         source: &prometheus::IntCounter,
     ) -> Publication {
         source.inc();
+        let m = &self.metrics.invalidations;
+        for family in &bumps.families {
+            match family.scope {
+                versions::Scope::Row => m.rows.inc(),
+                versions::Scope::Wide => m.whole_tables.inc(),
+                versions::Scope::Table => m.tables.inc(),
+            }
+        }
         match self.shared() {
             None => {
                 db.apply_local(&bumps);

@@ -140,6 +140,10 @@ impl Check {
         let mut bumps = Bumps::default();
         for f in self.reads.iter() {
             bumps.add_family(Arc::clone(f));
+            // Its reads by row too, which read the table's `wide`.
+            if f.scope == crate::cache::versions::Scope::Table {
+                bumps.add_family(self.db.versions.wide(f));
+            }
         }
         cache
             .invalidate(&self.db, bumps, &cache.metrics.invalidations.verify)

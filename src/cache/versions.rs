@@ -9,8 +9,11 @@
 
 pub use crate::classify::Ddl;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::Reads;
+use super::rowkey::STRIPES;
 use std::time::Instant;
 
 #[derive(Debug, Default)]
@@ -80,6 +83,18 @@ impl Version {
         Some(self.lsn.load(Ordering::Acquire))
     }
 
+    /// A version made to stand for part of `from` (a table's rows, when
+    /// its keying by row begins): replicas must have replayed as far for
+    /// it as for `from`, whose changes it did not see.
+    fn inherit_floor(&self, from: &Version) {
+        self.lsn
+            .fetch_max(from.lsn.load(Ordering::Acquire), Ordering::AcqRel);
+        let pending = from.pending.load(Ordering::Acquire);
+        if pending != 0 {
+            self.pending.fetch_max(pending, Ordering::AcqRel);
+        }
+    }
+
     pub fn note_entry(&self) {
         self.entries.fetch_add(1, Ordering::Relaxed);
     }
@@ -127,11 +142,139 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// What a [`Family`]'s version counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// A table, a partition tree (by its root's name), or a tag.
+    Table,
+    /// A table's changes as a whole, which its reads by row read
+    /// ([`Family::wide`], named `table#all`).
+    Wide,
+    /// One stripe of a table's rows ([`RowVersions`], `table#k<n>`).
+    Row,
+}
+
+impl Scope {
+    /// The scope of a family named `name`.
+    pub fn of(name: &str) -> Scope {
+        if name.ends_with("#all") {
+            Scope::Wide
+        } else if name
+            .rsplit_once("#k")
+            .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        {
+            Scope::Row
+        } else {
+            Scope::Table
+        }
+    }
+}
+
 /// The version of one table, or of a partition tree (its root's name).
 #[derive(Debug)]
 pub struct Family {
     pub name: Box<str>,
     pub version: Version,
+    pub scope: Scope,
+    /// What a change of it as a whole moves besides `version` (its
+    /// reads keyed by row read this, not `version`): made at first use,
+    /// by a write of it, or a keyed read ([`Versions::wide`]).
+    wide: OnceLock<Arc<Family>>,
+    /// The versions of its rows, once a read or a write of it is keyed by
+    /// row ([`Versions::rows`]).
+    rows: OnceLock<RowVersions>,
+}
+
+impl Family {
+    pub fn new(name: &str) -> Family {
+        Family {
+            name: name.into(),
+            version: Version::default(),
+            scope: Scope::of(name),
+            wide: OnceLock::new(),
+            rows: OnceLock::new(),
+        }
+    }
+
+    /// Its rows' versions, if reads or writes of it were keyed by row.
+    pub fn rows(&self) -> Option<&RowVersions> {
+        self.rows.get()
+    }
+
+    /// Its changes of rows, each counted in the row's stripe, and of the
+    /// whole table, that reached its reads by row.
+    pub fn changes_by_scope(&self) -> (u64, u64) {
+        let rows = self
+            .rows()
+            .map_or(0, |r| r.stripes.iter().map(|s| s.version.changes()).sum());
+        let whole = self.wide.get().map_or(0, |w| w.version.changes());
+        (rows, whole)
+    }
+}
+
+/// The versions of one table's rows (see [`crate::cache::rowkey`]): a
+/// change of a row moves the table's version and its row's stripe; a
+/// change of the table as a whole (TRUNCATE, a write whose rows are not
+/// known) moves the table's version and `wide`. A read keyed by row reads
+/// `wide` and its rows' stripes, so a write to another row leaves it be.
+///
+/// Bound: [`STRIPES`] + 1 families a table, made once, a few hundred
+/// bytes each: about 200 KiB for each table read or written by key; in
+/// Redis, as many fields of the database's version hash.
+#[derive(Debug)]
+pub struct RowVersions {
+    pub wide: Arc<Family>,
+    pub stripes: Box<[Arc<Family>]>,
+    /// The identity ([`crate::cache::rowkey::signature`]) its keyed plans
+    /// hash rows under: the stream keys a change by row only under the
+    /// same one.
+    signature: AtomicU64,
+    /// Its stripes' and `wide`'s shared counters were read from Redis once
+    /// this instance began keying the table ([`Self::shared_ready`]).
+    mirrored: AtomicBool,
+}
+
+impl RowVersions {
+    /// The versions a read of `stripes` (row stripes) depends on.
+    pub fn reads(&self, stripes: &[usize]) -> Reads {
+        let mut reads = Vec::with_capacity(stripes.len() + 1);
+        reads.push(Arc::clone(&self.wide));
+        for &s in stripes {
+            let stripe = &self.stripes[s % STRIPES];
+            if !reads.iter().any(|r| Arc::ptr_eq(r, stripe)) {
+                reads.push(Arc::clone(stripe));
+            }
+        }
+        reads.into()
+    }
+
+    /// Plans hash rows under `signature` from now on.
+    pub fn plan_under(&self, signature: u64) {
+        self.signature.store(signature, Ordering::Release);
+    }
+
+    pub fn signature(&self) -> u64 {
+        self.signature.load(Ordering::Acquire)
+    }
+
+    /// Reads by row may use the shared tier: this instance's mirrors of
+    /// the rows' counters were read from Redis since it began keying the
+    /// table. (Every instance's stream moves a table's stripes in Redis,
+    /// whether or not it keys the table; an instance that does not key it
+    /// keeps no mirror of them.)
+    pub fn shared_ready(&self) -> bool {
+        self.mirrored.load(Ordering::Acquire)
+    }
+
+    /// The mirrors were read from Redis.
+    pub fn mirrored(&self) {
+        self.mirrored.store(true, Ordering::Release);
+    }
+
+    /// Every family of its rows: the stripes and `wide`.
+    pub fn families(&self) -> impl Iterator<Item = &Arc<Family>> {
+        self.stripes.iter().chain([&self.wide])
+    }
 }
 
 /// The versions of one database.
@@ -172,18 +315,55 @@ impl Versions {
         if let Some(f) = map.get(name) {
             return Arc::clone(f);
         }
-        let f = Arc::new(Family {
-            name: name.into(),
-            version: Version::default(),
-        });
+        let f = Arc::new(Family::new(name));
         map.insert(name.to_owned(), Arc::clone(&f));
         f
+    }
+
+    /// The row versions of `table` (made at first use).
+    pub fn rows<'f>(&self, table: &'f Family) -> &'f RowVersions {
+        table.rows.get_or_init(|| {
+            let wide = self.wide(table);
+            let stripes: Box<[Arc<Family>]> = (0..STRIPES)
+                .map(|i| self.family(&format!("{}#k{i}", table.name)))
+                .collect();
+            // The table's changes so far were not kept by row.
+            for f in stripes.iter().chain([&wide]) {
+                f.version.inherit_floor(&table.version);
+            }
+            RowVersions {
+                wide,
+                stripes,
+                signature: AtomicU64::new(0),
+                mirrored: AtomicBool::new(false),
+            }
+        })
+    }
+
+    /// What a change of `table` as a whole moves besides its version. A
+    /// write whose rows are not known moves it on every instance (through
+    /// Redis), whether or not this one reads the table by key.
+    pub fn wide(&self, table: &Family) -> Arc<Family> {
+        Arc::clone(
+            table
+                .wide
+                .get_or_init(|| self.family(&format!("{}#all", table.name))),
+        )
     }
 
     /// Every family known, for a resynchronisation with Redis.
     pub fn families(&self) -> Vec<Arc<Family>> {
         let map = self.families.lock().unwrap_or_else(|e| e.into_inner());
         map.values().cloned().collect()
+    }
+
+    /// The families of tables, partition trees and tags: not their rows'.
+    pub fn tables(&self) -> Vec<Arc<Family>> {
+        let map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        map.values()
+            .filter(|f| f.scope == Scope::Table)
+            .cloned()
+            .collect()
     }
 }
 
@@ -203,6 +383,10 @@ pub struct Bumps {
     /// ([`Versions::writes`]), so that no instance reads after it from a
     /// replica not known to have replayed it.
     pub watermark: bool,
+    /// Stripes of tables this instance does not key by row, as their
+    /// families are named (`table#k<n>`): moved in Redis only, for the
+    /// instances that do ([`RowVersions::shared_ready`]).
+    pub elsewhere: Vec<String>,
 }
 
 impl Bumps {
@@ -220,6 +404,7 @@ impl Bumps {
             ddl,
             lsn: None,
             watermark: false,
+            elsewhere: Vec::new(),
         }
     }
 
@@ -244,6 +429,7 @@ impl Bumps {
         self.epoch |= other.epoch;
         self.ddl.merge(&other.ddl);
         self.watermark |= other.watermark;
+        self.elsewhere.extend(other.elsewhere.iter().cloned());
     }
 
     pub fn is_empty(&self) -> bool {

@@ -9,6 +9,7 @@
 //! changed anything; DDL also says which names it changed ([`Ddl`]).
 
 mod ddl;
+pub mod pins;
 mod policy;
 pub mod prerequisites;
 mod visitor;
@@ -174,6 +175,8 @@ pub struct StatementInfo {
     pub creates_temp: bool,
     /// For DDL and other opaque statements: the catalog objects it changes.
     pub ddl: Ddl,
+    /// The rows of its one table it names by value ([`pins`]).
+    pub pins: Option<pins::Pins>,
 }
 
 /// The whole text of one Query or Parse message.
@@ -239,9 +242,15 @@ const SETTINGS_KEYWORDS: &[&str] = &["set", "reset", "discard"];
 /// Analyses a SQL text. Never panics on any input.
 pub fn analyze(sql: &str) -> Analysis {
     match Parser::parse_sql(&PostgreSqlDialect {}, sql) {
-        Ok(statements) if !statements.is_empty() => Analysis {
-            statements: statements.iter().map(analyze_statement).collect(),
-        },
+        Ok(statements) if !statements.is_empty() => {
+            let literals = pins::Literals::new(sql);
+            Analysis {
+                statements: statements
+                    .iter()
+                    .map(|s| analyze_statement(s, &literals))
+                    .collect(),
+            }
+        }
         Ok(_) => Analysis {
             statements: Vec::new(),
         },
@@ -310,11 +319,12 @@ impl StatementInfo {
             functions: BTreeSet::new(),
             creates_temp: false,
             ddl,
+            pins: None,
         }
     }
 }
 
-fn analyze_statement(stmt: &Statement) -> StatementInfo {
+fn analyze_statement(stmt: &Statement, literals: &pins::Literals<'_>) -> StatementInfo {
     let mut facts = Facts::default();
     let _ = stmt.visit(&mut facts);
     let mut relations = facts.relations();
@@ -335,6 +345,7 @@ fn analyze_statement(stmt: &Statement) -> StatementInfo {
     };
     info.relations = relations;
     info.cacheable = cacheable_of(stmt, &facts, &info);
+    info.pins = pins::pins_of(stmt, facts.raw_relations.len(), literals);
     if info.effect == Effect::Opaque {
         info.ddl = ddl::ddl_of(stmt);
     }

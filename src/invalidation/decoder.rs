@@ -13,6 +13,7 @@ use super::DDL_MESSAGE_PREFIX;
 use super::control::ObjectAddress;
 use super::heartbeat::{HEARTBEAT_PREFIX, Heartbeats};
 use super::pgoutput::{self, Change};
+use crate::cache::rowkey::{Canonical, stripe};
 use crate::cache::{Bumps, DbState, Ddl};
 
 /// What one replication event asks of the stream.
@@ -90,12 +91,49 @@ impl Committed {
     }
 }
 
+/// Past this many distinct row stripes of one table in one transaction,
+/// it is taken as a change of the whole table.
+const MAX_STRIPES: usize = 256;
+
+/// What one transaction changed of one relation.
+#[derive(Debug, Default)]
+struct Touched {
+    /// The stripes of the rows it changed, under the relation's identity
+    /// signature; `None`: the whole table.
+    stripes: Option<(u64, HashSet<usize>)>,
+}
+
+impl Touched {
+    /// A change of rows `keys` (`None`: not known) under `key`.
+    fn rows(&mut self, key: &pgoutput::Key, keys: Option<Vec<Vec<Canonical>>>, first: bool) {
+        let (pgoutput::Key::Columns { signature, .. }, Some(keys)) = (key, keys) else {
+            self.stripes = None;
+            return;
+        };
+        if first {
+            self.stripes = Some((*signature, HashSet::new()));
+        }
+        let Some((sig, stripes)) = &mut self.stripes else {
+            return;
+        };
+        if sig != signature {
+            self.stripes = None;
+            return;
+        }
+        stripes.extend(keys.iter().map(|k| stripe(*signature, k)));
+        if stripes.len() > MAX_STRIPES {
+            self.stripes = None;
+        }
+    }
+}
+
 /// Turns pgoutput events into version bumps, transaction by transaction,
 /// notes heartbeats coming back, and keeps the byte lag.
 pub(super) struct Decoder {
     beats: Arc<Heartbeats>,
-    relations: HashMap<u32, String>,
-    touched: HashSet<u32>,
+    /// Each relation's name and key, as its Relation message said.
+    relations: HashMap<u32, (String, pgoutput::Key)>,
+    touched: HashMap<u32, Touched>,
     in_transaction: bool,
     current_xid: u32,
     /// The current transaction's DDL, as its messages announce it.
@@ -112,7 +150,7 @@ impl Decoder {
         Self {
             beats,
             relations: HashMap::new(),
-            touched: HashSet::new(),
+            touched: HashMap::new(),
             in_transaction: false,
             current_xid: 0,
             ddl: Announced::default(),
@@ -137,9 +175,15 @@ impl Decoder {
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
                 self.in_transaction = false;
-                for oid in self.touched.drain() {
+                for (oid, touched) in self.touched.drain() {
                     match self.relations.get(&oid) {
-                        Some(name) => db.relation_families(name, &mut step.bumps),
+                        Some((name, _)) => {
+                            let rows = touched.stripes.as_ref().map(|(sig, stripes)| {
+                                (*sig, stripes.iter().copied().collect::<Vec<_>>())
+                            });
+                            let rows = rows.as_ref().map(|(sig, s)| (*sig, s.as_slice()));
+                            db.relation_changed(name, rows, &mut step.bumps)
+                        }
                         // A change without its Relation message cannot be
                         // attributed: assume anything changed.
                         None => step.bumps.epoch = true,
@@ -217,13 +261,22 @@ impl Decoder {
 
     fn on_change(&mut self, database: &str, data: &[u8]) {
         match pgoutput::decode(data) {
-            Some(Change::Relation { oid, name, .. }) => {
-                self.relations.insert(oid, name);
+            Some(Change::Relation { oid, name, key, .. }) => {
+                self.relations.insert(oid, (name, key));
             }
-            Some(Change::Row { oid }) => {
-                self.touched.insert(oid);
+            Some(Change::Row { oid, tuples }) => {
+                let first = !self.touched.contains_key(&oid);
+                let touched = self.touched.entry(oid).or_default();
+                match self.relations.get(&oid) {
+                    Some((_, key)) => touched.rows(key, pgoutput::row_keys(&tuples, key), first),
+                    None => touched.stripes = None,
+                }
             }
-            Some(Change::Truncate { oids }) => self.touched.extend(oids),
+            Some(Change::Truncate { oids }) => {
+                for oid in oids {
+                    self.touched.insert(oid, Touched::default());
+                }
+            }
             Some(Change::Other) => {}
             None => warn!(database, "malformed pgoutput message ignored"),
         }

@@ -107,6 +107,12 @@ pub struct Invalidations {
     pub verify: IntCounter,
     pub peer: IntCounter,
     pub resync: IntCounter,
+    /// Of the invalidations applied, by what they reached: a stripe of a
+    /// table's rows (reads by row of those rows), a table as a whole
+    /// (every read of it, by row too), or a table's reads not by row.
+    pub rows: IntCounter,
+    pub whole_tables: IntCounter,
+    pub tables: IntCounter,
 }
 
 /// One database's lookups, resolved once per database.
@@ -327,6 +333,7 @@ struct Families {
     hits_by_tier: IntCounterVec,
     bypasses: IntCounterVec,
     invalidations: IntCounterVec,
+    invalidation_scopes: IntCounterVec,
     evictions: IntCounterVec,
     client_bytes: IntCounterVec,
     latency: HistogramVec,
@@ -358,6 +365,13 @@ impl Families {
                 "pgcache_cache_bypasses_total",
                 "Requests that could not use the cache, by reason",
                 &["reason"],
+            ),
+            invalidation_scopes: r.counter_vec(
+                "pgcache_invalidated_versions_total",
+                "Versions moved by invalidations, by what each reaches: a stripe of a table's rows \
+                 (row: only the reads by row of rows in it), a table as a whole (whole_table: \
+                 its reads by row too), a table's reads not by row (table)",
+                &["scope"],
             ),
             invalidations: r.counter_vec(
                 "pgcache_invalidations_total",
@@ -421,9 +435,13 @@ impl Evictions {
 }
 
 impl Invalidations {
-    fn new(by_source: &IntCounterVec) -> Self {
+    fn new(by_source: &IntCounterVec, by_scope: &IntCounterVec) -> Self {
         let source = |label: &str| by_source.with_label_values(&[label]);
+        let scope = |label: &str| by_scope.with_label_values(&[label]);
         Self {
+            rows: scope("row"),
+            whole_tables: scope("whole_table"),
+            tables: scope("table"),
             write: source("write"),
             replication: source("replication"),
             admin: source("admin"),
@@ -468,7 +486,7 @@ impl Metrics {
             latency_hit: f.latency.with_label_values(&["hit"]),
             latency_miss: f.latency.with_label_values(&["miss"]),
             evictions: Evictions::new(&f.evictions, invalidation("ttl")),
-            invalidations: Invalidations::new(&f.invalidations),
+            invalidations: Invalidations::new(&f.invalidations, &f.invalidation_scopes),
             client_bytes_in: by(&f.client_bytes, "in"),
             client_bytes_out: by(&f.client_bytes, "out"),
             auth_failures: AuthFailures {

@@ -33,6 +33,11 @@ pub(super) struct Batch {
     pub forwarded: bool,
     /// What the batch's statements change, applied at its ReadyForQuery.
     pub effects: crate::cache::Bumps,
+    /// What a run of the portal the last Bind made moves, worked out at
+    /// the Bind from its parameters for a keyed write: the portal, the
+    /// plan (to be the one its Execute finds), and the bumps. See
+    /// [`crate::session::keyed`].
+    pub bound: Option<(Bytes, Arc<Plan>, crate::cache::Bumps)>,
     /// Statements the batch defines: forgotten if it fails.
     pub parsed: Vec<Bytes>,
 }
@@ -238,6 +243,17 @@ impl Batch {
     }
 
     /// Ends the batch; returns its effects and the statements it parsed.
+    /// An Execute of `portal` under `plan`: its effects join the batch's,
+    /// by the rows the last Bind named if it made that portal.
+    pub fn executed(&mut self, portal: &[u8], plan: &Arc<Plan>) {
+        match self.bound.take() {
+            Some((bound, planned, effects)) if bound == portal && Arc::ptr_eq(&planned, plan) => {
+                self.effects.merge(&effects)
+            }
+            _ => self.effects.merge(&plan.effects),
+        }
+    }
+
     pub fn reset(&mut self) -> (crate::cache::Bumps, Vec<Bytes>) {
         self.raw.clear();
         self.shape.clear();
@@ -245,6 +261,7 @@ impl Batch {
             **held = Held::default();
         }
         self.forwarded = false;
+        self.bound = None;
         (
             std::mem::take(&mut self.effects),
             std::mem::take(&mut self.parsed),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::plan::Plan;
+use crate::cache::Reads;
 use crate::cache::key::{self, sql_hash};
 use crate::policy::Policy;
 use crate::pool::marks::{Marks, marks};
@@ -42,6 +43,9 @@ struct KnownText {
     /// would-be hit (shadow mode) or a hit about a tenth of its
     /// instructions.
     marks: Option<Marks>,
+    /// What a keyed read of the plan reads, for this text's rows
+    /// ([`crate::session::keyed`]): worked out once per text and plan.
+    keyed_reads: Option<Reads>,
 }
 
 pub(super) struct Known {
@@ -161,11 +165,33 @@ impl Known {
         }
         self.plans
             .entry(hash)
-            .and_modify(|t| t.plan = Arc::clone(plan))
+            .and_modify(|t| {
+                t.plan = Arc::clone(plan);
+                t.keyed_reads = None;
+            })
             .or_insert_with(|| KnownText {
                 plan: Arc::clone(plan),
                 marks: None,
+                keyed_reads: None,
             });
+    }
+
+    /// What a run of text `sql` (hash `hash`) under `plan` reads when the
+    /// plan reads its rows by key: memoised with the text's plan.
+    pub fn keyed_reads(&mut self, hash: u128, plan: &Arc<Plan>, sql: &[u8]) -> Option<Reads> {
+        let keyed = plan.keyed.as_ref()?;
+        let memo = self
+            .plans
+            .get_mut(&hash)
+            .filter(|t| Arc::ptr_eq(&t.plan, plan));
+        if let Some(reads) = memo.as_ref().and_then(|t| t.keyed_reads.clone()) {
+            return Some(reads);
+        }
+        let reads = crate::session::keyed::text_reads(keyed, sql)?;
+        if let Some(t) = memo {
+            t.keyed_reads = Some(reads.clone());
+        }
+        Some(reads)
     }
 
     /// True the first time a text's hint problems come up.

@@ -27,6 +27,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzz;
 mod hidden;
+mod keyed;
 mod known;
 mod link;
 mod login;

@@ -16,6 +16,7 @@ use crate::classify::{Analysis, BypassReason, Ddl, Effect, StatementInfo};
 use crate::config::CacheMode;
 use crate::hints::{Hints, Tier};
 use crate::policy::Policy;
+use crate::session::keyed::Keyed;
 
 pub(super) struct Plan {
     /// Catalog generation the plan was made with.
@@ -27,8 +28,16 @@ pub(super) struct Plan {
     pub stats: Arc<QueryStats>,
     /// For a cacheable single SELECT: the version counters of its tables.
     pub read: Result<Reads, BypassReason>,
-    /// Invalidations it causes when it completes.
+    /// A cacheable read of one table's rows by key: what it reads instead
+    /// of `read`, for the rows each run names ([`Keyed::reads`]).
+    pub keyed: Option<Arc<Keyed>>,
+    /// Invalidations it causes when it completes. A write moves the
+    /// versions of the tables it writes and their `wide` (every read of
+    /// them by row), unless a run's rows are known ([`Self::keyed_write`]).
     pub effects: Bumps,
+    /// A write of one table's rows by key: a run whose rows are known
+    /// moves `effects` without the table's `wide`, and the rows' stripes.
+    pub keyed_write: Option<(Arc<Keyed>, Bumps)>,
     /// It may change the session's settings.
     pub settings: bool,
     /// It may write (starts "after a write" in a transaction).
@@ -159,7 +168,9 @@ impl Plan {
             tier: hints.tier,
             stats: Arc::clone(&analyzed.stats),
             read: Err(BypassReason::NotSelect),
+            keyed: None,
             effects: Bumps::default(),
+            keyed_write: None,
             settings: false,
             writes: false,
             creates_temp: false,
@@ -174,6 +185,14 @@ impl Plan {
                 .iter()
                 .all(|rel| facts.relation(&rel.name).is_some_and(|f| f.ttl_ok));
         }
+        // Every read of a written table by row misses, unless a run's rows
+        // are known.
+        let by_table = plan.effects.clone();
+        for table in &by_table.families {
+            plan.effects.add_family(versions.wide(table));
+        }
+        plan.keyed_write =
+            Keyed::write(&analyzed.analysis, facts, versions).map(|keyed| (keyed, by_table));
         let mut ttl = hints.ttl;
         let mut unwatched = false;
         plan.read = read_of(
@@ -192,6 +211,9 @@ impl Plan {
                 .collect()
         });
         plan.unwatched = unwatched;
+        if plan.read.is_ok() && !unwatched {
+            plan.keyed = Keyed::read(&analyzed.analysis, hints, facts, versions);
+        }
         let ttl = ttl.or(policy.default_ttl);
         let refresh = hints
             .refresh
@@ -346,6 +368,7 @@ mod tests {
                 ttl_ok: name != "unlogged",
                 table: name != "v",
                 policy_functions: Vec::new(),
+                identity: None,
             };
             fetched.rels.insert(name.to_owned(), rel);
         }

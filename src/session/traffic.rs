@@ -61,6 +61,9 @@ where
             match action {
                 // Boxed: a Redis round trip is a large future, and rare.
                 Action::Publish(publication) => Box::pin(publication.send()).await,
+                Action::Mirror(table) => {
+                    Box::pin(self.app.cache.mirror_rows(&self.engine.db, &table)).await
+                }
                 Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
                 Action::Watch => self.app.streams.ensure(&self.engine.db),
                 Action::Fetch => self.app.fetch_catalog(&self.engine.db),

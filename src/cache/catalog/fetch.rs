@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 
 use super::{Fetched, FuncFacts, IMMUTABLE_CONSTRUCTS, RelFacts, Wanted};
 use crate::cache::database::DbState;
+use crate::cache::rowkey::Identity;
 use crate::classify::policy_facts;
 use crate::upstream::Upstream;
 
@@ -41,6 +42,18 @@ fn name_array(names: &[&str]) -> String {
     let items: Vec<String> = names.iter().map(|n| literal(n)).collect();
     format!("ARRAY[{}]::pg_catalog.name[]", items.join(","))
 }
+
+/// A table's replica identity, for keys by row ([`crate::cache::rowkey`]):
+/// its key columns in column order, as `name` US `type oid`, separated by
+/// RS; NULL unless every one has a deterministic collation (equality is
+/// then equality of the bytes).
+const IDENTITY: &str = "(SELECT CASE WHEN pg_catalog.bool_and(coalesce(co.collisdeterministic, true))
+      THEN pg_catalog.string_agg(a.attname || chr(31) || a.atttypid::text, chr(30) ORDER BY a.attnum) END
+    FROM pg_catalog.pg_index i
+    JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY (i.indkey)
+    LEFT JOIN pg_catalog.pg_collation co ON co.oid = a.attcollation
+    WHERE i.indrelid = c.oid
+      AND CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END)";
 
 /// One row per relation name and function name asked for, and one per
 /// policy of those relations, fully qualified so that no search_path can
@@ -78,12 +91,15 @@ pub fn facts_sql(rels: &[&str], funcs: &[&str], publication: Option<&str>) -> St
     AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')
     AND NOT (c.relkind = 'r' AND c.relhassubclass))::text,
   pg_catalog.bool_or(c.relkind IN ('r','p') AND c.relpersistence = 'p'
-    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast') AND NOT {published})::text
+    AND n.nspname NOT IN ('pg_catalog','information_schema','pg_toast') AND NOT {published})::text,
+  CASE WHEN pg_catalog.count(*) = 1
+    AND pg_catalog.bool_and(c.relkind = 'r' AND NOT c.relhassubclass AND NOT c.relispartition)
+  THEN pg_catalog.min({IDENTITY}) END
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relkind IN ('r','p','v','m','f','S') AND c.relname = ANY ({names})
 GROUP BY c.relname
 UNION ALL
-SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL, NULL, NULL
+SELECT 'p', c.relname::text, pg_catalog.pg_get_expr(pol.polqual, pol.polrelid), NULL, NULL, NULL, NULL, NULL, NULL
 FROM pg_catalog.pg_policy pol JOIN pg_catalog.pg_class c ON c.oid = pol.polrelid
 WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
         ));
@@ -92,7 +108,7 @@ WHERE pol.polqual IS NOT NULL AND c.relname = ANY ({names})"
         parts.push(format!(
             "SELECT 'f', p.proname::text, pg_catalog.bool_and(p.provolatile = 'i')::text,
   pg_catalog.bool_or(p.provolatile = 'v' AND p.pronamespace <> 'pg_catalog'::pg_catalog.regnamespace)::text,
-  pg_catalog.bool_and(p.provolatile <> 'v')::text, NULL, NULL, NULL
+  pg_catalog.bool_and(p.provolatile <> 'v')::text, NULL, NULL, NULL, NULL
 FROM pg_catalog.pg_proc p WHERE p.proname = ANY ({}) GROUP BY p.proname",
             name_array(funcs)
         ));
@@ -131,6 +147,7 @@ impl Parsed {
                             ttl_ok: col(5) == Some("true"),
                             table: col(6) == Some("true"),
                             policy_functions: Vec::new(),
+                            identity: col(8).and_then(Identity::parse).map(Arc::new),
                         },
                     );
                 }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use super::rowkey::Identity;
 use super::versions::Ddl;
 
 /// How long "no relation (function) of this name" is believed: such a name
@@ -61,6 +62,10 @@ pub struct RelFacts {
     /// Functions its row-level security policies call: these facts are
     /// stale when one of them changes.
     pub policy_functions: Vec<String>,
+    /// Its replica identity, where its reads and writes may be keyed by row
+    /// (one plain table of the name, its key columns of kinds
+    /// [`crate::cache::rowkey`] knows).
+    pub identity: Option<Arc<Identity>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -500,6 +505,7 @@ mod tests {
             ttl_ok: true,
             table: true,
             policy_functions: Vec::new(),
+            identity: None,
         }
     }
 

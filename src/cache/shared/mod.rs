@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::database::{Databases, DbState};
-use super::versions::{Bumps, unix_ms};
+use super::versions::{Bumps, Family, unix_ms};
 use crate::config::{Config, Consistency, RedisNodes};
 use crate::metrics::SharedMetrics;
 use breaker::Breaker;
@@ -412,6 +412,7 @@ impl SharedTier {
             .families
             .iter()
             .map(|f| format!("{TABLE}{}", f.name))
+            .chain(bumps.elsewhere.iter().map(|name| format!("{TABLE}{name}")))
             .collect();
         if bumps.epoch || !bumps.ddl.is_none() {
             fields.push(EPOCH.to_owned());
@@ -452,6 +453,30 @@ impl SharedTier {
             Err(e) => debug!(error = %e, "bump not sent; resynchronising"),
         }
         // A `Pending` dropped undone marks the tier out of sync.
+    }
+
+    /// Raises this instance's mirrors of `families` to Redis's counters.
+    pub async fn mirror(
+        &self,
+        db: &DbState,
+        families: impl Iterator<Item = &Arc<Family>>,
+    ) -> Result<(), SharedError> {
+        let families: Vec<&Arc<Family>> = families.collect();
+        let hash = self.versions_key(&db.name);
+        let values = self
+            .run(async |mut c| {
+                let mut cmd = redis::cmd("HMGET");
+                cmd.arg(&hash);
+                for f in &families {
+                    cmd.arg(format!("{TABLE}{}", f.name));
+                }
+                cmd.query_async::<Vec<Option<u64>>>(&mut c).await
+            })
+            .await?;
+        for (f, value) in families.iter().zip(values) {
+            f.version.raise_shared(value.unwrap_or(0));
+        }
+        Ok(())
     }
 
     /// Something may have been missed: stop using the shared tier until

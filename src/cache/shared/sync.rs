@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 
 use super::{Background, DDL, EPOCH, SharedError, SharedTier, TABLE, WAKE, WATCH, WRITES};
 use crate::cache::database::DbState;
-use crate::cache::versions::Version;
+use crate::cache::versions::{Scope, Version};
 
 impl SharedTier {
     /// Keeps a subscription to the invalidation channel, applying what other
@@ -227,8 +227,16 @@ pub(super) fn apply_field(db: &DbState, field: &str, value: u64) {
             return;
         }
         _ => match field.strip_prefix(TABLE) {
-            Some(table) => {
-                db.versions.family(table).version.raise_shared(value);
+            Some(name) => {
+                // A stripe of a table this instance does not key by row:
+                // no mirror is kept ([`crate::cache::versions::RowVersions`]).
+                if let Some((table, _)) = name.rsplit_once("#k")
+                    && Scope::of(name) == Scope::Row
+                    && db.versions.family(table).rows().is_none()
+                {
+                    return;
+                }
+                db.versions.family(name).version.raise_shared(value);
                 return;
             }
             None => return,

@@ -9,6 +9,7 @@ use bytes::BytesMut;
 
 use crate::App;
 use crate::cache::key::RequestKey;
+use crate::cache::versions::Family;
 use crate::cache::{Fill, Publication, Wait, Waited};
 use crate::pool::clients::Client;
 use crate::session::capture::Capture;
@@ -30,6 +31,9 @@ pub(in crate::session) struct Ctx<'a> {
 pub(in crate::session) enum Action {
     /// Send invalidations to Redis (and every other instance).
     Publish(Publication),
+    /// Read this instance's mirrors of the table's rows' counters from
+    /// Redis: it began keying the table by row.
+    Mirror(Arc<Family>),
     /// Store a complete answer in the cache tiers.
     Store(Box<Fill>, BytesMut),
     /// Follow the database's changes: start its stream if none runs.
@@ -107,4 +111,6 @@ pub(in crate::session) struct ReadyBatch {
     pub key: RequestKey,
     pub statement: Arc<Statement>,
     pub plan: Arc<Plan>,
+    /// A keyed read's rows' versions ([`crate::session::keyed`]).
+    pub by_row: Option<crate::cache::Reads>,
 }

@@ -35,6 +35,7 @@ use crate::upstream::UpstreamAddr;
 
 mod answers;
 mod events;
+mod lookup;
 mod requests;
 mod routing;
 #[cfg(test)]
@@ -146,6 +147,78 @@ impl Engine {
                 self.pin(ctx, why);
             }
         }
+    }
+
+    /// What a keyed read reads for this run's rows (`reads` works it
+    /// out). Only while this instance's own stream is up: the stream moves
+    /// the rows' stripes, and another instance's vouch covers the tables'
+    /// versions alone.
+    pub(super) fn keyed_reads(
+        &mut self,
+        plan: &Plan,
+        reads: impl FnOnce(&mut Known) -> Option<crate::cache::Reads>,
+    ) -> Option<crate::cache::Reads> {
+        plan.keyed.as_ref()?;
+        self.db
+            .stream
+            .is_streaming()
+            .then(|| reads(&mut self.known))
+            .flatten()
+    }
+
+    /// What a keyed read of `plan` reads for the rows Bind `body` of
+    /// statement `stmt` names.
+    pub(super) fn bound_reads(
+        &mut self,
+        plan: &Plan,
+        stmt: &crate::session::known::Statement,
+        body: &[u8],
+    ) -> Option<crate::cache::Reads> {
+        let keyed = plan.keyed.as_ref()?;
+        self.keyed_reads(plan, |_| {
+            let bound = crate::cache::rowkey::Bound::read(&stmt.param_types, body)?;
+            let literals = match keyed.rows.literal {
+                true => crate::hints::literals(std::str::from_utf8(&stmt.sql).ok()?),
+                false => Vec::new(),
+            };
+            keyed.reads(crate::cache::rowkey::Values {
+                literals: &literals,
+                bound: Some(&bound),
+            })
+        })
+    }
+
+    /// At a Bind of `stmt` whose plan (as last made) is a keyed write: what
+    /// the run moves, for the rows its parameters (Bind `body`) name.
+    pub(super) fn bound_effects(
+        &self,
+        stmt: &crate::session::known::Statement,
+        body: &[u8],
+    ) -> Option<(Arc<Plan>, crate::cache::Bumps)> {
+        let generation = self.db.catalog.generation();
+        let policy = self.known.policy.generation;
+        let plan = self.known.plan(stmt.hash, generation, policy)?;
+        plan.keyed_write.as_ref()?;
+        let bound = crate::cache::rowkey::Bound::read(&stmt.param_types, body)?;
+        let literals = match plan
+            .keyed_write
+            .as_ref()
+            .is_some_and(|(k, _)| k.rows.literal)
+        {
+            true => crate::hints::literals(std::str::from_utf8(&stmt.sql).ok()?),
+            false => Vec::new(),
+        };
+        let values = crate::cache::rowkey::Values {
+            literals: &literals,
+            bound: Some(&bound),
+        };
+        let effects = crate::session::keyed::run_effects(
+            &plan.effects,
+            plan.keyed_write.as_ref(),
+            &self.db.versions,
+            values,
+        );
+        Some((plan, effects))
     }
 
     /// Transaction mode: a feature that lives in one backend keeps the
@@ -405,6 +478,9 @@ impl Engine {
             generation,
             &self.known.policy,
         ));
+        for table in crate::session::keyed::began(&plan) {
+            self.actions.push(Action::Mirror(table));
+        }
         if let Ok(families) = &plan.read {
             plan.stats.set_reads(&self.db, families);
         }

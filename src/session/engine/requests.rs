@@ -30,33 +30,23 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{Action, Ctx, Engine, Need, ReadyBatch};
+use super::lookup::Answer;
+use super::{Ctx, Engine, Need, ReadyBatch};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
-use crate::cache::sampler::Check;
-use crate::cache::{Bumps, Lookup, Request};
+use crate::cache::{Bumps, Reads};
 use crate::classify::BypassReason;
-use crate::config::CacheMode;
 use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, extended, frontend as fe, messages};
+use crate::protocol::{TxStatus, extended, frontend as fe};
 use crate::session::batch::{WholeBatch, binds_time_literal, describes_the_bound, extended_key};
-use crate::session::capture::Capture;
+use crate::session::keyed;
 use crate::session::known::Statement;
-use crate::session::offload::Job;
 use crate::session::pipeline::{Flow, Inflight};
 use crate::session::plan::Plan;
-use crate::session::row_limit::{RowCut, cut_stored, set_row_limit};
-
-/// What became of a read the cache was asked for.
-enum Answer {
-    /// Answered from the cache; the backend sees only a refresh, if any.
-    Served { refreshed: bool },
-    /// To forward, with a capture if its result is to be stored.
-    Forward(Option<Capture>),
-}
+use crate::session::row_limit::{RowCut, set_row_limit};
 
 /// A held batch's cache key, plan, statement and row limit.
-type BatchKey = (RequestKey, Arc<Plan>, Arc<Statement>, u32);
+type BatchKey = (RequestKey, Arc<Plan>, Arc<Statement>, u32, Option<Reads>);
 
 impl Engine {
     /// One complete client frame, with caching on.
@@ -158,14 +148,15 @@ impl Engine {
             .may_serve(ctx, &plan, true)?
             .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
         self.settings_for_replica(ctx, &plan)?;
-        let looked = self.look_up(ctx, key, &plan)?;
+        let reads = self.keyed_reads(&plan, |known| known.keyed_reads(hash, &plan, sql));
+        let looked = self.look_up(ctx, key, &plan, reads.as_ref())?;
         // Decided: nothing below waits.
         plan.stats.call();
         let mut inflight = Inflight {
-            effects: plan.effects.clone(),
+            effects: keyed::text_effects(&plan, &self.db.versions, sql),
             ..Inflight::default()
         };
-        match self.answer(ctx, looked, &plan, frame, 0) {
+        match self.answer(ctx, looked, reads.as_ref(), &plan, frame, 0) {
             Answer::Served { .. } => return Ok(Flow::Continue),
             Answer::Forward(capture) => {
                 if capture.is_some() {
@@ -251,6 +242,9 @@ impl Engine {
             self.known.close_portal(portal);
             return false;
         };
+        self.batch.bound = self
+            .bound_effects(&stmt, body)
+            .map(|(plan, effects)| (Bytes::copy_from_slice(portal), plan, effects));
         self.known.bind_portal(body.slice_ref(portal), stmt);
         if holdable {
             self.batch.hold_bind(frame);
@@ -283,7 +277,7 @@ impl Engine {
         let hold = holdable && self.may_hold(ctx, &plan)?;
         self.pipeline.executed();
         plan.stats.call();
-        self.batch.effects.merge(&plan.effects);
+        self.batch.executed(&portal, &plan);
         self.note_effects(&plan);
         if hold {
             self.batch.hold_execute(portal, max_rows, plan, frame);
@@ -305,8 +299,8 @@ impl Engine {
         let mut inflight = Inflight::default();
         if self.batch.holds() && !self.batch.forwarded {
             match self.batch_key(ctx)? {
-                Ok((key, plan, stmt, row_limit)) => {
-                    let looked = self.look_up(ctx, Ok(key), &plan)?;
+                Ok((key, plan, stmt, row_limit, by_row)) => {
+                    let looked = self.look_up(ctx, Ok(key), &plan, by_row.as_ref())?;
                     // The held frames and this Sync: what a refresh sends.
                     let execute_at = self.batch.execute_at();
                     let mut request = self.batch.release().unwrap_or_default();
@@ -319,7 +313,7 @@ impl Engine {
                         set_row_limit(&mut request[at], row_limit + 1);
                         inflight.row_cut = Some(RowCut::new(row_limit));
                     }
-                    match self.answer(ctx, looked, &plan, &request, row_limit) {
+                    match self.answer(ctx, looked, by_row.as_ref(), &plan, &request, row_limit) {
                         Answer::Served { refreshed } => {
                             // Unless the refresh just sent it.
                             self.defer_parse(refreshed);
@@ -393,9 +387,10 @@ impl Engine {
                 return Ok(Err(reason));
             }
         };
+        let by_row = self.bound_reads(&plan, &stmt, query.bind_body());
         Ok(
             extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
-                .map(|key| (key, plan, stmt, query.row_limit)),
+                .map(|key| (key, plan, stmt, query.row_limit, by_row)),
         )
     }
 
@@ -441,6 +436,7 @@ impl Engine {
         Some(ReadyBatch {
             len: at.len,
             key: extended_key(prefix, &stmt, shape, at.bind_body(buf)).ok()?,
+            by_row: self.bound_reads(&plan, &stmt, at.bind_body(buf)),
             statement: stmt,
             plan,
         })
@@ -457,13 +453,13 @@ impl Engine {
     ) -> Result<(), Need> {
         self.db.hold.touch_at(ctx.now);
         let plan = &ready.plan;
-        let looked = self.look_up(ctx, Ok(ready.key), plan)?;
+        let looked = self.look_up(ctx, Ok(ready.key), plan, ready.by_row.as_ref())?;
         self.known
             .bind_portal(Bytes::new(), Arc::clone(&ready.statement));
         self.pipeline.executed();
         plan.stats.call();
         self.note_effects(plan);
-        match self.answer(ctx, looked, plan, request, 0) {
+        match self.answer(ctx, looked, ready.by_row.as_ref(), plan, request, 0) {
             Answer::Served { .. } => {}
             Answer::Forward(capture) => {
                 let mut inflight = Inflight {
@@ -482,118 +478,5 @@ impl Engine {
         }
         self.found.clear();
         Ok(())
-    }
-
-    /// Asks the cache for a read (`key`, or why it may not be served); a
-    /// bypass is counted here.
-    fn look_up(
-        &mut self,
-        ctx: &Ctx,
-        key: Result<RequestKey, BypassReason>,
-        plan: &Plan,
-    ) -> Result<Result<Lookup, BypassReason>, Need> {
-        // A key is only made for a cacheable read, which has its reads.
-        let (key, reads) = match (key, plan.read.as_ref().map_err(|r| *r)) {
-            (Ok(key), Ok(reads)) => (key, reads),
-            (Err(reason), _) | (_, Err(reason)) => {
-                ctx.app.cache.bypassed(&self.db, reason);
-                plan.stats.bypassed(reason);
-                return Ok(Err(reason));
-            }
-        };
-        let req = Request {
-            db: &self.db,
-            key,
-            reads,
-            tier: plan.tier,
-            lifetime: plan.lifetime,
-            stats: &plan.stats,
-            in_transaction: self.tx.status != TxStatus::Idle,
-            coalesce_wait: self.known.policy.coalesce_wait,
-            first_read_wait: self.known.policy.first_read_wait,
-            started: ctx.now,
-            shadow: self.known.policy.mode == CacheMode::Shadow,
-        };
-        match ctx.app.cache.lookup(&req, &mut self.found.lookup) {
-            Ok(lookup) => Ok(Ok(lookup)),
-            Err(wait) => Err(Need::Cache(wait)),
-        }
-    }
-
-    /// What the cache's answer means for the client: a hit is staged for
-    /// it, with a refresh or a sampler's check sent as `request` (the
-    /// frames that ask for it again) when one is due.
-    fn answer(
-        &mut self,
-        ctx: &Ctx,
-        looked: Result<Lookup, BypassReason>,
-        plan: &Plan,
-        request: &[u8],
-        row_limit: u32,
-    ) -> Answer {
-        if let Err(BypassReason::ReplicationDown)
-        | Ok(Lookup::Bypass(BypassReason::ReplicationDown)) = &looked
-        {
-            // pgcache may have let go of the database: take hold again
-            // (also for a table not yet published: the stream adds it).
-            self.actions.push(Action::Watch);
-        }
-        let (bytes, refresh) = match looked {
-            Err(_) => return Answer::Forward(None),
-            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
-            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
-            Ok(Lookup::Bypass(reason)) => {
-                plan.stats.bypassed(reason);
-                return Answer::Forward(None);
-            }
-            // Checked against PostgreSQL's frames as they arrive, before
-            // any row-limit cut for the client.
-            Ok(Lookup::WouldHit(stored)) => {
-                return Answer::Forward(Some(Capture::compare(stored)));
-            }
-        };
-        if ctx.app.replicas.enabled()
-            && let Ok(reads) = &plan.read
-        {
-            self.observed_hit(reads, ctx.now);
-        }
-        let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
-        self.out
-            .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
-        self.out
-            .extend_from_slice(&messages::ready_for_query(self.tx.status));
-        // A refresh, or a check of the correctness sampler: the request
-        // again, as pgcache's own.
-        let hidden = match refresh {
-            Some(fill) => Some(Capture::new(fill)),
-            None if self.tx.status == TxStatus::Idle
-                && ctx.app.cache.sampler.draw(
-                    self.known.policy.verify_rate,
-                    self.known.policy.verify_max_per_sec,
-                    &ctx.app.metrics.verify,
-                ) =>
-            {
-                let reads = plan.read.as_ref().expect("a hit has its reads");
-                let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
-                Some(Capture::verify(check))
-            }
-            None => None,
-        };
-        let Some(capture) = hidden else {
-            return Answer::Served { refreshed: false };
-        };
-        // Off the client's path where pgcache can; else on its connection,
-        // answered to nobody.
-        match Job::for_request(&self.link, &self.known, &self.db, request) {
-            Some(job) => {
-                self.actions.push(Action::Offload(Box::new(job), capture));
-                Answer::Served { refreshed: false }
-            }
-            None => {
-                self.forward(request);
-                self.pipeline.push_hidden(Inflight::hidden(Some(capture)));
-                Answer::Served { refreshed: true }
-            }
-        }
     }
 }
