@@ -245,6 +245,8 @@ pub fn stats_json(app: &App) -> serde_json::Value {
                 "verify_mismatches": q.verify_mismatches,
                 "backend_ms": q.backend_ms,
                 "invalidations": q.invalidations,
+                "suspensions": q.suspensions,
+                "not_admitted": q.not_admitted,
                 "advice": advice.action,
                 "why": advice.why,
                 "hint": advice.hint,

@@ -21,6 +21,8 @@ pub struct Policy {
     /// many a second.
     pub verify_rate: f64,
     pub verify_max_per_sec: u32,
+    /// `cache.adaptive_admission`.
+    pub admission: bool,
     tables: HashMap<String, TableRule>,
     roles: BTreeMap<String, bool>,
     databases: BTreeMap<String, bool>,
@@ -38,6 +40,7 @@ impl Policy {
             first_read_wait: Duration::from_millis(config.first_read_wait_ms),
             verify_rate: config.verify_sample_rate,
             verify_max_per_sec: config.verify_max_per_sec,
+            admission: config.adaptive_admission,
             tables: config
                 .tables
                 .iter()

@@ -411,3 +411,78 @@ async fn two_instances_sharing_redis_agree_on_rows() {
     assert_eq!(scalar(&ca, &row(1)).await.as_deref(), Some("10"));
     still_hit(&b, &cb, &row(2), "2").await;
 }
+
+/// Adaptive admission: a read whose answers every write retires before
+/// they are read again stops being stored for a while, and its answers
+/// stay right; after the pause it is stored again. A read by key of the
+/// same table, served between writes, stays admitted.
+#[tokio::test]
+async fn reads_retired_unread_stop_being_stored_for_a_while() {
+    let (db, proxy, client, direct) = setup(
+        "keyed_admission",
+        "CREATE TABLE acc(id int PRIMARY KEY, v int); INSERT INTO acc SELECT g, g FROM generate_series(1, 100) g",
+    )
+    .await;
+    streamed(&proxy, &db).await;
+    let hot = "SELECT v FROM acc WHERE id = 1";
+    cached(&proxy, &client, hot, "1").await;
+    let not_admitted = || {
+        proxy
+            .app
+            .metrics
+            .bypasses(pgcache::classify::BypassReason::NotAdmitted)
+    };
+    let range = |k: i32| format!("SELECT sum(v) FROM acc WHERE id BETWEEN {k} AND {k} + 5");
+    // Ranges read in turn, each retired by a write before it comes round
+    // again: the shape is judged every 64 stores.
+    let mut reads = 0;
+    let mut stores = proxy.stores();
+    for k in (2..42).cycle() {
+        reads += 1;
+        assert!(reads <= 200, "never suspended after {reads} reads");
+        stores = proxy.stores();
+        let want = scalar(&direct, &range(k)).await;
+        assert_eq!(scalar(&client, &range(k)).await, want, "{}", range(k));
+        if not_admitted() > 0 {
+            break;
+        }
+        // Another row, through pgcache: the range reads are retired at
+        // once, the read by key is not.
+        client
+            .batch_execute(&format!("UPDATE acc SET v = {reads} WHERE id = 100"))
+            .await
+            .unwrap();
+        still_hit(&proxy, &client, hot, "1").await;
+    }
+    assert_eq!(proxy.stores(), stores, "not stored once suspended");
+    let shape = proxy
+        .app
+        .cache
+        .stats
+        .top(10)
+        .into_iter()
+        .find(|q| q.text.starts_with("SELECT sum(v) FROM acc"))
+        .expect("the range read's statistics");
+    assert!(shape.suspensions >= 1, "{shape:?}");
+    let advice = pgcache::cache::advice::advise(&shape, pgcache::config::CacheMode::Auto);
+    assert_eq!(advice.action, "leave", "{advice:?}");
+    // Paused: sent straight to PostgreSQL, right, and not stored.
+    direct
+        .batch_execute("UPDATE acc SET v = -3 WHERE id = 3")
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&client, &range(3)).await,
+        scalar(&direct, &range(3)).await
+    );
+    assert_eq!(proxy.stores(), stores, "nothing stored while paused");
+    // After the pause it is stored again.
+    eventually(WAIT, "the range read to be stored again", || async {
+        assert_eq!(
+            scalar(&client, &range(4)).await,
+            scalar(&direct, &range(4)).await
+        );
+        (proxy.stores() > stores).then_some(())
+    })
+    .await;
+}

@@ -39,6 +39,19 @@ pub fn advise(q: &QueryRow, mode: CacheMode) -> Advice {
             Some(reason) => advice("leave", format!("not cacheable: {}", reason.label()), ""),
         };
     }
+    // Adaptive admission stopped storing it, and it was sent straight to
+    // PostgreSQL more often than it was served.
+    if q.suspensions > 0 && q.not_admitted >= q.hits {
+        return advice(
+            "leave",
+            format!(
+                "its answers were invalidated before they were read: not stored for a while, \
+                 {} times ({} requests sent straight to PostgreSQL)",
+                q.suspensions, q.not_admitted
+            ),
+            "/*+ nocache */",
+        );
+    }
     // Each invalidation of what it reads costs the next read a miss.
     if reads >= FEW_CALLS && q.invalidations * 2 >= reads {
         return advice(
@@ -98,6 +111,8 @@ mod tests {
             last_bypass,
             invalidations,
             last_invalidation_ms: 0,
+            suspensions: 0,
+            not_admitted: 0,
         }
     }
 
@@ -107,6 +122,19 @@ mod tests {
         assert_eq!(a(&row(100, 95, 5, 4, None)).action, "cache");
         let churn = a(&row(100, 20, 80, 70, None));
         assert_eq!((churn.action, churn.hint), ("leave", "/*+ nocache */"));
+        let suspended = |hits, not_admitted| QueryRow {
+            suspensions: 2,
+            not_admitted,
+            ..row(1000, hits, 128, 3, Some(BypassReason::NotAdmitted))
+        };
+        let paused = a(&suspended(10, 800));
+        assert_eq!((paused.action, paused.hint), ("leave", "/*+ nocache */"));
+        assert!(
+            paused.why.contains("2 times (800 requests"),
+            "{}",
+            paused.why
+        );
+        assert_eq!(a(&suspended(800, 10)).action, "cache", "served since");
         let view = a(&row(50, 0, 0, 0, Some(BypassReason::NotATable)));
         assert_eq!((view.action, view.hint), ("ttl", "/*+ cache ttl=60s */"));
         assert_eq!(

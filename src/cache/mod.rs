@@ -18,6 +18,7 @@
 //! made from) or a bypass; it hands the fill back to [`Cache::store`], and
 //! its writes to [`Cache::invalidate`]. The session only does the I/O.
 
+pub mod admission;
 pub mod advice;
 pub mod analysis;
 pub mod catalog;
@@ -68,6 +69,8 @@ pub struct Cache {
     pub stats: StatsRegistry,
     /// Which hits the correctness sampler checks.
     pub sampler: sampler::Sampler,
+    /// Which statement shapes are stored.
+    pub admission: admission::Admission,
     metrics: Arc<Metrics>,
     /// Replication streams invalidate (checked at start-up): entries are
     /// served only while their database's stream is current.
@@ -88,6 +91,9 @@ pub struct Request<'a> {
     pub tier: Tier,
     pub lifetime: Lifetime,
     pub stats: &'a QueryStats,
+    /// `cache.adaptive_admission`: its misses are judged (see
+    /// [`admission`]).
+    pub admission: bool,
     /// Inside a transaction block: stored only at COMMIT, so it neither
     /// waits for nor holds up other sessions, and is never refreshed.
     pub in_transaction: bool,
@@ -186,6 +192,7 @@ impl Cache {
             analyses: analysis::Analyses::new(10_000),
             stats: StatsRegistry::new(10_000),
             sampler: sampler::Sampler::default(),
+            admission: admission::Admission::default(),
             metrics,
             replication: AtomicBool::new(false),
         }
@@ -358,6 +365,7 @@ impl Cache {
         if req.tier.local()
             && let Some(entry) = self.local.get(local)
         {
+            self.admission.served(req.key);
             if req.shadow {
                 return Ok(Lookup::WouldHit(entry.bytes.clone()));
             }
@@ -408,6 +416,10 @@ impl Cache {
         };
         self.metrics.misses.inc();
         self.db_metrics(req.db).miss.inc();
+        if req.admission {
+            self.admission
+                .missed(&req.stats.admission, req.key, req.started);
+        }
         Ok(Lookup::Miss(Fill::new(req, local, shared, guard)))
     }
 
@@ -498,6 +510,7 @@ impl Cache {
             self.local
                 .insert_aged(local, &entry.payload, req.lifetime, age);
         }
+        self.admission.served(req.key);
         if req.shadow {
             return Lookup::WouldHit(entry.payload);
         }

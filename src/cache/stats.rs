@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::admission::Shape;
 use super::database::DbState;
 use super::versions::Family;
 use crate::classify::BypassReason;
@@ -39,6 +40,8 @@ pub struct QueryStats {
     last_bypass: AtomicU8,
     /// What it reads, for "last invalidation": set by the first plan.
     reads: Mutex<Option<Reads>>,
+    /// Whether its answers are stored ([`super::admission`]).
+    pub admission: Shape,
 }
 
 /// A statement's database, the tables it reads, and the sum of their
@@ -78,6 +81,10 @@ pub struct QueryRow {
     pub invalidations: u64,
     /// Unix milliseconds of the last invalidation of what it reads; 0 = none.
     pub last_invalidation_ms: u64,
+    /// Times adaptive admission stopped storing it, and its requests sent
+    /// to PostgreSQL meanwhile.
+    pub suspensions: u64,
+    pub not_admitted: u64,
 }
 
 impl QueryStats {
@@ -172,6 +179,8 @@ impl QueryStats {
             last_bypass,
             invalidations,
             last_invalidation_ms,
+            suspensions: self.admission.suspensions(),
+            not_admitted: self.admission.not_admitted(),
         }
     }
 }

@@ -65,11 +65,14 @@ pub enum BypassReason {
     TableRule,
     RoleRule,
     DatabaseRule,
+    /// Adaptive admission: the statement's answers were retired before
+    /// they were read, so it is not stored for a while.
+    NotAdmitted,
 }
 
 impl BypassReason {
     /// Every reason, in declaration order (`reason as usize` indexes it).
-    pub const ALL: [BypassReason; 28] = [
+    pub const ALL: [BypassReason; 29] = [
         Self::NotSelect,
         Self::MultiStatement,
         Self::ParseError,
@@ -98,6 +101,7 @@ impl BypassReason {
         Self::TableRule,
         Self::RoleRule,
         Self::DatabaseRule,
+        Self::NotAdmitted,
     ];
 
     pub fn label(self) -> &'static str {
@@ -130,6 +134,7 @@ impl BypassReason {
             Self::TableRule => "table_rule",
             Self::RoleRule => "role_rule",
             Self::DatabaseRule => "database_rule",
+            Self::NotAdmitted => "not_admitted",
         }
     }
 }

@@ -36,6 +36,9 @@ pub struct CacheConfig {
     pub verify_sample_rate: f64,
     /// At most this many checks a second, whatever the rate.
     pub verify_max_per_sec: u32,
+    /// A statement whose stored answers are invalidated before they are
+    /// read stops being stored for a while (see docs/invalidation.md).
+    pub adaptive_admission: bool,
     /// Rules per table (by name, as pgcache knows tables: without schema).
     pub tables: Vec<TableRule>,
     /// Caching on or off per role (`current_user`).
@@ -229,6 +232,7 @@ impl Default for CacheConfig {
             first_read_wait_ms: 300,
             verify_sample_rate: 0.001,
             verify_max_per_sec: 10,
+            adaptive_admission: true,
             tables: Vec::new(),
             roles: BTreeMap::new(),
             databases: BTreeMap::new(),

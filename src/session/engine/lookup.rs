@@ -46,6 +46,19 @@ impl Engine {
                 return Ok(Err(reason));
             }
         };
+        let admission = self.known.policy.admission;
+        if admission
+            && !ctx
+                .app
+                .cache
+                .admission
+                .admits(&plan.stats.admission, ctx.now)
+        {
+            let reason = BypassReason::NotAdmitted;
+            ctx.app.cache.bypassed(&self.db, reason);
+            plan.stats.bypassed(reason);
+            return Ok(Err(reason));
+        }
         let reads = by_row.unwrap_or(tables);
         let shared = ctx.app.cache.shared().is_some();
         let shared_reads = match &plan.keyed {
@@ -60,6 +73,7 @@ impl Engine {
             tier: plan.tier,
             lifetime: plan.lifetime,
             stats: &plan.stats,
+            admission,
             in_transaction: self.tx.status != TxStatus::Idle,
             coalesce_wait: self.known.policy.coalesce_wait,
             first_read_wait: self.known.policy.first_read_wait,
