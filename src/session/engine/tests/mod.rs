@@ -157,6 +157,12 @@ impl Rig {
 
     /// The database knows table `name`: readable, cached by its versions.
     fn knows_table(&mut self, name: &str) {
+        self.learns_table(name, None);
+    }
+
+    /// Learns table `name`, with its replica identity as the catalog gives
+    /// it (`name` US `type oid`, see `cache::catalog::fetch`).
+    fn learns_table(&mut self, name: &str, identity: Option<&str>) {
         let catalog = &self.engine.db.catalog;
         let (_, queued) = catalog.facts([name], []);
         assert!(queued, "{name} was not known");
@@ -172,6 +178,8 @@ impl Rig {
                 None,
                 cell("true"),
                 cell("true"),
+                None,
+                identity.map(str::to_owned),
             ]]);
         }
         catalog.install(&wanted, lookup.finish());
@@ -182,6 +190,16 @@ impl Rig {
     fn caching() -> Self {
         let mut rig = Self::logged_in();
         rig.knows_table("items");
+        rig
+    }
+
+    /// Logged in, with table `items` known by its key `k` (an int4), and
+    /// the database's stream up: reads and writes of `items` by key are
+    /// kept by row.
+    fn keyed() -> Self {
+        let mut rig = Self::logged_in();
+        rig.learns_table("items", Some("k\u{1f}23"));
+        rig.engine.db.stream.set_streaming(true);
         rig
     }
 

@@ -2,6 +2,7 @@
 //! portals, and the messages it sends.
 
 use super::*;
+use std::collections::BTreeSet;
 
 /// The model: one PostgreSQL session, fed the client's bytes.
 #[derive(Debug)]
@@ -19,9 +20,9 @@ pub struct Backend {
     /// The bound portal: its statement, and the rows it has left.
     portal: Option<(Sql, Vec<Vec<String>>)>,
     pub ended: bool,
-    /// Commits that changed `items` through `other`'s trigger: what
-    /// pgcache learns of from its replication stream only.
-    pub touched: bool,
+    /// The keys of `items` committed changes through `other`'s trigger
+    /// wrote: what pgcache learns of from its replication stream only.
+    pub touched: BTreeSet<u8>,
 }
 
 #[derive(Debug, Clone)]
@@ -29,7 +30,7 @@ struct Tx {
     items: BTreeMap<u8, String>,
     failed: bool,
     wrote: bool,
-    touched: bool,
+    touched: BTreeSet<u8>,
 }
 
 impl Default for Backend {
@@ -44,7 +45,7 @@ impl Default for Backend {
             statement: None,
             portal: None,
             ended: false,
-            touched: false,
+            touched: BTreeSet::new(),
         }
     }
 }
@@ -92,7 +93,7 @@ impl Backend {
                     && !tx.failed
                 {
                     self.items = tx.items;
-                    self.touched |= tx.touched;
+                    self.touched.extend(tx.touched);
                 }
                 out.extend(self.ready());
             }
@@ -190,7 +191,7 @@ impl Backend {
                     Some(tx) if tx.failed || sql == Sql::Rollback => "ROLLBACK",
                     Some(tx) => {
                         self.items = tx.items;
-                        self.touched |= tx.touched;
+                        self.touched.extend(tx.touched);
                         "COMMIT"
                     }
                 };
@@ -261,7 +262,9 @@ impl Backend {
         if let Some(rows) = rows {
             // `other`'s rows are 1 to 3, as are `items`'.
             n = u8::from(k <= rows);
-            *touched |= n == 1;
+            if n == 1 {
+                touched.insert(k);
+            }
         }
         self.wrote();
         format!("UPDATE {n}")
@@ -321,7 +324,7 @@ impl Tx {
             items: items.clone(),
             failed: false,
             wrote: false,
-            touched: false,
+            touched: BTreeSet::new(),
         }
     }
 }

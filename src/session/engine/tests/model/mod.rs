@@ -182,6 +182,7 @@ impl fmt::Debug for Program {
 fn read() -> impl Strategy<Value = Sql> {
     prop_oneof![
         2 => Just(Sql::ReadOne(1)),
+        1 => Just(Sql::ReadOne(2)),
         1 => Just(Sql::ReadOne(4)),
         2 => Just(Sql::ReadAll),
     ]
