@@ -282,7 +282,7 @@ pub(super) fn settings_sql(policy_settings: &[String]) -> String {
     }
     sql.push_str(
         " FROM (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
-           FILTER (WHERE name <> 'application_name') AS everything, \
+           FILTER (WHERE name <> 'application_name' AND source <> 'default') AS everything, \
          pg_catalog.json_object_agg(name, setting) FILTER (WHERE source IN ('client', 'session') \
            AND name NOT IN ('session_authorization', 'role')) AS own_settings \
          FROM pg_catalog.pg_settings) s",
