@@ -39,6 +39,9 @@ pub struct App {
     pub cache: Arc<Cache>,
     /// Statement plans, shared by the sessions of each database.
     pub plans: crate::session::SharedPlans,
+    /// What fresh logins start with, shared by the sessions that log in
+    /// alike.
+    pub logins: crate::session::SharedLogins,
     pub streams: Arc<Streams>,
     /// Read replicas, watched for health and lag.
     pub replicas: Arc<Replicas>,
@@ -114,6 +117,7 @@ impl App {
             auth: auth::Authenticator::new(&config.auth, Arc::clone(&upstream)),
             cache,
             plans: Default::default(),
+            logins: Default::default(),
             streams,
             upstream,
             cancel: Arc::default(),

@@ -1,6 +1,7 @@
 //! What a client sees through pgcache is what PostgreSQL would show it:
 //! its backend's process id, its unnamed statement kept across pgcache's
-//! own queries, and databases that can be dropped.
+//! own queries, databases that can be dropped, and its own settings when
+//! pgcache takes an earlier login's.
 
 mod common;
 
@@ -575,4 +576,54 @@ async fn a_client_that_hangs_up_while_logging_in_is_closed_as_postgresql_closes_
             "{name}: the last message, through pgcache and direct"
         );
     }
+}
+
+#[tokio::test]
+async fn a_login_like_an_earlier_one_takes_its_settings_until_a_database_setting_changes() {
+    let db = pg().create_db("logins");
+    let direct = pg().direct(&db).await;
+    direct
+        .batch_execute(
+            "CREATE SCHEMA other;
+             CREATE TABLE t (id int PRIMARY KEY, v text);
+             CREATE TABLE other.t (id int PRIMARY KEY, v text);
+             INSERT INTO t VALUES (1, 'public');
+             INSERT INTO other.t VALUES (1, 'other')",
+        )
+        .await
+        .unwrap();
+    let proxy = Proxy::start(pg().proxy_config()).await;
+    let read = "SELECT v FROM t WHERE id = 1";
+    let reused = || proxy.app.metrics.settings_reused.get();
+    {
+        let first = proxy.connect(&db).await;
+        eventually(Duration::from_secs(20), "a hit", || async {
+            let hits = proxy.hits();
+            assert_eq!(scalar(&first, read).await.as_deref(), Some("public"));
+            (proxy.hits() > hits).then_some(())
+        })
+        .await;
+    }
+    assert_eq!(reused(), 0, "the first login reads everything");
+    // Logged in alike: the probe matches, and the kept settings key a hit.
+    let second = proxy.connect(&db).await;
+    let hits = proxy.hits();
+    assert_eq!(scalar(&second, read).await.as_deref(), Some("public"));
+    assert_eq!(reused(), 1);
+    assert_eq!(proxy.hits(), hits + 1, "the same key as the first login's");
+    // A database setting changes what a fresh login starts with: the probe
+    // shows it, everything is read again, and the read finds other.t.
+    direct
+        .batch_execute(&format!("ALTER DATABASE \"{db}\" SET search_path = other"))
+        .await
+        .unwrap();
+    let third = proxy.connect(&db).await;
+    assert_eq!(scalar(&third, read).await.as_deref(), Some("other"));
+    assert_eq!(reused(), 1, "not taken: the database's settings changed");
+    // What the third read is kept for the next login alike.
+    let fourth = proxy.connect(&db).await;
+    assert_eq!(scalar(&fourth, read).await.as_deref(), Some("other"));
+    assert_eq!(reused(), 2);
+    // The second session, logged in before the change, keeps its own.
+    assert_eq!(scalar(&second, read).await.as_deref(), Some("public"));
 }

@@ -19,6 +19,10 @@ mod replicas;
 pub use pools::{PoolMetrics, TransactionPoolMetrics};
 pub use replicas::{ReplicaFamilies, ReplicaMetrics};
 
+/// `pgcache_settings_reused_total`'s help.
+const SETTINGS_REUSED: &str = "Fresh sessions that took the settings of an earlier one that logged in \
+     alike, a short probe having shown nothing they depend on changed";
+
 pub struct Metrics {
     registry: Registry,
     /// Requests answered from the cache.
@@ -39,6 +43,7 @@ pub struct Metrics {
     pub refreshes: IntCounter,
     /// Settings queries run on clients' connections.
     pub settings_queries: IntCounter,
+    pub settings_reused: IntCounter,
     /// The correctness sampler's checks, by outcome.
     pub verify: VerifyMetrics,
     /// Shadow mode: would-be hits whose stored answer matched PostgreSQL's.
@@ -512,6 +517,7 @@ impl Metrics {
                 "Settings queries pgcache ran on clients' connections (a session's first cacheable \
                  read, and after a settings change; none on a reused connection's first read)",
             ),
+            settings_reused: r.counter("pgcache_settings_reused_total", SETTINGS_REUSED),
             verify: VerifyMetrics::new(&f.verify),
             shadow_match: by(&f.shadow, "match"),
             shadow_mismatch: by(&f.shadow, "mismatch"),

@@ -201,7 +201,7 @@ fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bo
                     .map(|v| Some(v.to_owned()))
                     .to_vec();
                 let answer = (control & 2 == 0).then(|| vec![row]);
-                engine.on_settings(generation, answer);
+                engine.on_settings(ctx, generation, answer);
             }
             Err(Need::Prerequisites) => engine.found.prerequisites = true,
             Err(Need::Facts | Need::Fetched { .. }) => engine.found.facts = true,

@@ -27,7 +27,6 @@ use crate::cache::{Bumps, Reads};
 use crate::classify::pins::Pins;
 use crate::classify::{Analysis, Effect, StatementInfo};
 use crate::hints::Hints;
-use crate::session::plan::Plan;
 
 /// One table's rows a plan reads or writes by key.
 #[derive(Debug)]
@@ -170,34 +169,4 @@ pub(super) fn run_effects(
     let mut bumps = by_table.clone();
     bumps.merge(&keyed.bumps(versions, values));
     bumps
-}
-
-/// What one run of a simple Query's text `sql` under `plan` moves.
-pub(super) fn text_effects(plan: &Plan, versions: &Versions, sql: &[u8]) -> Bumps {
-    if plan.keyed_write.is_none() {
-        return plan.effects.clone();
-    }
-    let Ok(sql) = std::str::from_utf8(sql) else {
-        return plan.effects.clone();
-    };
-    let literals = crate::hints::literals(sql);
-    let values = Values {
-        literals: &literals,
-        bound: None,
-    };
-    run_effects(&plan.effects, plan.keyed_write.as_ref(), versions, values)
-}
-
-/// The tables whose keying by row `plan` began, if any: this instance's
-/// mirrors of their rows' counters are to be read from Redis before their
-/// reads by row use the shared tier.
-pub(super) fn began(plan: &Plan) -> Vec<Arc<Family>> {
-    let keyed = plan
-        .keyed
-        .iter()
-        .chain(plan.keyed_write.iter().map(|(k, _)| k));
-    keyed
-        .filter(|k| k.began)
-        .map(|k| Arc::clone(&k.table))
-        .collect()
 }

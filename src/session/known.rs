@@ -268,8 +268,30 @@ impl Known {
 pub(super) const ROLE_COLUMN: usize = 4;
 pub(super) const OWN_SETTINGS_COLUMN: usize = 5;
 
+/// The columns after the settings query's own (and the probe's identity):
+/// what a fresh backend's settings depend on beyond its login.
+const FINGERPRINT: &str = "pg_catalog.pg_conf_load_time(), pg_catalog.pg_is_in_recovery(), \
+     r.setdatabase, r.setrole, r.setconfig";
+pub(super) const FINGERPRINT_COLUMNS: usize = 5;
+/// Joined to the settings query's row: one row per role or database
+/// setting, or one of nulls.
+const FINGERPRINT_JOIN: &str = " LEFT JOIN pg_catalog.pg_db_role_setting r ON true";
+
+/// The probe: the session's identity, then the fingerprint.
+pub(super) fn probe_sql() -> String {
+    format!(
+        "SELECT current_user, session_user, \
+         pg_catalog.current_setting('default_transaction_isolation'), \
+         pg_catalog.current_setting('role'), {FINGERPRINT} FROM (SELECT) v{FINGERPRINT_JOIN}"
+    )
+}
+
 /// pgcache's own query for a session's settings: its identity, default
-/// isolation, every setting, and those the policy's rules name.
+/// isolation, every setting, and those the policy's rules name; then what
+/// a fresh login's settings depend on ([`crate::session::logins`]), one
+/// row per role or database setting. `pg_show_all_settings()` is the
+/// `pg_settings` view's own function: read directly, a fresh backend does
+/// not load the view's definition first.
 pub(super) fn settings_sql(policy_settings: &[String]) -> String {
     let mut sql = String::from(
         "SELECT current_user, session_user, pg_catalog.current_setting('default_transaction_isolation'), s.everything, \
@@ -280,14 +302,22 @@ pub(super) fn settings_sql(policy_settings: &[String]) -> String {
         sql.push_str(&name.replace('\'', "''"));
         sql.push_str("', true)");
     }
+    sql.push_str(", ");
+    sql.push_str(FINGERPRINT);
     sql.push_str(
         " FROM (SELECT pg_catalog.string_agg(name || '=' || setting, E'\\n' ORDER BY name) \
            FILTER (WHERE name <> 'application_name' AND source <> 'default') AS everything, \
          pg_catalog.json_object_agg(name, setting) FILTER (WHERE source IN ('client', 'session') \
            AND name NOT IN ('session_authorization', 'role')) AS own_settings \
-         FROM pg_catalog.pg_settings) s",
+         FROM pg_catalog.pg_show_all_settings()) s",
     );
+    sql.push_str(FINGERPRINT_JOIN);
     sql
+}
+
+/// The columns of [`settings_sql`]'s answer before the fingerprint.
+pub(super) fn settings_columns(policy_settings: usize) -> usize {
+    OWN_SETTINGS_COLUMN + 1 + policy_settings
 }
 
 /// The settings query's answer, with the digest of the columns that go into

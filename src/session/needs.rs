@@ -47,7 +47,8 @@ where
             Need::Settings { sql, generation } => {
                 self.app.metrics.settings_queries.inc();
                 let rows = self.hidden_query(&sql).await?;
-                self.engine.on_settings(generation, rows);
+                let ctx = super::relay::ctx(&self.app, &self.entry);
+                self.engine.on_settings(&ctx, generation, rows);
             }
             Need::Cache(wait) => {
                 self.app

@@ -9,14 +9,16 @@ use std::time::Duration;
 
 use crate::cache::catalog::Facts;
 use crate::cache::database::DbState;
+use crate::cache::rowkey::Values;
 use crate::cache::stats::QueryStats;
+use crate::cache::versions::Family;
 use crate::cache::versions::Versions;
 use crate::cache::{Analyzed, Bumps, Lifetime, Reads};
 use crate::classify::{Analysis, BypassReason, Ddl, Effect, StatementInfo};
 use crate::config::CacheMode;
 use crate::hints::{Hints, Tier};
 use crate::policy::Policy;
-use crate::session::keyed::Keyed;
+use crate::session::keyed::{self, Keyed};
 
 pub(super) struct Plan {
     /// Catalog generation the plan was made with.
@@ -108,6 +110,36 @@ impl SharedPlans {
 }
 
 impl Plan {
+    /// What one run of a simple Query's text `sql` under it moves.
+    pub(super) fn text_effects(&self, versions: &Versions, sql: &[u8]) -> Bumps {
+        if self.keyed_write.is_none() {
+            return self.effects.clone();
+        }
+        let Ok(sql) = std::str::from_utf8(sql) else {
+            return self.effects.clone();
+        };
+        let literals = crate::hints::literals(sql);
+        let values = Values {
+            literals: &literals,
+            bound: None,
+        };
+        keyed::run_effects(&self.effects, self.keyed_write.as_ref(), versions, values)
+    }
+
+    /// The tables whose keying by row it began, if any: this instance's
+    /// mirrors of their rows' counters are to be read from Redis before
+    /// their reads by row use the shared tier.
+    pub(super) fn began(&self) -> Vec<Arc<Family>> {
+        let keyed = self
+            .keyed
+            .iter()
+            .chain(self.keyed_write.iter().map(|(k, _)| k));
+        keyed
+            .filter(|k| k.began)
+            .map(|k| Arc::clone(&k.table))
+            .collect()
+    }
+
     /// Whether it is a cacheable read, or why not, without its tables.
     pub fn read_or_why(&self) -> Result<(), BypassReason> {
         self.read.as_ref().map(|_| ()).map_err(|r| *r)

@@ -9,20 +9,16 @@ use bytes::{Bytes, BytesMut};
 use tracing::warn;
 
 use super::{Action, Ctx, Engine};
-use crate::cache::catalog::fetch::Rows;
 use crate::cache::stats::QueryStats;
 use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
-use crate::pool::LoginSettings;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::Reply;
-use crate::pool::transaction::SettingsRow;
 use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
-use crate::session::known::{OWN_SETTINGS_COLUMN, ROLE_COLUMN, settings_row};
-use crate::session::link::{ClientState, Link};
+use crate::session::link::Link;
 use crate::session::pipeline::Inflight;
 use crate::session::replica::Verdict;
 use crate::session::row_limit::Cut;
@@ -433,58 +429,5 @@ impl Engine {
             let raw = Bytes::copy_from_slice(&raw);
             self.known.unsent_parses.push((name, raw));
         }
-    }
-}
-
-/// The answers to what pgcache asked for the session: its settings, and
-/// a read routed to a replica.
-impl Engine {
-    /// The answer to [`Need::Settings`]'s query, read under the policy's
-    /// `generation` of settings (`None`: it failed).
-    pub fn on_settings(&mut self, generation: u64, rows: Option<Rows>) {
-        self.found.settings = true;
-        let Some(row) = rows.and_then(|rows| rows.into_iter().next()) else {
-            return;
-        };
-        let row = settings_row(row);
-        self.adopt_settings(&row, generation);
-        if let Link::Pooled(p) = &mut self.link {
-            // The generation of the connection the settings were read on.
-            let read_in = p.lease().map(|l| l.server().generation);
-            p.prefix_generation = read_in;
-            if let Some(read_in) = read_in
-                && !p.state_dirty
-            {
-                let row = Arc::clone(&row);
-                p.pool
-                    .remember_settings(p.state.id, generation, read_in, row);
-            }
-        }
-        if self.server.login_state {
-            // What a client logging in on this connection starts with.
-            self.server.login_settings = Some(LoginSettings { generation, row });
-        }
-    }
-
-    /// Takes the settings query's answer as the session's: its role,
-    /// default isolation and cache-key prefix.
-    pub(super) fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
-        let prefix = self.known.adopt_settings(row, generation, &self.startup);
-        self.tx.default_strict = !matches!(
-            row.cells.get(2).and_then(|v| v.as_deref()),
-            Some("read committed" | "read uncommitted")
-        );
-        if let Link::Session(own) = &mut self.link {
-            // Session mode: what pgcache's own requests for this session's
-            // hits run in, on a connection of their own.
-            let cell = |i: usize| row.cells.get(i).and_then(|v| v.as_deref());
-            own.state = ClientState::read(
-                self.startup.user(),
-                cell(1),
-                cell(ROLE_COLUMN),
-                cell(OWN_SETTINGS_COLUMN),
-            );
-        }
-        prefix
     }
 }

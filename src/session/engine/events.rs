@@ -14,6 +14,7 @@ use crate::cache::{Fill, Publication, Wait, Waited};
 use crate::pool::clients::Client;
 use crate::session::capture::Capture;
 use crate::session::known::Statement;
+use crate::session::logins::Login;
 use crate::session::offload::Job;
 use crate::session::plan::Plan;
 
@@ -93,12 +94,29 @@ pub(in crate::session) struct Found {
     pub facts: bool,
     /// The settings were read (or could not be).
     pub settings: bool,
+    /// What the settings query asked for: a login's probe, or everything
+    /// (with so many columns before the fingerprint).
+    pub asked: Option<Asked>,
+    /// The probe did not match the login's kept answer.
+    pub probe_missed: bool,
     pub lookup: Waited,
+}
+
+/// The settings query in flight ([`crate::session::logins`]).
+pub(in crate::session) enum Asked {
+    Probe(Arc<Login>),
+    Everything { columns: usize },
 }
 
 impl Found {
     pub fn clear(&mut self) {
-        if self.prerequisites || self.facts || self.settings || !self.lookup.is_empty() {
+        if self.prerequisites
+            || self.facts
+            || self.settings
+            || self.asked.is_some()
+            || self.probe_missed
+            || !self.lookup.is_empty()
+        {
             *self = Found::default();
         }
     }

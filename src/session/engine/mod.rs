@@ -24,7 +24,6 @@ use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, extended, frontend as fe, messages};
 use crate::session::batch::Batch;
 use crate::session::known::Known;
-use crate::session::known::settings_sql;
 use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
@@ -38,11 +37,12 @@ mod events;
 mod lookup;
 mod requests;
 mod routing;
+mod settings;
 #[cfg(test)]
 mod tests;
 
 pub(super) use answers::MAX_BACKEND_FRAME;
-pub(super) use events::{Action, Ctx, Found, LinkStep, Need, ReadyBatch};
+pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 
 /// The state of one client session.
 pub(super) struct Engine {
@@ -417,7 +417,7 @@ impl Engine {
             return Ok(Err(reason));
         }
         Ok(self
-            .session_prefix()?
+            .session_prefix(ctx)?
             .and_then(|prefix| self.role_may_serve(prefix)))
     }
 
@@ -431,13 +431,13 @@ impl Engine {
     /// Reads inside a transaction can only use the cache if the session's
     /// settings are known, and they can only be read while it is idle: so
     /// they are read just before a BEGIN goes out, if they are not known.
-    pub(super) fn before_begin(&mut self, plan: &Plan) -> Result<(), Need> {
+    pub(super) fn before_begin(&mut self, ctx: &Ctx, plan: &Plan) -> Result<(), Need> {
         if plan.begin_strict == Some(false)
             && self.known.prefix.is_none()
             && self.backend_idle()
             && !self.found.settings
         {
-            return Err(self.read_settings());
+            return Err(self.read_settings(ctx));
         }
         Ok(())
     }
@@ -478,7 +478,7 @@ impl Engine {
             generation,
             &self.known.policy,
         ));
-        for table in crate::session::keyed::began(&plan) {
+        for table in plan.began() {
             self.actions.push(Action::Mirror(table));
         }
         if let Ok(families) = &plan.read {
@@ -529,60 +529,5 @@ impl Engine {
             });
         }
         Ok(facts)
-    }
-
-    /// The hash of the session's identity and settings: known, or read from
-    /// the backend when they may have changed.
-    fn session_prefix(&mut self) -> Result<Result<u128, BypassReason>, Need> {
-        let generation = self.db.catalog.policy_settings_generation();
-        // Transaction mode: settings read under other login settings of
-        // the pool's connections are out of date.
-        let (pool, prefix_generation, state) = match &self.link {
-            Link::Pooled(p) => (
-                Some(Arc::clone(&p.pool)),
-                p.prefix_generation,
-                (!p.state_dirty).then_some(p.state.id),
-            ),
-            Link::Session(_) => (None, None, None),
-        };
-        let pool_generation = pool.as_ref().map(|p| p.generation());
-        if pool_generation != prefix_generation {
-            self.known.prefix = None;
-        }
-        if let Some((prefix, g)) = self.known.prefix
-            && g == generation
-        {
-            return Ok(Ok(prefix));
-        }
-        // Transaction mode: clients in the same state have the same
-        // settings, read once per pool.
-        if let (Some(pool), Some(state)) = (&pool, state)
-            && let Some(row) = pool.settings(state, generation)
-        {
-            if let Link::Pooled(p) = &mut self.link {
-                p.prefix_generation = pool_generation;
-            }
-            return Ok(Ok(self.adopt_settings(&row, generation)));
-        }
-        // A reused connection still in its login state is in the state an
-        // earlier session read at login: no need to read it again.
-        if pool.is_none()
-            && self.server.login_state
-            && let Some(login) = self.server.login_settings.clone()
-            && login.generation == generation
-        {
-            return Ok(Ok(self.adopt_settings(&login.row, generation)));
-        }
-        if !self.backend_idle() || self.found.settings {
-            return Ok(Err(BypassReason::SettingsUnknown));
-        }
-        Err(self.read_settings())
-    }
-
-    /// pgcache's own query for the session's settings.
-    fn read_settings(&self) -> Need {
-        let (generation, policy_settings) = self.db.catalog.policy_settings();
-        let sql = settings_sql(&policy_settings);
-        Need::Settings { sql, generation }
     }
 }

@@ -39,7 +39,6 @@ use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, extended, frontend as fe};
 use crate::session::batch::{WholeBatch, binds_time_literal, describes_the_bound, extended_key};
-use crate::session::keyed;
 use crate::session::known::Statement;
 use crate::session::pipeline::{Flow, Inflight};
 use crate::session::plan::Plan;
@@ -143,7 +142,7 @@ impl Engine {
         if known_marks.is_none() {
             self.known.remember_marks(hash, marks);
         }
-        self.before_begin(&plan)?;
+        self.before_begin(ctx, &plan)?;
         let key = self
             .may_serve(ctx, &plan, true)?
             .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
@@ -153,7 +152,7 @@ impl Engine {
         // Decided: nothing below waits.
         plan.stats.call();
         let mut inflight = Inflight {
-            effects: keyed::text_effects(&plan, &self.db.versions, sql),
+            effects: plan.text_effects(&self.db.versions, sql),
             ..Inflight::default()
         };
         match self.answer(ctx, looked, reads.as_ref(), &plan, frame, 0) {
@@ -273,7 +272,7 @@ impl Engine {
             return Ok(false);
         };
         let plan = self.plan(ctx, stmt.hash, &stmt.sql)?;
-        self.before_begin(&plan)?;
+        self.before_begin(ctx, &plan)?;
         let hold = holdable && self.may_hold(ctx, &plan)?;
         self.pipeline.executed();
         plan.stats.call();

@@ -125,7 +125,7 @@ impl Engine {
             && self.tx.status == TxStatus::Idle
             && ctx.app.replicas.routes(Err(reason), plan.replica_safe)
         {
-            let _known = self.session_prefix()?;
+            let _known = self.session_prefix(ctx)?;
         }
         Ok(())
     }

@@ -106,7 +106,7 @@ impl Rig {
                 Err(Need::Settings { generation, .. }) => {
                     self.settings_reads += 1;
                     let answer = self.settings.clone().map(|row| vec![row]);
-                    self.engine.on_settings(generation, answer);
+                    self.engine.on_settings(&ctx, generation, answer);
                 }
                 Err(Need::Prerequisites) => self.engine.found.prerequisites = true,
                 Err(Need::Facts | Need::Fetched { .. }) => panic!("facts are known or fetched"),
