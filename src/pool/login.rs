@@ -9,16 +9,12 @@ use super::Statuses;
 use crate::auth::{self, AUTH_OK, LoginError};
 use crate::backend::BackendStream;
 use crate::cancel::CancelTarget;
-use crate::protocol::codec::{HEADER_LEN, read_i32};
+use crate::protocol::codec::{HEADER_LEN, MAX_BACKEND_FRAME, read_i32};
 use crate::protocol::startup::encode_startup;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::protocol::{backend as be, extended, messages, sqlstate};
 use crate::scram::ClientSecret;
 use crate::upstream::{Upstream, UpstreamAddr};
-
-/// The backend is trusted; this only stops a corrupt length from allocating
-/// without bound.
-const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
 
 /// How pgcache logs in for a pool's connections.
 #[derive(Clone, Default)]

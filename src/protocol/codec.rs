@@ -7,6 +7,11 @@ use bytes::{BufMut, BytesMut};
 /// itself but not the tag.
 pub const HEADER_LEN: usize = 5;
 
+/// The longest frame read from a backend. The backend is trusted; this
+/// only stops a corrupt length from allocating without bound. PostgreSQL's
+/// own rows are at most 1 GiB.
+pub const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
     #[error("invalid message length {len} for message type {:?}", char::from(*.tag))]

@@ -66,6 +66,7 @@ pub fn feed(data: &[u8]) -> Fed {
             app,
             client: &entry.client,
             now: Instant::now(),
+            draw: || 0,
         };
         let mut frame = BytesMut::new();
         let (tag, body) = chunk.split_first().unwrap_or((&b'Q', &[]));

@@ -59,6 +59,7 @@ use crate::auth;
 use crate::config::{AuthMode, PoolMode, SslMode};
 use crate::pool::PoolKey;
 use crate::pool::clients::{Arrival, ClientEntry};
+use crate::protocol::codec::MAX_BACKEND_FRAME;
 use crate::protocol::sqlstate;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
@@ -322,7 +323,7 @@ async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refu
             Ok((stream, addr)) => {
                 app.metrics.pool.fresh.inc();
                 let buf = BytesMut::with_capacity(READ_CHUNK);
-                let stream = FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME);
+                let stream = FramedStream::new(stream, buf, MAX_BACKEND_FRAME);
                 (stream, addr, ServerBook::new(pool.max_idle_servers > 0))
             }
             Err(e) => return Err((client, e.into())),
@@ -398,7 +399,7 @@ async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refus
             Ok((stream, addr)) => {
                 let buf = BytesMut::with_capacity(READ_CHUNK);
                 (
-                    Some(FramedStream::new(stream, buf, engine::MAX_BACKEND_FRAME)),
+                    Some(FramedStream::new(stream, buf, MAX_BACKEND_FRAME)),
                     addr,
                 )
             }

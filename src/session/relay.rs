@@ -472,5 +472,6 @@ pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
         app,
         client: &entry.client,
         now: std::time::Instant::now(),
+        draw: rand::random,
     }
 }

@@ -14,7 +14,9 @@ use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
 use crate::pool::marks::Pin;
 use crate::pool::prepared::Reply;
-use crate::protocol::codec::{HEADER_LEN, checked_frames, parse_frame, read_i32};
+use crate::protocol::codec::{
+    HEADER_LEN, MAX_BACKEND_FRAME, checked_frames, parse_frame, read_i32,
+};
 use crate::protocol::{TxStatus, backend as be, messages};
 use crate::session::SessionError;
 use crate::session::capture::{self, Captured};
@@ -22,10 +24,6 @@ use crate::session::link::Link;
 use crate::session::pipeline::Inflight;
 use crate::session::replica::Verdict;
 use crate::session::row_limit::Cut;
-
-/// The backend is trusted; this only stops a corrupt length from allocating
-/// without bound. PostgreSQL's own rows are at most 1 GiB.
-pub(in crate::session) const MAX_BACKEND_FRAME: usize = (1 << 30) + (1 << 20);
 
 /// What became of the backend's buffered frames ([`Engine::on_backend`]).
 #[derive(Debug, Default)]

@@ -19,12 +19,15 @@ use crate::session::offload::Job;
 use crate::session::plan::Plan;
 
 /// What the engine may read with each event: shared state that never
-/// blocks, and the time.
+/// blocks, the time, and randomness.
 pub(in crate::session) struct Ctx<'a> {
     pub app: &'a App,
     /// The session's line in `SHOW CLIENTS`.
     pub client: &'a Client,
     pub now: Instant,
+    /// Draws a random number (which replica takes a read): the driver's
+    /// is `rand::random`, a test's is its own.
+    pub draw: fn() -> u64,
 }
 
 /// What the engine asks the driver to do, in order, before the client is

@@ -41,7 +41,6 @@ mod settings;
 #[cfg(test)]
 mod tests;
 
-pub(super) use answers::MAX_BACKEND_FRAME;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 
 /// The state of one client session.

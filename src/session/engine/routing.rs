@@ -65,7 +65,7 @@ impl Engine {
             .floor(&db.versions.writes)
             .zip(seen)
             .map(|(writes, seen)| writes.max(seen))
-            .and_then(|needed| Some((needed, replicas.choose(needed, rand::random())?)));
+            .and_then(|needed| Some((needed, replicas.choose(needed, (ctx.draw)())?)));
         let Some((needed, server)) = server else {
             debug!(
                 observed = ?self.observed,

@@ -163,6 +163,7 @@ fn a_partial_frame_waits_for_the_rest() {
         app: &rig.app,
         client: &rig.entry.client,
         now: Instant::now(),
+        draw: || 0,
     };
     let relayed = rig.engine.on_backend(&ctx, &mut buf).expect("frames");
     assert_eq!(

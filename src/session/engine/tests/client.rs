@@ -162,6 +162,7 @@ fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
         app: &rig.app,
         client: &rig.entry.client,
         now: Instant::now(),
+        draw: || 0,
     };
     let ready = rig
         .engine
@@ -347,6 +348,7 @@ fn decide(rig: &mut Rig, frame: &[u8]) -> Result<Flow, Need> {
         app: &rig.app,
         client: &rig.entry.client,
         now: Instant::now(),
+        draw: || 0,
     };
     let frame = Bytes::copy_from_slice(frame);
     rig.engine.on_client_frame(&ctx, &frame)

@@ -82,6 +82,7 @@ impl Rig {
             app: &self.app,
             client: &self.entry.client,
             now: Instant::now(),
+            draw: || 0,
         };
         let relayed = self.engine.on_backend(&ctx, &mut buf).expect("frames");
         assert_eq!(relayed.end, buf.len(), "every complete frame is handled");
@@ -100,6 +101,7 @@ impl Rig {
                 app: &self.app,
                 client: &self.entry.client,
                 now: Instant::now(),
+                draw: || 0,
             };
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
@@ -121,6 +123,7 @@ impl Rig {
             app: &self.app,
             client: &self.entry.client,
             now: Instant::now(),
+            draw: || 0,
         };
         self.engine.on_relayed(&ctx, frame)
     }
