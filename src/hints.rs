@@ -152,8 +152,12 @@ struct Lexer<'a> {
 }
 
 impl<'a> Lexer<'a> {
-    /// Appends a token, keeping the text within MAX_NORMALIZED bytes.
+    /// Appends a token, keeping the text within MAX_NORMALIZED bytes; not
+    /// when only the literals are asked for.
     fn push(&mut self, s: &str) {
+        if self.literals.is_some() {
+            return;
+        }
         let n = &mut self.out.normalized;
         if self.space && !n.is_empty() && n.len() < MAX_NORMALIZED {
             n.push(' ');

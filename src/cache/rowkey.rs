@@ -13,7 +13,8 @@
 
 use std::sync::Arc;
 
-use xxhash_rust::xxh3::Xxh3;
+use smallvec::SmallVec;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::classify::pins::{KeySource, literal_text};
 
@@ -78,28 +79,31 @@ pub struct RowSet {
 /// columns of a composite key) are keyed by row; more are table-wide.
 const MAX_ROWS: usize = 64;
 
+/// The stripes of a statement's rows: most name one.
+pub type Stripes = SmallVec<[usize; 4]>;
+
+/// One parameter of a Bind: its declared type, format and value.
+pub type Param<'a> = (u32, i16, Option<&'a [u8]>);
+
 /// The parameters of one Bind: each one's declared type (0: left to the
 /// server) and format, and its value.
 #[derive(Debug, Default)]
 pub struct Bound<'a> {
-    pub params: Vec<(u32, i16, Option<&'a [u8]>)>,
+    pub params: SmallVec<[Param<'a>; 4]>,
 }
 
 impl Bound<'_> {
     /// The parameters of Bind `body` for a statement whose Parse declared
     /// `param_types` (its count and OIDs); `None` if malformed.
     pub fn read<'b>(param_types: &[u8], body: &'b [u8]) -> Option<Bound<'b>> {
-        let types: Vec<u32> = param_types
-            .get(2..)
-            .unwrap_or_default()
-            .chunks_exact(4)
-            .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let mut params = Vec::new();
+        let types = param_types.get(2..).unwrap_or_default();
+        let mut params = SmallVec::new();
         // The parameters are walked eagerly; the result formats are not
         // needed.
         let _results = crate::protocol::extended::walk_bind(body, |format, value| {
-            let oid = types.get(params.len()).copied().unwrap_or(0);
+            let oid = types
+                .get(4 * params.len()..4 * params.len() + 4)
+                .map_or(0, |c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]));
             params.push((oid, format, value));
         })?;
         Some(Bound { params })
@@ -181,9 +185,9 @@ impl RowSet {
     /// (a text value outside ASCII still has a stripe). `None` where a
     /// value cannot be read as the server will: then the statement is
     /// taken as one of the whole table.
-    pub fn stripes(&self, values: Values<'_, '_>, written: bool) -> Option<Vec<usize>> {
-        let mut stripes = Vec::with_capacity(self.rows.len());
-        let mut row_values = Vec::with_capacity(self.identity.columns.len());
+    pub fn stripes(&self, values: Values<'_, '_>, written: bool) -> Option<Stripes> {
+        let mut stripes = Stripes::new();
+        let mut row_values: SmallVec<[Canonical; 2]> = SmallVec::new();
         for row in &self.rows {
             row_values.clear();
             for (source, column) in row.iter().zip(&self.identity.columns) {
@@ -339,26 +343,28 @@ fn parse_uuid(text: &[u8]) -> Option<[u8; 16]> {
 /// hold `values`, under the table's identity signature `signature` (see
 /// [`signature`]).
 pub fn stripe(signature: u64, values: &[Canonical]) -> usize {
-    let mut h = Xxh3::new();
-    h.update(&signature.to_le_bytes());
+    // Hashed at once from a buffer on the stack: a streaming hasher's set
+    // up cost more than the few bytes of a key. The digest is the same.
+    let mut bytes: SmallVec<[u8; 64]> = SmallVec::new();
+    bytes.extend_from_slice(&signature.to_le_bytes());
     for value in values {
         match value {
             Canonical::Int(v) => {
-                h.update(b"i");
-                h.update(&v.to_le_bytes());
+                bytes.push(b'i');
+                bytes.extend_from_slice(&v.to_le_bytes());
             }
             Canonical::Text(t) => {
-                h.update(b"t");
-                h.update(&(t.len() as u64).to_le_bytes());
-                h.update(t);
+                bytes.push(b't');
+                bytes.extend_from_slice(&(t.len() as u64).to_le_bytes());
+                bytes.extend_from_slice(t);
             }
             Canonical::Uuid(u) => {
-                h.update(b"u");
-                h.update(u);
+                bytes.push(b'u');
+                bytes.extend_from_slice(u);
             }
         }
     }
-    (h.digest() % STRIPES as u64) as usize
+    (xxh3_64(&bytes) % STRIPES as u64) as usize
 }
 
 /// What a table's replica identity is, as one number: its key columns'

@@ -219,12 +219,16 @@ impl Family {
 /// `wide` and its rows' stripes, so a write to another row leaves it be.
 ///
 /// Bound: [`STRIPES`] + 1 families a table, made once, a few hundred
-/// bytes each: about 200 KiB for each table read or written by key; in
-/// Redis, as many fields of the database's version hash.
+/// bytes each, and the reads of each stripe: about 250 KiB for each table
+/// read or written by key; in Redis, as many fields of the database's
+/// version hash.
 #[derive(Debug)]
 pub struct RowVersions {
     pub wide: Arc<Family>,
     pub stripes: Box<[Arc<Family>]>,
+    /// What a read of one stripe reads (`wide` and that stripe), made
+    /// with them: a read by key takes one instead of making its own.
+    singles: Box<[Reads]>,
     /// The identity ([`crate::cache::rowkey::signature`]) its keyed plans
     /// hash rows under: the stream keys a change by row only under the
     /// same one.
@@ -237,6 +241,9 @@ pub struct RowVersions {
 impl RowVersions {
     /// The versions a read of `stripes` (row stripes) depends on.
     pub fn reads(&self, stripes: &[usize]) -> Reads {
+        if let [one] = stripes {
+            return Arc::clone(&self.singles[one % STRIPES]);
+        }
         let mut reads = Vec::with_capacity(stripes.len() + 1);
         reads.push(Arc::clone(&self.wide));
         for &s in stripes {
@@ -331,9 +338,14 @@ impl Versions {
             for f in stripes.iter().chain([&wide]) {
                 f.version.inherit_floor(&table.version);
             }
+            let singles = stripes
+                .iter()
+                .map(|stripe| Reads::from([Arc::clone(&wide), Arc::clone(stripe)]))
+                .collect();
             RowVersions {
                 wide,
                 stripes,
+                singles,
                 signature: AtomicU64::new(0),
                 mirrored: AtomicBool::new(false),
             }
