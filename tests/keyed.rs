@@ -418,11 +418,16 @@ async fn two_instances_sharing_redis_agree_on_rows() {
 /// same table, served between writes, stays admitted.
 #[tokio::test]
 async fn reads_retired_unread_stop_being_stored_for_a_while() {
-    let (db, proxy, client, direct) = setup(
-        "keyed_admission",
+    let db = pg().create_db("keyed_admission");
+    pg().psql_db(
+        &db,
         "CREATE TABLE acc(id int PRIMARY KEY, v int); INSERT INTO acc SELECT g, g FROM generate_series(1, 100) g",
-    )
-    .await;
+    );
+    let mut config = pg().proxy_config();
+    config.cache.adaptive_admission = true;
+    let proxy = Proxy::start(config).await;
+    let client = proxy.connect(&db).await;
+    let direct = pg().direct(&db).await;
     streamed(&proxy, &db).await;
     let hot = "SELECT v FROM acc WHERE id = 1";
     cached(&proxy, &client, hot, "1").await;

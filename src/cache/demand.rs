@@ -7,9 +7,9 @@
 //! stream to pass a point (the correctness sampler, a read routed to a
 //! replica), or another instance that relies on this one's stream (it asks
 //! through Redis). Past [`rest_after`] with no such need, the stream's
-//! heartbeats rest; the next need wakes them, and lookups go to PostgreSQL
-//! until the first heartbeat is back (a few milliseconds): the lease is
-//! never stretched over the rest, and no read waits on a heartbeat.
+//! heartbeats rest; the next need wakes them, and a lookup then waits for
+//! the first heartbeat back (a few milliseconds) before it is served: the
+//! lease is never stretched over the rest.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};

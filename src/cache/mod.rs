@@ -128,6 +128,9 @@ pub enum Wait {
     /// The database's cache able to answer (its stream, or another
     /// instance's vouch), for at most so long.
     Warm { db: Arc<DbState>, at_most: Duration },
+    /// A heartbeat back, the stream's heartbeats having rested for want of
+    /// a need (see [`demand`]), for at most the lease.
+    Beat { db: Arc<DbState> },
     /// The end of a concurrent identical miss, for at most so long.
     Fill {
         filled: tokio::sync::watch::Receiver<()>,
@@ -146,6 +149,7 @@ pub struct Waited {
     shared: Option<Box<(u128, Vec<u64>, Option<shared::entry::Entry>)>>,
     filled: bool,
     warmed: bool,
+    beat: bool,
 }
 
 impl Waited {
@@ -156,7 +160,11 @@ impl Waited {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.confirmed.is_none() && self.shared.is_none() && !self.filled && !self.warmed
+        self.confirmed.is_none()
+            && self.shared.is_none()
+            && !self.filled
+            && !self.warmed
+            && !self.beat
     }
 }
 
@@ -429,6 +437,11 @@ impl Cache {
                     at_most: req.first_read_wait,
                 });
             }
+            if !waited.beat && req.db.stream.freshness() == Err(Unfresh::Resting) {
+                return Err(Wait::Beat {
+                    db: Arc::clone(req.db),
+                });
+            }
             self.bypassed(req.db, reason);
             return Ok(Err(reason));
         }
@@ -463,6 +476,20 @@ impl Cache {
                 let servable = || self.freshness(&db).is_ok();
                 warm_until(&db, &db.stream.changed, at_most, servable).await;
                 waited.warmed = true;
+            }
+            Wait::Beat { db } => {
+                // Resting ends once a heartbeat is back, or past the lease.
+                let deadline = tokio::time::Instant::now() + db.stream.lease();
+                loop {
+                    let changed = db.stream.changed.notified();
+                    if db.stream.freshness() != Err(Unfresh::Resting) {
+                        break;
+                    }
+                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                        break;
+                    }
+                }
+                waited.beat = true;
             }
             Wait::Fill {
                 mut filled,

@@ -37,7 +37,9 @@ pub struct CacheConfig {
     /// At most this many checks a second, whatever the rate.
     pub verify_max_per_sec: u32,
     /// A statement whose stored answers are invalidated before they are
-    /// read stops being stored for a while (see docs/invalidation.md).
+    /// read stops being stored for a while (see docs/invalidation.md). Off
+    /// by default: a paused statement stays uncached for up to a minute
+    /// after its writes stop.
     pub adaptive_admission: bool,
     /// Rules per table (by name, as pgcache knows tables: without schema).
     pub tables: Vec<TableRule>,
@@ -232,7 +234,7 @@ impl Default for CacheConfig {
             first_read_wait_ms: 300,
             verify_sample_rate: 0.001,
             verify_max_per_sec: 10,
-            adaptive_admission: true,
+            adaptive_admission: false,
             tables: Vec::new(),
             roles: BTreeMap::new(),
             databases: BTreeMap::new(),
