@@ -131,109 +131,51 @@ impl SharedLogins {
 mod tests {
     use super::*;
 
-    fn cells(values: &[&str]) -> Vec<Option<String>> {
-        values.iter().map(|v| Some(v.to_string())).collect()
-    }
+    /// A settings row's own columns: identity, isolation, everything,
+    /// role, own settings.
+    const SETTINGS: [&str; 6] = ["alice", "alice", "read committed", "a=b", "none", "{}"];
 
-    fn login(fingerprint: Rows) -> Login {
-        let row = crate::session::known::settings_row(cells(&[
-            "alice",
-            "alice",
-            "read committed",
-            "a=b",
-            "none",
-            "{}",
-        ]));
-        Login {
-            generation: 1,
-            row,
-            fingerprint,
-        }
+    /// Cells of `parts`, one after another.
+    fn cells(parts: &[&[&str]]) -> Vec<Option<String>> {
+        parts
+            .iter()
+            .flat_map(|p| p.iter())
+            .map(|v| Some(v.to_string()))
+            .collect()
     }
 
     #[test]
     fn a_probe_matches_only_the_same_identity_and_fingerprint_in_any_row_order() {
         let full = [
-            cells(&[
-                "alice",
-                "alice",
-                "read committed",
-                "a=b",
-                "none",
-                "{}",
-                "t0",
-                "f",
-                "5",
-                "0",
-                "{x=1}",
-            ]),
-            cells(&[
-                "alice",
-                "alice",
-                "read committed",
-                "a=b",
-                "none",
-                "{}",
-                "t0",
-                "f",
-                "0",
-                "10",
-                "{y=2}",
-            ]),
+            cells(&[&SETTINGS, &["t0", "f", "5", "0", "{x=1}"]]),
+            cells(&[&SETTINGS, &["t0", "f", "0", "10", "{y=2}"]]),
         ];
-        let fingerprint = Login::read(&full, 6).expect("the fingerprint");
-        let kept = login(fingerprint);
+        let kept = Login {
+            generation: 1,
+            row: crate::session::known::settings_row(cells(&[&SETTINGS])),
+            fingerprint: Login::read(&full, SETTINGS.len()).expect("the fingerprint"),
+        };
         let probe = |user: &str, reload: &str, setting: &str| {
+            let identity = [user, user, "read committed", "none", reload, "f"];
             vec![
-                cells(&[
-                    user,
-                    user,
-                    "read committed",
-                    "none",
-                    reload,
-                    "f",
-                    "0",
-                    "10",
-                    "{y=2}",
-                ]),
-                cells(&[
-                    user,
-                    user,
-                    "read committed",
-                    "none",
-                    reload,
-                    "f",
-                    "5",
-                    "0",
-                    setting,
-                ]),
+                cells(&[&identity, &["0", "10", "{y=2}"]]),
+                cells(&[&identity, &["5", "0", setting]]),
             ]
         };
         assert!(kept.matches(&probe("alice", "t0", "{x=1}")));
         assert!(!kept.matches(&probe("bob", "t0", "{x=1}")), "another user");
         assert!(!kept.matches(&probe("alice", "t1", "{x=1}")), "a reload");
-        assert!(
-            !kept.matches(&probe("alice", "t0", "{x=2}")),
-            "ALTER ROLE SET"
-        );
-        assert!(
-            !kept.matches(&probe("alice", "t0", "{x=1}")[..1]),
-            "a setting gone"
-        );
+        let changed = probe("alice", "t0", "{x=2}");
+        assert!(!kept.matches(&changed), "ALTER ROLE SET");
+        let gone = &probe("alice", "t0", "{x=1}")[..1];
+        assert!(!kept.matches(gone), "a setting gone");
         assert!(!kept.matches(&[]), "no answer");
     }
 
     #[test]
     fn an_answer_without_the_fingerprint_is_not_kept() {
-        let short = [cells(&[
-            "alice",
-            "alice",
-            "read committed",
-            "a=b",
-            "none",
-            "{}",
-        ])];
-        assert!(Login::read(&short, 6).is_none());
-        assert!(Login::read(&[], 6).is_none());
+        let short = [cells(&[&SETTINGS])];
+        assert!(Login::read(&short, SETTINGS.len()).is_none());
+        assert!(Login::read(&[], SETTINGS.len()).is_none());
     }
 }
