@@ -365,7 +365,9 @@ impl Cache {
         if req.tier.local()
             && let Some(entry) = self.local.get(local)
         {
-            self.admission.served(req.key);
+            if req.admission {
+                self.admission.served(req.key);
+            }
             if req.shadow {
                 return Ok(Lookup::WouldHit(entry.bytes.clone()));
             }
@@ -510,7 +512,9 @@ impl Cache {
             self.local
                 .insert_aged(local, &entry.payload, req.lifetime, age);
         }
-        self.admission.served(req.key);
+        if req.admission {
+            self.admission.served(req.key);
+        }
         if req.shadow {
             return Lookup::WouldHit(entry.payload);
         }
