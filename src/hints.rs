@@ -65,6 +65,10 @@ pub struct Scan {
     /// the statement means to the cache (a time input such as `'now'`, or
     /// a string with escapes that might spell one).
     pub shape_exact: bool,
+    /// Where the text's literals stand, in order: with the text,
+    /// [`Scan::literals`] gives them, so that reading a text's values does
+    /// not lex it again.
+    pub spans: Vec<LiteralSpan>,
 }
 
 impl Default for Scan {
@@ -73,7 +77,15 @@ impl Default for Scan {
             hints: Hints::default(),
             normalized: String::new(),
             shape_exact: true,
+            spans: Vec::new(),
         }
+    }
+}
+
+impl Scan {
+    /// The literals of `sql`, the text this scan was made of.
+    pub fn literals<'a>(&self, sql: &'a str) -> Vec<Literal<'a>> {
+        self.spans.iter().map(|s| s.of(sql)).collect()
     }
 }
 
@@ -93,7 +105,7 @@ pub fn scan(sql: &str) -> Scan {
             normalized: String::with_capacity(sql.len().min(MAX_NORMALIZED + 1)),
             ..Scan::default()
         },
-        literals: None,
+        normalize: true,
     };
     while lexer.i < lexer.b.len() {
         lexer.token();
@@ -121,6 +133,26 @@ pub enum LiteralKind {
     Other,
 }
 
+/// Where a [`Literal`] stands in its text: kept with a [`Scan`], which
+/// outlives the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiteralSpan {
+    start: usize,
+    /// Its raw text, as byte offsets.
+    raw: (usize, usize),
+    kind: LiteralKind,
+}
+
+impl LiteralSpan {
+    fn of(self, sql: &str) -> Literal<'_> {
+        Literal {
+            start: self.start,
+            kind: self.kind,
+            raw: sql.get(self.raw.0..self.raw.1).unwrap_or_default(),
+        }
+    }
+}
+
 /// The literals of `sql`, in the order the normalised text has them: the
 /// `n`th is the `n`th `?` of every text of the same shape.
 pub fn literals(sql: &str) -> Vec<Literal<'_>> {
@@ -130,12 +162,12 @@ pub fn literals(sql: &str) -> Vec<Literal<'_>> {
         i: 0,
         space: false,
         out: Scan::default(),
-        literals: Some(Vec::new()),
+        normalize: false,
     };
     while lexer.i < lexer.b.len() {
         lexer.token();
     }
-    lexer.literals.unwrap_or_default()
+    lexer.out.literals(sql)
 }
 
 /// Walks a statement's text token by token, collecting hints from its
@@ -147,15 +179,16 @@ struct Lexer<'a> {
     /// White space or a comment came before the next token.
     space: bool,
     out: Scan,
-    /// Where the literals go, when they are asked for ([`literals`]).
-    literals: Option<Vec<Literal<'a>>>,
+    /// The normalised text is written: not when only the literals are
+    /// asked for ([`literals`]).
+    normalize: bool,
 }
 
 impl<'a> Lexer<'a> {
     /// Appends a token, keeping the text within MAX_NORMALIZED bytes; not
     /// when only the literals are asked for.
     fn push(&mut self, s: &str) {
-        if self.literals.is_some() {
+        if !self.normalize {
             return;
         }
         let n = &mut self.out.normalized;
@@ -199,18 +232,16 @@ impl<'a> Lexer<'a> {
                 self.i = skip_quoted(b, i + 1, b'\'', i > 0 && matches!(b[i - 1], b'e' | b'E'));
                 let end = self.i.saturating_sub(1).max(i + 1);
                 self.literal(&b[i + 1..end]);
-                if let Some(found) = &mut self.literals {
-                    let kind = if prefixed || self.i <= i + 1 || b[self.i - 1] != b'\'' {
-                        LiteralKind::Other
-                    } else {
-                        LiteralKind::Quoted
-                    };
-                    found.push(Literal {
-                        start: i,
-                        kind,
-                        raw: sql.get(i + 1..end).unwrap_or_default(),
-                    });
-                }
+                let kind = if prefixed || self.i <= i + 1 || b[self.i - 1] != b'\'' {
+                    LiteralKind::Other
+                } else {
+                    LiteralKind::Quoted
+                };
+                self.out.spans.push(LiteralSpan {
+                    start: i,
+                    raw: (i + 1, end),
+                    kind,
+                });
                 self.push("?");
             }
             b'"' => {
@@ -221,13 +252,11 @@ impl<'a> Lexer<'a> {
             b'0'..=b'9' => {
                 self.push("?");
                 self.i = run(b, i + 1, NUMBER);
-                if let Some(found) = &mut self.literals {
-                    found.push(Literal {
-                        start: i,
-                        kind: LiteralKind::Number,
-                        raw: &sql[i..self.i],
-                    });
-                }
+                self.out.spans.push(LiteralSpan {
+                    start: i,
+                    raw: (i, self.i),
+                    kind: LiteralKind::Number,
+                });
             }
             _ if c.is_ascii_alphabetic() || c == b'_' || c >= 0x80 => self.word(),
             _ => {
@@ -284,13 +313,11 @@ impl<'a> Lexer<'a> {
             };
             self.literal(&b[j + 1..body_end]);
             self.i = end;
-            if let Some(found) = &mut self.literals {
-                found.push(Literal {
-                    start: i,
-                    kind: LiteralKind::Other,
-                    raw: "",
-                });
-            }
+            self.out.spans.push(LiteralSpan {
+                start: i,
+                raw: (i, i),
+                kind: LiteralKind::Other,
+            });
             self.push("?");
         } else {
             self.push(&sql[i..j]);
@@ -664,6 +691,26 @@ mod tests {
         assert_eq!(n("SELECT 'ünï', ç FROM t"), "SELECT ?, ç FROM t");
         assert_eq!(n("SELECT 'unterminated"), "SELECT ?");
         assert_eq!(n("/* unterminated"), "");
+    }
+
+    #[test]
+    fn a_scan_keeps_the_literals_its_text_has() {
+        let sql =
+            "SELECT v FROM t WHERE id = 42 AND n = 'x''y' AND e = E'z' AND d = $q$w$q$ AND k = -7";
+        let found = scan(sql).literals(sql);
+        assert_eq!(found, literals(sql));
+        let raws: Vec<_> = found.iter().map(|l| (l.kind, l.raw)).collect();
+        assert_eq!(
+            raws,
+            [
+                (LiteralKind::Number, "42"),
+                (LiteralKind::Quoted, "x''y"),
+                (LiteralKind::Other, "z"),
+                (LiteralKind::Other, ""),
+                (LiteralKind::Number, "7"),
+            ]
+        );
+        assert_eq!(found[0].start, sql.find("42").unwrap());
     }
 
     #[test]

@@ -80,6 +80,8 @@ impl Analyses {
                 // the text, which stands for no other text.
                 let mut scan = hints::scan(&String::from_utf8_lossy(&sql[..sql.len().min(4096)]));
                 scan.shape_exact = false;
+                // They stand in another string than the text.
+                scan.spans.clear();
                 scan
             }
         };

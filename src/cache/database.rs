@@ -349,12 +349,17 @@ impl StreamHealth {
     /// Cached results may be served: the stream is up and its newest
     /// heartbeat back was sent within the lease.
     pub fn freshness(&self) -> Result<(), Unfresh> {
+        self.freshness_at(Instant::now())
+    }
+
+    /// [`Self::freshness`] at `now`, a clock reading the caller has.
+    pub fn freshness_at(&self, now: Instant) -> Result<(), Unfresh> {
         if !self.streaming.load(Ordering::Acquire) {
             return Err(Unfresh::Down);
         }
         let as_of = self.fresh_as_of.load(Ordering::Acquire);
         let lease = self.lease.load(Ordering::Acquire);
-        if as_of == 0 || self.micros(Instant::now()).saturating_sub(as_of) > lease {
+        if as_of == 0 || self.micros(now).saturating_sub(as_of) > lease {
             if self.demand.resting(Duration::from_micros(lease)) {
                 return Err(Unfresh::Resting);
             }

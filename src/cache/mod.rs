@@ -222,13 +222,14 @@ impl Cache {
     /// Cached results of `db` may be served: replication is off (TTL-only
     /// by configuration), or its stream is up within its staleness lease.
     /// Else why not.
-    pub fn freshness(&self, db: &DbState) -> Result<(), BypassReason> {
+    /// `now`: when the request arrived.
+    pub fn freshness(&self, db: &DbState, now: Instant) -> Result<(), BypassReason> {
         if !self.replication_on() {
             return Ok(());
         }
         // A lookup needs the stream's heartbeats.
         db.stream.demand.note();
-        match db.stream.freshness() {
+        match db.stream.freshness_at(now) {
             Ok(()) => Ok(()),
             Err(Unfresh::Resting) => Err(BypassReason::ReplicationStale),
             // Another instance's stream keeps Redis's counters current,
@@ -432,7 +433,7 @@ impl Cache {
         req: &Request<'_>,
         waited: &Waited,
     ) -> Result<Result<(), BypassReason>, Wait> {
-        if let Err(reason) = self.freshness(req.db) {
+        if let Err(reason) = self.freshness(req.db, req.started) {
             if !waited.warmed && self.may_warm(req.db, req.first_read_wait) {
                 return Err(Wait::Warm {
                     db: Arc::clone(req.db),
@@ -475,7 +476,7 @@ impl Cache {
                 waited.shared = Some(Box::new((key, stamp, found)));
             }
             Wait::Warm { db, at_most } => {
-                let servable = || self.freshness(&db).is_ok();
+                let servable = || self.freshness(&db, Instant::now()).is_ok();
                 warm_until(&db, &db.stream.changed, at_most, servable).await;
                 waited.warmed = true;
             }

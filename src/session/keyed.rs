@@ -148,9 +148,17 @@ fn keyed_table<'f>(
 /// its own literals.
 pub(super) fn text_reads(keyed: &Keyed, sql: &[u8]) -> Option<Reads> {
     let sql = std::str::from_utf8(sql).ok()?;
-    let literals = crate::hints::literals(sql);
+    literal_reads(keyed, &crate::hints::literals(sql))
+}
+
+/// What a simple Query's text reads under a keyed read, by `literals`,
+/// the text's own.
+pub(super) fn literal_reads(
+    keyed: &Keyed,
+    literals: &[crate::hints::Literal<'_>],
+) -> Option<Reads> {
     keyed.reads(Values {
-        literals: &literals,
+        literals,
         bound: None,
     })
 }

@@ -194,6 +194,18 @@ impl Known {
         Some(reads)
     }
 
+    /// What a run of text `hash` under `plan` reads, worked out where the
+    /// text was scanned: kept as [`Known::keyed_reads`] keeps it.
+    pub fn seed_keyed_reads(&mut self, hash: u128, plan: &Arc<Plan>, reads: Reads) {
+        if let Some(t) = self
+            .plans
+            .get_mut(&hash)
+            .filter(|t| Arc::ptr_eq(&t.plan, plan))
+        {
+            t.keyed_reads = Some(reads);
+        }
+    }
+
     /// True the first time a text's hint problems come up.
     pub fn first_warning(&mut self, hash: u128) -> bool {
         if self.warned.len() >= MAX_PLANS {

@@ -19,6 +19,7 @@ use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::classify::BypassReason;
+use crate::hints::Scan;
 use crate::pool::marks::{Marks, Pin};
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, extended, frontend as fe, messages};
@@ -392,7 +393,7 @@ impl Engine {
         if let Err(reason) = &plan.read {
             // With no stream, no table is published yet: say why.
             if *reason == BypassReason::NotPublished
-                && let Err(down) = ctx.app.cache.freshness(&self.db)
+                && let Err(down) = ctx.app.cache.freshness(&self.db, ctx.now)
             {
                 return Ok(Err(down));
             }
@@ -464,6 +465,7 @@ impl Engine {
             .get(&self.db, plan_key, generation, policy_generation);
         if let Some(plan) = known {
             self.known.remember_plan(hash, &plan);
+            self.seed_keyed_reads(hash, &plan, scanned.scan(), sql);
             return Ok(plan);
         }
         let analysis = ctx.app.cache.analyzed(scanned, sql);
@@ -487,9 +489,25 @@ impl Engine {
         // they are known.
         if facts.complete() {
             self.known.remember_plan(hash, &plan);
+            self.seed_keyed_reads(hash, &plan, &analysis.scan, sql);
             ctx.app.plans.put(&self.db, analysis.plan_key, &plan);
         }
         Ok(plan)
+    }
+
+    /// A text just scanned (`scan`) whose plan reads by key: what its run
+    /// reads is worked out from the scan's literals, rather than by lexing
+    /// the text again at its lookup.
+    fn seed_keyed_reads(&mut self, hash: u128, plan: &Arc<Plan>, scan: &Scan, sql: &[u8]) {
+        let Some(keyed) = plan.keyed.as_ref() else {
+            return;
+        };
+        let Ok(sql) = std::str::from_utf8(sql) else {
+            return;
+        };
+        if let Some(reads) = crate::session::keyed::literal_reads(keyed, &scan.literals(sql)) {
+            self.known.seed_keyed_reads(hash, plan, reads);
+        }
     }
 
     /// The facts of the names a statement uses. Names not known yet are
