@@ -224,35 +224,7 @@ pub fn stats_json(app: &App) -> serde_json::Value {
             })
         })
         .collect();
-    let statements: Vec<serde_json::Value> = app
-        .cache
-        .stats
-        .top(20)
-        .into_iter()
-        .map(|q| {
-            let advice = crate::cache::advice::advise(&q, app.policy().mode);
-            let lookups = q.hits + q.misses;
-            serde_json::json!({
-                "query_id": format!("{:016x}", q.id),
-                "query": q.text,
-                "calls": q.calls,
-                "hits": q.hits,
-                "misses": q.misses,
-                "hit_ratio": if lookups == 0 { 0.0 } else { q.hits as f64 / lookups as f64 },
-                "would_hits": q.would_hits,
-                "would_save_ms": q.would_save_ms,
-                "shadow_mismatches": q.mismatches,
-                "verify_mismatches": q.verify_mismatches,
-                "backend_ms": q.backend_ms,
-                "invalidations": q.invalidations,
-                "suspensions": q.suspensions,
-                "not_admitted": q.not_admitted,
-                "advice": advice.action,
-                "why": advice.why,
-                "hint": advice.hint,
-            })
-        })
-        .collect();
+    let statements = statements_json(app);
     let (mean_hit_ms, mean_miss_ms) = m.mean_latency_ms();
     let bypass_reasons: Vec<serde_json::Value> = m
         .bypass_breakdown()
@@ -293,6 +265,38 @@ pub fn stats_json(app: &App) -> serde_json::Value {
         "databases": databases,
         "statements": statements,
     })
+}
+
+/// The 20 statements with the most calls, with their advice.
+fn statements_json(app: &App) -> Vec<serde_json::Value> {
+    app.cache
+        .stats
+        .top(20)
+        .into_iter()
+        .map(|q| {
+            let advice = crate::cache::advice::advise(&q, app.policy().mode);
+            let lookups = q.hits + q.misses;
+            serde_json::json!({
+                "query_id": format!("{:016x}", q.id),
+                "query": q.text,
+                "calls": q.calls,
+                "hits": q.hits,
+                "misses": q.misses,
+                "hit_ratio": if lookups == 0 { 0.0 } else { q.hits as f64 / lookups as f64 },
+                "would_hits": q.would_hits,
+                "would_save_ms": q.would_save_ms,
+                "shadow_mismatches": q.mismatches,
+                "verify_mismatches": q.verify_mismatches,
+                "backend_ms": q.backend_ms,
+                "invalidations": q.invalidations,
+                "suspensions": q.suspensions,
+                "not_admitted": q.not_admitted,
+                "advice": advice.action,
+                "why": advice.why,
+                "hint": advice.hint,
+            })
+        })
+        .collect()
 }
 
 /// Each read replica: in rotation or why not, its lag, the reads it took.

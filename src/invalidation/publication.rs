@@ -12,7 +12,9 @@ use tokio_postgres::types::Type;
 use tracing::{debug, info, warn};
 
 use super::ReplicationError;
-use super::control::{Control, PUBLISHABLE, Publishable, full_message, quote_ident, quote_literal};
+use super::control::{
+    Control, PUBLISHABLE, Publishable, Table, full_message, quote_ident, quote_literal,
+};
 use super::replication::Streams;
 use crate::cache::{DbState, Ddl};
 
@@ -28,41 +30,12 @@ impl Control {
         publication: &str,
         only: Option<&[String]>,
         add: bool,
-        mut found: Option<Publishable>,
+        found: Option<Publishable>,
     ) -> Result<Synced, ReplicationError> {
         let ctl = &self.client;
-        let quoted = quote_ident(publication);
-        let mut created = false;
-        let tables = loop {
-            let publishable = match (found.take(), only) {
-                (Some(found), _) => found,
-                (None, Some(names)) => Publishable::from_rows(
-                    &ctl.query(&self.publishable, &[&publication, &names])
-                        .await?,
-                    0,
-                ),
-                (None, None) => Publishable::from_rows(
-                    &ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
-                        .await?,
-                    0,
-                ),
-            };
-            match publishable.all {
-                // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
-                Some(true) => return Ok(Synced::default()),
-                None if !created => {
-                    // Another instance may make it first: then it is there.
-                    ctl.batch_execute(&format!(
-                        "DO $pgcache$ BEGIN \
-                           CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true); \
-                         EXCEPTION WHEN duplicate_object THEN NULL; END $pgcache$"
-                    ))
-                    .await?;
-                    info!(publication, "created publication");
-                    created = true;
-                }
-                _ => break publishable.tables,
-            }
+        let Some(tables) = self.publishable(publication, only, found).await? else {
+            // FOR ALL TABLES: PostgreSQL decides; nothing to manage.
+            return Ok(Synced::default());
         };
         // (qualified name, bare name) of each table to change.
         let mut to_add = Vec::new();
@@ -117,6 +90,51 @@ impl Control {
             );
         }
         Ok(synced)
+    }
+
+    /// The tables of the database (or those named `only`) as publication
+    /// `publication` has them, creating it first if it does not exist;
+    /// `None` if it is `FOR ALL TABLES`. `found`: as a round after DDL
+    /// already found them.
+    async fn publishable(
+        &self,
+        publication: &str,
+        only: Option<&[String]>,
+        mut found: Option<Publishable>,
+    ) -> Result<Option<Vec<Table>>, ReplicationError> {
+        let ctl = &self.client;
+        let quoted = quote_ident(publication);
+        let mut created = false;
+        loop {
+            let publishable = match (found.take(), only) {
+                (Some(found), _) => found,
+                (None, Some(names)) => Publishable::from_rows(
+                    &ctl.query(&self.publishable, &[&publication, &names])
+                        .await?,
+                    0,
+                ),
+                (None, None) => Publishable::from_rows(
+                    &ctl.query_typed(PUBLISHABLE, &[(&publication, Type::TEXT)])
+                        .await?,
+                    0,
+                ),
+            };
+            match publishable.all {
+                Some(true) => return Ok(None),
+                None if !created => {
+                    // Another instance may make it first: then it is there.
+                    ctl.batch_execute(&format!(
+                        "DO $pgcache$ BEGIN \
+                           CREATE PUBLICATION {quoted} WITH (publish_via_partition_root = true); \
+                         EXCEPTION WHEN duplicate_object THEN NULL; END $pgcache$"
+                    ))
+                    .await?;
+                    info!(publication, "created publication");
+                    created = true;
+                }
+                _ => return Ok(Some(publishable.tables)),
+            }
+        }
     }
 }
 

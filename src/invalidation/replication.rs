@@ -269,6 +269,24 @@ impl Streams {
         install_ddl_trigger(ctl.client(), &db.name, publication, alone).await;
     }
 
+    /// Heartbeats through the control connection, every `heartbeat_ms`,
+    /// for as long as the handle lives.
+    fn beat(
+        &self,
+        ctl: &Control,
+        db: &Arc<DbState>,
+    ) -> (Arc<Heartbeats>, AbortOnDropHandle<ReplicationError>) {
+        let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
+        let every = Duration::from_millis(self.settings.heartbeat_ms);
+        let beat = heartbeat::beat(
+            Arc::clone(ctl.client()),
+            Arc::clone(&beats),
+            every,
+            Arc::clone(db),
+        );
+        (beats, AbortOnDropHandle::new(tokio::spawn(beat)))
+    }
+
     async fn stream_once(&self, db: &Arc<DbState>) -> Result<(), ReplicationError> {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
@@ -281,15 +299,7 @@ impl Streams {
         self.keep_trigger(&ctl, db, true).await;
         let mut trigger_check =
             tokio::time::interval_at(tokio::time::Instant::now() + TRIGGER_CHECK, TRIGGER_CHECK);
-        let beats = Arc::new(Heartbeats::new(self.upstream.origin.id));
-        let every = Duration::from_millis(self.settings.heartbeat_ms);
-        let beat = heartbeat::beat(
-            Arc::clone(ctl.client()),
-            Arc::clone(&beats),
-            every,
-            Arc::clone(db),
-        );
-        let mut beating = AbortOnDropHandle::new(tokio::spawn(beat));
+        let (beats, mut beating) = self.beat(&ctl, db);
         let mut listener = listen(&self.upstream, database).await?;
         let start = self.missed(ctl.client(), db).await?;
         db.stream

@@ -116,18 +116,7 @@ impl TransactionPoolMetrics {
                 "pgcache_pool_waiting_clients",
                 "Clients waiting for a transaction-mode server connection",
             ),
-            wait: r.add(
-                Histogram::with_opts(
-                    HistogramOpts::new(
-                        "pgcache_pool_wait_seconds",
-                        "Time clients waited for a transaction-mode server connection (waits only)",
-                    )
-                    .buckets(
-                        prometheus::exponential_buckets(0.000_1, 4.0, 10).expect("valid buckets"),
-                    ),
-                )
-                .expect("valid metric"),
-            ),
+            wait: wait_histogram(r),
             wait_timeouts: r.counter(
                 "pgcache_pool_wait_timeouts_total",
                 "Statements failed with 57014 after pool.query_wait_timeout_secs",
@@ -158,19 +147,34 @@ impl TransactionPoolMetrics {
                  holding it never listened on, withheld from that client (its connection is then \
                  closed rather than given back)",
             ),
-            pins: {
-                let pins = r.counter_vec(
-                    "pgcache_pool_pins_total",
-                    "Transaction-mode sessions pinned to one server connection for the rest of the \
-                     session, by the feature that needs it",
-                    &["reason"],
-                );
-                // Every reason is exported from the start, at 0.
-                for pin in crate::pool::marks::Pin::ALL {
-                    pins.with_label_values(&[pin.as_str()]);
-                }
-                pins
-            },
+            pins: pins(r),
         }
     }
+}
+
+fn wait_histogram(r: &Registrar<'_>) -> Histogram {
+    r.add(
+        Histogram::with_opts(
+            HistogramOpts::new(
+                "pgcache_pool_wait_seconds",
+                "Time clients waited for a transaction-mode server connection (waits only)",
+            )
+            .buckets(prometheus::exponential_buckets(0.000_1, 4.0, 10).expect("valid buckets")),
+        )
+        .expect("valid metric"),
+    )
+}
+
+fn pins(r: &Registrar<'_>) -> IntCounterVec {
+    let pins = r.counter_vec(
+        "pgcache_pool_pins_total",
+        "Transaction-mode sessions pinned to one server connection for the rest of the \
+         session, by the feature that needs it",
+        &["reason"],
+    );
+    // Every reason is exported from the start, at 0.
+    for pin in crate::pool::marks::Pin::ALL {
+        pins.with_label_values(&[pin.as_str()]);
+    }
+    pins
 }

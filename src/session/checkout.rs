@@ -50,7 +50,7 @@ where
         if self.attached() {
             return Ok(());
         }
-        let Link::Pooled(link) = &mut self.engine.link else {
+        let Link::Pooled(link) = self.engine.link_mut() else {
             return Ok(());
         };
         if let Some(e) = link.no_connection.take() {
@@ -58,7 +58,7 @@ where
         }
         let pool = Arc::clone(&link.pool);
         let wait = link.knobs(&self.app).wait;
-        tracing::trace!(status = ?self.engine.tx.status, "taking a server connection");
+        tracing::trace!(status = ?self.engine.tx_status(), "taking a server connection");
         let client = Arc::clone(&self.entry.client);
         client.set(Activity::Waiting);
         let taken = self
@@ -78,17 +78,8 @@ where
         client.hold(server.id, server.key.backend_pid);
         self.backend = Some(stream);
         // One address for the whole pool: copied once, not per checkout.
-        if self.engine.backend_addr != server.addr {
-            self.engine.backend_addr = server.addr.clone();
-        }
-        self.engine.backend_key = Some(server.key.clone());
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(self.engine.backend_key.clone());
-        }
-        let Link::Pooled(link) = &mut self.engine.link else {
-            return Ok(());
-        };
-        let Some(apply) = link.granted(lease, queued, &mut self.engine.pipeline) else {
+        self.engine.attach_server(&server.addr, server.key.clone());
+        let Some(apply) = self.engine.granted(lease, queued) else {
             return Ok(());
         };
         match Box::pin(self.run_hidden(&apply)).await {
@@ -129,8 +120,8 @@ where
     /// `close` (see [`LinkStep::Close`]), and the one the client logged in
     /// on, which no pool owns.
     async fn give_back(&mut self, close: bool) -> Result<(), SessionError> {
-        tracing::trace!(status = ?self.engine.tx.status, "giving the server connection back");
-        let Link::Pooled(link) = &mut self.engine.link else {
+        tracing::trace!(status = ?self.engine.tx_status(), "giving the server connection back");
+        let Link::Pooled(link) = self.engine.link_mut() else {
             return Ok(());
         };
         let lifetime = link.knobs(&self.app).lifetime;
@@ -157,11 +148,11 @@ where
     /// startup parameters it reset ([`ClientState::captured`]); false if
     /// the connection is in a state pgcache cannot tell.
     async fn settle_settings(&mut self) -> Result<bool, SessionError> {
-        let user = self.engine.startup.user().to_owned();
+        let user = self.engine.startup().user().to_owned();
         let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
             return Ok(false);
         };
-        let Link::Pooled(link) = &mut self.engine.link else {
+        let Link::Pooled(link) = self.engine.link_mut() else {
             return Ok(false);
         };
         let (state, reset) = ClientState::captured(rows, &user, &link.startup);
@@ -173,7 +164,7 @@ where
             }
         }
         debug!(settings = ?state.settings, "session settings read back");
-        if let Link::Pooled(link) = &mut self.engine.link {
+        if let Link::Pooled(link) = self.engine.link_mut() {
             link.settled(state);
         }
         Ok(true)
@@ -181,24 +172,14 @@ where
 
     /// The session holds no connection any more.
     fn detached_now(&mut self) {
-        self.engine.backend_key = None;
-        if let Link::Pooled(link) = &mut self.engine.link {
-            // What it listened on was the connection's.
-            link.listens = Default::default();
-        }
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(None);
-        }
+        self.engine.detach_server();
         self.entry.client.hold(0, 0);
     }
 
     /// Closes the held connection: it is in a state no other client may
     /// see.
     pub(super) fn drop_backend(&mut self) {
-        if let Link::Pooled(link) = &mut self.engine.link {
-            link.lease = None;
-            link.translator.clear_owed();
-        }
+        self.engine.drop_server();
         self.backend = None;
         self.detached_now();
     }
@@ -210,7 +191,7 @@ where
             return;
         }
         let clean = self.engine.may_give_back(self.unread());
-        let Link::Pooled(link) = &mut self.engine.link else {
+        let Link::Pooled(link) = self.engine.link_mut() else {
             return;
         };
         let Some(mut stream) = self.backend.take() else {
@@ -241,7 +222,7 @@ where
     /// with the client's own where it gave them), with a key of
     /// pgcache's, and no connection taken unless none ever logged in.
     pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
-        let Link::Pooled(link) = &self.engine.link else {
+        let Link::Pooled(link) = self.engine.link() else {
             return Ok(());
         };
         let pool = Arc::clone(&link.pool);
@@ -253,13 +234,12 @@ where
             }
         };
         let (pid, secret, guard) = self.app.cancel.register_pooled();
-        guard.retarget(self.engine.backend_key.clone());
-        self.engine.cancel = Some(guard);
+        self.engine.register_cancel(guard);
         // The client's own values where it gave them (a name reported
         // once is only ever replaced), as PostgreSQL reports them.
         let mut shown = statuses;
         self.learn_reported(&pool, &shown).await?;
-        for (name, value) in &self.engine.startup.params {
+        for (name, value) in &self.engine.startup().params {
             if shown.has(name) {
                 let reported = match name.as_str() {
                     "client_encoding" => encoding::canonical(value).map(str::to_owned),
@@ -288,7 +268,7 @@ where
     async fn learn_reported(&mut self, pool: &Pool, shown: &Statuses) -> Result<(), SessionError> {
         let missing: Vec<(String, String)> = self
             .engine
-            .startup
+            .startup()
             .params
             .iter()
             .filter(|(name, value)| {
@@ -317,23 +297,23 @@ where
 
     /// The backend connection, if this session handed it back clean.
     pub fn into_server(self) -> Option<Server> {
-        if self.engine.server.pooling && self.engine.server.tainted {
+        if self.engine.server().pooling && self.engine.server().tainted {
             self.app.metrics.pool.closed_tainted.inc();
         }
-        if !self.engine.server.handed_back || self.engine.backend_fatal || self.unread() {
+        if self.unread() {
             return None;
         }
-        let key = self.engine.backend_key?;
+        let (key, addr, book) = self.engine.into_server_book()?;
         let mut key_data = key.backend_pid.to_be_bytes().to_vec();
         key_data.extend_from_slice(&key.backend_secret);
         Some(Server {
             stream: self.backend?,
-            addr: self.engine.backend_addr,
-            statuses: self.engine.server.statuses,
+            addr,
+            statuses: book.statuses,
             key_data,
-            trusted: self.engine.server.trusted,
-            born: self.engine.server.born,
-            login_settings: self.engine.server.login_settings,
+            trusted: book.trusted,
+            born: book.born,
+            login_settings: book.login_settings,
         })
     }
 }

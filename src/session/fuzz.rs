@@ -88,10 +88,10 @@ pub fn feed(data: &[u8]) -> Fed {
             }
         };
         // What the driver would write and carry out.
-        fed.served += usize::from(!engine.out.is_empty() && control & 1 == 0);
-        engine.out.clear();
-        engine.pipeline.to_backend.clear();
-        for action in std::mem::take(&mut engine.actions) {
+        fed.served += usize::from(!engine.out().is_empty() && control & 1 == 0);
+        engine.out_mut().clear();
+        engine.pipeline_mut().to_backend.clear();
+        for action in engine.take_actions() {
             match action {
                 Action::Store(fill, bytes) => {
                     app.cache.store(*fill, &bytes);
@@ -133,7 +133,7 @@ pub(super) fn session_engine(app: &App, user: &str, database: &str) -> Engine {
 /// The catalog fetcher of a database where every name asked for is a
 /// readable table and no function may write.
 fn every_name_a_table(engine: &Engine) {
-    let catalog = &engine.db.catalog;
+    let catalog = &engine.db().catalog;
     let wanted = catalog.take_wanted();
     let cell = |v: &str| Some(v.to_owned());
     let mut rows: Rows = wanted
@@ -204,8 +204,8 @@ fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bo
                 let answer = (control & 2 == 0).then(|| vec![row]);
                 engine.on_settings(ctx, generation, answer);
             }
-            Err(Need::Prerequisites) => engine.found.prerequisites = true,
-            Err(Need::Facts | Need::Fetched { .. }) => engine.found.facts = true,
+            Err(Need::Prerequisites) => engine.prerequisites_met(),
+            Err(Need::Facts | Need::Fetched { .. }) => engine.facts_met(),
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.
             Err(Need::Cache(_)) => return true,

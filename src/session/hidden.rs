@@ -23,7 +23,7 @@ where
     /// this session's idle backend: pgcache cannot open a connection of
     /// its own ([`Need::Facts`](super::engine::Need::Facts)).
     pub(super) async fn look_up_facts(&mut self) -> Result<(), SessionError> {
-        let db = Arc::clone(&self.engine.db);
+        let db = Arc::clone(self.engine.db());
         if !self.backend_idle() {
             return Ok(());
         }
@@ -60,7 +60,7 @@ where
             Err(SessionError::Pool(e)) => {
                 // No connection: the statement goes on without the
                 // answer, and fails at once with the same error.
-                if let Link::Pooled(link) = &mut self.engine.link {
+                if let Link::Pooled(link) = self.engine.link_mut() {
                     link.no_connection = Some(Box::new(e));
                 }
                 return Ok(None);
@@ -104,12 +104,12 @@ where
                     None => failed = Some(None),
                 },
                 be::ERROR_RESPONSE => {
-                    self.engine.backend_fatal |= messages::is_fatal(body);
+                    self.engine.note_backend_fatal(messages::is_fatal(body));
                     failed = Some(Some(frame));
                 }
                 be::READY_FOR_QUERY => {
                     if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
-                        self.engine.tx.status = status;
+                        self.engine.note_tx_status(status);
                     }
                     return Ok(match failed {
                         None => Ok(rows),
@@ -125,7 +125,7 @@ where
                     // connection set up for it): a ParameterStatus now
                     // would come before its AuthenticationOk, and the
                     // greeting reports the parameters itself.
-                    if !self.engine.ready {
+                    if !self.engine.ready() {
                         continue;
                     }
                     self.client

@@ -39,7 +39,7 @@ where
                 .map_err(SessionError::BackendIo)?;
             return self.relay_authentication().await;
         };
-        let user = self.engine.startup.user().to_owned();
+        let user = self.engine.startup().user().to_owned();
         let connect_timeout = self.app.upstream.connect_timeout;
         let login = auth::login_backend(self.server()?, startup_raw, &user, &secret);
         let result = tokio::time::timeout(connect_timeout, login).await;
@@ -108,13 +108,13 @@ where
             let code = (frame[0] == be::AUTHENTICATION && len >= HEADER_LEN + 4)
                 .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
             if code == Some(AUTH_OK) {
-                self.engine.server.trusted = !self.engine.server.challenged;
+                self.engine.note_authenticated();
                 done = true;
                 break;
             }
             // Anything before AuthenticationOk asked the client to prove
             // itself: this connection is not one any client may have.
-            self.engine.server.challenged = true;
+            self.engine.note_challenge();
             let offer = match code {
                 Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
                 _ => None,
@@ -122,13 +122,13 @@ where
             match offer {
                 Some(offer) => {
                     *plus_hidden = true;
-                    self.engine.out.extend_from_slice(&offer);
+                    self.engine.out_mut().extend_from_slice(&offer);
                 }
                 None => {
                     if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
-                        self.engine.backend_fatal = true;
+                        self.engine.note_backend_fatal(true);
                     }
-                    self.engine.out.extend_from_slice(frame);
+                    self.engine.out_mut().extend_from_slice(frame);
                 }
             }
             pos += len;
@@ -146,7 +146,7 @@ where
             let frame = &self.client.buffered()[pos..pos + len];
             // A client that hangs up while logging in (node-postgres ended
             // while connecting): PostgreSQL closes without a word.
-            self.engine.client_ended |= frame[0] == fe::TERMINATE;
+            self.engine.note_login_frame(frame[0]);
             if frame[0] == fe::PASSWORD && *plus_hidden {
                 *plus_hidden = false;
                 // 'y': "I can bind, the server cannot". PostgreSQL on TLS

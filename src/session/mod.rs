@@ -261,7 +261,7 @@ impl Ready {
     /// Runs the session to its end, in a span naming its user and
     /// database, then settles its connection.
     async fn live(mut self: Box<Self>, app: Arc<App>) {
-        let startup = &self.session.engine.startup;
+        let startup = self.session.engine.startup();
         let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
         let login = self.login.take();
         match self.session.run(login).instrument(span).await {

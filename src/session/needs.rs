@@ -24,17 +24,17 @@ where
         match need {
             Need::Prerequisites => {
                 self.meet_prerequisites(frame).await?;
-                self.engine.found.prerequisites = true;
+                self.engine.prerequisites_met();
             }
             Need::Facts => {
                 self.look_up_facts().await?;
-                self.engine.found.facts = true;
+                self.engine.facts_met();
             }
             Need::Fetched { rels, funcs } => {
                 let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
                 let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
-                let wait = self.engine.known.policy.first_read_wait;
-                let db = &self.engine.db;
+                let wait = self.engine.first_read_wait();
+                let db = self.engine.db();
                 // Asked for with the statement's other actions, which run
                 // once it is decided: the fetch must start now.
                 self.app.fetch_catalog(db);
@@ -42,7 +42,7 @@ where
                     .cache
                     .wait_for_facts(db, (&rels, &funcs), wait)
                     .await;
-                self.engine.found.facts = true;
+                self.engine.facts_met();
             }
             Need::Settings { sql, generation } => {
                 self.app.metrics.settings_queries.inc();
@@ -50,12 +50,7 @@ where
                 let ctx = super::relay::ctx(&self.app, &self.entry);
                 self.engine.on_settings(&ctx, generation, rows);
             }
-            Need::Cache(wait) => {
-                self.app
-                    .cache
-                    .wait(wait, &mut self.engine.found.lookup)
-                    .await
-            }
+            Need::Cache(wait) => self.app.cache.wait(wait, self.engine.lookup_waited()).await,
         }
         Ok(())
     }
@@ -79,9 +74,9 @@ where
         };
         let needs = prerequisites(sql);
         for name in needs.free_databases {
-            let via = self.engine.startup.database();
+            let via = self.engine.startup().database();
             if let Some(paused) = self.app.streams.release(&name, via).await {
-                self.engine.paused.push(paused);
+                self.engine.hold_paused(paused);
             }
         }
         for table in needs.unpublish {
@@ -124,7 +119,7 @@ where
         let ctl = match self
             .app
             .upstream
-            .control(self.engine.startup.database())
+            .control(self.engine.startup().database())
             .await
         {
             Ok(ctl) => ctl,

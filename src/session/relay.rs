@@ -121,9 +121,9 @@ where
     /// Logs the client in: replayed for a parked connection, greeted by
     /// pgcache on pooled connections, else with PostgreSQL.
     async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
-        let logged_in = if self.engine.server.reused {
+        let logged_in = if self.engine.server().reused {
             Ok(Flow::Continue) // its login frames are replayed by the relay
-        } else if self.engine.link.is_pooled() && !self.attached() {
+        } else if self.engine.link().is_pooled() && !self.attached() {
             // pgcache logs in for the client on pooled connections.
             self.greet().await.map(|()| Flow::Continue)
         } else {
@@ -131,10 +131,10 @@ where
                 Some(login) => self.log_in(&login.raw, login.secret).await,
                 None => Ok(Flow::Close),
             };
-            if let Link::Pooled(link) = &self.engine.link
+            if let Link::Pooled(link) = self.engine.link()
                 && matches!(flow, Ok(Flow::Continue))
             {
-                if self.engine.server.trusted {
+                if self.engine.server().trusted {
                     link.pool.learn_trusted();
                 } else {
                     self.engine.pin(
@@ -149,9 +149,9 @@ where
         if let Link::Session(SessionLink {
             checks: Some(checks),
             ..
-        }) = &self.engine.link
+        }) = self.engine.link()
             && matches!(logged_in, Ok(Flow::Continue))
-            && self.engine.server.trusted
+            && self.engine.server().trusted
         {
             checks.learn_trusted();
         }
@@ -200,12 +200,12 @@ where
             }
             self.client.release_if_empty();
             self.engine.release_buffers();
-            let deadline = timeouts.deadline(true, self.engine.tx.status, last_activity);
+            let deadline = timeouts.deadline(true, self.engine.tx_status(), last_activity);
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
                 r = self.client.fill_lazily() => Woke::Client(r),
-                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
                 _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
             if timeouts.any {
@@ -250,11 +250,11 @@ where
                 }
             }
             // Waiting on the client: logged in and nothing asked of the backend.
-            let waiting = self.engine.ready && !self.engine.pipeline.awaits_backend();
+            let waiting = self.engine.ready() && !self.engine.pipeline().awaits_backend();
             if waiting && !self.attached() {
                 return Ok(Flow::Continue);
             }
-            let deadline = timeouts.deadline(waiting, self.engine.tx.status, *last_activity);
+            let deadline = timeouts.deadline(waiting, self.engine.tx_status(), *last_activity);
             // A read on a replica is answered before anything else is read.
             let on_replica = self.engine.replica_busy();
             woke = Some(tokio::select! {
@@ -266,7 +266,7 @@ where
                 // A session holding no connection has no backend to read.
                 r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
                 r = self.client.fill_lazily(), if !on_replica => Woke::Client(r),
-                _ = shutdown.wait(Stage::Drain), if !self.engine.draining => Woke::Drain,
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
                 _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
             if timeouts.any {
@@ -319,11 +319,11 @@ where
                 return Err(SessionError::ClientIo(e));
             }
             Woke::Drain => {
-                self.engine.draining = true;
+                self.engine.drain();
                 self.close_if_drained().await
             }
             Woke::Timeout => {
-                let e = timeouts.error(self.engine.tx.status);
+                let e = timeouts.error(self.engine.tx_status());
                 info!(code = e.sqlstate(), "{e}");
                 self.close_with(&e).await;
                 Flow::Close
@@ -332,7 +332,7 @@ where
     }
 
     pub(super) async fn close_if_drained(&mut self) -> Flow {
-        if !self.backend_idle() || self.engine.batch.holds() {
+        if !self.backend_idle() || self.engine.holds_batch() {
             return Flow::Continue;
         }
         let e = SessionError::refused(
@@ -370,7 +370,7 @@ where
     /// The backend closed or failed: tell the client, unless the backend's
     /// own FATAL error already did.
     pub(super) async fn backend_lost(&mut self, error: Option<std::io::Error>) {
-        if self.engine.backend_fatal || self.engine.client_ended {
+        if self.engine.close_expected() {
             return;
         }
         let error = error.unwrap_or_else(|| {
@@ -389,10 +389,10 @@ where
     /// The client went away: stop whatever the backend is still doing for
     /// it, then close the backend connection.
     pub(super) async fn client_gone(&mut self) {
-        if self.engine.pipeline.len() > 0 {
+        if self.engine.pipeline().len() > 0 {
             // A backend busy with a long query would not notice the closed
             // socket until it writes; cancel it so it is freed now.
-            if let Some(target) = self.engine.backend_key.clone() {
+            if let Some(target) = self.engine.backend_key().cloned() {
                 let app = Arc::clone(&self.app);
                 tokio::spawn(async move {
                     let _ = crate::backend::send_cancel(
@@ -414,7 +414,7 @@ where
         if let Some(replica) = self.replica.take() {
             replica.close().await;
         }
-        if let Link::Pooled(link) = &self.engine.link
+        if let Link::Pooled(link) = self.engine.link()
             && link.lease().is_some()
             && link.pinned.is_none()
             && self.backend_idle()

@@ -37,7 +37,7 @@ where
                 .await
                 .map_err(SessionError::BackendIo)?;
         }
-        if !self.engine.actions.is_empty() {
+        if self.engine.has_actions() {
             self.carry_out().await;
         }
         if relayed.end > 0 {
@@ -46,10 +46,10 @@ where
         if let Some(backend) = &mut self.backend {
             backend.shrink_if_empty();
         }
-        if self.engine.draining {
+        if self.engine.draining() {
             return Ok(self.close_if_drained().await);
         }
-        if self.engine.link.is_pooled() {
+        if self.engine.link().is_pooled() {
             self.detach_if_idle().await?;
         }
         Ok(Flow::Continue)
@@ -57,16 +57,16 @@ where
 
     /// Does what the engine asked for, in order.
     pub(super) async fn carry_out(&mut self) {
-        for action in std::mem::take(&mut self.engine.actions) {
+        for action in self.engine.take_actions() {
             match action {
                 // Boxed: a Redis round trip is a large future, and rare.
                 Action::Publish(publication) => Box::pin(publication.send()).await,
                 Action::Mirror(table) => {
-                    Box::pin(self.app.cache.mirror_rows(&self.engine.db, &table)).await
+                    Box::pin(self.app.cache.mirror_rows(self.engine.db(), &table)).await
                 }
                 Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
-                Action::Watch => self.app.streams.ensure(&self.engine.db),
-                Action::Fetch => self.app.fetch_catalog(&self.engine.db),
+                Action::Watch => self.app.streams.ensure(self.engine.db()),
+                Action::Fetch => self.app.fetch_catalog(self.engine.db()),
                 Action::Offload(job, capture) => {
                     tokio::spawn(job.run_into(Arc::clone(&self.app), capture));
                 }
@@ -80,13 +80,13 @@ where
         let Some(backend) = &mut self.backend else {
             return Ok(());
         };
-        let bytes = to_client(&mut self.engine.out, backend.buffered(), pos, copied);
+        let bytes = to_client(self.engine.out_mut(), backend.buffered(), pos, copied);
         self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
         let result = match bytes.is_empty() {
             true => Ok(()),
             false => self.client.write_all(bytes).await,
         };
-        self.engine.out.clear();
+        self.engine.out_mut().clear();
         backend.consume(pos);
         if let Err(e) = result {
             self.client_gone().await;
@@ -98,7 +98,7 @@ where
     /// Relays every complete client frame now buffered to the backend.
     pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
         let mut flow = Flow::Continue;
-        if !self.engine.caching {
+        if !self.engine.caching() {
             // Pure pass-through: forward whole runs of frames without copying.
             let mut pos = 0;
             let mut violation = None;
@@ -122,11 +122,11 @@ where
                 }
             }
             if pos > 0 {
-                if self.engine.link.is_pooled() {
+                if self.engine.link().is_pooled() {
                     // Staged for translation, and to fail together with
                     // the requests they make if no connection comes.
                     self.engine
-                        .pipeline
+                        .pipeline_mut()
                         .to_backend
                         .extend_from_slice(&self.client.buffered()[..pos]);
                     self.client.consume(pos);
@@ -170,7 +170,7 @@ where
             self.flush_replica().await?;
         }
         self.client.shrink_if_empty();
-        if flow == Flow::Continue && self.engine.link.is_pooled() {
+        if flow == Flow::Continue && self.engine.link().is_pooled() {
             // Only pgcache's own queries may have needed a connection.
             self.detach_if_idle().await?;
         }
@@ -187,7 +187,7 @@ where
                 Err(need) => Box::pin(self.meet(need, &frame)).await?,
             }
         };
-        if !self.engine.actions.is_empty() {
+        if self.engine.has_actions() {
             self.carry_out().await;
         }
         self.flush_out().await?;
@@ -205,7 +205,7 @@ where
             }
         }
         self.client.consume(ready.len);
-        if !self.engine.actions.is_empty() {
+        if self.engine.has_actions() {
             self.carry_out().await;
         }
         self.flush_out().await
@@ -213,11 +213,11 @@ where
 
     /// Writes what pgcache staged in `out` to the client.
     pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
-        if self.engine.out.is_empty() {
+        if self.engine.out().is_empty() {
             return Ok(());
         }
-        let r = self.client.write_all(&self.engine.out).await;
-        self.engine.out.clear();
+        let r = self.client.write_all(self.engine.out()).await;
+        self.engine.out_mut().clear();
         r.map_err(SessionError::ClientIo)
     }
 
@@ -229,13 +229,13 @@ where
             // session waits on its client far more often.
             match Box::pin(self.attach(true)).await {
                 Ok(()) => {}
-                Err(SessionError::Pool(e)) if !self.engine.pipeline.unsynced => {
+                Err(SessionError::Pool(e)) if !self.engine.pipeline().unsynced => {
                     return self.fail_unsent(&e).await;
                 }
                 Err(e) => return Err(e),
             }
         }
-        if !self.engine.pipeline.to_backend.is_empty() {
+        if !self.engine.pipeline().to_backend.is_empty() {
             let (staged, answers) = self.engine.staged(&self.app);
             let r = match &mut self.backend {
                 Some(backend) => backend.write_all(staged).await,
@@ -253,7 +253,7 @@ where
                 let tail = buf.split_off(at);
                 buf.extend_from_slice(&answers);
                 buf.extend_from_slice(&tail);
-                if let Link::Pooled(link) = &mut self.engine.link {
+                if let Link::Pooled(link) = self.engine.link_mut() {
                     link.spliced = at..at + answers.len();
                 }
                 Box::pin(self.on_backend_data()).await?;
@@ -268,12 +268,12 @@ where
     async fn fail_unsent(&mut self, error: &crate::pool::PoolError) -> Result<(), SessionError> {
         info!(code = error.sqlstate(), "{error}");
         let mut out = BytesMut::new();
-        for request in self.engine.pipeline.drop_unsent() {
+        for request in self.engine.pipeline_mut().drop_unsent() {
             for name in &request.parsed {
-                self.engine.known.statements.remove(name);
+                self.engine.forget_statement(name);
             }
             messages::error_response(&mut out, "ERROR", error.sqlstate(), &error.to_string());
-            out.extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
+            out.extend_from_slice(&messages::ready_for_query(self.engine.tx_status()));
         }
         self.client
             .write_all(&out)
@@ -291,7 +291,7 @@ where
     /// applying the client's settings) first where needed. A replica that
     /// cannot take it leaves the read to the primary.
     pub(super) async fn flush_replica(&mut self) -> Result<(), SessionError> {
-        let Some(leg) = &self.engine.replica else {
+        let Some(leg) = self.engine.replica() else {
             return Ok(());
         };
         if !self.engine.replica_chosen() {
@@ -301,9 +301,7 @@ where
         match Box::pin(self.send_replica(&server)).await {
             Ok(()) => {
                 let key = self.replica.as_ref().map(|c| Arc::clone(&c.key));
-                if let Some(cancel) = &self.engine.cancel {
-                    cancel.retarget(key);
-                }
+                self.engine.cancel_towards(key);
                 Ok(())
             }
             Err(why) => {
@@ -321,10 +319,10 @@ where
     /// client's settings if it has others, and writes the read the engine
     /// stages for it.
     async fn send_replica(&mut self, server: &Arc<Replica>) -> Result<(), String> {
-        let Some(pool) = self.engine.link.replica_login().cloned() else {
+        let Some(pool) = self.engine.link().replica_login().cloned() else {
             return Err("no credentials to log in with".into());
         };
-        let state = self.engine.link.state().clone();
+        let state = self.engine.link().state().clone();
         if self
             .replica
             .as_ref()
@@ -334,7 +332,7 @@ where
                 old.close().await;
             }
             let client = self.entry.client.id;
-            let (conn, applied, prepared) = match self.engine.link.is_pooled() {
+            let (conn, applied, prepared) = match self.engine.link().is_pooled() {
                 false => {
                     let id = self.app.pool.pooled.server_id();
                     let conn = ReplicaConn::open(&pool, server, id, client).await?;
@@ -346,11 +344,11 @@ where
             };
             let opened = conn.opened;
             self.replica = Some(Box::new(conn));
-            if let Some(leg) = &mut self.engine.replica {
+            if let Some(leg) = self.engine.replica_mut() {
                 leg.on_connection(applied, prepared, Some(opened));
             }
         }
-        let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
+        let (Some(conn), Some(leg)) = (&mut self.replica, self.engine.replica_mut()) else {
             return Err("no replica".into());
         };
         if leg.applied != state.id {
@@ -359,7 +357,7 @@ where
             leg.applied = state.id;
         }
         self.engine.stage_replica(Instant::now());
-        let (Some(conn), Some(leg)) = (&mut self.replica, &mut self.engine.replica) else {
+        let (Some(conn), Some(leg)) = (&mut self.replica, self.engine.replica_mut()) else {
             return Err("no replica".into());
         };
         let staged = std::mem::take(&mut leg.staged);
@@ -381,11 +379,11 @@ where
             self.replica = Some(conn);
             return;
         }
-        let lifetime = match &mut self.engine.link {
+        let lifetime = match self.engine.link_mut() {
             Link::Pooled(link) => link.knobs(&self.app).lifetime,
             Link::Session(_) => return,
         };
-        if let Some(leg) = &mut self.engine.replica {
+        if let Some(leg) = self.engine.replica_mut() {
             let prepared = std::mem::take(&mut leg.prepared);
             let applied = std::mem::replace(&mut leg.applied, UNKNOWN_STATE);
             (*conn).give_back(applied, prepared, lifetime);
@@ -408,7 +406,7 @@ where
                 return Ok(Flow::Continue);
             };
             let bytes = to_client(
-                &mut self.engine.out,
+                self.engine.out_mut(),
                 conn.stream.buffered(),
                 relayed.end,
                 relayed.from,
@@ -418,7 +416,7 @@ where
                 true => Ok(()),
                 false => self.client.write_all(bytes).await,
             };
-            self.engine.out.clear();
+            self.engine.out_mut().clear();
             conn.stream.consume(relayed.end);
             if let Err(e) = sent {
                 self.client_gone().await;
@@ -429,9 +427,7 @@ where
             return Ok(Flow::Continue);
         }
         self.replica_read_done();
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(self.engine.backend_key.clone());
-        }
+        self.engine.retarget_cancel();
         self.flush_backend().await?;
         if !self.client.buffered().is_empty() {
             return Box::pin(self.on_client_data()).await;
@@ -448,11 +444,9 @@ where
     ) -> Result<Flow, SessionError> {
         let name = self.replica.take().map(|c| c.server.name.clone());
         info!(replica = ?name, error = ?error, "replica connection lost");
-        if let Some(cancel) = &self.engine.cancel {
-            cancel.retarget(self.engine.backend_key.clone());
-        }
+        self.engine.retarget_cancel();
         if self.engine.replica_failed() {
-            if let Some(leg) = &self.engine.replica {
+            if let Some(leg) = self.engine.replica() {
                 leg.server.metrics.retries.inc();
             }
             self.flush_backend().await?;
@@ -464,7 +458,7 @@ where
                 sqlstate::CONNECTION_FAILURE,
                 "the replica's connection was lost while it answered",
             );
-            out.extend_from_slice(&messages::ready_for_query(self.engine.tx.status));
+            out.extend_from_slice(&messages::ready_for_query(self.engine.tx_status()));
             self.client
                 .write_all(&out)
                 .await

@@ -298,36 +298,7 @@ impl Translator {
             return self.send(out, frame, Kind::One(be::PARSE_COMPLETE), None);
         };
         if p.name.is_empty() {
-            // Unnamed statements are not shared: a token tells this Parse
-            // apart, with no hash of its text on every query.
-            let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
-            let mut parse = Bytes::copy_from_slice(frame);
-            let mut named = None;
-            if let Some(r) = self.reference(p.query) {
-                let (query, types) = (p.query, p.param_types);
-                let hash = self.with_statement(&r.name, server, max, out, |name, _| {
-                    let mut rewritten = BytesMut::new();
-                    let text = [&query[..r.span.start], name, &query[r.span.end..]];
-                    frame_of(
-                        &mut rewritten,
-                        fe::PARSE,
-                        &[&[0], &text.concat(), &[0], types],
-                    );
-                    parse = rewritten.freeze();
-                });
-                named = hash.map(|hash| Named {
-                    hash,
-                    name: Bytes::from(r.name),
-                    frees: r.verb == Verb::Deallocate,
-                });
-            }
-            self.unnamed = Some(Arc::new(Unnamed {
-                token,
-                parse: parse.clone(),
-                named,
-            }));
-            server.unnamed = Some(token);
-            return self.send(out, &parse, Kind::One(be::PARSE_COMPLETE), None);
+            return self.parse_unnamed(frame, &p, server, max, out);
         }
         let name = Bytes::copy_from_slice(p.name);
         if self.statements.contains_key(&name) {
@@ -381,6 +352,49 @@ impl Translator {
             Kind::One(be::PARSE_COMPLETE),
             Some((hash, Some(name))),
         );
+    }
+
+    /// A Parse of the unnamed statement: not shared, but a reference in
+    /// its text to a named one (`EXECUTE name`) is rewritten to the name
+    /// the server knows it by.
+    fn parse_unnamed(
+        &mut self,
+        frame: &[u8],
+        p: &extended::Parse<'_>,
+        server: &mut ServerStatements,
+        max: usize,
+        out: &mut BytesMut,
+    ) {
+        // Unnamed statements are not shared: a token tells this Parse
+        // apart, with no hash of its text on every query.
+        let token = u128::from(UNNAMED.fetch_add(1, Ordering::Relaxed));
+        let mut parse = Bytes::copy_from_slice(frame);
+        let mut named = None;
+        if let Some(r) = self.reference(p.query) {
+            let (query, types) = (p.query, p.param_types);
+            let hash = self.with_statement(&r.name, server, max, out, |name, _| {
+                let mut rewritten = BytesMut::new();
+                let text = [&query[..r.span.start], name, &query[r.span.end..]];
+                frame_of(
+                    &mut rewritten,
+                    fe::PARSE,
+                    &[&[0], &text.concat(), &[0], types],
+                );
+                parse = rewritten.freeze();
+            });
+            named = hash.map(|hash| Named {
+                hash,
+                name: Bytes::from(r.name),
+                frees: r.verb == Verb::Deallocate,
+            });
+        }
+        self.unnamed = Some(Arc::new(Unnamed {
+            token,
+            parse: parse.clone(),
+            named,
+        }));
+        server.unnamed = Some(token);
+        self.send(out, &parse, Kind::One(be::PARSE_COMPLETE), None);
     }
 
     /// Statement `name` as the client defined it elsewhere (on the
@@ -571,19 +585,6 @@ impl Translator {
             prepares,
             ..Expect::new(kind, Origin::Client)
         });
-    }
-
-    /// The client's message just written: its answer is owed.
-    fn owe(&mut self, kind: Kind) {
-        self.expect.push_back(Expect::new(kind, Origin::Client));
-    }
-
-    /// pgcache answers in the server's place, in turn.
-    fn answer(&mut self, frames: &[u8]) {
-        self.expect.push_back(Expect::new(
-            Kind::One(0),
-            Origin::Synthetic(Bytes::copy_from_slice(frames)),
-        ));
     }
 }
 

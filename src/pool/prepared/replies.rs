@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
 use super::{Answer, Reply, Translator};
 use crate::pool::owed::{Expect, Kind, Origin, stale_statement};
@@ -18,6 +18,19 @@ pub(super) const FAILED: &str =
     "current transaction is aborted, commands ignored until end of transaction block";
 
 impl Translator {
+    /// The client's message just written: its answer is owed.
+    pub(super) fn owe(&mut self, kind: Kind) {
+        self.expect.push_back(Expect::new(kind, Origin::Client));
+    }
+
+    /// pgcache answers in the server's place, in turn.
+    pub(super) fn answer(&mut self, frames: &[u8]) {
+        self.expect.push_back(Expect::new(
+            Kind::One(0),
+            Origin::Synthetic(Bytes::copy_from_slice(frames)),
+        ));
+    }
+
     /// The answers pgcache gives that nothing sent before them holds up.
     pub(super) fn leading_synthetic(&mut self) -> BytesMut {
         let mut out = BytesMut::new();

@@ -57,39 +57,11 @@ impl Engine {
                 pos = end;
                 continue;
             }
-            if let Link::Pooled(link) = &mut self.link
-                && !link.spliced.contains(&pos)
-            {
-                let frame = &buf[pos..pos + len];
-                if frame[0] == be::NOTIFICATION && !link.listens.admits(frame) {
-                    // Another client's LISTEN on this connection: never
-                    // this client's to see ([`crate::pool::listens`]).
-                    ctx.app.metrics.pooled.notifications_withheld.inc();
-                    self.out.extend_from_slice(&buf[copied..pos]);
-                    copied = pos + len;
-                    pos += len;
-                    continue;
-                }
-                if frame[0] == be::COMMAND_COMPLETE && frame[HEADER_LEN..].starts_with(b"LISTEN\0")
-                {
-                    link.listens.completed();
-                    listened = true;
-                }
-                let answer = link.on_server_frame(&buf[pos..pos + len]);
-                if !answer.to_client.is_empty() {
-                    // pgcache's answers in the server's place come next.
-                    let tail = buf.split_off(pos + len);
-                    buf.extend_from_slice(&answer.to_client);
-                    buf.extend_from_slice(&tail);
-                    link.spliced = pos + len..buf.len() - tail.len();
-                }
-                resend.extend_from_slice(&answer.to_server);
-                if answer.reply == Reply::Drop {
-                    self.out.extend_from_slice(&buf[copied..pos]);
-                    copied = pos + len;
-                    pos += len;
-                    continue;
-                }
+            if self.link_frame(ctx, buf, (pos, len), &mut resend, &mut listened) {
+                self.out.extend_from_slice(&buf[copied..pos]);
+                copied = pos + len;
+                pos += len;
+                continue;
             }
             let frame = &buf[pos..pos + len];
             let cut = match frame[0] {
@@ -139,6 +111,48 @@ impl Engine {
             from: copied,
             resend,
         })
+    }
+
+    /// What the transaction-mode link makes of the server frame at `at`
+    /// (its start and length): true when the client is not to see it (a
+    /// notification for another client, an answer to pgcache's own
+    /// request). pgcache's answers in the server's place are spliced into
+    /// `buf` after it; what the server is owed goes to `resend`.
+    fn link_frame(
+        &mut self,
+        ctx: &Ctx,
+        buf: &mut BytesMut,
+        (pos, len): (usize, usize),
+        resend: &mut BytesMut,
+        listened: &mut bool,
+    ) -> bool {
+        let Link::Pooled(link) = &mut self.link else {
+            return false;
+        };
+        if link.spliced.contains(&pos) {
+            return false;
+        }
+        let frame = &buf[pos..pos + len];
+        if frame[0] == be::NOTIFICATION && !link.listens.admits(frame) {
+            // Another client's LISTEN on this connection: never this
+            // client's to see ([`crate::pool::listens`]).
+            ctx.app.metrics.pooled.notifications_withheld.inc();
+            return true;
+        }
+        if frame[0] == be::COMMAND_COMPLETE && frame[HEADER_LEN..].starts_with(b"LISTEN\0") {
+            link.listens.completed();
+            *listened = true;
+        }
+        let answer = link.on_server_frame(frame);
+        if !answer.to_client.is_empty() {
+            // pgcache's answers in the server's place come next.
+            let tail = buf.split_off(pos + len);
+            buf.extend_from_slice(&answer.to_client);
+            buf.extend_from_slice(&tail);
+            link.spliced = pos + len..buf.len() - tail.len();
+        }
+        resend.extend_from_slice(&answer.to_server);
+        answer.reply == Reply::Drop
     }
 
     /// Hands the client the backend's process id with pgcache's own secret

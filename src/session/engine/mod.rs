@@ -39,6 +39,7 @@ mod lookup;
 mod requests;
 mod routing;
 mod settings;
+mod surface;
 #[cfg(test)]
 mod tests;
 
@@ -47,46 +48,46 @@ pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 /// The state of one client session.
 pub(super) struct Engine {
     /// Cache lookups and fills are on (`cache.enabled`).
-    pub caching: bool,
-    pub startup: Startup,
+    caching: bool,
+    startup: Startup,
     /// The first ReadyForQuery has been seen (authentication is over).
-    pub ready: bool,
-    pub pipeline: Pipeline,
-    pub tx: Transaction<(Box<Fill>, BytesMut)>,
-    pub batch: Batch,
+    ready: bool,
+    pipeline: Pipeline,
+    tx: Transaction<(Box<Fill>, BytesMut)>,
+    batch: Batch,
     /// What the session knows of itself: settings, plans, statements.
-    pub known: Known,
+    known: Known,
     /// This database's cache state (a placeholder until logged in).
-    pub db: Arc<DbState>,
+    db: Arc<DbState>,
     /// What the driver is to do before the client hears more.
-    pub actions: Vec<Action>,
+    actions: Vec<Action>,
     /// Staging for client writes that pgcache assembles or rewrites.
-    pub out: BytesMut,
+    out: BytesMut,
     /// Transaction mode: where server connections come from, and what of
     /// the client's state goes with it from one to the next.
-    pub link: Link,
+    link: Link,
     /// What decides whether the backend connection outlives the session.
-    pub server: ServerBook,
+    server: ServerBook,
     /// The backend reported a FATAL error: its close is expected.
-    pub backend_fatal: bool,
+    backend_fatal: bool,
     /// The client sent Terminate: so is the backend's close that follows.
-    pub client_ended: bool,
+    client_ended: bool,
     /// Databases pgcache let go of for a statement of this session that
     /// needs them free, until it is answered.
-    pub paused: Vec<Paused>,
+    paused: Vec<Paused>,
     /// Shutting down: the session closes once idle.
-    pub draining: bool,
+    draining: bool,
     /// Where the backend connection is.
-    pub backend_addr: UpstreamAddr,
+    backend_addr: UpstreamAddr,
     /// The backend's own cancel key, and the registration of ours.
-    pub backend_key: Option<Arc<CancelTarget>>,
-    pub cancel: Option<CancelGuard>,
+    backend_key: Option<Arc<CancelTarget>>,
+    cancel: Option<CancelGuard>,
     /// What the frame being decided waited for.
-    pub found: Found,
+    found: Found,
     /// The session's connection to a replica, once a read went to one.
-    pub replica: Option<Box<ReplicaLeg>>,
+    replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
-    pub observed: Observed,
+    observed: Observed,
 }
 
 impl Engine {

@@ -12,13 +12,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::client::WebPkiServerVerifier;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::crypto::WebPkiSupportedAlgorithms;
-use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
-};
+use rustls::client::danger::ServerCertVerifier;
+use rustls::{ClientConfig, RootCertStore};
+use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+
+mod conninfo;
+mod verifiers;
+
+use conninfo::split_params;
+use verifiers::{AnyName, Unchecked};
 
 /// What is wrong with `upstream.url` (or the files it names).
 #[derive(Debug, thiserror::Error)]
@@ -294,118 +297,6 @@ impl UpstreamUrl {
     }
 }
 
-/// The ports of a URL's hosts (`postgres://user@h1:5432,[::1]:5433/db`)
-/// are numbers from 1 to 65535: tokio-postgres says only "invalid
-/// connection string" of one that is not.
-fn check_ports(url: &str) -> Result<(), UpstreamError> {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = rest.split(['/', '?']).next().unwrap_or_default();
-    let hosts = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, hosts)| hosts);
-    for host in hosts.split(',') {
-        // After an IPv6 address's closing bracket, or the last colon.
-        let port = match host.rsplit_once(']') {
-            Some((_, after)) => after.strip_prefix(':'),
-            None => host.rsplit_once(':').map(|(_, port)| port),
-        };
-        if let Some(port) = port
-            && !port.is_empty()
-            && port.parse::<u16>().ok().is_none_or(|p| p == 0)
-        {
-            return Err(UpstreamError::Port(port.to_owned()));
-        }
-    }
-    Ok(())
-}
-
-/// Takes the parameters named in `keys` out of a libpq URL
-/// (`postgres://...?k=v&...`) or key=value string, returning the rest and
-/// the (key, decoded value) pairs taken.
-fn split_params(
-    url: &str,
-    keys: &[&str],
-) -> Result<(String, Vec<(String, String)>), UpstreamError> {
-    let mut taken = Vec::new();
-    let is_url = url.starts_with("postgres://") || url.starts_with("postgresql://");
-    if let Some((scheme, _)) = url.split_once("://")
-        && !is_url
-    {
-        return Err(UpstreamError::Scheme(format!("{scheme}://")));
-    }
-    if is_url {
-        check_ports(url)?;
-        let Some((base, query)) = url.split_once('?') else {
-            return Ok((url.to_owned(), taken));
-        };
-        let mut kept = Vec::new();
-        for pair in query.split('&') {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            if keys.contains(&key) {
-                let value = percent_encoding::percent_decode_str(value)
-                    .decode_utf8()
-                    .map_err(|e| UpstreamError::Param {
-                        key: key.to_owned(),
-                        reason: e.to_string(),
-                    })?;
-                taken.push((key.to_owned(), value.into_owned()));
-            } else {
-                kept.push(pair);
-            }
-        }
-        let rest = if kept.is_empty() {
-            base.to_owned()
-        } else {
-            format!("{base}?{}", kept.join("&"))
-        };
-        return Ok((rest, taken));
-    }
-    // key = value pairs; a value may be 'quoted' with \' and \\ escapes.
-    let mut rest = String::new();
-    let mut chars = url.char_indices().peekable();
-    loop {
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let Some(&(start, _)) = chars.peek() else {
-            break;
-        };
-        let mut key = String::new();
-        while let Some((_, c)) = chars.next_if(|(_, c)| *c != '=' && !c.is_whitespace()) {
-            key.push(c);
-        }
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        if chars.next_if(|(_, c)| *c == '=').is_none() {
-            return Err(UpstreamError::MissingEquals(key));
-        }
-        while chars.next_if(|(_, c)| c.is_whitespace()).is_some() {}
-        let mut value = String::new();
-        if chars.next_if(|(_, c)| *c == '\'').is_some() {
-            loop {
-                match chars.next() {
-                    Some((_, '\\')) => match chars.next() {
-                        Some((_, c)) => value.push(c),
-                        None => return Err(UpstreamError::Unterminated),
-                    },
-                    Some((_, '\'')) => break,
-                    Some((_, c)) => value.push(c),
-                    None => return Err(UpstreamError::Unterminated),
-                }
-            }
-        } else {
-            while let Some((_, c)) = chars.next_if(|(_, c)| !c.is_whitespace()) {
-                value.push(c);
-            }
-        }
-        let end = chars.peek().map_or(url.len(), |&(i, _)| i);
-        if keys.contains(&key.as_str()) {
-            taken.push((key, value));
-        } else {
-            rest.push_str(url[start..end].trim_end());
-            rest.push(' ');
-        }
-    }
-    Ok((rest.trim_end().to_owned(), taken))
-}
-
 /// The TLS settings of every connection to PostgreSQL.
 #[derive(Clone)]
 pub struct UpstreamTls {
@@ -508,96 +399,6 @@ impl UpstreamTls {
             client_cert_pem_path: None,
             client_key_pem_path: None,
         }
-    }
-}
-
-/// `prefer` and `require` without a CA file: encryption without a check of
-/// who is at the other end, as in libpq. The handshake's signatures are still
-/// checked.
-#[derive(Debug)]
-struct Unchecked(WebPkiSupportedAlgorithms);
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_schemes()
-    }
-}
-
-/// `verify-ca`: the chain must lead to the CA file; the name is not checked.
-#[derive(Debug)]
-struct AnyName(Arc<WebPkiServerVerifier>);
-
-impl ServerCertVerifier for AnyName {
-    fn verify_server_cert(
-        &self,
-        end_entity: &CertificateDer<'_>,
-        intermediates: &[CertificateDer<'_>],
-        server_name: &ServerName<'_>,
-        ocsp_response: &[u8],
-        now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        // webpki checks the chain first and the name last, so a name error
-        // means the chain was good.
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
-            Err(rustls::Error::InvalidCertificate(
-                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
-            )) => Ok(ServerCertVerified::assertion()),
-            other => other,
-        }
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
     }
 }
 

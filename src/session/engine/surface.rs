@@ -1,0 +1,253 @@
+//! What the driver may read of the engine and tell it: the engine's
+//! state is private, and the driver goes through these.
+//!
+//! Reads are plain accessors. Changes name what happened (a server was
+//! attached, the client sent Terminate, shutdown began) rather than set a
+//! field. The `_mut` accessors left are the seams still to move into the
+//! engine: the transaction-mode link, the pipeline's unsent requests, the
+//! replica leg and the client output the driver assembles itself.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+
+use super::{Action, Engine};
+use crate::cache::DbState;
+use crate::cache::Waited;
+use crate::cache::hold::Paused;
+use crate::cancel::{CancelGuard, CancelTarget};
+use crate::pool::transaction::Lease;
+use crate::protocol::TxStatus;
+use crate::protocol::frontend as fe;
+use crate::protocol::startup::Startup;
+use crate::session::link::Link;
+use crate::session::pipeline::Pipeline;
+use crate::session::replica::ReplicaLeg;
+use crate::session::reuse::ServerBook;
+use crate::upstream::UpstreamAddr;
+
+impl Engine {
+    /// Cache lookups and fills are on (`cache.enabled`).
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
+    pub fn startup(&self) -> &Startup {
+        &self.startup
+    }
+
+    /// The first ReadyForQuery has been seen (authentication is over).
+    pub fn ready(&self) -> bool {
+        self.ready
+    }
+
+    pub fn tx_status(&self) -> TxStatus {
+        self.tx.status
+    }
+
+    /// A backend answer pgcache read itself reported the transaction
+    /// status.
+    pub fn note_tx_status(&mut self, status: TxStatus) {
+        self.tx.status = status;
+    }
+
+    /// This database's cache state.
+    pub fn db(&self) -> &Arc<DbState> {
+        &self.db
+    }
+
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.pipeline
+    }
+
+    pub fn pipeline_mut(&mut self) -> &mut Pipeline {
+        &mut self.pipeline
+    }
+
+    /// A batch is held, waiting for its Sync.
+    pub fn holds_batch(&self) -> bool {
+        self.batch.holds()
+    }
+
+    pub fn link(&self) -> &Link {
+        &self.link
+    }
+
+    pub fn link_mut(&mut self) -> &mut Link {
+        &mut self.link
+    }
+
+    /// Transaction mode: the pool granted the session a server connection
+    /// (`queued`: after a wait); what must run on it first, if anything.
+    pub fn granted(&mut self, lease: Lease, queued: bool) -> Option<BytesMut> {
+        let Link::Pooled(link) = &mut self.link else {
+            return None;
+        };
+        link.granted(lease, queued, &mut self.pipeline)
+    }
+
+    pub fn server(&self) -> &ServerBook {
+        &self.server
+    }
+
+    /// PostgreSQL asked for a password, or for more, before
+    /// AuthenticationOk.
+    pub fn note_challenge(&mut self) {
+        self.server.challenged = true;
+    }
+
+    /// AuthenticationOk: a login that was never challenged was trusted.
+    pub fn note_authenticated(&mut self) {
+        self.server.trusted = !self.server.challenged;
+    }
+
+    /// Work for the driver before the client hears more.
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
+    pub fn take_actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.actions)
+    }
+
+    /// Bytes staged for the client.
+    pub fn out(&self) -> &BytesMut {
+        &self.out
+    }
+
+    pub fn out_mut(&mut self) -> &mut BytesMut {
+        &mut self.out
+    }
+
+    /// A frame the driver read from the backend ended it: a FATAL error.
+    pub fn note_backend_fatal(&mut self, fatal: bool) {
+        self.backend_fatal |= fatal;
+    }
+
+    /// The backend's close is expected: it sent FATAL, or the client
+    /// ended the session.
+    pub fn close_expected(&self) -> bool {
+        self.backend_fatal || self.client_ended
+    }
+
+    /// A frame the client sent while the driver relayed its login.
+    pub fn note_login_frame(&mut self, tag: u8) {
+        self.client_ended |= tag == fe::TERMINATE;
+    }
+
+    /// Databases let go of for a statement, until it is answered.
+    pub fn hold_paused(&mut self, paused: Paused) {
+        self.paused.push(paused);
+    }
+
+    /// Shutting down: the session closes once idle.
+    pub fn drain(&mut self) {
+        self.draining = true;
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining
+    }
+
+    /// The backend's own cancel key, once it gave one.
+    pub fn backend_key(&self) -> Option<&Arc<CancelTarget>> {
+        self.backend_key.as_ref()
+    }
+
+    /// A server connection from the pool is the session's now: cancels
+    /// go to it.
+    pub fn attach_server(&mut self, addr: &UpstreamAddr, key: Arc<CancelTarget>) {
+        if self.backend_addr != *addr {
+            self.backend_addr = addr.clone();
+        }
+        self.backend_key = Some(key);
+        self.retarget_cancel();
+    }
+
+    /// The server connection went back to its pool, or was closed: a
+    /// cancel has nothing to reach, and what it listened on was the
+    /// connection's.
+    pub fn detach_server(&mut self) {
+        if let Link::Pooled(link) = &mut self.link {
+            link.listens = Default::default();
+        }
+        self.backend_key = None;
+        self.retarget_cancel();
+    }
+
+    /// The server connection is closed, in a state no other client may
+    /// see: its lease ends, and nothing is owed to it.
+    pub fn drop_server(&mut self) {
+        if let Link::Pooled(link) = &mut self.link {
+            link.lease = None;
+            link.translator.clear_owed();
+        }
+    }
+
+    /// The client's cancel key (transaction mode: pgcache's own), which
+    /// follows the session's server connection.
+    pub fn register_cancel(&mut self, guard: CancelGuard) {
+        guard.retarget(self.backend_key.clone());
+        self.cancel = Some(guard);
+    }
+
+    /// Cancels reach the session's server connection as it is now.
+    pub fn retarget_cancel(&self) {
+        if let Some(cancel) = &self.cancel {
+            cancel.retarget(self.backend_key.clone());
+        }
+    }
+
+    /// The client's cancel key sends cancels to `target` for now.
+    pub fn cancel_towards(&self, target: Option<Arc<CancelTarget>>) {
+        if let Some(cancel) = &self.cancel {
+            cancel.retarget(target);
+        }
+    }
+
+    /// The prerequisites of the frame being decided were met
+    /// ([`super::Need::Prerequisites`]).
+    pub fn prerequisites_met(&mut self) {
+        self.found.prerequisites = true;
+    }
+
+    /// The facts of the names the frame being decided uses were looked up,
+    /// or waited for ([`super::Need::Facts`], [`super::Need::Fetched`]).
+    pub fn facts_met(&mut self) {
+        self.found.facts = true;
+    }
+
+    /// Where a wait of the frame's lookup leaves what it waited for
+    /// ([`super::Need::Cache`]).
+    pub fn lookup_waited(&mut self) -> &mut Waited {
+        &mut self.found.lookup
+    }
+
+    /// `cache.first_read_wait_ms`, as the session's policy has it.
+    pub fn first_read_wait(&self) -> std::time::Duration {
+        self.known.policy.first_read_wait
+    }
+
+    /// Prepared statement `name` is gone on the server.
+    pub fn forget_statement(&mut self, name: &[u8]) {
+        self.known.statements.remove(name);
+    }
+
+    pub fn replica(&self) -> Option<&ReplicaLeg> {
+        self.replica.as_deref()
+    }
+
+    pub fn replica_mut(&mut self) -> Option<&mut ReplicaLeg> {
+        self.replica.as_deref_mut()
+    }
+
+    /// The backend connection as the session leaves it, if it may serve
+    /// another client: handed back clean, not ended by FATAL. Its cancel
+    /// key and address, and what the session noted of it.
+    pub fn into_server_book(self) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
+        if !self.server.handed_back || self.backend_fatal {
+            return None;
+        }
+        Some((self.backend_key?, self.backend_addr, self.server))
+    }
+}
