@@ -96,17 +96,26 @@ impl Bound<'_> {
     /// The parameters of Bind `body` for a statement whose Parse declared
     /// `param_types` (its count and OIDs); `None` if malformed.
     pub fn read<'b>(param_types: &[u8], body: &'b [u8]) -> Option<Bound<'b>> {
-        let types = param_types.get(2..).unwrap_or_default();
-        let mut params = SmallVec::new();
+        let mut bound = Bound::default();
         // The parameters are walked eagerly; the result formats are not
         // needed.
         let _results = crate::protocol::extended::walk_bind(body, |format, value| {
-            let oid = types
-                .get(4 * params.len()..4 * params.len() + 4)
-                .map_or(0, |c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]));
-            params.push((oid, format, value));
+            bound.push(param_types, format, value);
         })?;
-        Some(Bound { params })
+        Some(bound)
+    }
+}
+
+impl<'b> Bound<'b> {
+    /// The next parameter, as a walk of the Bind gives it, of a statement
+    /// whose Parse declared `param_types`.
+    pub fn push(&mut self, param_types: &[u8], format: i16, value: Option<&'b [u8]>) {
+        let types = param_types.get(2..).unwrap_or_default();
+        let n = self.params.len();
+        let oid = types
+            .get(4 * n..4 * n + 4)
+            .map_or(0, |c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]));
+        self.params.push((oid, format, value));
     }
 }
 

@@ -11,6 +11,7 @@ use bytes::{Bytes, BytesMut};
 use super::known::Statement;
 use super::plan::Plan;
 use crate::cache::key::{self, KeyBuilder, RequestKey};
+use crate::cache::rowkey::Bound;
 use crate::classify::{BypassReason, is_time_literal_text};
 use crate::protocol::codec::{HEADER_LEN, checked_frames};
 use crate::protocol::extended;
@@ -315,18 +316,20 @@ fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
 /// The key of a bound statement run in a batch of `shape` (the tags and
 /// Describe kind of its frames), hashed as its Bind's `body` is read.
 /// Refused if a parameter may be a time literal, or the Bind is malformed.
-pub(super) fn extended_key(
+pub(super) fn extended_key<'b>(
     prefix: u128,
     stmt: &Statement,
     shape: &[u8],
-    body: &[u8],
-) -> Result<RequestKey, BypassReason> {
+    body: &'b [u8],
+) -> Result<(RequestKey, Bound<'b>), BypassReason> {
     let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
     k.bytes(shape).bytes(&stmt.param_types);
     let mut clock = false;
+    let mut bound = Bound::default();
     let results = extended::walk_bind(body, |format, value| {
         clock |= may_tell_time(format, value);
         k.u64(format as u64).value(value);
+        bound.push(&stmt.param_types, format, value);
     })
     .ok_or(BypassReason::UnsupportedShape)?;
     if clock {
@@ -337,7 +340,7 @@ pub(super) fn extended_key(
     }
     // The row limit stays out of the key: a result that completed within
     // one limit is the whole result, for any limit it fits.
-    Ok(k.finish())
+    Ok((k.finish(), bound))
 }
 
 #[cfg(test)]

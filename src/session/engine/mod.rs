@@ -167,24 +167,23 @@ impl Engine {
             .flatten()
     }
 
-    /// What a keyed read of `plan` reads for the rows Bind `body` of
-    /// statement `stmt` names.
+    /// What a keyed read of `plan` reads for the rows a Bind of statement
+    /// `stmt` names, with its parameters `bound`.
     pub(super) fn bound_reads(
         &mut self,
         plan: &Plan,
         stmt: &crate::session::known::Statement,
-        body: &[u8],
+        bound: &crate::cache::rowkey::Bound<'_>,
     ) -> Option<crate::cache::Reads> {
         let keyed = plan.keyed.as_ref()?;
         self.keyed_reads(plan, |_| {
-            let bound = crate::cache::rowkey::Bound::read(&stmt.param_types, body)?;
             let literals = match keyed.rows.literal {
                 true => crate::hints::literals(std::str::from_utf8(&stmt.sql).ok()?),
                 false => Vec::new(),
             };
             keyed.reads(crate::cache::rowkey::Values {
                 literals: &literals,
-                bound: Some(&bound),
+                bound: Some(bound),
             })
         })
     }

@@ -386,11 +386,13 @@ impl Engine {
                 return Ok(Err(reason));
             }
         };
-        let by_row = self.bound_reads(&plan, &stmt, query.bind_body());
-        Ok(
-            extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
-                .map(|key| (key, plan, stmt, query.row_limit, by_row)),
-        )
+        let (key, bound) = match extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
+        {
+            Ok(found) => found,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let by_row = self.bound_reads(&plan, &stmt, &bound);
+        Ok(Ok((key, plan, stmt, query.row_limit, by_row)))
     }
 
     /// A whole one-query batch at the start of the client's buffer `buf`,
@@ -432,10 +434,11 @@ impl Engine {
         if !portal.is_empty() || max_rows > 0 {
             return None;
         }
+        let (key, bound) = extended_key(prefix, &stmt, shape, at.bind_body(buf)).ok()?;
         Some(ReadyBatch {
             len: at.len,
-            key: extended_key(prefix, &stmt, shape, at.bind_body(buf)).ok()?,
-            by_row: self.bound_reads(&plan, &stmt, at.bind_body(buf)),
+            key,
+            by_row: self.bound_reads(&plan, &stmt, &bound),
             statement: stmt,
             plan,
         })
