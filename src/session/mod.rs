@@ -42,7 +42,6 @@ mod replica;
 mod replica_conn;
 mod reuse;
 mod row_limit;
-mod timeouts;
 mod traffic;
 mod transaction;
 

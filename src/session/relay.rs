@@ -17,12 +17,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
+use super::engine::IdleTimeouts;
 use super::engine::{Ctx, Engine};
 use super::known::Known;
 use super::link::{Link, SessionLink};
 use super::pipeline::Flow;
 use super::reuse::ServerBook;
-use super::timeouts::{IdleTimeouts, sleep_until_or_never};
 use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
@@ -189,18 +189,23 @@ where
         } else if self.app.drain.is_cancelled() {
             shutdown.raise(Stage::Drain);
         }
-        let timeouts = IdleTimeouts::new(&self.app.config().server);
-        let mut last_activity = tokio::time::Instant::now();
+        self.engine.set_idle_timeouts(
+            IdleTimeouts::new(&self.app.config().server),
+            std::time::Instant::now(),
+        );
         let mut woke = None;
         loop {
-            let serving = self.serve(shutdown, &timeouts, &mut last_activity, woke.take());
+            let serving = self.serve(shutdown, woke.take());
             // Boxed: parked, the session keeps none of it.
             if Box::pin(serving).await? == Flow::Close {
                 return Ok(());
             }
             self.client.release_if_empty();
             self.engine.release_buffers();
-            let deadline = timeouts.deadline(true, self.engine.tx_status(), last_activity);
+            let deadline = self
+                .engine
+                .poll_timeout()
+                .map(tokio::time::Instant::from_std);
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
@@ -208,8 +213,8 @@ where
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
                 _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
-            if timeouts.any {
-                last_activity = tokio::time::Instant::now();
+            if self.engine.tracks_activity() {
+                self.engine.note_activity(std::time::Instant::now());
             }
         }
     }
@@ -220,8 +225,6 @@ where
     async fn serve(
         &mut self,
         shutdown: &crate::shutdown::Shutdown,
-        timeouts: &IdleTimeouts,
-        last_activity: &mut tokio::time::Instant,
         mut woke: Option<Woke>,
     ) -> Result<Flow, SessionError> {
         if woke.is_none() {
@@ -243,7 +246,7 @@ where
                         self.app.metrics.client_bytes_in.inc_by(n as u64);
                         self.on_client_data().await?
                     }
-                    other => Box::pin(self.on_woke(other, timeouts)).await?,
+                    other => Box::pin(self.on_woke(other)).await?,
                 };
                 if flow == Flow::Close {
                     return Ok(Flow::Close);
@@ -254,7 +257,10 @@ where
             if waiting && !self.attached() {
                 return Ok(Flow::Continue);
             }
-            let deadline = timeouts.deadline(waiting, self.engine.tx_status(), *last_activity);
+            let deadline = self
+                .engine
+                .poll_timeout()
+                .map(tokio::time::Instant::from_std);
             // A read on a replica is answered before anything else is read.
             let on_replica = self.engine.replica_busy();
             woke = Some(tokio::select! {
@@ -269,8 +275,8 @@ where
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
                 _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
-            if timeouts.any {
-                *last_activity = tokio::time::Instant::now();
+            if self.engine.tracks_activity() {
+                self.engine.note_activity(std::time::Instant::now());
             }
         }
     }
@@ -278,7 +284,7 @@ where
     /// What woke the session, handled: the replica's answer, an end or
     /// failure of either leg, a shutdown stage, a timeout (bytes from
     /// either leg are [`Self::serve`]'s).
-    async fn on_woke(&mut self, woke: Woke, timeouts: &IdleTimeouts) -> Result<Flow, SessionError> {
+    async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
         Ok(match woke {
             Woke::Force => {
                 let e = SessionError::refused(
@@ -323,7 +329,7 @@ where
                 self.close_if_drained().await
             }
             Woke::Timeout => {
-                let e = timeouts.error(self.engine.tx_status());
+                let e = self.engine.on_timeout();
                 info!(code = e.sqlstate(), "{e}");
                 self.close_with(&e).await;
                 Flow::Close
@@ -473,5 +479,14 @@ pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
         client: &entry.client,
         now: std::time::Instant::now(),
         draw: rand::random,
+    }
+}
+
+/// Ready at `deadline`, never without one. The timer is boxed: the relay
+/// loop's waits keep its room, and most sessions have no deadline.
+async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => Box::pin(tokio::time::sleep_until(d)).await,
+        None => std::future::pending().await,
     }
 }

@@ -42,8 +42,10 @@ mod settings;
 mod surface;
 #[cfg(test)]
 mod tests;
+mod timeouts;
 
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
+pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.
 pub(super) struct Engine {
@@ -88,6 +90,11 @@ pub(super) struct Engine {
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
     observed: Observed,
+    /// How long the session may wait on its client.
+    timeouts: IdleTimeouts,
+    /// The session's last activity, as the driver told it; `None` until
+    /// its timeouts are set.
+    last_activity: Option<std::time::Instant>,
 }
 
 impl Engine {
@@ -121,6 +128,8 @@ impl Engine {
             found: Found::default(),
             replica: None,
             observed: Observed::default(),
+            timeouts: IdleTimeouts::default(),
+            last_activity: None,
         }
     }
 

@@ -6,6 +6,7 @@ mod backend;
 mod client;
 pub(crate) mod model;
 mod property;
+mod timeouts;
 
 use std::time::Instant;
 

@@ -1,0 +1,80 @@
+//! The idle timeouts, decided by the engine under the clock the test
+//! passes in.
+
+use std::time::{Duration, Instant};
+
+use super::{Rig, complete, query, rfq};
+use crate::config::ServerConfig;
+use crate::protocol::{TxStatus, sqlstate};
+use crate::session::engine::IdleTimeouts;
+
+fn timeouts(idle: u64, in_transaction: u64) -> IdleTimeouts {
+    IdleTimeouts::new(&ServerConfig {
+        client_idle_timeout_secs: idle,
+        idle_in_transaction_timeout_secs: in_transaction,
+        ..ServerConfig::default()
+    })
+}
+
+#[test]
+fn the_deadline_follows_the_last_activity_and_the_transaction_state() {
+    let mut rig = Rig::logged_in();
+    let t0 = Instant::now();
+    rig.engine.set_idle_timeouts(timeouts(10, 3), t0);
+    assert!(rig.engine.tracks_activity());
+    assert_eq!(
+        rig.engine.poll_timeout(),
+        Some(t0 + Duration::from_secs(10))
+    );
+    let t1 = t0 + Duration::from_secs(4);
+    rig.engine.note_activity(t1);
+    assert_eq!(
+        rig.engine.poll_timeout(),
+        Some(t1 + Duration::from_secs(10))
+    );
+    assert_eq!(
+        rig.engine.on_timeout().sqlstate(),
+        sqlstate::IDLE_SESSION_TIMEOUT
+    );
+
+    // Waiting on the backend, the session does not idle.
+    rig.client(&query("BEGIN"));
+    assert_eq!(rig.engine.poll_timeout(), None, "a request to send");
+    assert_eq!(rig.sent_to_backend(), query("BEGIN"));
+    assert_eq!(rig.engine.poll_timeout(), None, "an answer owed");
+    rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
+    assert_eq!(rig.engine.poll_timeout(), Some(t1 + Duration::from_secs(3)));
+    assert_eq!(
+        rig.engine.on_timeout().sqlstate(),
+        sqlstate::IDLE_IN_TRANSACTION_TIMEOUT
+    );
+
+    rig.client(&query("COMMIT"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("COMMIT"), rfq(TxStatus::Idle)]);
+    assert_eq!(
+        rig.engine.poll_timeout(),
+        Some(t1 + Duration::from_secs(10))
+    );
+}
+
+#[test]
+fn only_a_set_timeout_of_the_current_state_makes_a_deadline() {
+    let mut rig = Rig::logged_in();
+    assert!(!rig.engine.tracks_activity());
+    assert_eq!(rig.engine.poll_timeout(), None);
+
+    // Only the idle-in-transaction timeout: none while idle.
+    let t0 = Instant::now();
+    rig.engine.set_idle_timeouts(timeouts(0, 3), t0);
+    assert_eq!(rig.engine.poll_timeout(), None);
+    rig.client(&query("BEGIN"));
+    rig.sent_to_backend();
+    rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
+    assert_eq!(rig.engine.poll_timeout(), Some(t0 + Duration::from_secs(3)));
+
+    // Before the login is over, the session waits on PostgreSQL.
+    let mut fresh = Rig::new();
+    fresh.engine.set_idle_timeouts(timeouts(10, 3), t0);
+    assert_eq!(fresh.engine.poll_timeout(), None);
+}

@@ -1,0 +1,88 @@
+//! The idle timeouts of a session waiting on its client, as PostgreSQL's
+//! own: `idle_session_timeout` and `idle_in_transaction_session_timeout`.
+//! The engine keeps them and the time of the client's last activity, and
+//! gives the driver its next deadline ([`Engine::poll_timeout`]); the
+//! clock is the driver's, passed in.
+
+use std::time::{Duration, Instant};
+
+use super::Engine;
+use crate::protocol::{TxStatus, sqlstate};
+use crate::session::SessionError;
+
+/// `server.client_idle_timeout_secs` and
+/// `server.idle_in_transaction_timeout_secs`, as PostgreSQL's own.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IdleTimeouts {
+    idle: Option<Duration>,
+    in_transaction: Option<Duration>,
+}
+
+impl IdleTimeouts {
+    pub fn new(server: &crate::config::ServerConfig) -> Self {
+        let secs = |s: u64| (s > 0).then(|| Duration::from_secs(s));
+        Self {
+            idle: secs(server.client_idle_timeout_secs),
+            in_transaction: secs(server.idle_in_transaction_timeout_secs),
+        }
+    }
+
+    /// Either is set: the time of the client's last activity matters.
+    fn any(&self) -> bool {
+        self.idle.is_some() || self.in_transaction.is_some()
+    }
+
+    fn limit(&self, status: TxStatus) -> Option<Duration> {
+        if status == TxStatus::Idle {
+            self.idle
+        } else {
+            self.in_transaction
+        }
+    }
+}
+
+impl Engine {
+    /// The session's idle timeouts, counted from `now`.
+    pub fn set_idle_timeouts(&mut self, timeouts: IdleTimeouts, now: Instant) {
+        self.timeouts = timeouts;
+        self.last_activity = Some(now);
+    }
+
+    /// Whether the driver is to tell the engine of each activity
+    /// ([`Self::note_activity`]): only when a timeout is set.
+    pub fn tracks_activity(&self) -> bool {
+        self.timeouts.any()
+    }
+
+    /// Bytes came from the client or the backend, or something woke the
+    /// session, at `now`.
+    pub fn note_activity(&mut self, now: Instant) {
+        self.last_activity = Some(now);
+    }
+
+    /// When the session is to end for idling, if it waits on its client
+    /// (logged in, nothing asked of the backend) and a timeout applies to
+    /// its transaction state.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let waiting = self.ready && !self.pipeline.awaits_backend();
+        let limit = self.timeouts.limit(self.tx.status)?;
+        let since = self.last_activity?;
+        waiting.then(|| since + limit)
+    }
+
+    /// The deadline of [`Self::poll_timeout`] passed: the error the
+    /// client is told, as PostgreSQL words it.
+    pub fn on_timeout(&self) -> SessionError {
+        if self.tx.status == TxStatus::Idle {
+            SessionError::refused(
+                sqlstate::IDLE_SESSION_TIMEOUT,
+                "terminating connection due to idle-session timeout",
+            )
+        } else {
+            SessionError::refused(
+                sqlstate::IDLE_IN_TRANSACTION_TIMEOUT,
+                "terminating connection due to idle-in-transaction timeout",
+            )
+        }
+    }
+}
