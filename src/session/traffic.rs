@@ -227,12 +227,13 @@ where
         if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
             // Boxed: taking a connection is a large future, and the
             // session waits on its client far more often.
-            match Box::pin(self.attach(true)).await {
-                Ok(()) => {}
-                Err(SessionError::Pool(e)) if !self.engine.pipeline().unsynced => {
-                    return self.fail_unsent(&e).await;
-                }
-                Err(e) => return Err(e),
+            if let Err(e) = Box::pin(self.attach(true)).await {
+                let answers = self.engine.checkout_failed(e)?;
+                return self
+                    .client
+                    .write_all(&answers)
+                    .await
+                    .map_err(SessionError::ClientIo);
             }
         }
         if !self.engine.pipeline().to_backend.is_empty() {
@@ -260,25 +261,6 @@ where
             }
         }
         Ok(())
-    }
-
-    /// Transaction mode, when no connection could be had: each request
-    /// the client is owed an answer for fails with the pool's error, and
-    /// the session goes on.
-    async fn fail_unsent(&mut self, error: &crate::pool::PoolError) -> Result<(), SessionError> {
-        info!(code = error.sqlstate(), "{error}");
-        let mut out = BytesMut::new();
-        for request in self.engine.pipeline_mut().drop_unsent() {
-            for name in &request.parsed {
-                self.engine.forget_statement(name);
-            }
-            messages::error_response(&mut out, "ERROR", error.sqlstate(), &error.to_string());
-            out.extend_from_slice(&messages::ready_for_query(self.engine.tx_status()));
-        }
-        self.client
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ClientIo)
     }
 }
 

@@ -23,6 +23,7 @@ use crate::hints::Scan;
 use crate::pool::marks::{Marks, Pin};
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, extended, frontend as fe, messages};
+use crate::session::SessionError;
 use crate::session::batch::Batch;
 use crate::session::known::Known;
 use crate::session::link::Link;
@@ -276,6 +277,30 @@ impl Engine {
             && !unread
             && !self.backend_fatal
             && link.translator.is_idle()
+    }
+
+    /// Transaction mode: taking a server connection for what the client
+    /// sent failed with `error`. While the client's requests are whole
+    /// (synced), each it is owed an answer for fails with the pool's error,
+    /// its statements forgotten, and the session goes on: returned, what
+    /// the client is sent. Otherwise the session ends with the error.
+    pub fn checkout_failed(&mut self, error: SessionError) -> Result<BytesMut, SessionError> {
+        let SessionError::Pool(pool) = &error else {
+            return Err(error);
+        };
+        if self.pipeline.unsynced {
+            return Err(error);
+        }
+        tracing::info!(code = pool.sqlstate(), "{pool}");
+        let mut out = BytesMut::new();
+        for request in self.pipeline.drop_unsent() {
+            for name in &request.parsed {
+                self.known.statements.remove(name);
+            }
+            messages::error_response(&mut out, "ERROR", pool.sqlstate(), &pool.to_string());
+            out.extend_from_slice(&messages::ready_for_query(self.tx.status));
+        }
+        Ok(out)
     }
 
     /// Transaction mode: what to do with the server connection now.

@@ -228,11 +228,6 @@ impl Engine {
         self.known.policy.first_read_wait
     }
 
-    /// Prepared statement `name` is gone on the server.
-    pub fn forget_statement(&mut self, name: &[u8]) {
-        self.known.statements.remove(name);
-    }
-
     pub fn replica(&self) -> Option<&ReplicaLeg> {
         self.replica.as_deref()
     }

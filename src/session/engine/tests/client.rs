@@ -436,3 +436,51 @@ fn transaction_mode_the_engine_says_when_a_connection_is_taken_and_given_back() 
     assert_eq!(rig.engine.link_step(true, false), None);
     assert_eq!(rig.engine.link_step(false, false), None);
 }
+
+#[test]
+fn transaction_mode_a_failed_checkout_fails_each_request_and_the_session_goes_on() {
+    use crate::pool::PoolError;
+    use crate::session::SessionError;
+    let mut rig = Rig::pooled();
+    rig.knows_table("items");
+    rig.client(&query("UPDATE items SET v = 1"));
+    rig.frames(&[parse("s1", "SELECT 1"), sync()]);
+    assert!(rig.engine.known.statements.contains_key(&b"s1"[..]));
+    let answers = rig
+        .engine
+        .checkout_failed(SessionError::Pool(PoolError::WaitTimeout(5)))
+        .expect("the session goes on");
+    let e = PoolError::WaitTimeout(5);
+    let mut expected = BytesMut::new();
+    for _ in 0..2 {
+        messages::error_response(&mut expected, "ERROR", e.sqlstate(), &e.to_string());
+        expected.extend_from_slice(&rfq(TxStatus::Idle));
+    }
+    assert_eq!(answers, expected, "one error and ReadyForQuery a request");
+    assert!(!rig.engine.pipeline.awaits_backend());
+    assert!(
+        !rig.engine.known.statements.contains_key(&b"s1"[..]),
+        "a statement whose Parse never ran is forgotten"
+    );
+    assert_eq!(
+        rig.engine.link_step(false, false),
+        None,
+        "nothing left to send"
+    );
+
+    // Half a batch (a Close goes out at once, its Sync still to come),
+    // or another error: the session ends with it.
+    rig.frames(&[frame(fe::CLOSE, b"Ss9\0")]);
+    assert!(rig.engine.pipeline.unsynced);
+    let e = rig
+        .engine
+        .checkout_failed(SessionError::Pool(PoolError::Full))
+        .expect_err("unsynced");
+    assert_eq!(e.sqlstate(), PoolError::Full.sqlstate());
+    let io = std::io::Error::other("reset");
+    assert!(
+        rig.engine
+            .checkout_failed(SessionError::ClientIo(io))
+            .is_err()
+    );
+}
