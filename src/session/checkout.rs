@@ -18,8 +18,8 @@ use crate::invalidation::quote_literal;
 use crate::pool::clients::Activity;
 use crate::pool::transaction::Pool;
 use crate::pool::{Server, Statuses};
+use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, encoding, messages};
 
 impl<C> Session<C>
 where
@@ -235,24 +235,11 @@ where
         };
         let (pid, secret, guard) = self.app.cancel.register_pooled();
         self.engine.register_cancel(guard);
-        // The client's own values where it gave them (a name reported
-        // once is only ever replaced), as PostgreSQL reports them.
-        let mut shown = statuses;
-        self.learn_reported(&pool, &shown).await?;
-        for (name, value) in &self.engine.startup().params {
-            if shown.has(name) {
-                let reported = match name.as_str() {
-                    "client_encoding" => encoding::canonical(value).map(str::to_owned),
-                    _ => pool.reported.get(name, value),
-                };
-                shown.set(name, reported.as_deref().unwrap_or(value));
-            }
-        }
-        // Not kept: a pooled session's connection is never handed back
-        // whole, which is what the statuses are kept for.
-        let out = shown.login_frames(&[&pid.to_be_bytes(), &secret]);
+        self.learn_reported(&pool, &statuses).await?;
         let ctx = super::relay::ctx(&self.app, &self.entry);
-        self.engine.on_ready_for_query(&ctx, TxStatus::Idle);
+        let out = self
+            .engine
+            .greeting(&ctx, statuses, &pool.reported, (pid, &secret));
         self.carry_out().await;
         self.client
             .write_all(&out)

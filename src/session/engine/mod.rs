@@ -36,6 +36,7 @@ use crate::upstream::UpstreamAddr;
 
 mod answers;
 mod events;
+mod greeting;
 mod lookup;
 mod requests;
 mod routing;

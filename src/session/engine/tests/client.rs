@@ -484,3 +484,44 @@ fn transaction_mode_a_failed_checkout_fails_each_request_and_the_session_goes_on
             .is_err()
     );
 }
+
+#[test]
+fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_key() {
+    use crate::pool::Statuses;
+    let mut rig = Rig::new();
+    rig.engine.startup.params.extend([
+        ("client_encoding".into(), "utf8".into()),
+        ("application_name".into(), "shop-web".into()),
+        ("search_path".into(), "not reported".into()),
+    ]);
+    let pool = rig.app.pool.pooled.pool("shop", "alice");
+    let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
+    rig.engine.link = Link::pooled(std::sync::Arc::clone(&pool), state);
+    // The pool's latest login, as PostgreSQL reported it.
+    let mut latest = Statuses::default();
+    latest.set("server_version", "16.4");
+    latest.set("client_encoding", "SQL_ASCII");
+    latest.set("application_name", "");
+    assert!(!rig.engine.ready());
+
+    let ctx = Ctx {
+        app: &rig.app,
+        client: &rig.entry.client,
+        now: Instant::now(),
+        draw: || 0,
+    };
+    let out = rig
+        .engine
+        .greeting(&ctx, latest, &pool.reported, (77, &[1, 2, 3, 4]));
+
+    let mut expected = Statuses::default();
+    expected.set("server_version", "16.4");
+    // The client's own values, as the server reports them.
+    expected.set("client_encoding", "UTF8");
+    expected.set("application_name", "shop-web");
+    assert_eq!(
+        out,
+        expected.login_frames(&[&77u32.to_be_bytes(), &[1, 2, 3, 4]])
+    );
+    assert!(rig.engine.ready(), "logged in");
+}

@@ -1,0 +1,39 @@
+//! Transaction mode's greeting: what PostgreSQL tells a client at login,
+//! said by pgcache for a client it logs in for.
+
+use bytes::BytesMut;
+
+use super::{Ctx, Engine};
+use crate::pool::Statuses;
+use crate::pool::reported::Reported;
+use crate::protocol::{TxStatus, encoding};
+
+impl Engine {
+    /// The login's answer: the pool's latest login's parameters `shown`,
+    /// with the client's own values where it gave them, reported as the
+    /// server reports them (`reported`; a name reported once is only ever
+    /// replaced), then pgcache's cancel key (`pid`, `secret`) and the
+    /// first ReadyForQuery. The session is logged in from here.
+    pub fn greeting(
+        &mut self,
+        ctx: &Ctx,
+        mut shown: Statuses,
+        reported: &Reported,
+        (pid, secret): (u32, &[u8]),
+    ) -> BytesMut {
+        for (name, value) in &self.startup.params {
+            if shown.has(name) {
+                let said = match name.as_str() {
+                    "client_encoding" => encoding::canonical(value).map(str::to_owned),
+                    _ => reported.get(name, value),
+                };
+                shown.set(name, said.as_deref().unwrap_or(value));
+            }
+        }
+        // Not kept: a pooled session's connection is never handed back
+        // whole, which is what the statuses are kept for.
+        let out = shown.login_frames(&[&pid.to_be_bytes(), secret]);
+        self.on_ready_for_query(ctx, TxStatus::Idle);
+        out
+    }
+}
