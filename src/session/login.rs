@@ -6,18 +6,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
+use super::engine::AuthStep;
 use super::pipeline::Flow;
 use super::relay::Session;
-use crate::auth::{self, AUTH_OK, AUTH_SASL, LoginError};
-use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
-use crate::scram::{ClientSecret, MECHANISM};
-
-/// The refusal when SCRAM cannot be relayed because both legs are TLS.
-const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgcache: the client's \
-     connection and PostgreSQL's both use TLS, so PostgreSQL would take the client's \
-     channel_binding=prefer for a downgrade attack. Set auth.mode = \"terminate\" in pgcache, or \
-     connect with channel_binding=disable";
+use crate::auth::{self, LoginError};
+use crate::protocol::sqlstate;
+use crate::scram::ClientSecret;
 
 impl<C> Session<C>
 where
@@ -63,19 +57,16 @@ where
         ))
     }
 
-    /// Passthrough: relays the exchange both ways, without
-    /// SCRAM-SHA-256-PLUS in PostgreSQL's offer (pgcache ends both TLS legs,
-    /// so no binding can match). Stops at AuthenticationOk, left unread.
+    /// Passthrough: relays the exchange both ways, as the engine decides
+    /// frame by frame ([`super::engine::AuthStep`]). Stops at
+    /// AuthenticationOk, left unread.
     async fn relay_authentication(&mut self) -> Result<Flow, SessionError> {
         let force = self.app.force.clone();
-        // PLUS was taken out of PostgreSQL's offer, and the client's first
-        // SASL message is still to come.
-        let mut plus_hidden = false;
         loop {
-            if self.relay_backend_auth(&mut plus_hidden).await? {
+            if self.relay_backend_auth().await? {
                 return Ok(Flow::Continue);
             }
-            self.relay_client_auth(&mut plus_hidden).await?;
+            self.relay_client_auth().await?;
             tokio::select! {
                 _ = force.cancelled() => return Ok(Flow::Close),
                 r = super::relay::fill(&mut self.backend) => match r {
@@ -95,7 +86,7 @@ where
 
     /// Relays PostgreSQL's authentication frames to the client; true at
     /// AuthenticationOk, which is left unread.
-    async fn relay_backend_auth(&mut self, plus_hidden: &mut bool) -> Result<bool, SessionError> {
+    async fn relay_backend_auth(&mut self) -> Result<bool, SessionError> {
         let mut pos = 0;
         let mut done = false;
         let not_connected = || SessionError::BackendIo(std::io::ErrorKind::NotConnected.into());
@@ -105,31 +96,9 @@ where
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
             let frame = &backend.buffered()[pos..pos + len];
-            let code = (frame[0] == be::AUTHENTICATION && len >= HEADER_LEN + 4)
-                .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
-            if code == Some(AUTH_OK) {
-                self.engine.note_authenticated();
+            if self.engine.on_auth_backend_frame(frame) == AuthStep::Done {
                 done = true;
                 break;
-            }
-            // Anything before AuthenticationOk asked the client to prove
-            // itself: this connection is not one any client may have.
-            self.engine.note_challenge();
-            let offer = match code {
-                Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
-                _ => None,
-            };
-            match offer {
-                Some(offer) => {
-                    *plus_hidden = true;
-                    self.engine.out_mut().extend_from_slice(&offer);
-                }
-                None => {
-                    if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
-                        self.engine.note_backend_fatal(true);
-                    }
-                    self.engine.out_mut().extend_from_slice(frame);
-                }
             }
             pos += len;
         }
@@ -138,33 +107,14 @@ where
         Ok(done)
     }
 
-    /// Relays the client's authentication frames to PostgreSQL, refusing a
-    /// SCRAM exchange that would fail on channel binding.
-    async fn relay_client_auth(&mut self, plus_hidden: &mut bool) -> Result<(), SessionError> {
+    /// Relays the client's authentication frames to PostgreSQL, unless the
+    /// engine refuses one.
+    async fn relay_client_auth(&mut self) -> Result<(), SessionError> {
         let mut pos = 0;
+        let ctx = super::relay::ctx(&self.app, &self.entry);
         while let Some(len) = self.client.frame_len_at(pos)? {
             let frame = &self.client.buffered()[pos..pos + len];
-            // A client that hangs up while logging in (node-postgres ended
-            // while connecting): PostgreSQL closes without a word.
-            self.engine.note_login_frame(frame[0]);
-            if frame[0] == fe::PASSWORD && *plus_hidden {
-                *plus_hidden = false;
-                // 'y': "I can bind, the server cannot". PostgreSQL on TLS
-                // knows it can, and refuses with a puzzling message.
-                let downgrade = auth::initial_response(&frame[HEADER_LEN..]).is_some_and(
-                    |(mechanism, data)| {
-                        mechanism == MECHANISM.as_bytes() && data.first() == Some(&b'y')
-                    },
-                );
-                if downgrade {
-                    self.app.metrics.auth_failures.relay.inc();
-                    info!("refused SCRAM relay with channel binding on both TLS legs");
-                    return Err(SessionError::refused(
-                        sqlstate::INVALID_AUTHORIZATION,
-                        BINDING_CANNOT_PASS,
-                    ));
-                }
-            }
+            self.engine.on_auth_client_frame(&ctx, frame)?;
             pos += len;
         }
         if pos > 0 {

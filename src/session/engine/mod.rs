@@ -35,6 +35,7 @@ use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
 
 mod answers;
+mod auth;
 mod events;
 mod greeting;
 mod lookup;
@@ -46,6 +47,8 @@ mod surface;
 mod tests;
 mod timeouts;
 
+pub(super) use auth::AuthStep;
+use auth::Sasl;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 pub(super) use timeouts::IdleTimeouts;
 
@@ -92,6 +95,8 @@ pub(super) struct Engine {
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
     observed: Observed,
+    /// Where a relayed login's SASL exchange stands.
+    sasl: Sasl,
     /// How long the session may wait on its client.
     timeouts: IdleTimeouts,
     /// The session's last activity, as the driver told it; `None` until
@@ -130,6 +135,7 @@ impl Engine {
             found: Found::default(),
             replica: None,
             observed: Observed::default(),
+            sasl: Sasl::None,
             timeouts: IdleTimeouts::default(),
             last_activity: None,
         }

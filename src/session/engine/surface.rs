@@ -18,7 +18,6 @@ use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::pool::transaction::Lease;
 use crate::protocol::TxStatus;
-use crate::protocol::frontend as fe;
 use crate::protocol::startup::Startup;
 use crate::session::link::Link;
 use crate::session::pipeline::Pipeline;
@@ -90,17 +89,6 @@ impl Engine {
         &self.server
     }
 
-    /// PostgreSQL asked for a password, or for more, before
-    /// AuthenticationOk.
-    pub fn note_challenge(&mut self) {
-        self.server.challenged = true;
-    }
-
-    /// AuthenticationOk: a login that was never challenged was trusted.
-    pub fn note_authenticated(&mut self) {
-        self.server.trusted = !self.server.challenged;
-    }
-
     /// Work for the driver before the client hears more.
     pub fn has_actions(&self) -> bool {
         !self.actions.is_empty()
@@ -128,11 +116,6 @@ impl Engine {
     /// ended the session.
     pub fn close_expected(&self) -> bool {
         self.backend_fatal || self.client_ended
-    }
-
-    /// A frame the client sent while the driver relayed its login.
-    pub fn note_login_frame(&mut self, tag: u8) {
-        self.client_ended |= tag == fe::TERMINATE;
     }
 
     /// Databases let go of for a statement, until it is answered.

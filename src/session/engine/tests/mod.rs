@@ -2,6 +2,7 @@
 //! client and the backend are sent, and what the driver is asked to do,
 //! out. No socket, no runtime.
 
+mod auth;
 mod backend;
 mod client;
 pub(crate) mod model;

@@ -1,0 +1,99 @@
+//! The relayed login (passthrough), frame by frame up to
+//! AuthenticationOk: what of PostgreSQL's exchange the client sees, what
+//! of the client's is refused, and whether the connection was trusted.
+//! The driver moves the bytes ([`crate::session`]'s `login.rs`).
+
+use tracing::info;
+
+use super::{Ctx, Engine};
+use crate::auth::{self, AUTH_OK, AUTH_SASL};
+use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
+use crate::scram::MECHANISM;
+use crate::session::SessionError;
+
+/// The refusal when SCRAM cannot be relayed because both legs are TLS.
+const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgcache: the client's \
+     connection and PostgreSQL's both use TLS, so PostgreSQL would take the client's \
+     channel_binding=prefer for a downgrade attack. Set auth.mode = \"terminate\" in pgcache, or \
+     connect with channel_binding=disable";
+
+/// Where a relayed SASL exchange stands.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sasl {
+    #[default]
+    None,
+    /// SCRAM-SHA-256-PLUS was taken out of PostgreSQL's offer (pgcache
+    /// ends both TLS legs, so no binding can match), and the client's
+    /// first SASL message is still to come.
+    PlusHidden,
+}
+
+/// What a frame of PostgreSQL's before the login ends is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthStep {
+    /// AuthenticationOk: the relayed exchange is over (the frame is not
+    /// the relay's: the session reads it as its first answer).
+    Done,
+    /// Staged for the client, as it came or without the PLUS offer.
+    Relayed,
+}
+
+impl Engine {
+    /// A frame PostgreSQL sent while the login is relayed.
+    pub fn on_auth_backend_frame(&mut self, frame: &[u8]) -> AuthStep {
+        let code = (frame[0] == be::AUTHENTICATION && frame.len() >= HEADER_LEN + 4)
+            .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
+        if code == Some(AUTH_OK) {
+            self.server.trusted = !self.server.challenged;
+            return AuthStep::Done;
+        }
+        // Anything before AuthenticationOk asked the client to prove
+        // itself: this connection is not one any client may have.
+        self.server.challenged = true;
+        let offer = match code {
+            Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
+            _ => None,
+        };
+        match offer {
+            Some(offer) => {
+                self.sasl = Sasl::PlusHidden;
+                self.out.extend_from_slice(&offer);
+            }
+            None => {
+                if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
+                    self.backend_fatal = true;
+                }
+                self.out.extend_from_slice(frame);
+            }
+        }
+        AuthStep::Relayed
+    }
+
+    /// A frame the client sent while the login is relayed: to go on to
+    /// PostgreSQL, or the session ends with the error.
+    pub fn on_auth_client_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> Result<(), SessionError> {
+        // A client that hangs up while logging in (node-postgres ended
+        // while connecting): PostgreSQL closes without a word.
+        self.client_ended |= frame[0] == fe::TERMINATE;
+        if frame[0] != fe::PASSWORD || self.sasl != Sasl::PlusHidden {
+            return Ok(());
+        }
+        self.sasl = Sasl::None;
+        // 'y': "I can bind, the server cannot". PostgreSQL on TLS knows it
+        // can, and refuses with a puzzling message.
+        let downgrade =
+            auth::initial_response(&frame[HEADER_LEN..]).is_some_and(|(mechanism, data)| {
+                mechanism == MECHANISM.as_bytes() && data.first() == Some(&b'y')
+            });
+        if downgrade {
+            ctx.app.metrics.auth_failures.relay.inc();
+            info!("refused SCRAM relay with channel binding on both TLS legs");
+            return Err(SessionError::refused(
+                sqlstate::INVALID_AUTHORIZATION,
+                BINDING_CANNOT_PASS,
+            ));
+        }
+        Ok(())
+    }
+}
