@@ -9,11 +9,11 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
+use super::engine::{HiddenAnswer, HiddenStep};
 use super::link::Link;
 use super::relay::Session;
 use crate::cache::catalog::fetch::{Lookup, Rows};
-use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, backend as be, extended, messages};
+use crate::protocol::messages;
 
 impl<C> Session<C>
 where
@@ -71,10 +71,9 @@ where
     }
 
     /// Sends `request` (ending in one Sync or one simple Query) on the idle
-    /// backend and reads its answer: the rows as text, or PostgreSQL's
+    /// backend and reads its answer, as the engine takes it
+    /// ([`super::engine::HiddenStep`]): the rows as text, or PostgreSQL's
     /// ErrorResponse (`None` when the rows could not be read).
-    /// Notifications and parameter changes arriving meanwhile go on to a
-    /// greeted client; notices caused by the query itself do not.
     pub(super) async fn run_hidden(
         &mut self,
         request: &[u8],
@@ -83,8 +82,7 @@ where
             .write_all(request)
             .await
             .map_err(SessionError::BackendIo)?;
-        let mut rows = Vec::new();
-        let mut failed = None;
+        let mut answer = HiddenAnswer::default();
         loop {
             let frame = match self.server()?.read_frame().await {
                 Ok(Some(frame)) => frame,
@@ -97,43 +95,14 @@ where
                 }
                 Err(e) => return Err(SessionError::BackendFrame(e)),
             };
-            let body = &frame[HEADER_LEN..];
-            match frame[0] {
-                be::DATA_ROW => match extended::data_row(body) {
-                    Some(row) => rows.push(row),
-                    None => failed = Some(None),
-                },
-                be::ERROR_RESPONSE => {
-                    self.engine.note_backend_fatal(messages::is_fatal(body));
-                    failed = Some(Some(frame));
-                }
-                be::READY_FOR_QUERY => {
-                    if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
-                        self.engine.note_tx_status(status);
-                    }
-                    return Ok(match failed {
-                        None => Ok(rows),
-                        Some(error) => Err(error),
-                    });
-                }
-                be::NOTIFICATION | be::PARAMETER_STATUS => {
-                    if frame[0] == be::PARAMETER_STATUS {
-                        self.engine.note_status(&frame);
-                    }
-                    // Before the client's first ReadyForQuery, pgcache is
-                    // still greeting it (transaction mode, a pool
-                    // connection set up for it): a ParameterStatus now
-                    // would come before its AuthenticationOk, and the
-                    // greeting reports the parameters itself.
-                    if !self.engine.ready() {
-                        continue;
-                    }
-                    self.client
-                        .write_all(&frame)
-                        .await
-                        .map_err(SessionError::ClientIo)?;
-                }
-                _ => {}
+            match self.engine.on_hidden_frame(&mut answer, frame) {
+                HiddenStep::More => {}
+                HiddenStep::ToClient(frame) => self
+                    .client
+                    .write_all(&frame)
+                    .await
+                    .map_err(SessionError::ClientIo)?,
+                HiddenStep::Done(result) => return Ok(result),
             }
         }
     }

@@ -38,6 +38,7 @@ mod answers;
 mod auth;
 mod events;
 mod greeting;
+mod hidden;
 mod lookup;
 mod requests;
 mod routing;
@@ -50,6 +51,7 @@ mod timeouts;
 pub(super) use auth::AuthStep;
 use auth::Sasl;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
+pub(super) use hidden::{HiddenAnswer, HiddenStep};
 pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.

@@ -2,7 +2,7 @@
 //! state is private, and the driver goes through these.
 //!
 //! Reads are plain accessors. Changes name what happened (a server was
-//! attached, the client sent Terminate, shutdown began) rather than set a
+//! attached or detached, shutdown began) rather than set a
 //! field. The `_mut` accessors left are the seams still to move into the
 //! engine: the transaction-mode link, the pipeline's unsent requests, the
 //! replica leg and the client output the driver assembles itself.
@@ -42,12 +42,6 @@ impl Engine {
 
     pub fn tx_status(&self) -> TxStatus {
         self.tx.status
-    }
-
-    /// A backend answer pgcache read itself reported the transaction
-    /// status.
-    pub fn note_tx_status(&mut self, status: TxStatus) {
-        self.tx.status = status;
     }
 
     /// This database's cache state.
@@ -105,11 +99,6 @@ impl Engine {
 
     pub fn out_mut(&mut self) -> &mut BytesMut {
         &mut self.out
-    }
-
-    /// A frame the driver read from the backend ended it: a FATAL error.
-    pub fn note_backend_fatal(&mut self, fatal: bool) {
-        self.backend_fatal |= fatal;
     }
 
     /// The backend's close is expected: it sent FATAL, or the client
