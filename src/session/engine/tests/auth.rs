@@ -1,13 +1,11 @@
 //! The relayed login, decided frame by frame.
 
-use std::time::Instant;
-
 use bytes::BytesMut;
 
-use super::{Rig, frame};
+use super::{Rig, ctx, frame};
 use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
 use crate::session::SessionError;
-use crate::session::engine::{AuthStep, Ctx};
+use crate::session::engine::AuthStep;
 
 fn authentication(code: i32, payload: &[u8]) -> Vec<u8> {
     let mut body = code.to_be_bytes().to_vec();
@@ -26,12 +24,7 @@ fn initial_response(mechanism: &str, data: &[u8]) -> Vec<u8> {
 
 /// A client frame of the relayed login, fed as the driver feeds it.
 fn client(rig: &mut Rig, frame: &[u8]) -> Result<(), SessionError> {
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-        draw: || 0,
-    };
+    let ctx = ctx(&rig.app, &rig.entry);
     rig.engine.on_auth_client_frame(&ctx, frame)
 }
 

@@ -159,12 +159,7 @@ fn a_partial_frame_waits_for_the_rest() {
     let whole = [row("a"), complete("SELECT 1"), rfq(TxStatus::Idle)].concat();
     let cut = whole.len() - 3;
     let mut buf = BytesMut::from(&whole[..cut]);
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-        draw: || 0,
-    };
+    let ctx = ctx(&rig.app, &rig.entry);
     let relayed = rig.engine.on_backend(&ctx, &mut buf).expect("frames");
     assert_eq!(
         relayed.end,

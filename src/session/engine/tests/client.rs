@@ -158,12 +158,7 @@ fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
     rig.backend(&[bind_complete(), answer(), rfq(TxStatus::Idle)]);
     assert_eq!(rig.store(), 1);
     let run = frames[1..].concat();
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-        draw: || 0,
-    };
+    let ctx = ctx(&rig.app, &rig.entry);
     let ready = rig
         .engine
         .whole_batch(&ctx, &run, 1 << 20)
@@ -344,12 +339,7 @@ fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
 
 /// What the engine does with `frame` now, needs and all.
 fn decide(rig: &mut Rig, frame: &[u8]) -> Result<Flow, Need> {
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-        draw: || 0,
-    };
+    let ctx = ctx(&rig.app, &rig.entry);
     let frame = Bytes::copy_from_slice(frame);
     rig.engine.on_client_frame(&ctx, &frame)
 }
@@ -504,12 +494,7 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
     latest.set("application_name", "");
     assert!(!rig.engine.ready());
 
-    let ctx = Ctx {
-        app: &rig.app,
-        client: &rig.entry.client,
-        now: Instant::now(),
-        draw: || 0,
-    };
+    let ctx = ctx(&rig.app, &rig.entry);
     let out = rig
         .engine
         .greeting(&ctx, latest, &pool.reported, (77, &[1, 2, 3, 4]));

@@ -81,12 +81,7 @@ impl Rig {
         for f in frames {
             buf.extend_from_slice(f);
         }
-        let ctx = Ctx {
-            app: &self.app,
-            client: &self.entry.client,
-            now: Instant::now(),
-            draw: || 0,
-        };
+        let ctx = ctx(&self.app, &self.entry);
         let relayed = self.engine.on_backend(&ctx, &mut buf).expect("frames");
         assert_eq!(relayed.end, buf.len(), "every complete frame is handled");
         let mut sent = std::mem::take(&mut self.engine.out).to_vec();
@@ -100,12 +95,7 @@ impl Rig {
     fn client(&mut self, frame: &[u8]) -> Flow {
         let frame = Bytes::copy_from_slice(frame);
         loop {
-            let ctx = Ctx {
-                app: &self.app,
-                client: &self.entry.client,
-                now: Instant::now(),
-                draw: || 0,
-            };
+            let ctx = ctx(&self.app, &self.entry);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
                 Err(Need::Settings { generation, .. }) => {
@@ -122,12 +112,7 @@ impl Rig {
 
     /// Feeds a client frame relayed untouched, as with caching off.
     fn relayed(&mut self, frame: &[u8]) -> Option<Flow> {
-        let ctx = Ctx {
-            app: &self.app,
-            client: &self.entry.client,
-            now: Instant::now(),
-            draw: || 0,
-        };
+        let ctx = ctx(&self.app, &self.entry);
         self.engine.on_relayed(&ctx, frame)
     }
 
@@ -227,6 +212,17 @@ impl Rig {
                 _ => None,
             })
             .collect()
+    }
+}
+
+/// What the driver passes with each event: the rig's instance and
+/// client, the clock now, and a draw that is always 0.
+fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
+    Ctx {
+        app,
+        client: &entry.client,
+        now: Instant::now(),
+        draw: || 0,
     }
 }
 
