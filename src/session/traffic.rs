@@ -11,7 +11,7 @@ use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Action, LinkStep, ReadyBatch};
-use super::link::{Link, UNKNOWN_STATE};
+use super::link::Link;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
@@ -304,7 +304,6 @@ where
         let Some(pool) = self.engine.link().replica_login().cloned() else {
             return Err("no credentials to log in with".into());
         };
-        let state = self.engine.link().state().clone();
         if self
             .replica
             .as_ref()
@@ -326,23 +325,20 @@ where
             };
             let opened = conn.opened;
             self.replica = Some(Box::new(conn));
-            if let Some(leg) = self.engine.replica_mut() {
-                leg.on_connection(applied, prepared, Some(opened));
-            }
+            self.engine.replica_connected(applied, prepared, opened);
         }
-        let (Some(conn), Some(leg)) = (&mut self.replica, self.engine.replica_mut()) else {
+        let (Some(conn), Some(_)) = (&mut self.replica, self.engine.replica()) else {
             return Err("no replica".into());
         };
-        if leg.applied != state.id {
-            leg.applied = UNKNOWN_STATE;
-            conn.apply(&state.apply_sql()).await?;
-            leg.applied = state.id;
+        if let Some(sql) = self.engine.replica_settings_due() {
+            conn.apply(&sql).await?;
+            self.engine.replica_settings_applied();
         }
         self.engine.stage_replica(Instant::now());
-        let (Some(conn), Some(leg)) = (&mut self.replica, self.engine.replica_mut()) else {
+        let (Some(conn), Some(staged)) = (&mut self.replica, self.engine.take_replica_staged())
+        else {
             return Err("no replica".into());
         };
-        let staged = std::mem::take(&mut leg.staged);
         conn.set_active(true);
         conn.stream
             .write_all(&staged)
@@ -365,9 +361,7 @@ where
             Link::Pooled(link) => link.knobs(&self.app).lifetime,
             Link::Session(_) => return,
         };
-        if let Some(leg) = self.engine.replica_mut() {
-            let prepared = std::mem::take(&mut leg.prepared);
-            let applied = std::mem::replace(&mut leg.applied, UNKNOWN_STATE);
+        if let Some((applied, prepared)) = self.engine.replica_books() {
             (*conn).give_back(applied, prepared, lifetime);
         }
     }

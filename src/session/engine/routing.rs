@@ -7,12 +7,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tracing::debug;
 
 use super::{Ctx, Engine, Need};
 use crate::cache::versions::Family;
 use crate::classify::BypassReason;
+use crate::pool::prepared::ServerStatements;
 use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages};
 use crate::session::known::Statement;
@@ -114,6 +115,53 @@ impl Engine {
                 ..Inflight::hidden(None)
             });
         }
+    }
+
+    /// The read's replica connection is another one: in the state of
+    /// `applied`, with `prepared`, logged in at `opened`.
+    pub fn replica_connected(&mut self, applied: u64, prepared: ServerStatements, opened: Instant) {
+        if let Some(leg) = &mut self.replica {
+            leg.on_connection(applied, prepared, Some(opened));
+        }
+    }
+
+    /// The settings the replica connection must be given before the read
+    /// goes to it: the SQL, when the state it last took is not the
+    /// session's. Its books say "unknown" until
+    /// [`Self::replica_settings_applied`], so a failure leaves no doubt
+    /// taken for knowledge.
+    pub fn replica_settings_due(&mut self) -> Option<String> {
+        let state = self.link.state();
+        let leg = self.replica.as_deref_mut()?;
+        if leg.applied == state.id {
+            return None;
+        }
+        leg.applied = UNKNOWN_STATE;
+        Some(state.apply_sql())
+    }
+
+    /// The replica connection took the session's settings.
+    pub fn replica_settings_applied(&mut self) {
+        let id = self.link.state().id;
+        if let Some(leg) = &mut self.replica {
+            leg.applied = id;
+        }
+    }
+
+    /// What [`Self::stage_replica`] staged for the replica, to write now.
+    pub fn take_replica_staged(&mut self) -> Option<BytesMut> {
+        let leg = self.replica.as_deref_mut()?;
+        Some(std::mem::take(&mut leg.staged))
+    }
+
+    /// A pooled replica connection goes back to its pool: the state it is
+    /// in and the statements it holds, as the leg kept them (the leg
+    /// knows nothing of the next one).
+    pub fn replica_books(&mut self) -> Option<(u64, ServerStatements)> {
+        let leg = self.replica.as_deref_mut()?;
+        let prepared = std::mem::take(&mut leg.prepared);
+        let applied = std::mem::replace(&mut leg.applied, UNKNOWN_STATE);
+        Some((applied, prepared))
     }
 
     /// An uncacheable read a replica may take (`routing = "all_reads"`)

@@ -4,8 +4,8 @@
 //! Reads are plain accessors. Changes name what happened (a server was
 //! attached or detached, shutdown began) rather than set a
 //! field. The `_mut` accessors left are the seams still to move into the
-//! engine: the transaction-mode link, the pipeline's unsent requests, the
-//! replica leg and the client output the driver assembles itself.
+//! engine: the transaction-mode link, the pipeline's unsent requests and
+//! the client output the driver assembles itself.
 
 use std::sync::Arc;
 
@@ -202,10 +202,6 @@ impl Engine {
 
     pub fn replica(&self) -> Option<&ReplicaLeg> {
         self.replica.as_deref()
-    }
-
-    pub fn replica_mut(&mut self) -> Option<&mut ReplicaLeg> {
-        self.replica.as_deref_mut()
     }
 
     /// The backend connection as the session leaves it, if it may serve

@@ -8,6 +8,7 @@ mod client;
 mod hidden;
 pub(crate) mod model;
 mod property;
+mod replica_books;
 mod timeouts;
 
 use std::time::Instant;
