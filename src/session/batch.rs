@@ -316,11 +316,14 @@ fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
 /// The key of a bound statement run in a batch of `shape` (the tags and
 /// Describe kind of its frames), hashed as its Bind's `body` is read.
 /// Refused if a parameter may be a time literal, or the Bind is malformed.
+/// With `by_row` (a read by key), the parameters read are kept for its
+/// rows' stripes; without, none are (a Bind of many would be a heap
+/// allocation for nothing).
 pub(super) fn extended_key<'b>(
     prefix: u128,
     stmt: &Statement,
     shape: &[u8],
-    body: &'b [u8],
+    (body, by_row): (&'b [u8], bool),
 ) -> Result<(RequestKey, Bound<'b>), BypassReason> {
     let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
     k.bytes(shape).bytes(&stmt.param_types);
@@ -329,7 +332,9 @@ pub(super) fn extended_key<'b>(
     let results = extended::walk_bind(body, |format, value| {
         clock |= may_tell_time(format, value);
         k.u64(format as u64).value(value);
-        bound.push(&stmt.param_types, format, value);
+        if by_row {
+            bound.push(&stmt.param_types, format, value);
+        }
     })
     .ok_or(BypassReason::UnsupportedShape)?;
     if clock {

@@ -253,7 +253,7 @@ where
                 }
             }
             // Waiting on the client: logged in and nothing asked of the backend.
-            let waiting = self.engine.ready() && !self.engine.pipeline().awaits_backend();
+            let waiting = self.engine.waits_on_client();
             if waiting && !self.attached() {
                 return Ok(Flow::Continue);
             }

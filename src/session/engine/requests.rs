@@ -386,8 +386,12 @@ impl Engine {
                 return Ok(Err(reason));
             }
         };
-        let (key, bound) = match extended_key(prefix, &stmt, self.batch.shape(), query.bind_body())
-        {
+        let (key, bound) = match extended_key(
+            prefix,
+            &stmt,
+            self.batch.shape(),
+            (query.bind_body(), plan.keyed.is_some()),
+        ) {
             Ok(found) => found,
             Err(reason) => return Ok(Err(reason)),
         };
@@ -434,7 +438,13 @@ impl Engine {
         if !portal.is_empty() || max_rows > 0 {
             return None;
         }
-        let (key, bound) = extended_key(prefix, &stmt, shape, at.bind_body(buf)).ok()?;
+        let (key, bound) = extended_key(
+            prefix,
+            &stmt,
+            shape,
+            (at.bind_body(buf), plan.keyed.is_some()),
+        )
+        .ok()?;
         Some(ReadyBatch {
             len: at.len,
             key,

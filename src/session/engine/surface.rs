@@ -35,11 +35,6 @@ impl Engine {
         &self.startup
     }
 
-    /// The first ReadyForQuery has been seen (authentication is over).
-    pub fn ready(&self) -> bool {
-        self.ready
-    }
-
     pub fn tx_status(&self) -> TxStatus {
         self.tx.status
     }
@@ -55,6 +50,12 @@ impl Engine {
 
     pub fn pipeline_mut(&mut self) -> &mut Pipeline {
         &mut self.pipeline
+    }
+
+    /// Logged in, and nothing asked of the backend: the session waits on
+    /// its client.
+    pub fn waits_on_client(&self) -> bool {
+        self.ready && !self.pipeline.awaits_backend()
     }
 
     /// A batch is held, waiting for its Sync.

@@ -64,7 +64,7 @@ impl Engine {
     /// (logged in, nothing asked of the backend) and a timeout applies to
     /// its transaction state.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let waiting = self.ready && !self.pipeline.awaits_backend();
+        let waiting = self.waits_on_client();
         let limit = self.timeouts.limit(self.tx.status)?;
         let since = self.last_activity?;
         waiting.then(|| since + limit)

@@ -492,7 +492,7 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
     latest.set("server_version", "16.4");
     latest.set("client_encoding", "SQL_ASCII");
     latest.set("application_name", "");
-    assert!(!rig.engine.ready());
+    assert!(!rig.engine.ready);
 
     let ctx = ctx(&rig.app, &rig.entry);
     let out = rig
@@ -508,5 +508,5 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
         out,
         expected.login_frames(&[&77u32.to_be_bytes(), &[1, 2, 3, 4]])
     );
-    assert!(rig.engine.ready(), "logged in");
+    assert!(rig.engine.ready, "logged in");
 }
