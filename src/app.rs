@@ -74,6 +74,8 @@ pub enum StartError {
     Upstream(#[from] crate::upstream::UpstreamError),
     #[error("upstream.replicas: {0}")]
     Replica(String),
+    #[error(transparent)]
+    Disk(#[from] crate::cache::disk::DiskError),
     // The cause is part of the message, not a source: printed as a chain,
     // it would be said twice.
     #[error("cannot listen on {addr} (metrics.listen): {cause}")]
@@ -195,6 +197,12 @@ impl App {
                 resyncs: app.metrics.invalidations.resync.clone(),
                 peers: app.metrics.invalidations.peer.clone(),
             });
+        }
+        if config.cache.enabled && config.cache.disk.enabled() {
+            let tier =
+                crate::cache::disk::DiskTier::open(&config.cache.disk, app.metrics.disk.clone())?;
+            tier.spawn_probe(app.drain.clone());
+            app.cache.set_disk(tier);
         }
         app.start_replicas().await?;
         let app = Arc::new(app);

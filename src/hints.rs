@@ -50,6 +50,9 @@ pub struct Hints {
     /// `tags=a,b`: names an admin command or a NOTIFY can invalidate the
     /// entry by; sorted, without duplicates.
     pub tags: Vec<String>,
+    /// `/*+ explain */`: the client is also told, in a NOTICE, where the
+    /// answer came from and how long it took.
+    pub explain: bool,
     /// Hints that were malformed or unknown, as written, with why.
     pub problems: Vec<String>,
 }
@@ -69,6 +72,9 @@ pub struct Scan {
     /// [`Scan::literals`] gives them, so that reading a text's values does
     /// not lex it again.
     pub spans: Vec<LiteralSpan>,
+    /// Where the `/*+ explain */` comment stands, with the white space
+    /// after it: the text without it is the statement's key.
+    pub explain_at: Option<(usize, usize)>,
 }
 
 impl Default for Scan {
@@ -78,8 +84,17 @@ impl Default for Scan {
             normalized: String::new(),
             shape_exact: true,
             spans: Vec::new(),
+            explain_at: None,
         }
     }
+}
+
+/// `sql` without its `/*+ explain */` comment, if it has one: the text an
+/// explained statement is cached under, so that it reads the entry the
+/// same statement without the hint would.
+pub fn unexplained(sql: &str) -> Option<String> {
+    let (start, end) = scan(sql).explain_at?;
+    Some([&sql[..start], &sql[end..]].concat())
 }
 
 impl Scan {
@@ -293,7 +308,14 @@ impl<'a> Lexer<'a> {
             }
         }
         let end = if depth == 0 { i - 2 } else { b.len() };
-        comment(&self.sql[start..end], &mut self.out.hints);
+        let explain = comment(&self.sql[start..end], &mut self.out.hints);
+        if explain && self.out.explain_at.is_none() {
+            let after = i + b[i..]
+                .iter()
+                .take_while(|c| c.is_ascii_whitespace())
+                .count();
+            self.out.explain_at = Some((start - 2, after));
+        }
         self.i = i;
         self.space = true;
     }
@@ -402,12 +424,21 @@ fn skip_quoted(b: &[u8], mut i: usize, quote: u8, backslash: bool) -> usize {
     b.len()
 }
 
-/// Reads one block comment's text.
-fn comment(text: &str, hints: &mut Hints) {
+/// Reads one block comment's text; true if it is `/*+ explain */`.
+fn comment(text: &str, hints: &mut Hints) -> bool {
     let trimmed = text.trim();
     if let Some(body) = trimmed.strip_prefix('+') {
         let mut words = body.split_whitespace();
         match words.next().map(str::to_ascii_lowercase).as_deref() {
+            Some("explain") => {
+                if words.next().is_none() {
+                    hints.explain = true;
+                    return true;
+                }
+                hints
+                    .problems
+                    .push(format!("/*{trimmed}*/: explain takes no options"));
+            }
             Some("cache") => cache_hint(words, hints, trimmed),
             Some("nocache") => {
                 let rest: Vec<&str> = words.collect();
@@ -421,10 +452,10 @@ fn comment(text: &str, hints: &mut Hints) {
             }
             _ if body.contains('(') => {} // pg_hint_plan's, not ours
             _ => hints.problems.push(format!(
-                "/*{trimmed}*/: unknown hint (expected cache or nocache)"
+                "/*{trimmed}*/: unknown hint (expected cache, nocache or explain)"
             )),
         }
-        return;
+        return false;
     }
     let words: Vec<String> = trimmed
         .split_whitespace()
@@ -435,6 +466,7 @@ fn comment(text: &str, hints: &mut Hints) {
         "FORCE QUERY CACHE" if hints.cache.is_none() => hints.cache = Some(true),
         _ => {}
     }
+    false
 }
 
 fn cache_hint<'a>(words: impl Iterator<Item = &'a str>, hints: &mut Hints, text: &str) {

@@ -238,14 +238,21 @@ pub fn stats_json(app: &App) -> serde_json::Value {
         "bypass_reasons": bypass_reasons,
         "hit_ratio": if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 },
         "local": {
-            "hits": m.hits_local.get(),
+            "hits": m.tiers.local.hits.get(),
             "entries": app.cache.local.entry_count(),
             "bytes": app.cache.local.weighted_bytes(),
         },
         "shared": {
             "configured": app.cache.shared().is_some(),
             "up": app.cache.shared().is_some_and(|t| t.is_up()),
-            "hits": m.hits_shared.get(),
+            "hits": m.tiers.shared.hits.get(),
+        },
+        "disk": {
+            "configured": app.cache.disk().is_some(),
+            "up": app.cache.disk().is_some_and(|t| t.is_up()),
+            "hits": m.tiers.disk.hits.get(),
+            "bytes": m.disk.bytes.get(),
+            "capacity": m.disk.capacity.get(),
         },
         "shadow": {
             "on": app.policy().mode == crate::config::CacheMode::Shadow,

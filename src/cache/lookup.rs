@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::{
     BypassReason, Cache, Claim, DbState, Fill, Lifetime, QueryStats, Reads, RequestKey, Unfresh,
-    shared, unix_ms,
+    disk, shared, unix_ms,
 };
 use crate::hints::Tier;
 
@@ -43,9 +43,14 @@ pub struct Request<'a> {
 
 /// What a lookup found.
 pub enum Lookup {
-    /// The stored response (RowDescription … CommandComplete); with a fill
-    /// when the entry is due for a refresh and nobody refreshes it yet.
-    Hit { bytes: Bytes, refresh: Option<Fill> },
+    /// The stored response (RowDescription … CommandComplete), and the
+    /// tier it came from; with a fill when the entry is due for a refresh
+    /// and nobody refreshes it yet.
+    Hit {
+        bytes: Bytes,
+        refresh: Option<Fill>,
+        from: Source,
+    },
     /// Forward it, and store the answer with this fill.
     Miss(Fill),
     /// Forward it; the cache may not answer it now.
@@ -55,10 +60,30 @@ pub enum Lookup {
     WouldHit(Bytes),
 }
 
+/// The tier a hit came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Memory,
+    Disk,
+    Redis,
+}
+
+impl Source {
+    pub fn label(self) -> &'static str {
+        match self {
+            Source::Memory => "memory",
+            Source::Disk => "disk",
+            Source::Redis => "Redis",
+        }
+    }
+}
+
 /// What a lookup needs before it can answer.
 pub enum Wait {
     /// `read_your_writes`: the read's versions confirmed with Redis.
     Confirm { db: Arc<DbState>, reads: Reads },
+    /// The disk tier's entry for this (local) key.
+    Disk { key: u128 },
     /// The shared tier's entry for this key and these versions.
     Shared { key: u128, stamp: Vec<u64> },
     /// The database's cache able to answer (its stream, or another
@@ -79,6 +104,8 @@ pub enum Wait {
 #[derive(Default)]
 pub struct Waited {
     confirmed: Option<bool>,
+    /// What the disk tier holds under a local key.
+    disk: Option<(u128, Option<Box<disk::Stored>>)>,
     /// Boxed: every session keeps a `Waited`, and Redis is waited on
     /// rarely next to the statements that never wait.
     #[allow(clippy::type_complexity)]
@@ -97,6 +124,7 @@ impl Waited {
 
     pub fn is_empty(&self) -> bool {
         self.confirmed.is_none()
+            && self.disk.is_none()
             && self.shared.is_none()
             && !self.filled
             && !self.warmed
@@ -122,6 +150,9 @@ impl Cache {
         // counters: see `SharedTier::usable`.
         let local = req.key.local(&req.db.versions.epoch, req.reads);
         if let Some(hit) = self.local_hit(req, local) {
+            return Ok(hit);
+        }
+        if let Some(hit) = self.disk_hit(req, local, waited)? {
             return Ok(hit);
         }
         let mut shared = None;
@@ -211,7 +242,7 @@ impl Cache {
         if req.shadow {
             return Some(Lookup::WouldHit(entry.bytes.clone()));
         }
-        self.count_hit(req, entry.bytes.len(), false);
+        self.count_hit(req, entry.bytes.len(), Source::Memory);
         let refresh = entry
             .wants_refresh()
             .then(|| self.refresh_fill(req))
@@ -219,7 +250,48 @@ impl Cache {
         Some(Lookup::Hit {
             bytes: entry.bytes.clone(),
             refresh,
+            from: Source::Memory,
         })
+    }
+
+    /// The disk tier's answer under key `local`, promoted to memory, if it
+    /// holds one; asks for it first ([`Wait::Disk`]).
+    fn disk_hit(
+        &self,
+        req: &Request<'_>,
+        local: u128,
+        waited: &mut Waited,
+    ) -> Result<Option<Lookup>, Wait> {
+        if self.disk().is_none_or(|t| !req.tier.local() || !t.is_up()) {
+            return Ok(None);
+        }
+        let stored = match &mut waited.disk {
+            Some((key, found)) if *key == local => found.take(),
+            _ => return Err(Wait::Disk { key: local }),
+        };
+        let Some((stored, (lifetime, age))) = stored.and_then(|s| s.lifetime().map(|l| (s, l)))
+        else {
+            return Ok(None);
+        };
+        self.local
+            .insert_aged(local, &stored.payload, lifetime, age);
+        if req.admission {
+            self.admission.served(req.key);
+        }
+        if req.shadow {
+            return Ok(Some(Lookup::WouldHit(stored.payload)));
+        }
+        self.count_hit(req, stored.payload.len(), Source::Disk);
+        let refresh = lifetime
+            .refresh
+            .is_some_and(|r| age >= r)
+            .then(|| self.refresh_fill(req))
+            .flatten();
+        Ok(Some(Lookup::Hit {
+            bytes: stored.payload,
+            refresh,
+            from: Source::Disk,
+        }))
     }
 
     /// Whether the database's cache may answer now (see
@@ -263,6 +335,16 @@ impl Cache {
                     tracing::debug!(error = %e, "cannot confirm versions with Redis");
                 }
                 waited.confirmed = Some(confirmed.is_ok());
+            }
+            Wait::Disk { key } => {
+                let found = match self.disk() {
+                    Some(tier) => match tier.get(key).await {
+                        disk::Read::Hit(stored) => Some(Box::new(stored)),
+                        disk::Read::Miss | disk::Read::Failed => None,
+                    },
+                    None => None,
+                };
+                waited.disk = Some((key, found));
             }
             Wait::Shared { key, stamp } => {
                 let found = match self.shared() {
@@ -315,7 +397,7 @@ impl Cache {
         if req.shadow {
             return Lookup::WouldHit(entry.payload);
         }
-        self.count_hit(req, entry.payload.len(), true);
+        self.count_hit(req, entry.payload.len(), Source::Redis);
         let refresh = req
             .lifetime
             .refresh
@@ -325,19 +407,22 @@ impl Cache {
         Lookup::Hit {
             bytes: entry.payload,
             refresh,
+            from: Source::Redis,
         }
     }
 
     /// Counted before the client can see the answer.
-    fn count_hit(&self, req: &Request<'_>, bytes: usize, shared: bool) {
+    fn count_hit(&self, req: &Request<'_>, bytes: usize, from: Source) {
         let took = req.started.elapsed();
         let m = &self.metrics;
         m.hits.inc();
-        if shared {
-            m.hits_shared.inc();
-        } else {
-            m.hits_local.inc();
-        }
+        let tier = match from {
+            Source::Memory => &m.tiers.local,
+            Source::Disk => &m.tiers.disk,
+            Source::Redis => &m.tiers.shared,
+        };
+        tier.hits.inc();
+        tier.latency.observe(took.as_secs_f64());
         m.latency_hit.observe(took.as_secs_f64());
         // The stored frames and the ReadyForQuery after them.
         m.client_bytes_out.inc_by(bytes as u64 + 6);

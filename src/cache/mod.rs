@@ -24,6 +24,7 @@ pub mod analysis;
 pub mod catalog;
 pub mod database;
 pub mod demand;
+pub mod disk;
 pub mod fill;
 pub mod hold;
 pub mod key;
@@ -48,7 +49,7 @@ pub use database::{Databases, DbState, Unfresh};
 pub use fill::{Claim, Fill, FillGuard, Fills};
 pub use key::RequestKey;
 pub use local::{CachedResponse, Lifetime, LocalCache};
-pub use lookup::{Lookup, Request, Wait, Waited};
+pub use lookup::{Lookup, Request, Source, Wait, Waited};
 use shared::{Pending, SharedTier};
 use stats::{QueryStats, StatsRegistry};
 pub use versions::{Bumps, Ddl, Family, Version, unix_ms};
@@ -63,6 +64,8 @@ pub struct Cache {
     /// The shared tier, when `redis.url` is set and caching is on; set once
     /// at start-up, when the cluster's name is known.
     shared: OnceLock<Arc<SharedTier>>,
+    /// The disk tier, when `cache.disk.path` is set; opened at start-up.
+    disk: OnceLock<Arc<disk::DiskTier>>,
     pub databases: Arc<Databases>,
     fills: Arc<Fills>,
     analyses: analysis::Analyses,
@@ -96,6 +99,7 @@ impl Cache {
         Self {
             local,
             shared: OnceLock::new(),
+            disk: OnceLock::new(),
             databases: Arc::default(),
             fills: Arc::default(),
             analyses: analysis::Analyses::new(10_000),
@@ -118,6 +122,14 @@ impl Cache {
 
     pub fn shared(&self) -> Option<&Arc<SharedTier>> {
         self.shared.get()
+    }
+
+    pub fn set_disk(&self, tier: Arc<disk::DiskTier>) {
+        let _ = self.disk.set(tier);
+    }
+
+    pub fn disk(&self) -> Option<&Arc<disk::DiskTier>> {
+        self.disk.get()
     }
 
     pub fn set_replication(&self, on: bool) {
@@ -241,6 +253,9 @@ impl Cache {
         self.metrics.stores.inc();
         if let Some(key) = fill.local {
             self.local.insert(key, bytes, fill.lifetime);
+            if let Some(tier) = self.disk() {
+                tier.store(key, bytes, fill.lifetime);
+            }
         }
         if let (Some(tier), Some((key, versions))) = (self.shared(), &fill.shared) {
             tier.put(*key, versions, bytes, fill.lifetime.ttl);

@@ -48,6 +48,7 @@ pub struct CacheConfig {
     /// Caching on or off per database.
     pub databases: BTreeMap<String, bool>,
     pub local: LocalCacheConfig,
+    pub disk: DiskCacheConfig,
     pub shared: SharedCacheConfig,
 }
 
@@ -170,6 +171,34 @@ impl Default for LocalCacheConfig {
     }
 }
 
+/// The disk tier, between memory and Redis (see docs/design.md).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiskCacheConfig {
+    /// Directory of the tier's files; empty = no disk tier.
+    pub path: PathBuf,
+    /// Bytes the tier's files may take on disk.
+    pub max_bytes: u64,
+    /// A disk read slower than this counts as a miss.
+    pub read_timeout_ms: u64,
+}
+
+impl DiskCacheConfig {
+    pub fn enabled(&self) -> bool {
+        !self.path.as_os_str().is_empty()
+    }
+}
+
+impl Default for DiskCacheConfig {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::new(),
+            max_bytes: 1024 * 1024 * 1024,
+            read_timeout_ms: 20,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
@@ -239,6 +268,7 @@ impl Default for CacheConfig {
             roles: BTreeMap::new(),
             databases: BTreeMap::new(),
             local: LocalCacheConfig::default(),
+            disk: DiskCacheConfig::default(),
             shared: SharedCacheConfig::default(),
         }
     }

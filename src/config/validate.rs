@@ -130,6 +130,20 @@ impl Config {
                 self.cache.first_read_wait_ms
             ));
         }
+        let disk = &self.cache.disk;
+        if disk.enabled() && disk.max_bytes < crate::cache::disk::MIN_BYTES {
+            problems.push(format!(
+                "cache.disk.max_bytes: {} is below {} (a disk tier needs at least a few blocks)",
+                disk.max_bytes,
+                crate::cache::disk::MIN_BYTES
+            ));
+        }
+        if disk.enabled() && !(1..=10_000).contains(&disk.read_timeout_ms) {
+            problems.push(format!(
+                "cache.disk.read_timeout_ms: {} must be between 1 and 10000",
+                disk.read_timeout_ms
+            ));
+        }
         if self.replication.publication.is_empty() {
             problems.push("replication.publication: must not be empty".to_owned());
         }

@@ -16,10 +16,12 @@ use crate::classify::BypassReason;
 mod pools;
 mod replicas;
 mod shared;
+mod tiers;
 
 pub use pools::{PoolMetrics, TransactionPoolMetrics};
 pub use replicas::{ReplicaFamilies, ReplicaMetrics};
 pub use shared::SharedMetrics;
+pub use tiers::{DiskMetrics, TierHits, Tiers};
 
 /// `pgcache_settings_reused_total`'s help.
 const SETTINGS_REUSED: &str = "Fresh sessions that took the settings of an earlier one that logged in \
@@ -56,9 +58,9 @@ pub struct Metrics {
     pub shadow_saved: prometheus::Counter,
     pub client_connections: IntGauge,
     pub backend_connections: IntGauge,
-    /// Hits by tier.
-    pub hits_local: IntCounter,
-    pub hits_shared: IntCounter,
+    /// Hits by tier, and their latency.
+    pub tiers: Tiers,
+    pub disk: DiskMetrics,
     bypass_reasons: Vec<IntCounter>,
     /// Time from a request's arrival to its answer: from the cache, or
     /// (a cacheable miss) from PostgreSQL.
@@ -239,11 +241,15 @@ impl ReplicationGauges {
     }
 }
 
+/// The buckets of every request-latency histogram: 25 µs to 1.5 s.
+fn latency_buckets() -> Vec<f64> {
+    prometheus::exponential_buckets(0.000_025, 2.5, 12).expect("valid buckets")
+}
+
 /// The labelled families whose handles [`Metrics`] resolves once.
 struct Families {
     lookups: IntCounterVec,
     auth_failures: IntCounterVec,
-    hits_by_tier: IntCounterVec,
     bypasses: IntCounterVec,
     invalidations: IntCounterVec,
     invalidation_scopes: IntCounterVec,
@@ -268,11 +274,6 @@ impl Families {
                  a login to PostgreSQL for an authenticated client (backend), SCRAM that \
                  cannot be relayed across two TLS legs (relay)",
                 &["stage"],
-            ),
-            hits_by_tier: r.counter_vec(
-                "pgcache_cache_hits_total",
-                "Requests answered from the cache, by tier",
-                &["tier"],
             ),
             bypasses: r.counter_vec(
                 "pgcache_cache_bypasses_total",
@@ -321,10 +322,7 @@ impl Families {
                         "pgcache_request_duration_seconds",
                         "Time to answer a cacheable request: from the cache (hit) or PostgreSQL (miss)",
                     )
-                    .buckets(
-                        prometheus::exponential_buckets(0.000_025, 2.5, 12)
-                            .expect("valid buckets"),
-                    ),
+                    .buckets(latency_buckets()),
                     &["outcome"],
                 )
                 .expect("valid metric"),
@@ -390,8 +388,8 @@ impl Metrics {
             hits: by(&f.lookups, "hit"),
             misses: by(&f.lookups, "miss"),
             bypasses: by(&f.lookups, "bypass"),
-            hits_local: by(&f.hits_by_tier, "local"),
-            hits_shared: by(&f.hits_by_tier, "shared"),
+            tiers: Tiers::new(&r, latency_buckets()),
+            disk: DiskMetrics::new(&r),
             bypass_reasons: BypassReason::ALL
                 .iter()
                 .map(|reason| by(&f.bypasses, reason.label()))

@@ -40,3 +40,5 @@ pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
 pub const CONFIG_FILE_ERROR: &str = "F0000";
 /// A warning notice (a hint pgcache ignored, a change that needs a restart).
 pub const WARNING: &str = "01000";
+/// A NOTICE that reports, not warns (`/*+ explain */`).
+pub const SUCCESSFUL_COMPLETION: &str = "00000";

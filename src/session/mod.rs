@@ -24,6 +24,7 @@ mod capture;
 mod checkout;
 mod engine;
 mod error;
+mod explain;
 #[doc(hidden)]
 pub mod fuzz;
 mod hidden;

@@ -13,6 +13,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 
 use super::capture::Capture;
+use super::explain::Explain;
 use super::replica::Routed;
 use super::row_limit::RowCut;
 use crate::cache::Bumps;
@@ -43,6 +44,8 @@ pub(super) struct Inflight {
     pub probe: bool,
     /// A read routed to a replica.
     pub routed: Option<Box<Routed>>,
+    /// `/*+ explain */`: told to the client before its ReadyForQuery.
+    pub explain: Option<Box<Explain>>,
 }
 
 impl Inflight {
@@ -77,6 +80,7 @@ impl Default for Inflight {
             row_cut: None,
             probe: false,
             routed: None,
+            explain: None,
         }
     }
 }

@@ -56,6 +56,8 @@ pub(super) struct Plan {
     /// refuses unlogged tables; statistics are its own): a standby may run
     /// it (`replicas.routing = "all_reads"`).
     pub replica_safe: bool,
+    /// `/*+ explain */`: the client is told where the answer came from.
+    pub explain: bool,
 }
 
 /// Bounds [`SharedPlans`]: past it the memo starts again.
@@ -209,6 +211,7 @@ impl Plan {
             begin_strict: None,
             unwatched: false,
             replica_safe: true,
+            explain: hints.explain,
         };
         for st in &analyzed.analysis.statements {
             plan.add_effects(st, facts, versions);

@@ -81,6 +81,12 @@ impl Engine {
                     self.on_response_frame(ctx, frame)
                 }
                 be::READY_FOR_QUERY => {
+                    if let Some(explain) = self.pipeline.front_mut().and_then(|f| f.explain.take())
+                    {
+                        self.out.extend_from_slice(&buf[copied..pos]);
+                        explain.notice(std::time::Instant::now(), &mut self.out);
+                        copied = pos;
+                    }
                     let status = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b));
                     let keep = self.pipeline.front().is_none_or(|f| {
                         f.to_client && !f.routed.as_ref().is_some_and(|r| r.to_primary())

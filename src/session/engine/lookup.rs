@@ -13,6 +13,7 @@ use crate::classify::BypassReason;
 use crate::config::CacheMode;
 use crate::protocol::{TxStatus, messages};
 use crate::session::capture::Capture;
+use crate::session::explain::{Explain, Explained};
 use crate::session::offload::Job;
 use crate::session::plan::Plan;
 use crate::session::row_limit::cut_stored;
@@ -21,8 +22,9 @@ use crate::session::row_limit::cut_stored;
 pub(super) enum Answer {
     /// Answered from the cache; the backend sees only a refresh, if any.
     Served { refreshed: bool },
-    /// To forward, with a capture if its result is to be stored.
-    Forward(Option<Capture>),
+    /// To forward, with a capture if its result is to be stored, and what
+    /// to tell the client of it (`/*+ explain */`).
+    Forward(Option<Capture>, Option<Box<Explain>>),
 }
 
 impl Engine {
@@ -105,18 +107,24 @@ impl Engine {
             // (also for a table not yet published: the stream adds it).
             self.actions.push(Action::Watch);
         }
+        let explain = plan.explain.then(|| {
+            Box::new(Explain {
+                what: Explained::of(&looked),
+                started: ctx.now,
+            })
+        });
         let (bytes, refresh) = match looked {
-            Err(_) => return Answer::Forward(None),
-            Ok(Lookup::Hit { bytes, refresh }) => (bytes, refresh),
-            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill))),
+            Err(_) => return Answer::Forward(None, explain),
+            Ok(Lookup::Hit { bytes, refresh, .. }) => (bytes, refresh),
+            Ok(Lookup::Miss(fill)) => return Answer::Forward(Some(Capture::new(fill)), explain),
             Ok(Lookup::Bypass(reason)) => {
                 plan.stats.bypassed(reason);
-                return Answer::Forward(None);
+                return Answer::Forward(None, explain);
             }
             // Checked against PostgreSQL's frames as they arrive, before
             // any row-limit cut for the client.
             Ok(Lookup::WouldHit(stored)) => {
-                return Answer::Forward(Some(Capture::compare(stored)));
+                return Answer::Forward(Some(Capture::compare(stored)), explain);
             }
         };
         // The session saw the rows it read (or the tables) as of now.
@@ -128,6 +136,9 @@ impl Engine {
         let cut = (row_limit > 0).then(|| cut_stored(&bytes, row_limit));
         self.out
             .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
+        if let Some(explain) = explain {
+            explain.notice(std::time::Instant::now(), &mut self.out);
+        }
         self.out
             .extend_from_slice(&messages::ready_for_query(self.tx.status));
         // A refresh, or a check of the correctness sampler: the request

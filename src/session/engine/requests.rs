@@ -143,9 +143,18 @@ impl Engine {
             self.known.remember_marks(hash, marks);
         }
         self.before_begin(ctx, &plan)?;
+        // An explained statement reads the entry of the same text without
+        // its hint.
+        let key_hash = match plan.explain {
+            true => std::str::from_utf8(sql)
+                .ok()
+                .and_then(crate::hints::unexplained)
+                .map_or(hash, |text| key::sql_hash(text.as_bytes())),
+            false => hash,
+        };
         let key = self
             .may_serve(ctx, &plan, true)?
-            .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, hash).finish());
+            .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, key_hash).finish());
         self.settings_for_replica(ctx, &plan)?;
         let reads = self.keyed_reads(&plan, |known| known.keyed_reads(hash, &plan, sql));
         let looked = self.look_up(ctx, key, &plan, reads.as_ref())?;
@@ -157,11 +166,12 @@ impl Engine {
         };
         match self.answer(ctx, looked, reads.as_ref(), &plan, frame, 0) {
             Answer::Served { .. } => return Ok(Flow::Continue),
-            Answer::Forward(capture) => {
+            Answer::Forward(capture, explain) => {
                 if capture.is_some() {
                     inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
                 }
                 inflight.capture = capture;
+                inflight.explain = explain;
             }
         }
         self.note_effects(&plan);
@@ -320,11 +330,12 @@ impl Engine {
                             self.batch.reset();
                             return Ok(Flow::Continue);
                         }
-                        Answer::Forward(capture) => {
+                        Answer::Forward(capture, explain) => {
                             if capture.is_some() {
                                 inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
                             }
                             inflight.capture = capture;
+                            inflight.explain = explain;
                             if self.route_batch(ctx, &plan, &stmt, &mut inflight, &request) {
                                 self.batch.give_back(request);
                                 (inflight.effects, inflight.parsed) = self.batch.reset();
@@ -473,9 +484,10 @@ impl Engine {
         self.note_effects(plan);
         match self.answer(ctx, looked, ready.by_row.as_ref(), plan, request, 0) {
             Answer::Served { .. } => {}
-            Answer::Forward(capture) => {
+            Answer::Forward(capture, explain) => {
                 let mut inflight = Inflight {
                     effects: plan.effects.clone(),
+                    explain,
                     ..Inflight::default()
                 };
                 if capture.is_some() {

@@ -1,0 +1,433 @@
+//! The disk tier: stored answers kept in files under `cache.disk.path`,
+//! between memory and Redis. A miss in memory looks here before Redis; a
+//! disk hit is promoted to memory.
+//!
+//! The files are an LSM tree (fjall; docs/design.md says why not foyer):
+//! answers are packed, compressed and checksummed in blocks, and the tree
+//! is compacted first in, first out: past `max_bytes`, its oldest files are
+//! dropped whole. Entries are never updated or deleted: a key names one
+//! state of what it reads (the versions are part of it), so an
+//! invalidation makes old entries unreachable and they leave with their
+//! file.
+//!
+//! The tier is never a reason for a client error. Writes go through a
+//! bounded queue to a thread of their own, off the response path (dropped
+//! when it is full). A read slower than `read_timeout_ms`, or one that
+//! fails, is a miss. A directory that stops taking writes (a full disk, a
+//! path made read-only) is found by a probe written beside the files;
+//! while it fails the tier is set aside (`pgcache_disk_up` 0, one log
+//! line) and the other tiers answer.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes};
+use fjall::{Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
+
+use super::{Lifetime, unix_ms};
+use crate::config::DiskCacheConfig;
+use crate::metrics::DiskMetrics;
+
+/// The smallest `cache.disk.max_bytes`.
+pub const MIN_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The tree's own directory under `cache.disk.path`, named after the
+/// layout of its entries.
+const TREE: &str = "pgcache-disk-v1";
+
+/// The probe file written beside the tree to tell whether the directory
+/// still takes writes.
+const PROBE: &str = "pgcache-probe";
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Answers waiting for the writer thread; past this, stores are dropped.
+const QUEUE: usize = 1024;
+
+/// Why the disk tier cannot start: a start-up error.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("cache.disk.path {path}: {cause}")]
+    Unusable {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("cache.disk.path {path}: {cause}")]
+    Open { path: PathBuf, cause: fjall::Error },
+}
+
+/// One stored answer: when it was made, how long it lives, and the frames.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    created_ms: u64,
+    /// 0: no TTL.
+    ttl_ms: u64,
+    /// 0: never refreshed.
+    refresh_ms: u64,
+    pub payload: Bytes,
+}
+
+const HEADER: usize = 24;
+
+impl Stored {
+    fn new(bytes: &[u8], lifetime: Lifetime) -> Self {
+        let ms = |d: Option<Duration>| d.map_or(0, |d| (d.as_millis() as u64).max(1));
+        Self {
+            created_ms: unix_ms(),
+            ttl_ms: ms(lifetime.ttl),
+            refresh_ms: ms(lifetime.refresh),
+            payload: Bytes::copy_from_slice(bytes),
+        }
+    }
+
+    /// Its lifetime, and how old it is now; `None` once its TTL ran out.
+    pub fn lifetime(&self) -> Option<(Lifetime, Duration)> {
+        let age = Duration::from_millis(unix_ms().saturating_sub(self.created_ms));
+        let ms = |v: u64| (v > 0).then(|| Duration::from_millis(v));
+        let lifetime = Lifetime {
+            ttl: ms(self.ttl_ms),
+            refresh: ms(self.refresh_ms),
+        };
+        match lifetime.ttl {
+            Some(ttl) if ttl <= age => None,
+            _ => Some((lifetime, age)),
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER + self.payload.len());
+        out.put_u64_le(self.created_ms);
+        out.put_u64_le(self.ttl_ms);
+        out.put_u64_le(self.refresh_ms);
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    /// `None` for a value shorter than the header (the tree's checksums
+    /// catch torn or corrupt blocks before this).
+    fn decode(mut value: &[u8]) -> Option<Self> {
+        if value.len() < HEADER {
+            return None;
+        }
+        Some(Self {
+            created_ms: value.get_u64_le(),
+            ttl_ms: value.get_u64_le(),
+            refresh_ms: value.get_u64_le(),
+            payload: Bytes::copy_from_slice(value),
+        })
+    }
+}
+
+/// What a disk read found.
+pub enum Read {
+    Hit(Stored),
+    Miss,
+    /// Past the read deadline, or the read failed: a miss all the same.
+    Failed,
+}
+
+pub struct DiskTier {
+    files: Keyspace,
+    answers: PartitionHandle,
+    dir: PathBuf,
+    read_timeout: Duration,
+    /// To the writer thread.
+    queue: SyncSender<(u128, Stored)>,
+    /// The directory takes writes (the last probe succeeded).
+    up: AtomicBool,
+    metrics: DiskMetrics,
+}
+
+impl DiskTier {
+    /// Opens the tier's files under `config.path`, creating the directory;
+    /// an error if it cannot be written there.
+    pub fn open(config: &DiskCacheConfig, metrics: DiskMetrics) -> Result<Arc<Self>, DiskError> {
+        let dir = config.path.clone();
+        let unusable = |cause| DiskError::Unusable {
+            path: dir.clone(),
+            cause,
+        };
+        std::fs::create_dir_all(&dir).map_err(unusable)?;
+        probe(&dir).map_err(unusable)?;
+        let tree = dir.join(TREE);
+        // Entries of an earlier run are not read back: their keys were
+        // made from version counters that restart from zero.
+        if tree.exists() {
+            std::fs::remove_dir_all(&tree).map_err(unusable)?;
+        }
+        let open = |cause| DiskError::Open {
+            path: dir.clone(),
+            cause,
+        };
+        let budget = Budget::of(config.max_bytes);
+        let files = fjall::Config::new(&tree)
+            .cache_size(budget.block_cache)
+            .manual_journal_persist(true)
+            .flush_workers(1)
+            .compaction_workers(1)
+            .open()
+            .map_err(open)?;
+        let fifo = fjall::compaction::Fifo::new(budget.files, None);
+        let answers = files
+            .open_partition(
+                "answers",
+                PartitionCreateOptions::default()
+                    .max_memtable_size(budget.memtable)
+                    .manual_journal_persist(true)
+                    .compaction_strategy(fjall::compaction::Strategy::Fifo(fifo)),
+            )
+            .map_err(open)?;
+        let (queue, writes) = std::sync::mpsc::sync_channel(QUEUE);
+        metrics.up.set(1);
+        metrics
+            .capacity
+            .set(i64::try_from(config.max_bytes).unwrap_or(i64::MAX));
+        let tier = Arc::new(Self {
+            files,
+            answers,
+            dir: dir.clone(),
+            read_timeout: Duration::from_millis(config.read_timeout_ms),
+            queue,
+            up: AtomicBool::new(true),
+            metrics,
+        });
+        let writer = Arc::downgrade(&tier);
+        std::thread::Builder::new()
+            .name("pgcache-disk".to_owned())
+            .spawn(move || write_all(writer, writes))
+            .map_err(unusable)?;
+        Ok(tier)
+    }
+
+    /// Queues an answer for the writer thread; dropped (and counted) when
+    /// the queue is full or the tier is set aside.
+    pub fn store(&self, key: u128, bytes: &[u8], lifetime: Lifetime) {
+        if !self.is_up() {
+            return;
+        }
+        match self.queue.try_send((key, Stored::new(bytes, lifetime))) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.metrics.dropped.inc();
+            }
+        }
+    }
+
+    /// Reads the answer stored under `key`, within the read deadline.
+    pub async fn get(self: &Arc<Self>, key: u128) -> Read {
+        if !self.is_up() {
+            return Read::Miss;
+        }
+        let tier = Arc::clone(self);
+        let read = tokio::task::spawn_blocking(move || tier.answers.get(key.to_be_bytes()));
+        match tokio::time::timeout(self.read_timeout, read).await {
+            Ok(Ok(Ok(Some(value)))) => match Stored::decode(&value) {
+                Some(stored) => Read::Hit(stored),
+                None => {
+                    self.metrics.read_failures.inc();
+                    Read::Failed
+                }
+            },
+            Ok(Ok(Ok(None))) => {
+                self.metrics.misses.inc();
+                Read::Miss
+            }
+            Ok(Ok(Err(e))) => {
+                tracing::debug!(error = %e, "disk tier read failed: a miss");
+                self.metrics.read_failures.inc();
+                Read::Failed
+            }
+            Ok(Err(_)) => {
+                self.metrics.read_failures.inc();
+                Read::Failed
+            }
+            Err(_) => {
+                self.metrics.read_timeouts.inc();
+                Read::Failed
+            }
+        }
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Bytes the tier's files take on disk.
+    pub fn used_bytes(&self) -> u64 {
+        used_bytes(&self.dir.join(TREE))
+    }
+
+    /// Entries in the tree (an estimate: dropped files are subtracted
+    /// whole).
+    pub fn entries(&self) -> u64 {
+        self.answers.approximate_len() as u64
+    }
+
+    /// Probes the directory every second, setting the tier aside while it
+    /// takes no writes and bringing it back when it does; hands what was
+    /// written to the operating system; refreshes the gauges.
+    pub fn spawn_probe(self: &Arc<Self>, drain: tokio_util::sync::CancellationToken) {
+        let tier = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(PROBE_EVERY);
+            loop {
+                tokio::select! {
+                    _ = drain.cancelled() => return,
+                    _ = every.tick() => {}
+                }
+                let t = Arc::clone(&tier);
+                let probed = tokio::task::spawn_blocking(move || {
+                    probe(&t.dir)?;
+                    t.files
+                        .persist(PersistMode::Buffer)
+                        .map_err(std::io::Error::other)?;
+                    Ok(t.used_bytes())
+                })
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)));
+                tier.probed(probed);
+            }
+        });
+    }
+
+    fn probed(&self, result: std::io::Result<u64>) {
+        match result {
+            Ok(used) => {
+                self.metrics
+                    .bytes
+                    .set(i64::try_from(used).unwrap_or(i64::MAX));
+                self.metrics
+                    .entries
+                    .set(i64::try_from(self.entries()).unwrap_or(i64::MAX));
+                if !self.up.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(path = %self.dir.display(), "the disk tier takes writes again: back in use");
+                    self.metrics.up.set(1);
+                }
+            }
+            Err(e) => {
+                if self.up.swap(false, Ordering::AcqRel) {
+                    tracing::warn!(path = %self.dir.display(), error = %e,
+                        "the disk tier's directory takes no writes: set aside, memory and Redis answer meanwhile");
+                    self.metrics.up.set(0);
+                    self.metrics.set_aside.inc();
+                }
+            }
+        }
+    }
+
+    /// Hands what was written to the operating system.
+    pub fn close(&self) {
+        if let Err(e) = self.files.persist(PersistMode::SyncData) {
+            tracing::warn!(error = %e, "closing the disk tier");
+        }
+    }
+}
+
+/// How `cache.disk.max_bytes` is shared out: the tree's files (compacted
+/// first in, first out past their share), the journal that holds what is
+/// not in them yet (about two memtables), and the memory it uses.
+struct Budget {
+    files: u64,
+    memtable: u32,
+    block_cache: u64,
+}
+
+impl Budget {
+    fn of(max_bytes: u64) -> Self {
+        // FIFO compaction drops a whole file once the files are over
+        // their share, so they overshoot it by up to one flushed memtable.
+        let memtable = (max_bytes / 32).clamp(256 * 1024, 64 * 1024 * 1024);
+        Self {
+            files: max_bytes - 4 * memtable,
+            memtable: memtable as u32,
+            block_cache: (max_bytes / 64).clamp(1024 * 1024, 64 * 1024 * 1024),
+        }
+    }
+}
+
+/// The writer thread: writes queued answers until the tier is dropped.
+/// A write that fails is counted; the probe decides whether the tier is
+/// set aside.
+fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) {
+    while let Ok((key, stored)) = writes.recv() {
+        let Some(tier) = tier.upgrade() else { return };
+        match tier.answers.insert(key.to_be_bytes(), stored.encode()) {
+            Ok(()) => tier.metrics.stores.inc(),
+            Err(e) => {
+                tracing::debug!(error = %e, "disk tier write failed");
+                tier.metrics.write_failures.inc();
+            }
+        }
+    }
+}
+
+/// Writes, syncs and removes a page-sized file in `dir`.
+fn probe(dir: &Path) -> std::io::Result<()> {
+    let path = dir.join(PROBE);
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(&path)?;
+    file.write_all(&[0u8; 4096])?;
+    file.sync_data()?;
+    drop(file);
+    std::fs::remove_file(&path)
+}
+
+/// Bytes the files under `dir` take on disk (blocks allocated, not their
+/// apparent length).
+fn used_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => used_bytes(&e.path()),
+            Ok(m) => m.blocks() * 512,
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_leaves_room_for_the_journal_and_a_flush() {
+        for max in [MIN_BYTES, 8 << 20, 100 << 20, 1 << 30, 64 << 30] {
+            let b = Budget::of(max);
+            assert!(b.files + 4 * u64::from(b.memtable) <= max, "{max}");
+            assert!(b.files >= max / 2, "{max}: files get {}", b.files);
+        }
+    }
+
+    #[test]
+    fn a_stored_answer_reads_back_with_its_lifetime() {
+        let lifetime = Lifetime {
+            ttl: Some(Duration::from_secs(60)),
+            refresh: None,
+        };
+        let mut stored = Stored::new(b"frames", lifetime);
+        stored.created_ms -= 1_000;
+        let back = Stored::decode(&stored.encode()).unwrap();
+        assert_eq!(back.payload, stored.payload);
+        let (lifetime, age) = back.lifetime().unwrap();
+        assert_eq!(lifetime.ttl, Some(Duration::from_secs(60)));
+        assert_eq!(lifetime.refresh, None);
+        assert!(age >= Duration::from_secs(1));
+        let expired = Stored {
+            ttl_ms: 500,
+            ..stored
+        };
+        assert!(expired.lifetime().is_none());
+        assert!(Stored::decode(&[0u8; HEADER - 1]).is_none());
+    }
+}
