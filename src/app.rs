@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::cache::catalog::fetch::Fetcher;
 use crate::cache::shared::{Background, SharedTier};
@@ -198,17 +199,105 @@ impl App {
                 peers: app.metrics.invalidations.peer.clone(),
             });
         }
-        if config.cache.enabled && config.cache.disk.enabled() {
-            let tier =
-                crate::cache::disk::DiskTier::open(&config.cache.disk, app.metrics.disk.clone())?;
-            tier.spawn_probe(app.drain.clone());
-            app.cache.set_disk(tier);
-        }
         app.start_replicas().await?;
         let app = Arc::new(app);
+        if config.cache.enabled && config.cache.disk.enabled() {
+            app.open_disk()?;
+        }
         // Session mode has pools too: pgcache's own requests for hits.
         tokio::spawn(maintain_pools(Arc::downgrade(&app)));
         Ok(app)
+    }
+
+    /// Opens the disk tier. While another pgcache uses its directory (a
+    /// rolling restart: it is draining), it is opened once that one has
+    /// stopped, and memory and Redis answer meanwhile.
+    fn open_disk(self: &Arc<Self>) -> Result<(), StartError> {
+        use crate::cache::disk::{DiskError, DiskTier};
+        let config = self.config();
+        match DiskTier::open(&config.cache.disk, self.metrics.disk.clone()) {
+            Ok((tier, carried)) => self.install_disk(tier, carried),
+            Err(DiskError::Locked { path }) => {
+                info!(path = %path.display(), "another pgcache uses the disk tier: opening it once that one stops");
+                let app = Arc::downgrade(self);
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let Some(app) = app.upgrade() else { return };
+                        if app.drain.is_cancelled() {
+                            return;
+                        }
+                        match DiskTier::open(&config.cache.disk, app.metrics.disk.clone()) {
+                            Ok((tier, carried)) => return app.install_disk(tier, carried),
+                            Err(DiskError::Locked { .. }) => {}
+                            Err(e) => return warn!("the disk tier stays off: {e}"),
+                        }
+                    }
+                });
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Puts the disk tier in use, with what the last run carried: the
+    /// databases it names take their counters back when first used, and
+    /// their streams start now, to read what changed meanwhile. A database
+    /// already in use here (the tier was opened late) starts over: its
+    /// slot is dropped when its stream next starts.
+    fn install_disk(
+        self: &Arc<Self>,
+        tier: Arc<crate::cache::disk::DiskTier>,
+        carried: Option<crate::cache::carry::Carried>,
+    ) {
+        tier.spawn_probe(self.drain.clone());
+        let fresh: Vec<_> = carried
+            .map(|c| c.databases)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(name, _)| self.cache.databases.get(name).is_none())
+            .collect();
+        self.cache.databases.carry(fresh);
+        self.cache.set_disk(tier);
+        for name in self.cache.databases.carried_names() {
+            info!(database = %name, "the disk tier carried this database's entries: resuming its stream");
+            self.streams.ensure(&self.cache.db(&name));
+        }
+    }
+
+    /// At the end of a clean stop, once the sessions and the streams are
+    /// done: what the next run needs to serve the disk tier's entries
+    /// again ([`crate::cache::carry`]).
+    pub fn carry_disk(&self) {
+        let Some(tier) = self.cache.disk() else {
+            return;
+        };
+        if !self.cache.replication_on() {
+            // Nothing proves what changed while pgcache was stopped.
+            tier.close();
+            return;
+        }
+        let databases = self
+            .cache
+            .databases
+            .all()
+            .into_iter()
+            .filter_map(|(name, db)| {
+                let slot = db.stream.slot().filter(|s| *s == tier.slot_name(&name))?;
+                let (epoch, families) = db.versions.carried();
+                Some((
+                    name,
+                    crate::cache::carry::CarriedDb {
+                        slot,
+                        nonce: db.disk_nonce,
+                        epoch,
+                        families,
+                    },
+                ))
+            })
+            .collect();
+        tier.carry(&crate::cache::carry::Carried::new(databases));
+        info!("the disk tier carries its entries to the next run");
     }
 
     /// Checks each replica and starts watching it: one that answers but

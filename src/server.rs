@@ -102,6 +102,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         app.clients.raise(Stage::Force);
         sessions.wait().await;
     }
+    app.carry_disk();
     info!("pgcache stopped");
 }
 

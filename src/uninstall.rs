@@ -1,7 +1,9 @@
 //! `pgcache uninstall`: removes what pgcache leaves in the databases it
 //! served (its publication, the `pgcache` schema with `announce_ddl()`,
-//! and the event triggers `pgcache_ddl` and `pgcache_ddl_drop`). Its
-//! replication slots are temporary and go with its connections.
+//! and the event triggers `pgcache_ddl` and `pgcache_ddl_drop`), and the
+//! persistent replication slots a disk tier keeps while pgcache is stopped
+//! (`pgcache_disk_*`). Its other slots are temporary and go with its
+//! connections.
 
 use std::fmt;
 
@@ -87,7 +89,15 @@ async fn remove(
     publication: &str,
 ) -> Result<bool, tokio_postgres::Error> {
     let client = upstream.control(db).await?;
-    let present: bool = client
+    let slots = client
+        .execute(
+            "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots
+             WHERE database = pg_catalog.current_database() AND NOT active
+               AND slot_name LIKE 'pgcache\\_disk\\_%'",
+            &[],
+        )
+        .await?;
+    let objects: bool = client
         .query_one(
             "SELECT EXISTS (SELECT FROM pg_catalog.pg_event_trigger
                             WHERE evtname IN ('pgcache_ddl', 'pgcache_ddl_drop'))
@@ -97,8 +107,8 @@ async fn remove(
         )
         .await?
         .get(0);
-    if !present {
-        return Ok(false);
+    if !objects {
+        return Ok(slots > 0);
     }
     let publication = crate::invalidation::quote_ident(publication);
     // The schema is dropped without CASCADE: anything a user put there

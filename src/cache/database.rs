@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::carry::CarriedDb;
 use super::catalog::Catalog;
 use super::hold::Hold;
 use super::shared::state::SharedSync;
@@ -25,6 +26,17 @@ pub struct DbState {
     pub hold: Hold,
     /// This database's lookup counters, resolved once.
     pub metrics: OnceLock<DbMetrics>,
+    /// Mixed into its disk-tier keys: new with each state of the
+    /// database, unless carried from the last run with its counters. The
+    /// disk may hold entries of an earlier run keyed under counters that
+    /// restarted from zero: under another nonce they are out of reach.
+    pub disk_nonce: u128,
+    /// The persistent slot to read the changes made since the last run
+    /// from, when its counters were carried ([`super::carry`]).
+    pub resume: std::sync::Mutex<Option<String>>,
+    /// Its disk entries were carried from the last run: its first
+    /// statements wait a little for its stream, which makes them servable.
+    pub carried: bool,
 }
 
 impl DbState {
@@ -146,6 +158,8 @@ impl DbState {
 #[derive(Default)]
 pub struct Databases {
     map: Mutex<HashMap<String, Arc<DbState>>>,
+    /// What the last run carried for databases not seen yet.
+    carried: Mutex<HashMap<String, CarriedDb>>,
 }
 
 impl Databases {
@@ -160,11 +174,35 @@ impl Databases {
     pub fn get_or_add(&self, name: &str) -> Arc<DbState> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         Arc::clone(map.entry(name.to_owned()).or_insert_with(|| {
-            Arc::new(DbState {
+            let carried = self
+                .carried
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(name);
+            let db = DbState {
                 name: name.to_owned(),
+                disk_nonce: carried.as_ref().map_or_else(rand::random, |c| c.nonce),
+                carried: carried.is_some(),
                 ..DbState::default()
-            })
+            };
+            if let Some(c) = carried {
+                db.versions.restore(c.epoch, &c.families);
+                *db.resume.lock().unwrap_or_else(|e| e.into_inner()) = Some(c.slot);
+            }
+            Arc::new(db)
         }))
+    }
+
+    /// Hands over what the last run carried ([`super::carry`]).
+    pub fn carry(&self, databases: impl IntoIterator<Item = (String, CarriedDb)>) {
+        let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        carried.extend(databases);
+    }
+
+    /// The databases carried and not seen yet.
+    pub fn carried_names(&self) -> Vec<String> {
+        let carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        carried.keys().cloned().collect()
     }
 
     /// The state of a database this instance already serves.

@@ -2,10 +2,13 @@
 //! between memory and Redis. A miss in memory looks here before Redis; a
 //! disk hit is promoted to memory.
 //!
-//! The files are an LSM tree (fjall; docs/design.md says why not foyer):
-//! answers are packed, compressed and checksummed in blocks, and the tree
-//! is compacted first in, first out: past `max_bytes`, its oldest files are
-//! dropped whole. Entries are never updated or deleted: a key names one
+//! The files are an LSM tree (lsm-tree, the engine of fjall;
+//! docs/design.md says why not foyer): answers are packed, compressed and
+//! checksummed in blocks, and the tree is compacted first in, first out:
+//! past its share of `max_bytes`, its oldest files are dropped whole. It
+//! has no journal: what is still in memory when pgcache dies is lost,
+//! which for a cache is a few misses, and a file is in the tree only once
+//! it is whole. Entries are never updated or deleted: a key names one
 //! state of what it reads (the versions are part of it), so an
 //! invalidation makes old entries unreachable and they leave with their
 //! file.
@@ -27,8 +30,9 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes};
-use fjall::{Keyspace, PartitionCreateOptions, PartitionHandle, PersistMode};
+use lsm_tree::{AbstractTree, Tree};
 
+use super::carry::Carried;
 use super::{Lifetime, unix_ms};
 use crate::config::DiskCacheConfig;
 use crate::metrics::DiskMetrics;
@@ -39,6 +43,12 @@ pub const MIN_BYTES: u64 = 4 * 1024 * 1024;
 /// The tree's own directory under `cache.disk.path`, named after the
 /// layout of its entries.
 const TREE: &str = "pgcache-disk-v1";
+
+/// Held locked by the pgcache that uses the directory.
+const LOCK: &str = "pgcache.lock";
+/// The directory's instance id: it names the replication slots whose
+/// changes the carried entries are proven against.
+const INSTANCE: &str = "pgcache-instance";
 
 /// The probe file written beside the tree to tell whether the directory
 /// still takes writes.
@@ -57,7 +67,13 @@ pub enum DiskError {
         cause: std::io::Error,
     },
     #[error("cache.disk.path {path}: {cause}")]
-    Open { path: PathBuf, cause: fjall::Error },
+    Open {
+        path: PathBuf,
+        cause: lsm_tree::Error,
+    },
+    /// Another pgcache uses the directory (it is handing over to this one).
+    #[error("cache.disk.path {path}: in use by another pgcache")]
+    Locked { path: PathBuf },
 }
 
 /// One stored answer: when it was made, how long it lives, and the frames.
@@ -131,8 +147,12 @@ pub enum Read {
 }
 
 pub struct DiskTier {
-    files: Keyspace,
-    answers: PartitionHandle,
+    /// Locked while this pgcache uses the directory.
+    _lock: std::fs::File,
+    instance: u32,
+    max_retained_wal: u64,
+    answers: Tree,
+    budget: Budget,
     dir: PathBuf,
     read_timeout: Duration,
     /// To the writer thread.
@@ -144,8 +164,13 @@ pub struct DiskTier {
 
 impl DiskTier {
     /// Opens the tier's files under `config.path`, creating the directory;
-    /// an error if it cannot be written there.
-    pub fn open(config: &DiskCacheConfig, metrics: DiskMetrics) -> Result<Arc<Self>, DiskError> {
+    /// an error if it cannot be written there, or another pgcache uses it.
+    /// With what the last run carried, if it stopped cleanly; else the
+    /// files start empty.
+    pub fn open(
+        config: &DiskCacheConfig,
+        metrics: DiskMetrics,
+    ) -> Result<(Arc<Self>, Option<Carried>), DiskError> {
         let dir = config.path.clone();
         let unusable = |cause| DiskError::Unusable {
             path: dir.clone(),
@@ -153,10 +178,33 @@ impl DiskTier {
         };
         std::fs::create_dir_all(&dir).map_err(unusable)?;
         probe(&dir).map_err(unusable)?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(LOCK))
+            .map_err(unusable)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(DiskError::Locked { path: dir.clone() });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(unusable(e)),
+        }
+        let instance = instance(&dir).map_err(unusable)?;
+        let carried = Carried::take(&dir).map_err(unusable)?;
         let tree = dir.join(TREE);
-        // Entries of an earlier run are not read back: their keys were
-        // made from version counters that restart from zero.
-        if tree.exists() {
+        // Without what the last run carried, its entries' keys cannot be
+        // matched again: the tree starts empty.
+        if carried.is_none() && tree.exists() {
+            let discarded = lsm_tree::Config::new(&tree)
+                .open()
+                .map_or(0, |answers| answers.approximate_len());
+            if discarded > 0 {
+                tracing::warn!(path = %dir.display(), entries = discarded,
+                    "the disk tier starts empty: the last run did not stop cleanly, so its entries cannot be proven fresh");
+                metrics.discarded.inc_by(discarded as u64);
+            }
             std::fs::remove_dir_all(&tree).map_err(unusable)?;
         }
         let open = |cause| DiskError::Open {
@@ -164,22 +212,12 @@ impl DiskTier {
             cause,
         };
         let budget = Budget::of(config.max_bytes);
-        let files = fjall::Config::new(&tree)
-            .cache_size(budget.block_cache)
-            .manual_journal_persist(true)
-            .flush_workers(1)
-            .compaction_workers(1)
+        let answers = lsm_tree::Config::new(&tree)
+            .use_cache(Arc::new(lsm_tree::Cache::with_capacity_bytes(
+                budget.block_cache,
+            )))
+            .compression(lsm_tree::CompressionType::Lz4)
             .open()
-            .map_err(open)?;
-        let fifo = fjall::compaction::Fifo::new(budget.files, None);
-        let answers = files
-            .open_partition(
-                "answers",
-                PartitionCreateOptions::default()
-                    .max_memtable_size(budget.memtable)
-                    .manual_journal_persist(true)
-                    .compaction_strategy(fjall::compaction::Strategy::Fifo(fifo)),
-            )
             .map_err(open)?;
         let (queue, writes) = std::sync::mpsc::sync_channel(QUEUE);
         metrics.up.set(1);
@@ -187,8 +225,11 @@ impl DiskTier {
             .capacity
             .set(i64::try_from(config.max_bytes).unwrap_or(i64::MAX));
         let tier = Arc::new(Self {
-            files,
+            _lock: lock,
+            instance,
+            max_retained_wal: config.max_retained_wal_bytes,
             answers,
+            budget,
             dir: dir.clone(),
             read_timeout: Duration::from_millis(config.read_timeout_ms),
             queue,
@@ -200,7 +241,27 @@ impl DiskTier {
             .name("pgcache-disk".to_owned())
             .spawn(move || write_all(writer, writes))
             .map_err(unusable)?;
-        Ok(tier)
+        Ok((tier, carried))
+    }
+
+    /// The persistent replication slot of `database`'s stream.
+    pub fn slot_name(&self, database: &str) -> String {
+        crate::invalidation::slot::persistent_name(self.instance, database)
+    }
+
+    pub fn max_retained_wal(&self) -> u64 {
+        self.max_retained_wal
+    }
+
+    /// Writes what the next run needs to serve the entries again: after
+    /// the files reached the disk, so that a crash in between leaves the
+    /// entries but not the means to use them.
+    pub fn carry(&self, carried: &Carried) {
+        self.close();
+        if let Err(e) = carried.save(&self.dir) {
+            tracing::warn!(path = %self.dir.display(), error = %e,
+                "could not save what the disk tier carries: the next run starts it empty");
+        }
     }
 
     /// Queues an answer for the writer thread; dropped (and counted) when
@@ -223,7 +284,7 @@ impl DiskTier {
             return Read::Miss;
         }
         let tier = Arc::clone(self);
-        let read = tokio::task::spawn_blocking(move || tier.answers.get(key.to_be_bytes()));
+        let read = tokio::task::spawn_blocking(move || tier.answers.get(key.to_be_bytes(), None));
         match tokio::time::timeout(self.read_timeout, read).await {
             Ok(Ok(Ok(Some(value)))) => match Stored::decode(&value) {
                 Some(stored) => Read::Hit(stored),
@@ -261,6 +322,22 @@ impl DiskTier {
         used_bytes(&self.dir.join(TREE))
     }
 
+    /// Adds an answer to the tree (the writer thread's work): into memory,
+    /// and once that holds a memtable's worth, into a file of its own,
+    /// after which the oldest files go while the files are over their
+    /// share.
+    fn write(&self, key: u128, stored: &Stored, seqno: u64) -> lsm_tree::Result<()> {
+        let (_, memtable) = self
+            .answers
+            .insert(key.to_be_bytes(), stored.encode(), seqno);
+        if u64::from(memtable) >= self.budget.memtable {
+            self.answers.flush_active_memtable(0)?;
+            let fifo = lsm_tree::compaction::Fifo::new(self.budget.files, None);
+            self.answers.compact(Arc::new(fifo), 0)?;
+        }
+        Ok(())
+    }
+
     /// Entries in the tree (an estimate: dropped files are subtracted
     /// whole).
     pub fn entries(&self) -> u64 {
@@ -282,9 +359,6 @@ impl DiskTier {
                 let t = Arc::clone(&tier);
                 let probed = tokio::task::spawn_blocking(move || {
                     probe(&t.dir)?;
-                    t.files
-                        .persist(PersistMode::Buffer)
-                        .map_err(std::io::Error::other)?;
                     Ok(t.used_bytes())
                 })
                 .await
@@ -319,20 +393,21 @@ impl DiskTier {
         }
     }
 
-    /// Hands what was written to the operating system.
+    /// Writes what is still in memory to a file.
     pub fn close(&self) {
-        if let Err(e) = self.files.persist(PersistMode::SyncData) {
+        self.up.store(false, Ordering::Release);
+        if let Err(e) = self.answers.flush_active_memtable(0) {
             tracing::warn!(error = %e, "closing the disk tier");
         }
     }
 }
 
-/// How `cache.disk.max_bytes` is shared out: the tree's files (compacted
-/// first in, first out past their share), the journal that holds what is
-/// not in them yet (about two memtables), and the memory it uses.
+/// How `cache.disk.max_bytes` is shared out: the tree's files, compacted
+/// first in, first out past their share, which a flush overshoots by up to
+/// a memtable; and the memory it uses.
 struct Budget {
     files: u64,
-    memtable: u32,
+    memtable: u64,
     block_cache: u64,
 }
 
@@ -342,8 +417,8 @@ impl Budget {
         // their share, so they overshoot it by up to one flushed memtable.
         let memtable = (max_bytes / 32).clamp(256 * 1024, 64 * 1024 * 1024);
         Self {
-            files: max_bytes - 4 * memtable,
-            memtable: memtable as u32,
+            files: max_bytes - 2 * memtable,
+            memtable,
             block_cache: (max_bytes / 64).clamp(1024 * 1024, 64 * 1024 * 1024),
         }
     }
@@ -353,9 +428,14 @@ impl Budget {
 /// A write that fails is counted; the probe decides whether the tier is
 /// set aside.
 fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) {
+    let mut seqno = match tier.upgrade() {
+        Some(tier) => tier.answers.get_highest_seqno().map_or(0, |s| s + 1),
+        None => return,
+    };
     while let Ok((key, stored)) = writes.recv() {
         let Some(tier) = tier.upgrade() else { return };
-        match tier.answers.insert(key.to_be_bytes(), stored.encode()) {
+        seqno += 1;
+        match tier.write(key, &stored, seqno) {
             Ok(()) => tier.metrics.stores.inc(),
             Err(e) => {
                 tracing::debug!(error = %e, "disk tier write failed");
@@ -363,6 +443,19 @@ fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) 
             }
         }
     }
+}
+
+/// The directory's instance id, made at its first use.
+fn instance(dir: &Path) -> std::io::Result<u32> {
+    let path = dir.join(INSTANCE);
+    if let Ok(text) = std::fs::read_to_string(&path)
+        && let Ok(id) = u32::from_str_radix(text.trim(), 16)
+    {
+        return Ok(id);
+    }
+    let id = rand::random::<u32>();
+    std::fs::write(&path, format!("{id:08x}\n"))?;
+    Ok(id)
 }
 
 /// Writes, syncs and removes a page-sized file in `dir`.
@@ -404,7 +497,7 @@ mod tests {
     fn the_budget_leaves_room_for_the_journal_and_a_flush() {
         for max in [MIN_BYTES, 8 << 20, 100 << 20, 1 << 30, 64 << 30] {
             let b = Budget::of(max);
-            assert!(b.files + 4 * u64::from(b.memtable) <= max, "{max}");
+            assert!(b.files + 2 * b.memtable <= max, "{max}");
             assert!(b.files >= max / 2, "{max}: files get {}", b.files);
         }
     }

@@ -82,6 +82,9 @@ impl Fills {
 pub struct Fill {
     /// `None`: not kept locally (`tier=shared`).
     pub(super) local: Option<u128>,
+    /// The disk tier's key: the local one mixed with the database's
+    /// disk nonce.
+    pub(super) disk: u128,
     /// The shared key with the versions it was made from, if the shared
     /// tier was usable.
     pub(super) shared: Option<(u128, Vec<u64>)>,
@@ -115,6 +118,7 @@ impl Fill {
     pub fn local_only(key: u128) -> Self {
         Self {
             local: Some(key),
+            disk: key,
             shared: None,
             lifetime: Lifetime::default(),
             reads: Arc::from([]),
@@ -136,6 +140,7 @@ impl Fill {
     ) -> Self {
         Self {
             local: req.tier.local().then_some(local),
+            disk: local ^ req.db.disk_nonce,
             shared,
             lifetime: req.lifetime,
             reads: Arc::clone(req.reads),

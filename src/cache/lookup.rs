@@ -82,7 +82,7 @@ impl Source {
 pub enum Wait {
     /// `read_your_writes`: the read's versions confirmed with Redis.
     Confirm { db: Arc<DbState>, reads: Reads },
-    /// The disk tier's entry for this (local) key.
+    /// The disk tier's entry for this key.
     Disk { key: u128 },
     /// The shared tier's entry for this key and these versions.
     Shared { key: u128, stamp: Vec<u64> },
@@ -265,9 +265,10 @@ impl Cache {
         if self.disk().is_none_or(|t| !req.tier.local() || !t.is_up()) {
             return Ok(None);
         }
+        let key = local ^ req.db.disk_nonce;
         let stored = match &mut waited.disk {
-            Some((key, found)) if *key == local => found.take(),
-            _ => return Err(Wait::Disk { key: local }),
+            Some((k, found)) if *k == key => found.take(),
+            _ => return Err(Wait::Disk { key }),
         };
         let Some((stored, (lifetime, age))) = stored.and_then(|s| s.lifetime().map(|l| (s, l)))
         else {

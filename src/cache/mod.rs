@@ -21,6 +21,7 @@
 pub mod admission;
 pub mod advice;
 pub mod analysis;
+pub mod carry;
 pub mod catalog;
 pub mod database;
 pub mod demand;
@@ -175,12 +176,12 @@ impl Cache {
 
     /// Whether a statement of `db` may wait (`cache.first_read_wait_ms`)
     /// for the cache to be able to answer it: only with a shared tier that
-    /// could (it may still be connecting), and only for the database's
-    /// first statements.
+    /// could (it may still be connecting), or disk entries carried from the
+    /// last run, and only for the database's first statements.
     pub fn may_warm(&self, db: &DbState, wait: Duration) -> bool {
         !wait.is_zero()
             && db.stream.is_warming()
-            && self.shared().is_some_and(|t| !t.breaker_open())
+            && (db.carried || self.shared().is_some_and(|t| !t.breaker_open()))
     }
 
     /// Whether a statement that names tables or functions whose facts are
@@ -254,7 +255,7 @@ impl Cache {
         if let Some(key) = fill.local {
             self.local.insert(key, bytes, fill.lifetime);
             if let Some(tier) = self.disk() {
-                tier.store(key, bytes, fill.lifetime);
+                tier.store(fill.disk, bytes, fill.lifetime);
             }
         }
         if let (Some(tier), Some((key, versions))) = (self.shared(), &fill.shared) {

@@ -44,6 +44,12 @@ impl Version {
         self.shared.load(Ordering::Acquire)
     }
 
+    /// Takes back the local counter an earlier run of pgcache left (see
+    /// [`crate::cache::carry`]): before anything is keyed under it.
+    fn restore_local(&self, value: u64) {
+        self.local.fetch_max(value, Ordering::AcqRel);
+    }
+
     /// A bump whose WAL position is not known here: a write through
     /// pgcache, DDL, the epoch, a bump from Redis. Replica answers are not
     /// stored for it until this instance's stream has passed it.
@@ -361,6 +367,26 @@ impl Versions {
                 .wide
                 .get_or_init(|| self.family(&format!("{}#all", table.name))),
         )
+    }
+
+    /// The local counters to carry across a restart: the epoch's, and
+    /// every family's that moved.
+    pub fn carried(&self) -> (u64, Vec<(String, u64)>) {
+        let map = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        let families = map
+            .iter()
+            .map(|(name, f)| (name.clone(), f.version.local()))
+            .filter(|(_, local)| *local > 0)
+            .collect();
+        (self.epoch.local(), families)
+    }
+
+    /// Takes back what [`Versions::carried`] gave.
+    pub fn restore(&self, epoch: u64, families: &[(String, u64)]) {
+        self.epoch.restore_local(epoch);
+        for (name, local) in families {
+            self.family(name).version.restore_local(*local);
+        }
     }
 
     /// Every family known, for a resynchronisation with Redis.

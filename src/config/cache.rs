@@ -181,6 +181,10 @@ pub struct DiskCacheConfig {
     pub max_bytes: u64,
     /// A disk read slower than this counts as a miss.
     pub read_timeout_ms: u64,
+    /// A restarted pgcache serves the entries it carried only if the
+    /// replication slot that kept the changes made while it was stopped
+    /// holds at most this much WAL; past it, the slot is dropped.
+    pub max_retained_wal_bytes: u64,
 }
 
 impl DiskCacheConfig {
@@ -195,6 +199,7 @@ impl Default for DiskCacheConfig {
             path: PathBuf::new(),
             max_bytes: 1024 * 1024 * 1024,
             read_timeout_ms: 20,
+            max_retained_wal_bytes: 1024 * 1024 * 1024,
         }
     }
 }

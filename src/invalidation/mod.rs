@@ -33,6 +33,7 @@ pub mod listen;
 pub mod pgoutput;
 mod publication;
 pub mod replication;
+pub mod slot;
 mod trigger;
 
 pub use control::{cluster_id, full_message, preflight, probe_origin, quote_ident, quote_literal};

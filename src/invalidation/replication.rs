@@ -1,5 +1,6 @@
-//! The replication stream of one database: a temporary slot, pgoutput
-//! decoded into version bumps (see the module documentation of [`super`]).
+//! The replication stream of one database: a slot ([`super::slot`]),
+//! pgoutput decoded into version bumps (see the module documentation of
+//! [`super`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use super::control::Control;
 use super::decoder::{Committed, Decoder, Step};
 use super::heartbeat::{self, Heartbeats};
 use super::listen::{CHANNEL, listen};
+use super::slot::{self, Slot};
 use super::trigger::{install_ddl_trigger, streams_alone};
 use crate::cache::hold::Paused;
 use crate::cache::{Bumps, Cache, DbState, Ddl};
@@ -135,6 +137,11 @@ impl Streams {
                         "no client used the database: letting go of it");
                     db.hold.let_go();
                     self.pool.evict_database(&db.name);
+                    if let Some(slot) = db.stream.slot().filter(|s| slot::is_persistent(s))
+                        && let Err(e) = self.wait_slot_gone(&slot, &db.name).await
+                    {
+                        warn!(database = %db.name, slot, error = %e, "could not drop the replication slot");
+                    }
                     break;
                 }
             };
@@ -204,24 +211,30 @@ impl Streams {
     }
 
     /// Waits until the walsender of `slot` has exited: a temporary slot is
-    /// dropped only then, and an active slot makes `DROP DATABASE` fail.
-    /// A walsender that was still making the slot is waited for too: it
-    /// is visible by its application name from before it reads the
-    /// command, and it leaves `pg_stat_activity` before its slot goes.
+    /// dropped only then, and an active slot makes `DROP DATABASE` fail;
+    /// a persistent one is dropped then. A walsender that was still making
+    /// the slot is waited for too: it is visible by its application name
+    /// from before it reads the command, and it leaves `pg_stat_activity`
+    /// before its slot goes.
     async fn wait_slot_gone(&self, slot: &str, via: &str) -> Result<(), ReplicationError> {
         let ctl = self.upstream.control(via).await?;
         let name = walsender_name(slot);
+        let persistent = slot::is_persistent(slot);
         let gone = async {
             loop {
                 let rows = ctl
                     .query(
-                        "SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1 \
+                        "SELECT 1 FROM pg_catalog.pg_replication_slots \
+                         WHERE slot_name = $1 AND (active OR NOT $3) \
                          UNION ALL \
                          SELECT 1 FROM pg_catalog.pg_stat_activity WHERE application_name = $2",
-                        &[&slot, &name],
+                        &[&slot, &name, &persistent],
                     )
                     .await?;
                 if rows.is_empty() {
+                    if persistent {
+                        slot::drop_inactive(&ctl, slot).await?;
+                    }
                     return Ok::<(), ReplicationError>(());
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -291,21 +304,23 @@ impl Streams {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
         self.prepare(&ctl, db).await?;
+        let mut slot = Slot::for_db(&self.cache, db);
+        let max_wal = self.cache.disk().map_or(0, |d| d.max_retained_wal());
+        slot.prepare(ctl.client(), database, max_wal).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
-        let slot = format!("pgcache_{:08x}", rand::random::<u32>());
-        db.stream.set_slot(Some(slot.clone()));
+        db.stream.set_slot(Some(slot.name.clone()));
         let mut stream = self.start(database, &slot).await?;
         self.keep_trigger(&ctl, db, true).await;
         let mut trigger_check =
             tokio::time::interval_at(tokio::time::Instant::now() + TRIGGER_CHECK, TRIGGER_CHECK);
         let (beats, mut beating) = self.beat(&ctl, db);
         let mut listener = listen(&self.upstream, database).await?;
-        let start = self.missed(ctl.client(), db).await?;
+        let start = self.missed(ctl.client(), db, slot.resume).await?;
         db.stream
             .started(Duration::from_millis(self.settings.max_staleness_ms));
         db.stream.set_streaming(true);
-        info!(database, slot, "replication stream up");
+        info!(database, slot = %slot.name, "replication stream up");
         let mut state = Decoder::new(beats);
         // DDL transactions seen and not yet handled. They are handled once
         // nothing else waits in the stream, or before a heartbeat: DDL that
@@ -356,10 +371,14 @@ impl Streams {
             let Some(step) = state.on_event(db, event) else {
                 return Ok(());
             };
-            if let Some(lsn) = step.ack {
+            // Acknowledged only once applied, and never past DDL not yet
+            // handled: a persistent slot resumes from the acknowledged
+            // position, and what comes before it is not read again.
+            let ack = step.ack;
+            self.apply(&ctl, db, step, &mut ddl, start).await?;
+            if let Some(lsn) = ack.filter(|_| ddl.is_none()) {
                 stream.update_applied_lsn(lsn);
             }
-            self.apply(&ctl, db, step, &mut ddl, start).await?;
         }
     }
 
@@ -403,10 +422,17 @@ impl Streams {
     /// holds is void too, unless another live instance's stream covered the
     /// gap (see [`crate::cache::shared`]'s coverage). Returns the position
     /// the stream covers from.
+    /// `resumed`: the stream reads a slot the last run left, from where
+    /// that run's stream left off. The local (and disk) entries missed
+    /// nothing then: what changed since comes through the stream before
+    /// its first heartbeat. (With a shared tier, unless another instance's
+    /// stream covered the gap, Redis's entries are void, and with them
+    /// the local ones.)
     async fn missed(
         &self,
         ctl: &tokio_postgres::Client,
         db: &Arc<DbState>,
+        resumed: bool,
     ) -> Result<u64, ReplicationError> {
         // At or past the slot's consistent point: the slot was made before.
         let row = ctl
@@ -415,6 +441,10 @@ impl Streams {
         let start = pgwire_replication::Lsn::parse(row.get(0))
             .map_err(|e| ReplicationError::Config(format!("the server's WAL position: {e}")))?
             .0;
+        if resumed && self.cache.shared().is_none() {
+            info!(database = %db.name, "the stream resumed where the last run's left off: disk entries kept");
+            return Ok(start);
+        }
         let heartbeat = Duration::from_millis(self.settings.heartbeat_ms);
         let covered = match self.cache.shared() {
             Some(tier) => {
@@ -427,7 +457,9 @@ impl Streams {
         };
         if covered {
             info!(database = %db.name, "another instance's stream covered the gap: shared entries kept");
-            db.apply_local(&Bumps::opaque());
+            if !resumed {
+                db.apply_local(&Bumps::opaque());
+            }
         } else {
             self.invalidate(db, Bumps::opaque()).await;
             if let Some(tier) = self.cache.shared() {
@@ -437,9 +469,10 @@ impl Streams {
         Ok(start)
     }
 
-    /// Opens the replication connection and starts streaming from a new
-    /// temporary slot named `slot`.
-    async fn start(&self, database: &str, slot: &str) -> Result<Walsender, ReplicationError> {
+    /// Opens the replication connection and starts streaming from `slot`,
+    /// made now unless it is resumed.
+    async fn start(&self, database: &str, slot: &Slot) -> Result<Walsender, ReplicationError> {
+        let name = slot.name.as_str();
         let pg = self.upstream.control_config(database);
         let (host, port, tls) = match self.upstream.addrs.first() {
             Some(UpstreamAddr::Tcp { host, port }) => {
@@ -468,19 +501,17 @@ impl Streams {
             pg.get_user().unwrap_or("postgres"),
             password,
             database,
-            slot,
+            name,
             self.settings.publication.as_str(),
         )
         .with_port(port)
         .with_tls(tls)
-        .with_application_name(walsender_name(slot))
+        .with_application_name(walsender_name(name))
         .with_status_interval(Duration::from_secs(1));
         let mut stream = Walsender(ReplicationClient::connect_gated(cfg).await?);
-        stream
-            .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'nothing')"
-            ))
-            .await?;
+        if let Some(create) = slot.create() {
+            stream.simple_query(&create).await?;
+        }
         stream.start().await?;
         stream.wait_started().await?;
         Ok(stream)

@@ -68,6 +68,8 @@ pub struct DiskMetrics {
     pub read_timeouts: IntCounter,
     /// Times the tier was set aside because its directory took no writes.
     pub set_aside: IntCounter,
+    /// Entries of an earlier run not served: it did not stop cleanly.
+    pub discarded: IntCounter,
 }
 
 impl DiskMetrics {
@@ -104,6 +106,11 @@ impl DiskMetrics {
             misses: reads.with_label_values(&["miss"]),
             read_failures: reads.with_label_values(&["error"]),
             read_timeouts: reads.with_label_values(&["timeout"]),
+            discarded: r.counter(
+                "pgcache_disk_discarded_entries_total",
+                "Disk-tier entries of an earlier run that are not served: it did not stop cleanly, so they \
+                 cannot be proven fresh",
+            ),
             set_aside: r.counter(
                 "pgcache_disk_set_aside_total",
                 "Times the disk tier was set aside because its directory stopped taking writes",

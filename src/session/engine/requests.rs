@@ -120,7 +120,9 @@ impl Engine {
 
     fn on_query(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
         let body = &frame[HEADER_LEN..];
-        let sql = body.strip_suffix(&[0]).unwrap_or(body);
+        // `SELECT 1;` answers as `SELECT 1` does (psql sends the one from
+        // a file, the other from -c): one text, one entry.
+        let sql = statement_text(body.strip_suffix(&[0]).unwrap_or(body));
         let hash = key::sql_hash(sql);
         // One lookup gives a known text's plan and marks.
         let generation = self.db.catalog.generation();
@@ -502,5 +504,29 @@ impl Engine {
         }
         self.found.clear();
         Ok(())
+    }
+}
+
+/// A simple query's text without the semicolons and white space that end
+/// it.
+fn statement_text(sql: &[u8]) -> &[u8] {
+    let end = sql
+        .iter()
+        .rposition(|&b| b != b';' && !b.is_ascii_whitespace())
+        .map_or(0, |p| p + 1);
+    &sql[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::statement_text;
+
+    #[test]
+    fn a_text_ends_at_its_last_statement() {
+        assert_eq!(statement_text(b"SELECT 1;"), b"SELECT 1");
+        assert_eq!(statement_text(b"SELECT 1 ; ;\n"), b"SELECT 1");
+        assert_eq!(statement_text(b"SELECT ';'"), b"SELECT ';'");
+        assert_eq!(statement_text(b" ;"), b"");
+        assert_eq!(statement_text(b"SELECT 1; SELECT 2"), b"SELECT 1; SELECT 2");
     }
 }

@@ -1,0 +1,159 @@
+//! The replication slot a stream reads from. Without a disk tier it is
+//! temporary: made with the stream's connection and gone with it. With
+//! one it is persistent and named after the instance and the database, so
+//! that a restarted pgcache reads from it every change made while it was
+//! stopped (see [`crate::cache::carry`]), and dropped when pgcache lets go
+//! of the database.
+//!
+//! A persistent slot keeps WAL while pgcache is stopped. At start, one
+//! that kept more than `cache.disk.max_retained_wal_bytes`, or that
+//! PostgreSQL gave up (`wal_status = 'lost'`, past
+//! `max_slot_wal_keep_size`), is dropped and the database's carried
+//! entries are not served.
+
+use tracing::{info, warn};
+
+use super::ReplicationError;
+use crate::cache::{Cache, DbState};
+
+/// The slot of one stream.
+pub(super) struct Slot {
+    pub name: String,
+    pub persistent: bool,
+    /// Read from where the last run left off, rather than made now.
+    pub resume: bool,
+}
+
+impl Slot {
+    /// The slot for `db`'s next stream.
+    pub fn for_db(cache: &Cache, db: &DbState) -> Slot {
+        let carried = db.resume.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match cache.disk() {
+            Some(disk) => {
+                let name = disk.slot_name(&db.name);
+                let resume = carried.as_deref() == Some(name.as_str());
+                Slot {
+                    name,
+                    persistent: true,
+                    resume,
+                }
+            }
+            None => Slot {
+                name: format!("pgcache_{:08x}", rand::random::<u32>()),
+                persistent: false,
+                resume: false,
+            },
+        }
+    }
+
+    /// Before the stream starts: a slot to resume must be there, kept by
+    /// PostgreSQL, holding at most `max_wal` bytes, and free (the last
+    /// run's walsender gone); otherwise it is dropped and made anew. A
+    /// persistent slot not resumed is dropped if it is there (a run that
+    /// was killed left it).
+    pub async fn prepare(
+        &mut self,
+        ctl: &tokio_postgres::Client,
+        db: &str,
+        max_wal: u64,
+    ) -> Result<(), ReplicationError> {
+        if !self.persistent {
+            return Ok(());
+        }
+        if self.resume {
+            match self.resumable(ctl, max_wal).await? {
+                Ok(retained) => {
+                    info!(database = db, slot = %self.name, retained_wal_bytes = retained,
+                        "reading the changes made while pgcache was stopped");
+                    return Ok(());
+                }
+                Err(why) => {
+                    warn!(database = db, slot = %self.name,
+                        "the disk tier's entries of this database are not served: {why}");
+                    self.resume = false;
+                }
+            }
+        }
+        drop_inactive(ctl, &self.name).await
+    }
+
+    /// `Ok(retained bytes)`, or why the slot cannot be resumed.
+    async fn resumable(
+        &self,
+        ctl: &tokio_postgres::Client,
+        max_wal: u64,
+    ) -> Result<Result<i64, String>, ReplicationError> {
+        const SLOT: &str = "SELECT active, wal_status = 'lost',
+                (pg_catalog.pg_current_wal_lsn() - restart_lsn)::bigint
+            FROM pg_catalog.pg_replication_slots
+            WHERE slot_name = $1 AND database = pg_catalog.current_database()";
+        // The last run's walsender may take a moment to exit.
+        for _ in 0..50 {
+            let Some(row) = ctl.query_opt(SLOT, &[&self.name]).await? else {
+                return Ok(Err("its replication slot is gone".into()));
+            };
+            let (active, lost, retained): (bool, Option<bool>, Option<i64>) =
+                (row.get(0), row.get(1), row.get(2));
+            if lost == Some(true) {
+                return Ok(Err(
+                    "PostgreSQL gave up its replication slot's WAL (max_slot_wal_keep_size)".into(),
+                ));
+            }
+            let retained = retained.unwrap_or(i64::MAX);
+            if u64::try_from(retained).unwrap_or(u64::MAX) > max_wal {
+                return Ok(Err(format!(
+                    "its replication slot kept {retained} bytes of WAL, over cache.disk.max_retained_wal_bytes ({max_wal})"
+                )));
+            }
+            if !active {
+                return Ok(Ok(retained));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Ok(Err(
+            "its replication slot stayed in use by another process".into()
+        ))
+    }
+
+    /// The command that makes it, unless it is resumed.
+    pub fn create(&self) -> Option<String> {
+        let name = &self.name;
+        match (self.persistent, self.resume) {
+            (_, true) => None,
+            (true, false) => Some(format!(
+                "CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput (SNAPSHOT 'nothing')"
+            )),
+            (false, _) => Some(format!(
+                "CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'nothing')"
+            )),
+        }
+    }
+}
+
+/// The persistent slots' names begin so; a temporary one's is
+/// `pgcache_` and eight hexadecimal digits.
+const PERSISTENT: &str = "pgcache_disk_";
+
+/// The persistent slot of an instance (its disk tier's id) and database.
+pub fn persistent_name(instance: u32, database: &str) -> String {
+    let db = xxhash_rust::xxh3::xxh3_64(database.as_bytes()) as u32;
+    format!("{PERSISTENT}{instance:08x}_{db:08x}")
+}
+
+pub(super) fn is_persistent(slot: &str) -> bool {
+    slot.starts_with(PERSISTENT)
+}
+
+/// Drops slot `name` if it is there and no walsender uses it.
+pub(super) async fn drop_inactive(
+    ctl: &tokio_postgres::Client,
+    name: &str,
+) -> Result<(), ReplicationError> {
+    ctl.execute(
+        "SELECT pg_catalog.pg_drop_replication_slot(slot_name)
+         FROM pg_catalog.pg_replication_slots WHERE slot_name = $1 AND NOT active",
+        &[&name],
+    )
+    .await?;
+    Ok(())
+}

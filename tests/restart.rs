@@ -1,0 +1,255 @@
+//! The disk tier across restarts, with the real binary: a clean stop
+//! carries the entries to the next run, which serves them once its stream
+//! has read what changed meanwhile (writes and DDL made while pgcache was
+//! stopped are never answered from the old entries); a kill -9 leaves
+//! entries nobody can prove fresh, and the next run serves none of them.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use tokio::process::{Child, Command};
+
+/// One pgcache process over a disk tier at `dir`.
+struct Instance {
+    child: Child,
+    port: u16,
+    metrics: u16,
+}
+
+impl Instance {
+    async fn start(dir: &Path, log: &Path) -> Instance {
+        let config = dir.with_extension("toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[cache]\nmax_entry_bytes = 16384\n[cache.local]\nmax_bytes = 65536\n\
+                 [cache.disk]\npath = {:?}\nmax_bytes = 8388608\nread_timeout_ms = 2000\n\
+                 [replication]\nmax_staleness_ms = 5000\n",
+                dir.display().to_string()
+            ),
+        )
+        .unwrap();
+        let (port, metrics) = (free_port(), free_port());
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_pgcache"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--metrics", &format!("127.0.0.1:{metrics}")])
+            .args(["--upstream", &pg().proxy_config().upstream.url])
+            .arg("--config")
+            .arg(&config)
+            .env("NO_COLOR", "1")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("pgcache runs");
+        let instance = Instance {
+            child,
+            port,
+            metrics,
+        };
+        eventually(
+            Duration::from_secs(20),
+            "pgcache to accept connections",
+            || async {
+                connect_dsn(&instance.dsn("postgres"))
+                    .await
+                    .ok()
+                    .map(|_| ())
+            },
+        )
+        .await;
+        instance
+    }
+
+    fn dsn(&self, db: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=postgres dbname={db}",
+            self.port
+        )
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics))
+            .await
+            .unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: pgcache\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.unwrap();
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Repeats a read until the cache answers it: the database's stream
+    /// is up and its tables known.
+    async fn until_cached(&self, db: &str) {
+        let client = connect_dsn(&self.dsn(db)).await.unwrap();
+        eventually(Duration::from_secs(20), "a hit", || async {
+            rows(&client, &READ.replace("$k", "1")).await;
+            (self
+                .metric("pgcache_cache_lookups_total{result=\"hit\"}")
+                .await
+                > 0.0)
+                .then_some(())
+        })
+        .await;
+    }
+
+    async fn disk_hits(&self) -> f64 {
+        self.metric("pgcache_cache_hits_total{tier=\"disk\"}").await
+    }
+
+    /// SIGTERM, and the clean stop that carries the entries.
+    async fn stop(mut self) {
+        let pid = self.child.id().expect("running") as i32;
+        unsafe_kill(pid, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("pgcache stops within 30 s")
+            .unwrap();
+        assert!(status.success(), "{status}");
+    }
+
+    async fn kill_9(mut self) {
+        self.child.kill().await.unwrap();
+    }
+}
+
+fn unsafe_kill(pid: i32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+fn setup(name: &str) -> (String, PathBuf, PathBuf) {
+    let db = pg().create_db(name);
+    pg().psql_db(
+        &db,
+        "CREATE TABLE t(k int PRIMARY KEY, v int, pad text); \
+         INSERT INTO t SELECT g, g, repeat(md5(g::text), 47) FROM generate_series(1, 300) g",
+    );
+    let scratch = scratch_dir(name);
+    (db, scratch.join("disk"), scratch.join("pgcache.log"))
+}
+
+/// Reads every row through `dsn` and checks each against PostgreSQL's
+/// own answer.
+async fn read_all(dsn: &str, db: &str, sql: &str) {
+    let via = connect_dsn(dsn).await.unwrap();
+    let direct = pg().direct(db).await;
+    for k in 1..=300 {
+        let q = sql.replace("$k", &k.to_string());
+        assert_eq!(rows(&via, &q).await, rows(&direct, &q).await, "{q}");
+    }
+}
+
+const READ: &str = "SELECT k, v, pad FROM t WHERE k = $k";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_restart_is_warm_and_never_serves_what_changed_while_stopped() {
+    let (db, dir, log) = setup("restart_clean");
+    let a = Instance::start(&dir, &log).await;
+    a.until_cached(&db).await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    read_all(&a.dsn(&db), &db, "SELECT * FROM t WHERE k = $k").await;
+    eventually(
+        Duration::from_secs(10),
+        "the answers to reach the disk",
+        || async {
+            (a.metric("pgcache_disk_stores_total{result=\"written\"}")
+                .await
+                >= 600.0)
+                .then_some(())
+        },
+    )
+    .await;
+    a.stop().await;
+
+    // Warm: the same reads come from disk.
+    let b = Instance::start(&dir, &log).await;
+    b.until_cached(&db).await;
+    read_all(&b.dsn(&db), &db, READ).await;
+    let warm = b.disk_hits().await;
+    assert!(
+        warm >= 290.0,
+        "{warm} of 300 from disk after a clean restart"
+    );
+    b.stop().await;
+
+    // Writes and DDL while stopped: never an old answer, then warm again
+    // for what they left alone.
+    pg().psql_db(&db, "UPDATE t SET v = -v WHERE k % 10 = 0");
+    pg().psql_db(&db, "ALTER TABLE t ADD COLUMN extra int DEFAULT 7");
+    let c = Instance::start(&dir, &log).await;
+    read_all(&c.dsn(&db), &db, READ).await;
+    read_all(&c.dsn(&db), &db, "SELECT * FROM t WHERE k = $k").await;
+    let before = c.disk_hits().await;
+    read_all(&c.dsn(&db), &db, READ).await;
+    assert!(c.disk_hits().await >= before, "the refill is served");
+    c.stop().await;
+
+    // A stopped pgcache keeps one slot per database, which uninstall
+    // would drop; a running one reads it.
+    let slots = pg().psql_db(
+        &db,
+        "SELECT count(*) FROM pg_replication_slots \
+         WHERE database = current_database() AND slot_name LIKE 'pgcache\\_disk\\_%' AND NOT active",
+    );
+    assert_eq!(slots.trim(), "1", "{slots}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_kill_9_nothing_on_disk_is_served() {
+    let (db, dir, log) = setup("restart_killed");
+    let a = Instance::start(&dir, &log).await;
+    a.until_cached(&db).await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    // Handed to the operating system (the probe does it each second).
+    eventually(
+        Duration::from_secs(10),
+        "the answers to reach the disk",
+        || async { (a.metric("pgcache_disk_entries").await >= 300.0).then_some(()) },
+    )
+    .await;
+    // A write through pgcache, acknowledged, then the process dies.
+    let client = connect_dsn(&a.dsn(&db)).await.unwrap();
+    client
+        .simple_query("UPDATE t SET v = v + 1000000 WHERE k <= 150")
+        .await
+        .unwrap();
+    a.kill_9().await;
+    let b = Instance::start(&dir, &log).await;
+    read_all(&b.dsn(&db), &db, READ).await;
+    assert_eq!(
+        b.disk_hits().await,
+        0.0,
+        "nothing of the killed run is served"
+    );
+    assert!(
+        b.metric("pgcache_disk_discarded_entries_total").await > 0.0,
+        "the entries it left are counted"
+    );
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        said.matches("the disk tier starts empty").count(),
+        1,
+        "said once: {said}"
+    );
+    b.stop().await;
+}
