@@ -35,6 +35,9 @@ pub struct App {
     pub clients: Arc<crate::pool::clients::Clients>,
     /// Shutdown requested: sessions close once idle.
     pub drain: CancellationToken,
+    /// The listening socket was handed to a new pgcache
+    /// ([`crate::handover`]): stop accepting, keep serving.
+    pub handed_over: CancellationToken,
     /// Shutdown timeout expired: sessions close now.
     pub force: CancellationToken,
     pub cache: Arc<Cache>,
@@ -127,6 +130,7 @@ impl App {
             clients: Arc::default(),
             pool,
             drain,
+            handed_over: CancellationToken::new(),
             force: CancellationToken::new(),
             metrics,
             metrics_listener: Mutex::new(None),
@@ -251,12 +255,21 @@ impl App {
         carried: Option<crate::cache::carry::Carried>,
     ) {
         tier.spawn_probe(self.drain.clone());
-        let fresh: Vec<_> = carried
+        let (fresh, in_use): (Vec<_>, Vec<_>) = carried
             .map(|c| c.databases)
             .unwrap_or_default()
             .into_iter()
-            .filter(|(name, _)| self.cache.databases.get(name).is_none())
-            .collect();
+            .partition(|(name, _)| self.cache.databases.get(name).is_none());
+        for (name, db) in in_use {
+            let upstream = Arc::clone(&self.upstream);
+            tokio::spawn(async move {
+                if let Ok(ctl) = upstream.control(&name).await
+                    && let Err(e) = crate::invalidation::slot::drop_inactive(&ctl, &db.slot).await
+                {
+                    warn!(database = %name, slot = %db.slot, error = %e, "could not drop the last run's replication slot");
+                }
+            });
+        }
         self.cache.databases.carry(fresh);
         self.cache.set_disk(tier);
         for name in self.cache.databases.carried_names() {

@@ -29,6 +29,7 @@ pub mod cache;
 pub mod cancel;
 pub mod classify;
 pub mod config;
+pub mod handover;
 pub mod hints;
 pub mod http;
 pub mod invalidation;

@@ -104,12 +104,19 @@ fn run() -> anyhow::Result<()> {
     // to the workers through the runtime's shared queue, waking a worker
     // and parking this thread again each time.
     let serving = runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::bind(config.server.listen)
+        let addr = config.server.listen;
+        let (listener, _taken_over) = pgcache::handover::listen(addr)
             .await
-            .with_context(|| {
-                format!("cannot listen on {} (server.listen)", config.server.listen)
-            })?;
+            .with_context(|| format!("cannot listen on {addr} (server.listen)"))?;
         let app = pgcache::App::start(config).await?;
+        if addr.port() != 0 {
+            pgcache::handover::offer(
+                &listener,
+                pgcache::handover::path(addr),
+                app.handed_over.clone(),
+                app.drain.clone(),
+            );
+        }
         app.set_config_source(source.0, source.1);
         tokio::spawn(reload_on_sighup(std::sync::Arc::clone(&app)));
         pgcache::serve(app, listener, shutdown_signal()).await;

@@ -42,10 +42,15 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         Ok(addr) => info!(%addr, "pgcache listening"),
         Err(_) => info!("pgcache listening"),
     }
+    let mut listener = Some(listener);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
+            () = app.handed_over.cancelled(), if listener.is_some() => {
+                // The new pgcache accepts on the same socket now.
+                listener = None;
+            }
+            accepted = accept(listener.as_ref()) => match accepted {
                 Ok((socket, peer)) => {
                     let tuned = socket.set_nodelay(true).and_then(|()| {
                         socket2::SockRef::from(&socket)
@@ -104,6 +109,16 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
     app.carry_disk();
     info!("pgcache stopped");
+}
+
+/// The next connection on `listener`; never, once there is none.
+async fn accept(
+    listener: Option<&TcpListener>,
+) -> std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    match listener {
+        Some(listener) => listener.accept().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Counts connections per address that have not finished their startup, so

@@ -22,6 +22,11 @@ struct Instance {
 
 impl Instance {
     async fn start(dir: &Path, log: &Path) -> Instance {
+        Self::start_on(free_port(), dir, log).await
+    }
+
+    /// On `port`, which another pgcache may be listening on.
+    async fn start_on(port: u16, dir: &Path, log: &Path) -> Instance {
         let config = dir.with_extension("toml");
         std::fs::write(
             &config,
@@ -33,7 +38,7 @@ impl Instance {
             ),
         )
         .unwrap();
-        let (port, metrics) = (free_port(), free_port());
+        let metrics = free_port();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -57,6 +62,15 @@ impl Instance {
             port,
             metrics,
         };
+        // Its metrics endpoint answers once it listens (another pgcache
+        // may answer on the port meanwhile).
+        eventually(Duration::from_secs(20), "pgcache to start", || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", instance.metrics))
+                .await
+                .ok()
+                .map(|_| ())
+        })
+        .await;
         eventually(
             Duration::from_secs(20),
             "pgcache to accept connections",
@@ -251,5 +265,52 @@ async fn after_a_kill_9_nothing_on_disk_is_served() {
         1,
         "said once: {said}"
     );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_instance_takes_the_address_over_and_no_connection_fails() {
+    let (db, dir, log) = setup("restart_takeover");
+    let port = free_port();
+    let a = Instance::start_on(port, &dir, &log).await;
+    a.until_cached(&db).await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    // Clients keep connecting, one at a time, through the whole handover.
+    let dsn = a.dsn(&db);
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let clients = tokio::spawn(async move {
+        let (mut ok, mut failed) = (0u32, Vec::new());
+        while !*stopped.borrow_and_update() {
+            match connect_dsn(&dsn).await {
+                Ok(client) => match client.simple_query("SELECT v FROM t WHERE k = 3").await {
+                    Ok(_) => ok += 1,
+                    Err(e) => failed.push(e.to_string()),
+                },
+                Err(e) => failed.push(e.to_string()),
+            }
+        }
+        (ok, failed)
+    });
+    let b = Instance::start_on(port, &dir, &log).await;
+    let took = std::fs::read_to_string(&log).unwrap();
+    assert!(took.contains("took the listening socket over"), "{took}");
+    a.stop().await;
+    // The new one opens the disk tier once the old one is gone.
+    eventually(
+        Duration::from_secs(20),
+        "the disk tier in the new pgcache",
+        || async { (b.metric("pgcache_disk_capacity_bytes").await > 0.0).then_some(()) },
+    )
+    .await;
+    stop.send(true).unwrap();
+    let (ok, failed) = clients.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} failed of {}: {failed:?}",
+        failed.len(),
+        ok as usize + failed.len()
+    );
+    assert!(ok >= 10, "{ok} connections");
+    read_all(&b.dsn(&db), &db, READ).await;
     b.stop().await;
 }

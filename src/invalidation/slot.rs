@@ -145,7 +145,7 @@ pub(super) fn is_persistent(slot: &str) -> bool {
 }
 
 /// Drops slot `name` if it is there and no walsender uses it.
-pub(super) async fn drop_inactive(
+pub async fn drop_inactive(
     ctl: &tokio_postgres::Client,
     name: &str,
 ) -> Result<(), ReplicationError> {
