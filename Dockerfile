@@ -5,7 +5,8 @@ COPY . .
 RUN cargo build --release --locked
 
 FROM debian:bookworm-slim
-RUN useradd --system pgcache
+# The disk tier's directory (a volume in docker-compose.yml).
+RUN useradd --system pgcache && mkdir -p /var/lib/pgcache && chown pgcache /var/lib/pgcache
 COPY --from=build /src/target/release/pgcache /usr/local/bin/pgcache
 COPY config/pgcache.toml /etc/pgcache/pgcache.toml
 USER pgcache

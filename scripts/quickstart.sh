@@ -85,7 +85,8 @@ PORT=$(free_port)
 METRICS_PORT=$(free_port)
 RUST_LOG=${RUST_LOG:-info} "$PGCACHE_BIN" --config config/pgcache.toml \
     --listen "127.0.0.1:$PORT" --upstream "postgres://postgres@127.0.0.1:$PGPORT" \
-    --redis "redis://127.0.0.1:$REDIS_PORT" --metrics "127.0.0.1:$METRICS_PORT" >"$RUNDIR/pgcache.log" 2>&1 &
+    --redis "redis://127.0.0.1:$REDIS_PORT" --disk "$RUNDIR/disk" \
+    --metrics "127.0.0.1:$METRICS_PORT" >"$RUNDIR/pgcache.log" 2>&1 &
 PGCACHE_PID=$!
 PIDS+=($PGCACHE_PID)
 # Up when it answers; a pgcache that exited is reported at once.
@@ -139,8 +140,12 @@ lookups() {
     echo "$METRICS" | awk -v r="$1" '$1 == "pgcache_cache_lookups_total{result=\"" r "\"}" { print $2 }'
 }
 HITS=$(lookups hit); MISSES=$(lookups miss); BYPASSES=$(lookups bypass)
+tier() {
+    echo "$METRICS" | awk -v t="$1" '$1 == "pgcache_cache_hits_total{tier=\"" t "\"}" { print $2 }'
+}
 echo
 echo "pgcache answered ${HITS:-0} reads from its cache, sent ${MISSES:-0} misses and ${BYPASSES:-0} other statements to PostgreSQL"
+echo "hits by tier: $(tier local) from memory, $(tier disk) from disk, $(tier shared) from Redis"
 python3 -c 'import sys; h, m = float(sys.argv[1]), float(sys.argv[2]); print("hit ratio of cacheable reads: %.1f%%" % (100 * h / max(h + m, 1)))' "${HITS:-0}" "${MISSES:-0}"
 python3 -c 'import sys; t, d = float(sys.argv[1]), float(sys.argv[2]); print("transactions a second: %.0f through pgcache, %.0f straight to PostgreSQL: %.2fx" % (t, d, t / max(d, 1)))' "${THROUGH:-0}" "${DIRECT:-0}"
 if [ "$PROFILE" = debug ]; then

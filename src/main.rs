@@ -23,6 +23,9 @@ struct Cli {
     /// Redis URL for the shared tier (optional).
     #[arg(long, env = "PGCACHE_REDIS", global = true)]
     redis: Option<String>,
+    /// Directory of a disk tier between memory and Redis, which survives restarts (optional).
+    #[arg(long, env = "PGCACHE_DISK", global = true)]
+    disk: Option<PathBuf>,
     /// Address of the Prometheus endpoint [default: 127.0.0.1:9187].
     #[arg(long, env = "PGCACHE_METRICS", global = true)]
     metrics: Option<SocketAddr>,
@@ -71,6 +74,7 @@ fn run() -> anyhow::Result<()> {
         listen: cli.listen,
         upstream: cli.upstream,
         redis: cli.redis,
+        disk: cli.disk,
         metrics: cli.metrics,
         no_cache: cli.no_cache,
         workers: cli.workers,

@@ -177,6 +177,21 @@ async fn the_live_page_draws_its_chart_and_matches_the_metrics_in_chromium() {
     }
     assert_eq!(text_of("hit-ratio"), "0.500");
     assert_eq!(text_of("shared-state"), "up");
+    // Hits by tier, as the metrics count them; no disk tier here.
+    let tier = |t: &str| {
+        sample(
+            &metrics,
+            &format!("pgcache_cache_hits_total{{tier=\"{t}\"}}"),
+        )
+    };
+    let by_tier = format!(
+        "{} / {} / {}",
+        tier("local").unwrap_or(-1.0),
+        tier("disk").unwrap_or(-1.0),
+        tier("shared").unwrap_or(-1.0)
+    );
+    assert_eq!(text_of("tier-hits"), by_tier);
+    assert_eq!(text_of("disk-state"), "off");
     // Sizes with their unit, the mean hit and miss times, and why
     // statements went to PostgreSQL.
     let memory = text_of("local-bytes");

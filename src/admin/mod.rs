@@ -317,7 +317,8 @@ fn stats(app: &App) -> Vec<Vec<String>> {
     let hits = m.hits.get();
     let misses = m.misses.get();
     let shared_hits = s.hit.get();
-    let local_hits = hits.saturating_sub(shared_hits);
+    let local_hits = m.tiers.local.hits.get();
+    let disk_hits = m.tiers.disk.hits.get();
     let shared_lookups = shared_hits + s.miss.get() + s.rejected.get() + s.error.get();
     let rows: Vec<(&str, String)> = vec![
         ("lookups_hit", hits.to_string()),
@@ -326,6 +327,14 @@ fn stats(app: &App) -> Vec<Vec<String>> {
         ("hit_ratio", ratio(hits, hits + misses)),
         ("local_hits", local_hits.to_string()),
         ("local_hit_ratio", ratio(local_hits, hits + misses)),
+        ("disk_hits", disk_hits.to_string()),
+        ("disk_hit_ratio", ratio(disk_hits, hits + misses)),
+        (
+            "disk_up",
+            app.cache.disk().is_some_and(|t| t.is_up()).to_string(),
+        ),
+        ("disk_entries", m.disk.entries.get().to_string()),
+        ("disk_bytes", m.disk.bytes.get().to_string()),
         ("shared_hits", shared_hits.to_string()),
         ("shared_lookups", shared_lookups.to_string()),
         ("shared_hit_ratio", ratio(shared_hits, shared_lookups)),

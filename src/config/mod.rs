@@ -316,6 +316,7 @@ pub struct Overrides {
     pub listen: Option<SocketAddr>,
     pub upstream: Option<String>,
     pub redis: Option<String>,
+    pub disk: Option<PathBuf>,
     pub metrics: Option<SocketAddr>,
     pub no_cache: bool,
     pub workers: Option<usize>,
@@ -357,6 +358,9 @@ impl Config {
         }
         if let Some(redis) = &o.redis {
             self.redis.url.clone_from(redis);
+        }
+        if let Some(disk) = &o.disk {
+            self.cache.disk.path.clone_from(disk);
         }
         if let Some(metrics) = o.metrics {
             self.metrics.listen = metrics;
