@@ -27,6 +27,11 @@ impl Instance {
 
     /// On `port`, which another pgcache may be listening on.
     async fn start_on(port: u16, dir: &Path, log: &Path) -> Instance {
+        Self::start_in(&[], port, dir, log).await
+    }
+
+    /// Run by `wrapper` (a command that execs its arguments).
+    async fn start_in(wrapper: &[&str], port: u16, dir: &Path, log: &Path) -> Instance {
         let config = dir.with_extension("toml");
         std::fs::write(
             &config,
@@ -44,7 +49,16 @@ impl Instance {
             .append(true)
             .open(log)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_pgcache"))
+        let pgcache = env!("CARGO_BIN_EXE_pgcache");
+        let mut command = match wrapper {
+            [] => Command::new(pgcache),
+            [program, args @ ..] => {
+                let mut c = Command::new(program);
+                c.args(args).arg(pgcache);
+                c
+            }
+        };
+        let child = command
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--metrics", &format!("127.0.0.1:{metrics}")])
             .args(["--upstream", &pg().proxy_config().upstream.url])
@@ -313,4 +327,154 @@ async fn a_second_instance_takes_the_address_over_and_no_connection_fails() {
     assert!(ok >= 10, "{ok} connections");
     read_all(&b.dsn(&db), &db, READ).await;
     b.stop().await;
+}
+
+/// A disk tier on a tmpfs of `size` of its own, mounted in a mount
+/// namespace of pgcache's (no root needed where user namespaces are on).
+async fn on_tmpfs(size: &str, dir: &Path, log: &Path) -> Instance {
+    std::fs::create_dir_all(dir).unwrap();
+    let mount = format!("mount -t tmpfs -o size={size} tmpfs \"$0\" && exec \"$@\"");
+    let wrapper = [
+        "unshare",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        &mount,
+        dir.to_str().unwrap(),
+    ];
+    Instance::start_in(&wrapper, free_port(), dir, log).await
+}
+
+/// Runs `command` in `pid`'s mount namespace.
+fn in_namespace_of(pid: u32, command: &[&str]) {
+    let status = std::process::Command::new("nsenter")
+        .args([
+            "-t",
+            &pid.to_string(),
+            "--user",
+            "--mount",
+            "--preserve-credentials",
+        ])
+        .args(command)
+        .status()
+        .unwrap();
+    assert!(status.success(), "{command:?} in {pid}'s namespace");
+}
+
+/// Rows whose text does not compress.
+fn incompressible(db: &str) {
+    pg().psql_db(
+        db,
+        "UPDATE t SET pad = (SELECT string_agg(md5(k::text || i::text), '') FROM generate_series(1, 47) i)",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_sets_the_tier_aside_once_and_every_answer_stays_right() {
+    let (db, dir, log) = setup("disk_full");
+    incompressible(&db);
+    let a = on_tmpfs("256k", &dir, &log).await;
+    a.until_cached(&db).await;
+    for _ in 0..3 {
+        read_all(&a.dsn(&db), &db, READ).await;
+    }
+    eventually(
+        Duration::from_secs(20),
+        "the full disk to set the tier aside",
+        || async { (a.metric("pgcache_disk_up").await == 0.0).then_some(()) },
+    )
+    .await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    assert_eq!(a.metric("pgcache_disk_set_aside_total").await, 1.0);
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(said.matches("takes no writes").count(), 1, "{said}");
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_that_becomes_read_only_sets_the_tier_aside_and_back() {
+    let (db, dir, log) = setup("disk_read_only");
+    let a = on_tmpfs("64m", &dir, &log).await;
+    a.until_cached(&db).await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    let pid = a.child.id().unwrap();
+    // A read-only file system over the directory (its files stay open
+    // for writing underneath, so it cannot simply be remounted).
+    in_namespace_of(
+        pid,
+        &[
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "ro,size=64k",
+            "tmpfs",
+            dir.to_str().unwrap(),
+        ],
+    );
+    eventually(Duration::from_secs(20), "the tier set aside", || async {
+        (a.metric("pgcache_disk_up").await == 0.0).then_some(())
+    })
+    .await;
+    pg().psql_db(&db, "UPDATE t SET v = v + 1 WHERE k % 7 = 0");
+    read_all(&a.dsn(&db), &db, READ).await;
+    in_namespace_of(pid, &["umount", dir.to_str().unwrap()]);
+    eventually(Duration::from_secs(20), "the tier back in use", || async {
+        (a.metric("pgcache_disk_up").await == 1.0).then_some(())
+    })
+    .await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(said.matches("takes no writes").count(), 1, "{said}");
+    assert_eq!(said.matches("takes writes again").count(), 1, "{said}");
+    a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_entry_is_never_served() {
+    let (db, dir, log) = setup("disk_corrupt");
+    incompressible(&db);
+    let a = Instance::start(&dir, &log).await;
+    a.until_cached(&db).await;
+    read_all(&a.dsn(&db), &db, READ).await;
+    a.stop().await;
+    // Damage the data blocks of every file the clean stop left (their
+    // first halves; the index and trailer are at the end).
+    let mut damaged = 0;
+    for entry in walk(&dir.join("pgcache-disk-v1")) {
+        let mut bytes = std::fs::read(&entry).unwrap();
+        if bytes.len() < 4096 {
+            continue;
+        }
+        for i in (64..bytes.len() / 2).step_by(97) {
+            bytes[i] ^= 0x5a;
+        }
+        std::fs::write(&entry, bytes).unwrap();
+        damaged += 1;
+    }
+    assert!(damaged > 0, "no file to damage");
+    let b = Instance::start(&dir, &log).await;
+    b.until_cached(&db).await;
+    read_all(&b.dsn(&db), &db, READ).await;
+    let refused = b.metric("pgcache_disk_reads_total{result=\"error\"}").await;
+    assert!(
+        b.disk_hits().await < 300.0
+            && refused + b.metric("pgcache_disk_reads_total{result=\"miss\"}").await > 0.0,
+        "damaged entries are misses"
+    );
+    b.stop().await;
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
 }

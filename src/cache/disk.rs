@@ -87,7 +87,10 @@ pub struct Stored {
     pub payload: Bytes,
 }
 
-const HEADER: usize = 24;
+/// Created, TTL and refresh (milliseconds), then a checksum of the key,
+/// those and the frames: the tree does not check its blocks when it
+/// reads them, so a corrupt or misplaced entry is told here.
+const HEADER: usize = 32;
 
 impl Stored {
     fn new(bytes: &[u8], lifetime: Lifetime) -> Self {
@@ -114,28 +117,36 @@ impl Stored {
         }
     }
 
-    fn encode(&self) -> Vec<u8> {
+    fn encode(&self, key: u128) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER + self.payload.len());
         out.put_u64_le(self.created_ms);
         out.put_u64_le(self.ttl_ms);
         out.put_u64_le(self.refresh_ms);
+        out.put_u64_le(checksum(key, &out, &self.payload));
         out.extend_from_slice(&self.payload);
         out
     }
 
-    /// `None` for a value shorter than the header (the tree's checksums
-    /// catch torn or corrupt blocks before this).
-    fn decode(mut value: &[u8]) -> Option<Self> {
-        if value.len() < HEADER {
-            return None;
-        }
-        Some(Self {
-            created_ms: value.get_u64_le(),
-            ttl_ms: value.get_u64_le(),
-            refresh_ms: value.get_u64_le(),
-            payload: Bytes::copy_from_slice(value),
-        })
+    /// `None` for a value that is not whole, or not what was stored under
+    /// `key`.
+    fn decode(key: u128, value: &[u8]) -> Option<Self> {
+        let (mut header, payload) = value.split_at_checked(HEADER)?;
+        let stored = Self {
+            created_ms: header.get_u64_le(),
+            ttl_ms: header.get_u64_le(),
+            refresh_ms: header.get_u64_le(),
+            payload: Bytes::copy_from_slice(payload),
+        };
+        (header.get_u64_le() == checksum(key, &value[..HEADER - 8], payload)).then_some(stored)
     }
+}
+
+fn checksum(key: u128, header: &[u8], payload: &[u8]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&key.to_le_bytes());
+    h.update(header);
+    h.update(payload);
+    h.digest()
 }
 
 /// What a disk read found.
@@ -212,13 +223,24 @@ impl DiskTier {
             cause,
         };
         let budget = Budget::of(config.max_bytes);
-        let answers = lsm_tree::Config::new(&tree)
-            .use_cache(Arc::new(lsm_tree::Cache::with_capacity_bytes(
-                budget.block_cache,
-            )))
-            .compression(lsm_tree::CompressionType::Lz4)
-            .open()
-            .map_err(open)?;
+        let tree_config = || {
+            lsm_tree::Config::new(&tree)
+                .use_cache(Arc::new(lsm_tree::Cache::with_capacity_bytes(
+                    budget.block_cache,
+                )))
+                .compression(lsm_tree::CompressionType::Lz4)
+        };
+        let answers = match tree_config().open() {
+            Ok(answers) => answers,
+            // Files that cannot be read back are a cache lost, not a
+            // reason not to start.
+            Err(e) => {
+                tracing::warn!(path = %dir.display(), error = %e,
+                    "the disk tier's files cannot be read: it starts empty");
+                std::fs::remove_dir_all(&tree).map_err(unusable)?;
+                tree_config().open().map_err(open)?
+            }
+        };
         let (queue, writes) = std::sync::mpsc::sync_channel(QUEUE);
         metrics.up.set(1);
         metrics
@@ -286,7 +308,7 @@ impl DiskTier {
         let tier = Arc::clone(self);
         let read = tokio::task::spawn_blocking(move || tier.answers.get(key.to_be_bytes(), None));
         match tokio::time::timeout(self.read_timeout, read).await {
-            Ok(Ok(Ok(Some(value)))) => match Stored::decode(&value) {
+            Ok(Ok(Ok(Some(value)))) => match Stored::decode(key, &value) {
                 Some(stored) => Read::Hit(stored),
                 None => {
                     self.metrics.read_failures.inc();
@@ -329,7 +351,7 @@ impl DiskTier {
     fn write(&self, key: u128, stored: &Stored, seqno: u64) -> lsm_tree::Result<()> {
         let (_, memtable) = self
             .answers
-            .insert(key.to_be_bytes(), stored.encode(), seqno);
+            .insert(key.to_be_bytes(), stored.encode(key), seqno);
         if u64::from(memtable) >= self.budget.memtable {
             self.answers.flush_active_memtable(0)?;
             let fifo = lsm_tree::compaction::Fifo::new(self.budget.files, None);
@@ -510,7 +532,7 @@ mod tests {
         };
         let mut stored = Stored::new(b"frames", lifetime);
         stored.created_ms -= 1_000;
-        let back = Stored::decode(&stored.encode()).unwrap();
+        let back = Stored::decode(7, &stored.encode(7)).unwrap();
         assert_eq!(back.payload, stored.payload);
         let (lifetime, age) = back.lifetime().unwrap();
         assert_eq!(lifetime.ttl, Some(Duration::from_secs(60)));
@@ -518,9 +540,16 @@ mod tests {
         assert!(age >= Duration::from_secs(1));
         let expired = Stored {
             ttl_ms: 500,
-            ..stored
+            ..stored.clone()
         };
         assert!(expired.lifetime().is_none());
-        assert!(Stored::decode(&[0u8; HEADER - 1]).is_none());
+        assert!(Stored::decode(7, &[0u8; HEADER - 1]).is_none());
+        let mut flipped = stored.encode(7);
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(Stored::decode(7, &flipped).is_none(), "a corrupt entry");
+        assert!(
+            Stored::decode(8, &stored.encode(7)).is_none(),
+            "another key's"
+        );
     }
 }
