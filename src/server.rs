@@ -52,13 +52,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
             }
             accepted = accept(listener.as_ref()) => match accepted {
                 Ok((socket, peer)) => {
-                    let tuned = socket.set_nodelay(true).and_then(|()| {
-                        socket2::SockRef::from(&socket)
-                            .set_recv_buffer_size(crate::backend::RELAY_SOCKET_BUFFER)
-                    });
-                    if let Err(e) = tuned {
-                        warn!(%peer, error = %e, "could not tune the client's socket");
-                    }
+                    tune(&socket, peer);
                     match startups.enter(peer.ip()) {
                         Some(starting) => {
                             // A session's future is kilobytes; boxed, the
@@ -109,6 +103,16 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
     }
     app.carry_disk();
     info!("pgcache stopped");
+}
+
+/// Sets a client's socket up for relaying.
+fn tune(socket: &tokio::net::TcpStream, peer: std::net::SocketAddr) {
+    let tuned = socket.set_nodelay(true).and_then(|()| {
+        socket2::SockRef::from(socket).set_recv_buffer_size(crate::backend::RELAY_SOCKET_BUFFER)
+    });
+    if let Err(e) = tuned {
+        warn!(%peer, error = %e, "could not tune the client's socket");
+    }
 }
 
 /// The next connection on `listener`; never, once there is none.

@@ -189,58 +189,11 @@ impl DiskTier {
         };
         std::fs::create_dir_all(&dir).map_err(unusable)?;
         probe(&dir).map_err(unusable)?;
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(LOCK))
-            .map_err(unusable)?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(DiskError::Locked { path: dir.clone() });
-            }
-            Err(std::fs::TryLockError::Error(e)) => return Err(unusable(e)),
-        }
+        let lock = lock(&dir)?;
         let instance = instance(&dir).map_err(unusable)?;
         let carried = Carried::take(&dir).map_err(unusable)?;
-        let tree = dir.join(TREE);
-        // Without what the last run carried, its entries' keys cannot be
-        // matched again: the tree starts empty.
-        if carried.is_none() && tree.exists() {
-            let discarded = lsm_tree::Config::new(&tree)
-                .open()
-                .map_or(0, |answers| answers.approximate_len());
-            if discarded > 0 {
-                tracing::warn!(path = %dir.display(), entries = discarded,
-                    "the disk tier starts empty: the last run did not stop cleanly, so its entries cannot be proven fresh");
-                metrics.discarded.inc_by(discarded as u64);
-            }
-            std::fs::remove_dir_all(&tree).map_err(unusable)?;
-        }
-        let open = |cause| DiskError::Open {
-            path: dir.clone(),
-            cause,
-        };
         let budget = Budget::of(config.max_bytes);
-        let tree_config = || {
-            lsm_tree::Config::new(&tree)
-                .use_cache(Arc::new(lsm_tree::Cache::with_capacity_bytes(
-                    budget.block_cache,
-                )))
-                .compression(lsm_tree::CompressionType::Lz4)
-        };
-        let answers = match tree_config().open() {
-            Ok(answers) => answers,
-            // Files that cannot be read back are a cache lost, not a
-            // reason not to start.
-            Err(e) => {
-                tracing::warn!(path = %dir.display(), error = %e,
-                    "the disk tier's files cannot be read: it starts empty");
-                std::fs::remove_dir_all(&tree).map_err(unusable)?;
-                tree_config().open().map_err(open)?
-            }
-        };
+        let answers = open_tree(&dir, &budget, carried.is_some(), &metrics)?;
         let (queue, writes) = std::sync::mpsc::sync_channel(QUEUE);
         metrics.up.set(1);
         metrics
@@ -463,6 +416,74 @@ fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) 
                 tracing::debug!(error = %e, "disk tier write failed");
                 tier.metrics.write_failures.inc();
             }
+        }
+    }
+}
+
+/// Locks the directory for this pgcache.
+fn lock(dir: &Path) -> Result<std::fs::File, DiskError> {
+    let unusable = |cause| DiskError::Unusable {
+        path: dir.to_owned(),
+        cause,
+    };
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(LOCK))
+        .map_err(unusable)?;
+    match lock.try_lock() {
+        Ok(()) => Ok(lock),
+        Err(std::fs::TryLockError::WouldBlock) => Err(DiskError::Locked {
+            path: dir.to_owned(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(unusable(e)),
+    }
+}
+
+/// Opens the tree in `dir`: as the last run left it if it was `carried`;
+/// else, its entries' keys cannot be matched again, and it starts empty.
+fn open_tree(
+    dir: &Path,
+    budget: &Budget,
+    carried: bool,
+    metrics: &DiskMetrics,
+) -> Result<Tree, DiskError> {
+    let unusable = |cause| DiskError::Unusable {
+        path: dir.to_owned(),
+        cause,
+    };
+    let tree = dir.join(TREE);
+    if !carried && tree.exists() {
+        let discarded = lsm_tree::Config::new(&tree)
+            .open()
+            .map_or(0, |answers| answers.approximate_len());
+        if discarded > 0 {
+            tracing::warn!(path = %dir.display(), entries = discarded,
+                "the disk tier starts empty: the last run did not stop cleanly, so its entries cannot be proven fresh");
+            metrics.discarded.inc_by(discarded as u64);
+        }
+        std::fs::remove_dir_all(&tree).map_err(unusable)?;
+    }
+    let config = || {
+        lsm_tree::Config::new(&tree)
+            .use_cache(Arc::new(lsm_tree::Cache::with_capacity_bytes(
+                budget.block_cache,
+            )))
+            .compression(lsm_tree::CompressionType::Lz4)
+    };
+    match config().open() {
+        Ok(answers) => Ok(answers),
+        // Files that cannot be read back are a cache lost, not a reason
+        // not to start.
+        Err(e) => {
+            tracing::warn!(path = %dir.display(), error = %e,
+                "the disk tier's files cannot be read: it starts empty");
+            std::fs::remove_dir_all(&tree).map_err(unusable)?;
+            config().open().map_err(|cause| DiskError::Open {
+                path: dir.to_owned(),
+                cause,
+            })
         }
     }
 }

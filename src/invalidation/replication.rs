@@ -210,37 +210,11 @@ impl Streams {
         Some(paused)
     }
 
-    /// Waits until the walsender of `slot` has exited: a temporary slot is
-    /// dropped only then, and an active slot makes `DROP DATABASE` fail;
-    /// a persistent one is dropped then. A walsender that was still making
-    /// the slot is waited for too: it is visible by its application name
-    /// from before it reads the command, and it leaves `pg_stat_activity`
-    /// before its slot goes.
+    /// [`slot::wait_gone`], asked on a connection to database `via`.
     async fn wait_slot_gone(&self, slot: &str, via: &str) -> Result<(), ReplicationError> {
         let ctl = self.upstream.control(via).await?;
-        let name = walsender_name(slot);
-        let persistent = slot::is_persistent(slot);
-        let gone = async {
-            loop {
-                let rows = ctl
-                    .query(
-                        "SELECT 1 FROM pg_catalog.pg_replication_slots \
-                         WHERE slot_name = $1 AND (active OR NOT $3) \
-                         UNION ALL \
-                         SELECT 1 FROM pg_catalog.pg_stat_activity WHERE application_name = $2",
-                        &[&slot, &name, &persistent],
-                    )
-                    .await?;
-                if rows.is_empty() {
-                    if persistent {
-                        slot::drop_inactive(&ctl, slot).await?;
-                    }
-                    return Ok::<(), ReplicationError>(());
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        };
-        match tokio::time::timeout(RELEASE_WAIT, gone).await {
+        let walsender = walsender_name(slot);
+        match tokio::time::timeout(RELEASE_WAIT, slot::wait_gone(&ctl, slot, &walsender)).await {
             Ok(result) => result,
             Err(_) => Err(ReplicationError::Config(
                 "the slot was still there after 5 s".into(),
@@ -304,9 +278,7 @@ impl Streams {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
         self.prepare(&ctl, db).await?;
-        let mut slot = Slot::for_db(&self.cache, db);
-        let max_wal = self.cache.disk().map_or(0, |d| d.max_retained_wal());
-        slot.prepare(ctl.client(), database, max_wal).await?;
+        let slot = self.slot(&ctl, db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
         db.stream.set_slot(Some(slot.name.clone()));
@@ -380,6 +352,14 @@ impl Streams {
                 stream.update_applied_lsn(lsn);
             }
         }
+    }
+
+    /// The slot `db`'s next stream reads, ready to be read.
+    async fn slot(&self, ctl: &Control, db: &DbState) -> Result<Slot, ReplicationError> {
+        let mut slot = Slot::for_db(&self.cache, db);
+        let max_wal = self.cache.disk().map_or(0, |d| d.max_retained_wal());
+        slot.prepare(ctl.client(), &db.name, max_wal).await?;
+        Ok(slot)
     }
 
     /// What one event asks beyond its acknowledgement: its bumps, its DDL

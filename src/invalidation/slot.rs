@@ -144,6 +144,38 @@ pub(super) fn is_persistent(slot: &str) -> bool {
     slot.starts_with(PERSISTENT)
 }
 
+/// Waits until the walsender of `slot` (named `walsender`) has exited: a
+/// temporary slot is dropped only then, and an active slot makes `DROP
+/// DATABASE` fail; a persistent one is dropped then. A walsender that was
+/// still making the slot is waited for too: it is visible by its
+/// application name from before it reads the command, and it leaves
+/// `pg_stat_activity` before its slot goes.
+pub(super) async fn wait_gone(
+    ctl: &tokio_postgres::Client,
+    slot: &str,
+    walsender: &str,
+) -> Result<(), ReplicationError> {
+    let persistent = is_persistent(slot);
+    loop {
+        let rows = ctl
+            .query(
+                "SELECT 1 FROM pg_catalog.pg_replication_slots \
+                 WHERE slot_name = $1 AND (active OR NOT $3) \
+                 UNION ALL \
+                 SELECT 1 FROM pg_catalog.pg_stat_activity WHERE application_name = $2",
+                &[&slot, &walsender, &persistent],
+            )
+            .await?;
+        if rows.is_empty() {
+            if persistent {
+                drop_inactive(ctl, slot).await?;
+            }
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// Drops slot `name` if it is there and no walsender uses it.
 pub async fn drop_inactive(
     ctl: &tokio_postgres::Client,

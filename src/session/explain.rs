@@ -45,6 +45,14 @@ pub(crate) struct Explain {
 }
 
 impl Explain {
+    /// For a statement that arrived at `started`, after its lookup.
+    pub fn new(looked: &Result<Lookup, BypassReason>, started: Instant) -> Box<Self> {
+        Box::new(Self {
+            what: Explained::of(looked),
+            started,
+        })
+    }
+
     /// The NOTICE, as of `now`, when its answer is complete.
     pub fn notice(&self, now: Instant, out: &mut BytesMut) {
         let took = now.saturating_duration_since(self.started);

@@ -13,7 +13,7 @@ use crate::classify::BypassReason;
 use crate::config::CacheMode;
 use crate::protocol::{TxStatus, messages};
 use crate::session::capture::Capture;
-use crate::session::explain::{Explain, Explained};
+use crate::session::explain::Explain;
 use crate::session::offload::Job;
 use crate::session::plan::Plan;
 use crate::session::row_limit::cut_stored;
@@ -107,12 +107,7 @@ impl Engine {
             // (also for a table not yet published: the stream adds it).
             self.actions.push(Action::Watch);
         }
-        let explain = plan.explain.then(|| {
-            Box::new(Explain {
-                what: Explained::of(&looked),
-                started: ctx.now,
-            })
-        });
+        let explain = plan.explain.then(|| Explain::new(&looked, ctx.now));
         let (bytes, refresh) = match looked {
             Err(_) => return Answer::Forward(None, explain),
             Ok(Lookup::Hit { bytes, refresh, .. }) => (bytes, refresh),
