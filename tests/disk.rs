@@ -130,6 +130,21 @@ async fn answers_spill_to_disk_come_back_from_it_and_explain_names_the_tier() {
         notices.try_recv().is_err(),
         "one notice per explained statement"
     );
+    // In the extended protocol too, reading the entry of the text
+    // without the hint.
+    let prepared = "SELECT v FROM t WHERE k = $1";
+    explained.query(prepared, &[&11i32]).await.unwrap();
+    explained.query(prepared, &[&11i32]).await.unwrap();
+    let row = explained
+        .query_one(&format!("/*+ explain */ {prepared}"), &[&11i32])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 11);
+    let told = notices.recv().await.unwrap();
+    assert!(
+        told.starts_with("NOTICE: pgcache: answered from memory in "),
+        "{told}"
+    );
 }
 
 /// Spreads reads over keys 1..=399 but 7, in a fixed order.

@@ -319,13 +319,14 @@ fn may_tell_time(format: i16, value: Option<&[u8]>) -> bool {
 /// With `by_row` (a read by key), the parameters read are kept for its
 /// rows' stripes; without, none are (a Bind of many would be a heap
 /// allocation for nothing).
+/// `text`: the hash of the statement's text as keyed.
 pub(super) fn extended_key<'b>(
-    prefix: u128,
+    (prefix, text): (u128, u128),
     stmt: &Statement,
     shape: &[u8],
     (body, by_row): (&'b [u8], bool),
 ) -> Result<(RequestKey, Bound<'b>), BypassReason> {
-    let mut k = KeyBuilder::new(prefix, key::EXTENDED, stmt.hash);
+    let mut k = KeyBuilder::new(prefix, key::EXTENDED, text);
     k.bytes(shape).bytes(&stmt.param_types);
     let mut clock = false;
     let mut bound = Bound::default();

@@ -145,18 +145,9 @@ impl Engine {
             self.known.remember_marks(hash, marks);
         }
         self.before_begin(ctx, &plan)?;
-        // An explained statement reads the entry of the same text without
-        // its hint.
-        let key_hash = match plan.explain {
-            true => std::str::from_utf8(sql)
-                .ok()
-                .and_then(crate::hints::unexplained)
-                .map_or(hash, |text| key::sql_hash(text.as_bytes())),
-            false => hash,
-        };
-        let key = self
-            .may_serve(ctx, &plan, true)?
-            .map(|prefix| KeyBuilder::new(prefix, key::SIMPLE, key_hash).finish());
+        let key = self.may_serve(ctx, &plan, true)?.map(|prefix| {
+            KeyBuilder::new(prefix, key::SIMPLE, key_text(&plan, hash, sql)).finish()
+        });
         self.settings_for_replica(ctx, &plan)?;
         let reads = self.keyed_reads(&plan, |known| known.keyed_reads(hash, &plan, sql));
         let looked = self.look_up(ctx, key, &plan, reads.as_ref())?;
@@ -400,7 +391,7 @@ impl Engine {
             }
         };
         let (key, bound) = match extended_key(
-            prefix,
+            (prefix, key_text(&plan, stmt.hash, &stmt.sql)),
             &stmt,
             self.batch.shape(),
             (query.bind_body(), plan.keyed.is_some()),
@@ -452,7 +443,7 @@ impl Engine {
             return None;
         }
         let (key, bound) = extended_key(
-            prefix,
+            (prefix, key_text(&plan, stmt.hash, &stmt.sql)),
             &stmt,
             shape,
             (at.bind_body(buf), plan.keyed.is_some()),
@@ -505,6 +496,19 @@ impl Engine {
         self.found.clear();
         Ok(())
     }
+}
+
+/// The hash of the text a statement's key is made of (`hash`, its
+/// text's): an explained statement reads the entry of the same text
+/// without its hint.
+fn key_text(plan: &Plan, hash: u128, sql: &[u8]) -> u128 {
+    if !plan.explain {
+        return hash;
+    }
+    std::str::from_utf8(sql)
+        .ok()
+        .and_then(crate::hints::unexplained)
+        .map_or(hash, |text| key::sql_hash(text.as_bytes()))
 }
 
 /// A simple query's text without the semicolons and white space that end
