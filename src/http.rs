@@ -63,6 +63,10 @@ fn render(app: &App) -> String {
             .heartbeats
             .with_label_values(&labels)
             .set(db.stream.demand.beats() as i64);
+        m.replication
+            .slot_kept
+            .with_label_values(&labels)
+            .set(db.stream.slot_kept().unwrap_or(-1));
         let resting = db.stream.freshness() == Err(Unfresh::Resting);
         m.replication
             .resting

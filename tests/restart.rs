@@ -218,6 +218,13 @@ async fn a_clean_restart_is_warm_and_never_serves_what_changed_while_stopped() {
         warm >= 290.0,
         "{warm} of 300 from disk after a clean restart"
     );
+    // What the slot kept while pgcache was stopped is shown.
+    let kept = b
+        .metric(&format!(
+            "pgcache_replication_slot_kept_bytes{{database=\"{db}\"}}"
+        ))
+        .await;
+    assert!(kept >= 0.0, "the resumed slot's WAL: {kept}");
     b.stop().await;
 
     // Writes and DDL while stopped: never an old answer, then warm again

@@ -8,7 +8,7 @@
 //! | `SHOW STATS` | totals and hit ratios, overall and per tier |
 //! | `SHOW QUERIES [n]` | the top `n` (20) statements by calls, by normalised text |
 //! | `SHOW TABLES` | per table: versions, invalidations, entries, publication state |
-//! | `SHOW REPLICATION` | per database: stream state, lag, LSN |
+//! | `SHOW REPLICATION` | per database: stream state, lag, LSN, the slot and, resumed after a restart, the WAL it kept |
 //! | `SHOW POOLS` | per database and user: clients by state, server connections, waits; each server's role and lag |
 //! | `SHOW CLIENTS` | every client session: state, the server connection it holds, pin |
 //! | `SHOW SERVERS` | transaction mode's server connections and replica connections, with role and lag |
@@ -471,6 +471,10 @@ fn replication(app: &App, out: &mut BytesMut) {
                 lsn(db.stream.applied_lsn()),
                 db.stream.starts().to_string(),
                 db.stream.unpublished().to_string(),
+                db.stream.slot().unwrap_or_default(),
+                db.stream
+                    .slot_kept()
+                    .map_or_else(String::new, |b| b.to_string()),
             ]
         })
         .collect();
@@ -484,6 +488,8 @@ fn replication(app: &App, out: &mut BytesMut) {
             "applied_lsn",
             "stream_starts",
             "unpublished_tables",
+            "slot",
+            "slot_kept_bytes",
         ],
         &rows,
     );

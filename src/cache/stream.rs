@@ -60,8 +60,11 @@ pub struct StreamHealth {
     recheck: Mutex<BTreeSet<String>>,
     /// When the last warning about them was logged, and their count then.
     unpublished_warned: Mutex<Option<(Instant, u64)>>,
-    /// The temporary slot of the running stream.
+    /// The slot of the running stream.
     slot: Mutex<Option<String>>,
+    /// With a disk tier: the WAL the persistent slot kept while pgcache was
+    /// stopped, when this run resumed it; -1: not resumed.
+    slot_kept: std::sync::atomic::AtomicI64,
     /// Signalled when the stream task ends.
     ended: tokio::sync::Notify,
     /// When the newest heartbeat another instance's stream vouched for was
@@ -104,6 +107,7 @@ impl Default for StreamHealth {
             recheck: Mutex::default(),
             unpublished_warned: Mutex::default(),
             slot: Mutex::default(),
+            slot_kept: std::sync::atomic::AtomicI64::new(-1),
             ended: tokio::sync::Notify::new(),
             vouched_as_of: AtomicU64::new(0),
             vouch_lease: AtomicU64::new(0),
@@ -164,6 +168,16 @@ impl StreamHealth {
 
     pub fn slot(&self) -> Option<String> {
         self.slot.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The slot was resumed, having kept `bytes` of WAL.
+    pub fn set_slot_kept(&self, bytes: i64) {
+        self.slot_kept.store(bytes, Ordering::Relaxed);
+    }
+
+    /// What the resumed slot had kept; `None` if none was resumed.
+    pub fn slot_kept(&self) -> Option<i64> {
+        Some(self.slot_kept.load(Ordering::Relaxed)).filter(|b| *b >= 0)
     }
 
     pub fn set_streaming(&self, up: bool) {

@@ -359,6 +359,9 @@ impl Streams {
         let mut slot = Slot::for_db(&self.cache, db);
         let max_wal = self.cache.disk().map_or(0, |d| d.max_retained_wal());
         slot.prepare(ctl.client(), &db.name, max_wal).await?;
+        if let Some(kept) = slot.kept {
+            db.stream.set_slot_kept(kept);
+        }
         Ok(slot)
     }
 

@@ -22,6 +22,8 @@ pub(super) struct Slot {
     pub persistent: bool,
     /// Read from where the last run left off, rather than made now.
     pub resume: bool,
+    /// The WAL it kept meanwhile, when resumed.
+    pub kept: Option<i64>,
 }
 
 impl Slot {
@@ -36,12 +38,14 @@ impl Slot {
                     name,
                     persistent: true,
                     resume,
+                    kept: None,
                 }
             }
             None => Slot {
                 name: format!("pgcache_{:08x}", rand::random::<u32>()),
                 persistent: false,
                 resume: false,
+                kept: None,
             },
         }
     }
@@ -65,6 +69,7 @@ impl Slot {
                 Ok(retained) => {
                     info!(database = db, slot = %self.name, retained_wal_bytes = retained,
                         "reading the changes made while pgcache was stopped");
+                    self.kept = Some(retained);
                     return Ok(());
                 }
                 Err(why) => {

@@ -185,6 +185,7 @@ pub struct ReplicationGauges {
     pub unpublished_tables: IntGaugeVec,
     pub heartbeats: IntGaugeVec,
     pub resting: IntGaugeVec,
+    pub slot_kept: IntGaugeVec,
 }
 
 impl ReplicationGauges {
@@ -231,6 +232,11 @@ impl ReplicationGauges {
             heartbeats: r.database_gauge(
                 "pgcache_replication_heartbeats",
                 "Heartbeats this instance sent through the database's streams since start",
+            ),
+            slot_kept: r.database_gauge(
+                "pgcache_replication_slot_kept_bytes",
+                "With a disk tier: the WAL the database's persistent slot had kept while pgcache \
+                 was stopped, when this run resumed it (-1: not resumed)",
             ),
             resting: r.database_gauge(
                 "pgcache_replication_resting",
