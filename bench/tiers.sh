@@ -84,20 +84,24 @@ workload() {
     python3 -c "
 h, m, t, c = $(hits) - $h0, $(misses) - $m0, $t, $c1 - $c0
 print(f'{h / max(h + m, 1):10.3f} {t:10.0f} {1e6 * c / max(t * $SECS, 1):14.1f}')"
-    LAST_PORT=$port
 }
 
 echo "2. $KEYS keys read uniformly, 4 MiB of memory (four times less than they take)"
 printf '   %-16s %10s %10s %14s\n' tiers "hit ratio" tps "pg CPU ms/1k"
-printf '   %-16s %s\n' memory "$(workload small "$RUNDIR/wide.sql")"; stop_pgcache
-printf '   %-16s %s\n' "memory + disk" "$(workload small-disk "$RUNDIR/wide.sql")"
+# Not in a subshell: workload starts the pgcache stop_pgcache stops.
+workload small "$RUNDIR/wide.sql" >"$RUNDIR/row"; stop_pgcache
+printf '   %-16s %s\n' memory "$(cat "$RUNDIR/row")"
+workload small-disk "$RUNDIR/wide.sql" >"$RUNDIR/row"
+printf '   %-16s %s\n' "memory + disk" "$(cat "$RUNDIR/row")"
 echo "5. bytes per entry: disk $(python3 -c "print(round($(metric pgcache_disk_bytes) / max($(metric pgcache_disk_entries), 1)))"), memory $(python3 -c "print(round($(metric pgcache_cache_bytes) / max($(metric pgcache_cache_entries), 1)))")"
 stop_pgcache
 
 echo "3. an aggregate over 200 rows, the same setting"
 printf '   %-16s %10s %10s %14s\n' tiers "hit ratio" tps "pg CPU ms/1k"
-printf '   %-16s %s\n' memory "$(workload small "$RUNDIR/aggregate.sql")"; stop_pgcache
-printf '   %-16s %s\n' "memory + disk" "$(workload small-disk "$RUNDIR/aggregate.sql")"; stop_pgcache
+workload small "$RUNDIR/aggregate.sql" >"$RUNDIR/row"; stop_pgcache
+printf '   %-16s %s\n' memory "$(cat "$RUNDIR/row")"
+workload small-disk "$RUNDIR/aggregate.sql" >"$RUNDIR/row"; stop_pgcache
+printf '   %-16s %s\n' "memory + disk" "$(cat "$RUNDIR/row")"
 
 # restarted CONFIG: the hit ratio in the first 10 s after a restart.
 restarted() {
@@ -112,5 +116,7 @@ restarted() {
     stop_pgcache
 }
 echo "4. hit ratio in the first 10 s after a restart"
-printf '   %-16s %s\n' memory "$(restarted small)"
-printf '   %-16s %s\n' "memory + disk" "$(restarted small-disk)"
+restarted small >"$RUNDIR/row"
+printf '   %-16s %s\n' memory "$(cat "$RUNDIR/row")"
+restarted small-disk >"$RUNDIR/row"
+printf '   %-16s %s\n' "memory + disk" "$(cat "$RUNDIR/row")"

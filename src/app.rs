@@ -65,6 +65,10 @@ pub struct App {
     config_source: OnceLock<(Option<PathBuf>, config::Overrides)>,
 }
 
+/// How long start-up waits for another pgcache to hand its disk tier
+/// over ([`App::open_disk`]).
+const DISK_HANDOVER_WAIT: Duration = Duration::from_secs(5);
+
 /// Why pgcache cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -111,7 +115,9 @@ impl App {
             Arc::clone(&cache),
             Arc::clone(&upstream),
             config.replication.clone(),
-            drain.clone(),
+            // Its own: a pgcache handing its disk tier over stops only
+            // its streams.
+            drain.child_token(),
             metrics.invalidations.replication.clone(),
             metrics.invalidations.notify.clone(),
             Arc::clone(&pool),
@@ -206,20 +212,32 @@ impl App {
         app.start_replicas().await?;
         let app = Arc::new(app);
         if config.cache.enabled && config.cache.disk.enabled() {
-            app.open_disk()?;
+            app.open_disk().await?;
         }
         // Session mode has pools too: pgcache's own requests for hits.
         tokio::spawn(maintain_pools(Arc::downgrade(&app)));
         Ok(app)
     }
 
-    /// Opens the disk tier. While another pgcache uses its directory (a
-    /// rolling restart: it is draining), it is opened once that one has
-    /// stopped, and memory and Redis answer meanwhile.
-    fn open_disk(self: &Arc<Self>) -> Result<(), StartError> {
+    /// Opens the disk tier. Another pgcache may use its directory: in a
+    /// rolling restart it hands it over moments after it handed this one
+    /// its listening socket, so start-up waits up to
+    /// [`DISK_HANDOVER_WAIT`] for it (clients queue on the socket
+    /// meanwhile, none is refused) and every database starts warm. Past
+    /// that, it is opened once that pgcache has stopped, and memory and
+    /// Redis answer meanwhile.
+    async fn open_disk(self: &Arc<Self>) -> Result<(), StartError> {
         use crate::cache::disk::{DiskError, DiskTier};
         let config = self.config();
-        match DiskTier::open(&config.cache.disk, self.metrics.disk.clone()) {
+        let deadline = tokio::time::Instant::now() + DISK_HANDOVER_WAIT;
+        let mut opened = DiskTier::open(&config.cache.disk, self.metrics.disk.clone());
+        while matches!(opened, Err(DiskError::Locked { .. }))
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            opened = DiskTier::open(&config.cache.disk, self.metrics.disk.clone());
+        }
+        match opened {
             Ok((tier, carried)) => self.install_disk(tier, carried),
             Err(DiskError::Locked { path }) => {
                 info!(path = %path.display(), "another pgcache uses the disk tier: opening it once that one stops");
@@ -278,9 +296,21 @@ impl App {
         }
     }
 
+    /// The listening socket went to a new pgcache, which waits for the
+    /// disk tier: stop the streams (the cache answers nothing more once
+    /// their lease runs out; the sessions go on, relayed) and carry the
+    /// entries to it now rather than when this one stops.
+    pub async fn hand_disk_over(&self) {
+        if self.cache.disk().is_none() {
+            return;
+        }
+        self.streams.stop().await;
+        self.carry_disk();
+    }
+
     /// At the end of a clean stop, once the sessions and the streams are
-    /// done: what the next run needs to serve the disk tier's entries
-    /// again ([`crate::cache::carry`]).
+    /// done (or at a handover): what the next run needs to serve the disk
+    /// tier's entries again ([`crate::cache::carry`]). Once only.
     pub fn carry_disk(&self) {
         let Some(tier) = self.cache.disk() else {
             return;
@@ -309,8 +339,9 @@ impl App {
                 ))
             })
             .collect();
-        tier.carry(&crate::cache::carry::Carried::new(databases));
-        info!("the disk tier carries its entries to the next run");
+        if tier.carry(&crate::cache::carry::Carried::new(databases)) {
+            info!("the disk tier carries its entries to the next run");
+        }
     }
 
     /// Checks each replica and starts watching it: one that answers but

@@ -47,8 +47,13 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
         tokio::select! {
             _ = &mut shutdown => break,
             () = app.handed_over.cancelled(), if listener.is_some() => {
-                // The new pgcache accepts on the same socket now.
+                // The new pgcache accepts on the same socket now, and
+                // waits for the disk tier.
                 listener = None;
+                tokio::spawn({
+                    let app = Arc::clone(&app);
+                    async move { app.hand_disk_over().await }
+                });
             }
             accepted = accept(listener.as_ref()) => match accepted {
                 Ok((socket, peer)) => {

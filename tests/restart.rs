@@ -315,14 +315,19 @@ async fn a_second_instance_takes_the_address_over_and_no_connection_fails() {
     let b = Instance::start_on(port, &dir, &log).await;
     let took = std::fs::read_to_string(&log).unwrap();
     assert!(took.contains("took the listening socket over"), "{took}");
-    a.stop().await;
-    // The new one opens the disk tier once the old one is gone.
+    // The old one hands its disk tier over at once, while it still serves
+    // its sessions, and the new one starts warm from it.
     eventually(
         Duration::from_secs(20),
         "the disk tier in the new pgcache",
         || async { (b.metric("pgcache_disk_capacity_bytes").await > 0.0).then_some(()) },
     )
     .await;
+    b.until_cached(&db).await;
+    read_all(&b.dsn(&db), &db, READ).await;
+    let warm = b.disk_hits().await;
+    assert!(warm >= 250.0, "{warm} of 300 from disk in the new pgcache");
+    a.stop().await;
     stop.send(true).unwrap();
     let (ok, failed) = clients.await.unwrap();
     assert!(

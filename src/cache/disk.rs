@@ -159,7 +159,7 @@ pub enum Read {
 
 pub struct DiskTier {
     /// Locked while this pgcache uses the directory.
-    _lock: std::fs::File,
+    lock: std::fs::File,
     instance: u32,
     max_retained_wal: u64,
     answers: Tree,
@@ -170,6 +170,11 @@ pub struct DiskTier {
     queue: SyncSender<(u128, Stored)>,
     /// The directory takes writes (the last probe succeeded).
     up: AtomicBool,
+    /// Closed for good (carried, or pgcache stopping): nothing is read or
+    /// written any more. The writer holds the lock while it writes, so
+    /// once [`DiskTier::close`] has it, no write follows.
+    closed: AtomicBool,
+    writing: std::sync::Mutex<()>,
     metrics: DiskMetrics,
 }
 
@@ -200,7 +205,7 @@ impl DiskTier {
             .capacity
             .set(i64::try_from(config.max_bytes).unwrap_or(i64::MAX));
         let tier = Arc::new(Self {
-            _lock: lock,
+            lock,
             instance,
             max_retained_wal: config.max_retained_wal_bytes,
             answers,
@@ -209,6 +214,8 @@ impl DiskTier {
             read_timeout: Duration::from_millis(config.read_timeout_ms),
             queue,
             up: AtomicBool::new(true),
+            closed: AtomicBool::new(false),
+            writing: std::sync::Mutex::new(()),
             metrics,
         });
         let writer = Arc::downgrade(&tier);
@@ -231,12 +238,20 @@ impl DiskTier {
     /// Writes what the next run needs to serve the entries again: after
     /// the files reached the disk, so that a crash in between leaves the
     /// entries but not the means to use them.
-    pub fn carry(&self, carried: &Carried) {
-        self.close();
+    /// Then the directory is unlocked, for a pgcache taking over.
+    /// Once only.
+    pub fn carry(&self, carried: &Carried) -> bool {
+        if !self.close() {
+            return false;
+        }
         if let Err(e) = carried.save(&self.dir) {
             tracing::warn!(path = %self.dir.display(), error = %e,
                 "could not save what the disk tier carries: the next run starts it empty");
         }
+        if let Err(e) = self.lock.unlock() {
+            tracing::warn!(error = %e, "could not unlock the disk tier's directory");
+        }
+        true
     }
 
     /// Queues an answer for the writer thread; dropped (and counted) when
@@ -289,7 +304,7 @@ impl DiskTier {
     }
 
     pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Acquire)
+        self.up.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire)
     }
 
     /// Bytes the tier's files take on disk.
@@ -369,11 +384,17 @@ impl DiskTier {
     }
 
     /// Writes what is still in memory to a file.
-    pub fn close(&self) {
-        self.up.store(false, Ordering::Release);
+    /// Writes what is still in memory to a file, and stops: false if it
+    /// was closed already.
+    pub fn close(&self) -> bool {
+        let _writing = self.writing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return false;
+        }
         if let Err(e) = self.answers.flush_active_memtable(0) {
             tracing::warn!(error = %e, "closing the disk tier");
         }
+        true
     }
 }
 
@@ -409,6 +430,10 @@ fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) 
     };
     while let Ok((key, stored)) = writes.recv() {
         let Some(tier) = tier.upgrade() else { return };
+        let _writing = tier.writing.lock().unwrap_or_else(|e| e.into_inner());
+        if tier.closed.load(Ordering::Acquire) {
+            return;
+        }
         seqno += 1;
         match tier.write(key, &stored, seqno) {
             Ok(()) => tier.metrics.stores.inc(),

@@ -50,6 +50,8 @@ pub struct Streams {
     /// Server connections parked for later clients, which let go of a
     /// database with the stream.
     pool: Arc<ServerPool>,
+    /// The running stream tasks ([`Streams::stop`] waits for them).
+    tasks: tokio_util::task::TaskTracker,
 }
 
 impl Streams {
@@ -70,6 +72,21 @@ impl Streams {
             applied,
             notified,
             pool,
+            tasks: tokio_util::task::TaskTracker::new(),
+        }
+    }
+
+    /// Stops every stream and waits (up to [`RELEASE_WAIT`]) for them to
+    /// end: nothing moves a counter or acknowledges a position after this
+    /// returns. For a pgcache handing its disk tier to the next one.
+    pub async fn stop(&self) {
+        self.drain.cancel();
+        self.tasks.close();
+        if tokio::time::timeout(RELEASE_WAIT, self.tasks.wait())
+            .await
+            .is_err()
+        {
+            warn!("the replication streams did not stop in time");
         }
     }
 
@@ -97,12 +114,16 @@ impl Streams {
     /// Starts the stream of `db` unless it runs already.
     pub fn ensure(self: &Arc<Self>, db: &Arc<DbState>) {
         db.hold.touch();
-        if !self.cache.replication_on() || db.hold.paused() || !db.stream.claim() {
+        if !self.cache.replication_on()
+            || self.drain.is_cancelled()
+            || db.hold.paused()
+            || !db.stream.claim()
+        {
             return;
         }
         let streams = Arc::clone(self);
         let db = Arc::clone(db);
-        tokio::spawn(async move { streams.run(db).await });
+        self.tasks.spawn(async move { streams.run(db).await });
     }
 
     /// Every instance hears DDL from its own stream, so the catalog facts
@@ -213,7 +234,7 @@ impl Streams {
     /// [`slot::wait_gone`], asked on a connection to database `via`.
     async fn wait_slot_gone(&self, slot: &str, via: &str) -> Result<(), ReplicationError> {
         let ctl = self.upstream.control(via).await?;
-        let walsender = walsender_name(slot);
+        let walsender = slot::walsender_name(slot);
         match tokio::time::timeout(RELEASE_WAIT, slot::wait_gone(&ctl, slot, &walsender)).await {
             Ok(result) => result,
             Err(_) => Err(ReplicationError::Config(
@@ -489,7 +510,7 @@ impl Streams {
         )
         .with_port(port)
         .with_tls(tls)
-        .with_application_name(walsender_name(name))
+        .with_application_name(slot::walsender_name(name))
         .with_status_interval(Duration::from_secs(1));
         let mut stream = Walsender(ReplicationClient::connect_gated(cfg).await?);
         if let Some(create) = slot.create() {
@@ -548,12 +569,6 @@ impl Streams {
         }
         Ok(())
     }
-}
-
-/// The application name of the walsender streaming into `slot`: how
-/// [`Streams::release`] finds one that is still being set up.
-fn walsender_name(slot: &str) -> String {
-    format!("pgcache-invalidation {slot}")
 }
 
 /// A replication session whose worker task ends with it. Dropping a

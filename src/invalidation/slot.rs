@@ -181,6 +181,12 @@ pub(super) async fn wait_gone(
     }
 }
 
+/// The application name of the walsender streaming into `slot`: how
+/// [`wait_gone`] finds one that is still being set up.
+pub(super) fn walsender_name(slot: &str) -> String {
+    format!("pgcache-invalidation {slot}")
+}
+
 /// Drops slot `name` if it is there and no walsender uses it.
 pub async fn drop_inactive(
     ctl: &tokio_postgres::Client,
