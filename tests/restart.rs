@@ -27,17 +27,18 @@ impl Instance {
 
     /// On `port`, which another pgcache may be listening on.
     async fn start_on(port: u16, dir: &Path, log: &Path) -> Instance {
-        Self::start_in(&[], port, dir, log).await
+        Self::start_in(&[], port, dir, log, "").await
     }
 
-    /// Run by `wrapper` (a command that execs its arguments).
-    async fn start_in(wrapper: &[&str], port: u16, dir: &Path, log: &Path) -> Instance {
+    /// Run by `wrapper` (a command that execs its arguments), with
+    /// `disk` more lines of `[cache.disk]`.
+    async fn start_in(wrapper: &[&str], port: u16, dir: &Path, log: &Path, disk: &str) -> Instance {
         let config = dir.with_extension("toml");
         std::fs::write(
             &config,
             format!(
                 "[cache]\nmax_entry_bytes = 16384\n[cache.local]\nmax_bytes = 65536\n\
-                 [cache.disk]\npath = {:?}\nmax_bytes = 8388608\nread_timeout_ms = 2000\n\
+                 [cache.disk]\npath = {:?}\nmax_bytes = 8388608\nread_timeout_ms = 2000\n{disk}\n\
                  [replication]\nmax_staleness_ms = 5000\n",
                 dir.display().to_string()
             ),
@@ -355,7 +356,7 @@ async fn on_tmpfs(size: &str, dir: &Path, log: &Path) -> Instance {
         &mount,
         dir.to_str().unwrap(),
     ];
-    Instance::start_in(&wrapper, free_port(), dir, log).await
+    Instance::start_in(&wrapper, free_port(), dir, log, "").await
 }
 
 /// Runs `command` in `pid`'s mount namespace.
@@ -489,4 +490,40 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
         }
     }
     files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_pgcaches_slot_that_keeps_too_much_wal_is_dropped() {
+    let (db, dir, log) = setup("disk_stale_slot");
+    let stale = "pgcache_disk_deadbeef_00000000";
+    pg().psql_db(
+        &db,
+        &format!("SELECT pg_create_logical_replication_slot('{stale}', 'pgoutput')"),
+    );
+    // More WAL than the limit below, kept by the stopped pgcache's slot.
+    pg().psql_db(
+        &db,
+        "CREATE TABLE filler AS SELECT g, md5(g::text) AS m FROM generate_series(1, 50000) g",
+    );
+    let a = Instance::start_in(
+        &[],
+        free_port(),
+        &dir,
+        &log,
+        "max_retained_wal_bytes = 1048576",
+    )
+    .await;
+    a.until_cached(&db).await;
+    let left = pg().psql_db(
+        &db,
+        &format!("SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{stale}'"),
+    );
+    assert_eq!(left.trim(), "0", "the stale slot is dropped");
+    let own = pg().psql_db(
+        &db,
+        "SELECT count(*) FROM pg_replication_slots \
+         WHERE database = current_database() AND slot_name LIKE 'pgcache\\_disk\\_%' AND active",
+    );
+    assert_eq!(own.trim(), "1", "its own stays");
+    a.stop().await;
 }

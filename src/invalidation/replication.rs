@@ -299,7 +299,7 @@ impl Streams {
         let database = db.name.as_str();
         let ctl = Control::prepare(self.upstream.control(database).await?).await?;
         self.prepare(&ctl, db).await?;
-        let slot = self.slot(&ctl, db).await?;
+        let slot = Slot::ready(&self.cache, ctl.client(), db).await?;
         // Named before it exists, so that a statement that needs the
         // database free waits for it even while it is being made.
         db.stream.set_slot(Some(slot.name.clone()));
@@ -341,6 +341,7 @@ impl Streams {
                     }
                     _ = trigger_check.tick() => {
                         self.keep_trigger(&ctl, db, true).await;
+                        slot.drop_stale(ctl.client(), &self.cache).await;
                         continue;
                     }
                     payload = listener.payloads.recv() => {
@@ -373,17 +374,6 @@ impl Streams {
                 stream.update_applied_lsn(lsn);
             }
         }
-    }
-
-    /// The slot `db`'s next stream reads, ready to be read.
-    async fn slot(&self, ctl: &Control, db: &DbState) -> Result<Slot, ReplicationError> {
-        let mut slot = Slot::for_db(&self.cache, db);
-        let max_wal = self.cache.disk().map_or(0, |d| d.max_retained_wal());
-        slot.prepare(ctl.client(), &db.name, max_wal).await?;
-        if let Some(kept) = slot.kept {
-            db.stream.set_slot_kept(kept);
-        }
-        Ok(slot)
     }
 
     /// What one event asks beyond its acknowledgement: its bumps, its DDL

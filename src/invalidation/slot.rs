@@ -27,6 +27,30 @@ pub(super) struct Slot {
 }
 
 impl Slot {
+    /// The slot `db`'s next stream reads, ready to be read.
+    pub async fn ready(
+        cache: &Cache,
+        ctl: &tokio_postgres::Client,
+        db: &DbState,
+    ) -> Result<Slot, ReplicationError> {
+        let mut slot = Slot::for_db(cache, db);
+        let max_wal = cache.disk().map_or(0, |d| d.max_retained_wal());
+        slot.prepare(ctl, &db.name, max_wal).await?;
+        if let Some(kept) = slot.kept {
+            db.stream.set_slot_kept(kept);
+        }
+        Ok(slot)
+    }
+
+    /// [`drop_stale`], now and then while the stream runs.
+    pub async fn drop_stale(&self, ctl: &tokio_postgres::Client, cache: &Cache) {
+        if let (true, Some(disk)) = (self.persistent, cache.disk())
+            && let Err(e) = drop_stale(ctl, &self.name, disk.max_retained_wal()).await
+        {
+            warn!(slot = %self.name, error = %e, "could not look for stale replication slots");
+        }
+    }
+
     /// The slot for `db`'s next stream.
     pub fn for_db(cache: &Cache, db: &DbState) -> Slot {
         let carried = db.resume.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -64,6 +88,7 @@ impl Slot {
         if !self.persistent {
             return Ok(());
         }
+        drop_stale(ctl, &self.name, max_wal).await?;
         if self.resume {
             match self.resumable(ctl, max_wal).await? {
                 Ok(retained) => {
@@ -179,6 +204,38 @@ pub(super) async fn wait_gone(
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
+}
+
+/// Drops the persistent slots other pgcaches (stopped: no walsender uses
+/// them) left in this database that keep more than `max_wal` bytes of WAL,
+/// or that PostgreSQL gave up: their pgcache would refuse them when it
+/// starts. While one pgcache with a disk tier streams the database, a
+/// stopped one's slot keeps no more WAL than that, give or take
+/// [`super::replication`]'s check interval.
+pub(super) async fn drop_stale(
+    ctl: &tokio_postgres::Client,
+    own: &str,
+    max_wal: u64,
+) -> Result<(), ReplicationError> {
+    let dropped = ctl
+        .execute(
+            "SELECT pg_catalog.pg_drop_replication_slot(slot_name)
+             FROM pg_catalog.pg_replication_slots
+             WHERE database = pg_catalog.current_database() AND NOT active
+               AND slot_name LIKE 'pgcache\\_disk\\_%' AND slot_name <> $1
+               AND (wal_status = 'lost'
+                    OR pg_catalog.pg_current_wal_lsn() - restart_lsn > $2::bigint)",
+            &[&own, &i64::try_from(max_wal).unwrap_or(i64::MAX)],
+        )
+        .await?;
+    if dropped > 0 {
+        warn!(
+            slots = dropped,
+            max_retained_wal_bytes = max_wal,
+            "dropped stopped pgcaches' replication slots that kept too much WAL"
+        );
+    }
+    Ok(())
 }
 
 /// The application name of the walsender streaming into `slot`: how
