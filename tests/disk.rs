@@ -10,8 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use futures_util::StreamExt;
-use tokio_postgres::{AsyncMessage, Client};
+use tokio_postgres::Client;
 
 /// Rows of about 1.5 KB, as the check's; `random`: of hex digits that
 /// do not compress (the check's repeat one string).
@@ -48,23 +47,6 @@ async fn read(client: &Client, k: u32) -> Vec<Vec<Option<String>>> {
 
 fn disk_hits(proxy: &Proxy) -> u64 {
     proxy.app.metrics.tiers.disk.hits.get()
-}
-
-/// Connects and collects the notices the server sends.
-async fn connect_with_notices(dsn: &str) -> (Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
-    let (client, mut conn) = tokio_postgres::connect(dsn, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notice(n) = message {
-                let _ = tx.send(format!("{}: {}", n.severity(), n.message()));
-            }
-        }
-    });
-    (client, rx)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,8 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use futures_util::StreamExt;
-use tokio_postgres::{AsyncMessage, Client};
+use tokio_postgres::Client;
 
 const TABLE: &str = "CREATE TABLE t(id int PRIMARY KEY, v int); \
                      INSERT INTO t SELECT g, g * 10 FROM generate_series(1, 20) g";
@@ -213,23 +212,6 @@ async fn table_role_and_database_rules_turn_caching_off() {
         hits_of_two(&proxy, &off, "SELECT v FROM t WHERE id = 1").await,
         0
     );
-}
-
-/// Connects and collects the notices the server sends.
-async fn connect_with_notices(dsn: &str) -> (Client, tokio::sync::mpsc::UnboundedReceiver<String>) {
-    let (client, mut conn) = tokio_postgres::connect(dsn, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notice(n) = message {
-                let _ = tx.send(format!("{}: {}", n.severity(), n.message()));
-            }
-        }
-    });
-    (client, rx)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

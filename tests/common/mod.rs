@@ -247,3 +247,27 @@ pub async fn standby_caught_up(primary: &Pg, standby: &Pg) {
     })
     .await;
 }
+
+/// Connects and collects the notices the server sends, as
+/// `SEVERITY: message`.
+pub async fn connect_with_notices(
+    dsn: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use futures_util::StreamExt;
+    let (client, mut conn) = tokio_postgres::connect(dsn, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notice(n) = message {
+                let _ = tx.send(format!("{}: {}", n.severity(), n.message()));
+            }
+        }
+    });
+    (client, rx)
+}
