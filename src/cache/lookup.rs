@@ -50,6 +50,8 @@ pub enum Lookup {
         bytes: Bytes,
         refresh: Option<Fill>,
         from: Source,
+        /// From the request's arrival to the answer found.
+        took: Duration,
     },
     /// Forward it, and store the answer with this fill.
     Miss(Fill),
@@ -242,7 +244,7 @@ impl Cache {
         if req.shadow {
             return Some(Lookup::WouldHit(entry.bytes.clone()));
         }
-        self.count_hit(req, entry.bytes.len(), Source::Memory);
+        let took = self.count_hit(req, entry.bytes.len(), Source::Memory);
         let refresh = entry
             .wants_refresh()
             .then(|| self.refresh_fill(req))
@@ -251,6 +253,7 @@ impl Cache {
             bytes: entry.bytes.clone(),
             refresh,
             from: Source::Memory,
+            took,
         })
     }
 
@@ -282,7 +285,7 @@ impl Cache {
         if req.shadow {
             return Ok(Some(Lookup::WouldHit(stored.payload)));
         }
-        self.count_hit(req, stored.payload.len(), Source::Disk);
+        let took = self.count_hit(req, stored.payload.len(), Source::Disk);
         let refresh = lifetime
             .refresh
             .is_some_and(|r| age >= r)
@@ -292,6 +295,7 @@ impl Cache {
             bytes: stored.payload,
             refresh,
             from: Source::Disk,
+            took,
         }))
     }
 
@@ -398,7 +402,7 @@ impl Cache {
         if req.shadow {
             return Lookup::WouldHit(entry.payload);
         }
-        self.count_hit(req, entry.payload.len(), Source::Redis);
+        let took = self.count_hit(req, entry.payload.len(), Source::Redis);
         let refresh = req
             .lifetime
             .refresh
@@ -409,11 +413,12 @@ impl Cache {
             bytes: entry.payload,
             refresh,
             from: Source::Redis,
+            took,
         }
     }
 
-    /// Counted before the client can see the answer.
-    fn count_hit(&self, req: &Request<'_>, bytes: usize, from: Source) {
+    /// Counted before the client can see the answer; how long it took.
+    fn count_hit(&self, req: &Request<'_>, bytes: usize, from: Source) -> Duration {
         let took = req.started.elapsed();
         let m = &self.metrics;
         m.hits.inc();
@@ -429,6 +434,7 @@ impl Cache {
         m.client_bytes_out.inc_by(bytes as u64 + 6);
         self.db_metrics(req.db).hit.inc();
         req.stats.hit(took, bytes);
+        took
     }
 
     /// The fill of a background refresh of an entry just served, under the

@@ -14,8 +14,8 @@ use crate::protocol::{messages, sqlstate};
 /// Where an explained statement's answer comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Explained {
-    /// A tier of the cache.
-    Hit(Source),
+    /// A tier of the cache, in so long.
+    Hit(Source, Duration),
     /// PostgreSQL, the cache not holding it yet; its answer is stored.
     Miss,
     /// PostgreSQL, the cache not answering it, for this reason.
@@ -30,7 +30,7 @@ impl Explained {
     pub fn of(looked: &Result<Lookup, BypassReason>) -> Self {
         match looked {
             Err(reason) | Ok(Lookup::Bypass(reason)) => Explained::Bypass(*reason),
-            Ok(Lookup::Hit { from, .. }) => Explained::Hit(*from),
+            Ok(Lookup::Hit { from, took, .. }) => Explained::Hit(*from, *took),
             Ok(Lookup::Miss(_)) => Explained::Miss,
             Ok(Lookup::WouldHit(_)) => Explained::Shadow,
         }
@@ -53,7 +53,8 @@ impl Explain {
         })
     }
 
-    /// The NOTICE, as of `now`, when its answer is complete.
+    /// The NOTICE, its answer complete at `now` (a hit's own time is its
+    /// lookup's).
     pub fn notice(&self, now: Instant, out: &mut BytesMut) {
         let took = now.saturating_duration_since(self.started);
         messages::notice_response(
@@ -66,7 +67,9 @@ impl Explain {
 
     fn text(&self, took: Duration) -> String {
         match self.what {
-            Explained::Hit(from) => format!("pgcache: answered from {} in {took:?}", from.label()),
+            Explained::Hit(from, took) => {
+                format!("pgcache: answered from {} in {took:?}", from.label())
+            }
             Explained::Miss => format!(
                 "pgcache: answered by PostgreSQL in {took:?}: not in the cache (memory, disk, Redis) yet; the answer is stored"
             ),
@@ -95,12 +98,10 @@ mod tests {
             }
             .text(took)
         };
-        assert_eq!(
-            text(Explained::Hit(Source::Disk)),
-            "pgcache: answered from disk in 85µs"
-        );
-        assert!(text(Explained::Hit(Source::Memory)).contains("from memory"));
-        assert!(text(Explained::Hit(Source::Redis)).contains("from Redis"));
+        let hit = |from| text(Explained::Hit(from, Duration::from_micros(12)));
+        assert_eq!(hit(Source::Disk), "pgcache: answered from disk in 12µs");
+        assert!(hit(Source::Memory).contains("from memory"));
+        assert!(hit(Source::Redis).contains("from Redis"));
         assert!(text(Explained::Miss).starts_with("pgcache: answered by PostgreSQL in 85µs"));
         let bypass = text(Explained::Bypass(BypassReason::NotSelect));
         assert!(bypass.ends_with("not cached (not_select)"), "{bypass}");

@@ -84,7 +84,7 @@ impl Engine {
                     if let Some(explain) = self.pipeline.front_mut().and_then(|f| f.explain.take())
                     {
                         self.out.extend_from_slice(&buf[copied..pos]);
-                        explain.notice(std::time::Instant::now(), &mut self.out);
+                        explain.notice(ctx.now, &mut self.out);
                         copied = pos;
                     }
                     let status = frame.get(HEADER_LEN).and_then(|b| TxStatus::from_byte(*b));

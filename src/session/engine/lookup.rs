@@ -132,7 +132,7 @@ impl Engine {
         self.out
             .extend_from_slice(cut.flatten().as_deref().unwrap_or(&bytes));
         if let Some(explain) = explain {
-            explain.notice(std::time::Instant::now(), &mut self.out);
+            explain.notice(ctx.now, &mut self.out);
         }
         self.out
             .extend_from_slice(&messages::ready_for_query(self.tx.status));
