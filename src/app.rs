@@ -339,7 +339,7 @@ impl App {
                 ))
             })
             .collect();
-        if tier.carry(&crate::cache::carry::Carried::new(databases)) {
+        if tier.carry(crate::cache::carry::Carried::new(databases)) {
             info!("the disk tier carries its entries to the next run");
         }
     }
@@ -353,7 +353,7 @@ impl App {
         }
         let Some(primary_id) = invalidation::cluster_id(&self.upstream).await else {
             return Err(StartError::Replica(
-                "cannot read the primary's system identifier (pg_control_system()), which every                  replica must share"
+                "cannot read the primary's system identifier (pg_control_system()), which every replica must share"
                     .to_owned(),
             ));
         };

@@ -25,6 +25,11 @@ const FORMAT: u32 = 1;
 pub struct Carried {
     format: u32,
     pub databases: BTreeMap<String, CarriedDb>,
+    /// Every file of the tree as the clean stop left it (path under the
+    /// tree, xxh3 of its bytes): the tree trusts the lengths it reads, so
+    /// a file changed since is never opened.
+    #[serde(default)]
+    pub files: BTreeMap<String, u64>,
 }
 
 /// One database's.
@@ -45,6 +50,7 @@ impl Carried {
         Self {
             format: FORMAT,
             databases,
+            files: BTreeMap::new(),
         }
     }
 

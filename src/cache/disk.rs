@@ -198,6 +198,14 @@ impl DiskTier {
         let instance = instance(&dir).map_err(unusable)?;
         let carried = Carried::take(&dir).map_err(unusable)?;
         let budget = Budget::of(config.max_bytes);
+        let whole = carried
+            .as_ref()
+            .is_some_and(|c| tree_files(&dir.join(TREE)) == c.files);
+        if carried.is_some() && !whole {
+            tracing::warn!(path = %dir.display(),
+                "the disk tier's files changed since the last run stopped: it starts empty");
+        }
+        let carried = carried.filter(|_| whole);
         let answers = open_tree(&dir, &budget, carried.is_some(), &metrics)?;
         let (queue, writes) = std::sync::mpsc::sync_channel(QUEUE);
         metrics.up.set(1);
@@ -240,10 +248,11 @@ impl DiskTier {
     /// entries but not the means to use them.
     /// Then the directory is unlocked, for a pgcache taking over.
     /// Once only.
-    pub fn carry(&self, carried: &Carried) -> bool {
+    pub fn carry(&self, mut carried: Carried) -> bool {
         if !self.close() {
             return false;
         }
+        carried.files = tree_files(&self.dir.join(TREE));
         if let Err(e) = carried.save(&self.dir) {
             tracing::warn!(path = %self.dir.display(), error = %e,
                 "could not save what the disk tier carries: the next run starts it empty");
@@ -446,6 +455,26 @@ fn write_all(tier: std::sync::Weak<DiskTier>, writes: Receiver<(u128, Stored)>) 
             }
         }
     }
+}
+
+/// Every file under `tree`, by path under it, with the xxh3 of its bytes.
+fn tree_files(tree: &Path) -> std::collections::BTreeMap<String, u64> {
+    let mut files = std::collections::BTreeMap::new();
+    let mut dirs = vec![tree.to_owned()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if let (Ok(bytes), Ok(name)) = (std::fs::read(&path), path.strip_prefix(tree)) {
+                files.insert(
+                    name.display().to_string(),
+                    xxhash_rust::xxh3::xxh3_64(&bytes),
+                );
+            }
+        }
+    }
+    files
 }
 
 /// Locks the directory for this pgcache.
