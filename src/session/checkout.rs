@@ -7,17 +7,14 @@
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::debug;
 
 use super::SessionError;
 use super::engine::LinkStep;
-use super::link::{CAPTURE, ClientState, Link, UNKNOWN_STATE, set_config_sql};
+use super::link::{Link, UNKNOWN_STATE};
 use super::relay::Session;
 use crate::backend::BackendStream;
-use crate::invalidation::quote_literal;
+use crate::pool::Server;
 use crate::pool::clients::Activity;
-use crate::pool::transaction::Pool;
-use crate::pool::{Server, Statuses};
 use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 
@@ -47,6 +44,13 @@ where
     /// gives it the client's settings
     /// ([`super::link::PooledLink::granted`]).
     pub(super) async fn attach(&mut self, queued: bool) -> Result<(), SessionError> {
+        self.take_connection(queued).await?;
+        self.converse().await
+    }
+
+    /// Takes a connection from the pool, if the session holds none; the
+    /// client's settings are the first own query asked on it.
+    pub(super) async fn take_connection(&mut self, queued: bool) -> Result<(), SessionError> {
         if self.attached() {
             return Ok(());
         }
@@ -79,21 +83,8 @@ where
         self.backend = Some(stream);
         // One address for the whole pool: copied once, not per checkout.
         self.engine.attach_server(&server.addr, server.key.clone());
-        let Some(apply) = self.engine.granted(lease, queued) else {
-            return Ok(());
-        };
-        match Box::pin(self.run_hidden(&apply)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(error)) => {
-                // In an unknown state: closed.
-                self.drop_backend();
-                Err(match error {
-                    Some(frame) => SessionError::from_server_error(&frame),
-                    None => SessionError::BackendIo(std::io::ErrorKind::InvalidData.into()),
-                })
-            }
-            Err(e) => Err(e),
-        }
+        self.engine.granted(lease, queued);
+        Ok(())
     }
 
     /// Transaction mode: gives the connection back once the session is
@@ -103,11 +94,9 @@ where
         loop {
             match self.engine.link_step(self.attached(), self.unread()) {
                 Some(LinkStep::ReadBack) => {
-                    if !Box::pin(self.settle_settings()).await? {
-                        // Unreadable: the connection is closed, not given back.
-                        self.drop_backend();
-                        return Ok(());
-                    }
+                    // Unreadable, the connection is closed, not given back.
+                    self.engine.read_back();
+                    Box::pin(self.converse()).await?;
                 }
                 Some(LinkStep::GiveBack) => return self.give_back(false).await,
                 Some(LinkStep::Close) => return self.give_back(true).await,
@@ -142,32 +131,6 @@ where
         }
         self.detached_now();
         Ok(())
-    }
-
-    /// Reads back the settings the session changed, and sets again the
-    /// startup parameters it reset ([`ClientState::captured`]); false if
-    /// the connection is in a state pgcache cannot tell.
-    async fn settle_settings(&mut self) -> Result<bool, SessionError> {
-        let user = self.engine.startup().user().to_owned();
-        let Ok(rows) = self.run_hidden(&messages::hidden_query(CAPTURE)).await? else {
-            return Ok(false);
-        };
-        let Link::Pooled(link) = self.engine.link_mut() else {
-            return Ok(false);
-        };
-        let (state, reset) = ClientState::captured(rows, &user, &link.startup);
-        if !reset.is_empty() {
-            debug!(?reset, "startup parameters set again after a reset");
-            let again = messages::hidden_query(&set_config_sql(&reset));
-            if self.run_hidden(&again).await?.is_err() {
-                return Ok(false);
-            }
-        }
-        debug!(settings = ?state.settings, "session settings read back");
-        if let Link::Pooled(link) = self.engine.link_mut() {
-            link.settled(state);
-        }
-        Ok(true)
     }
 
     /// The session holds no connection any more.
@@ -235,7 +198,12 @@ where
         };
         let (pid, secret, guard) = self.app.cancel.register_pooled();
         self.engine.register_cancel(guard);
-        self.learn_reported(&pool, &statuses).await?;
+        // How the server reports the client's startup values the pool has
+        // not met yet, on a connection with the client's settings applied:
+        // a value PostgreSQL refuses fails the login, as it would directly.
+        if self.engine.learn_reported(&statuses) {
+            self.attach(false).await?;
+        }
         let ctx = super::relay::ctx(&self.app, &self.entry);
         let out = self
             .engine
@@ -246,40 +214,6 @@ where
             .await
             .map_err(SessionError::ClientIo)?;
         self.detach_if_idle().await
-    }
-
-    /// Learns how the server reports the client's startup values that
-    /// the pool has not met yet, on a connection with the client's
-    /// settings applied: a value PostgreSQL refuses fails the login, as
-    /// it would directly.
-    async fn learn_reported(&mut self, pool: &Pool, shown: &Statuses) -> Result<(), SessionError> {
-        let missing: Vec<(String, String)> = self
-            .engine
-            .startup()
-            .params
-            .iter()
-            .filter(|(name, value)| {
-                shown.has(name) && name != "client_encoding" && !pool.reported.knows(name, value)
-            })
-            .cloned()
-            .collect();
-        if missing.is_empty() {
-            return Ok(());
-        }
-        self.attach(false).await?;
-        let names: Vec<String> = missing.iter().map(|(n, _)| quote_literal(n)).collect();
-        let sql = format!(
-            "SELECT pg_catalog.current_setting(n) FROM pg_catalog.unnest(ARRAY[{}]::text[]) \
-             WITH ORDINALITY AS t(n, i) ORDER BY i",
-            names.join(",")
-        );
-        let rows = self.hidden_query(&sql).await?.unwrap_or_default();
-        for ((name, value), row) in missing.iter().zip(rows) {
-            if let Some(Some(reported)) = row.into_iter().next() {
-                pool.reported.learn(name, value, &reported);
-            }
-        }
-        Ok(())
     }
 
     /// The backend connection, if this session handed it back clean.

@@ -197,19 +197,73 @@ fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bo
     for _ in 0..8 {
         match engine.on_client_frame(ctx, &frame) {
             Ok(flow) => return flow == Flow::Close,
-            Err(Need::Settings { generation, .. }) => {
+            Err(Need::Own) => {
                 let row = ["fuzz", "fuzz", "read committed", "", "none", "{}"]
                     .map(|v| Some(v.to_owned()))
                     .to_vec();
                 let answer = (control & 2 == 0).then(|| vec![row]);
-                engine.on_settings(ctx, generation, answer);
+                answer_own(engine, ctx, answer.as_deref());
             }
             Err(Need::Prerequisites) => engine.prerequisites_met(),
-            Err(Need::Facts | Need::Fetched { .. }) => engine.facts_met(),
+            Err(Need::Fetched { .. }) => engine.facts_met(),
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.
             Err(Need::Cache(_)) => return true,
         }
     }
     panic!("the engine asked for the same need again and again");
+}
+
+/// Answers every own query the engine asked, as PostgreSQL would: with
+/// `rows`, or an error (`None`). Returns how many it answered.
+pub(in crate::session) fn answer_own(
+    engine: &mut Engine,
+    ctx: &Ctx,
+    rows: Option<&[Vec<Option<String>>]>,
+) -> usize {
+    let mut answered = 0;
+    while engine.own_request().is_some() {
+        let mut frames = BytesMut::new();
+        match rows {
+            Some(rows) => rows.iter().for_each(|row| data_row(&mut frames, row)),
+            None => crate::protocol::messages::error_response(
+                &mut frames,
+                "ERROR",
+                "42501",
+                "permission denied",
+            ),
+        }
+        frames.extend_from_slice(&crate::protocol::messages::ready_for_query(
+            engine.tx_status(),
+        ));
+        for frame in crate::protocol::codec::frames(&frames) {
+            if let super::engine::OwnStep::Answered =
+                engine.on_own_frame(ctx, BytesMut::from(frame))
+            {
+                answered += 1;
+            }
+        }
+    }
+    answered
+}
+
+/// A DataRow of text values.
+pub(in crate::session) fn data_row(out: &mut BytesMut, row: &[Option<String>]) {
+    use bytes::BufMut;
+    let len: usize = row
+        .iter()
+        .map(|v| 4 + v.as_ref().map_or(0, String::len))
+        .sum();
+    out.put_u8(crate::protocol::backend::DATA_ROW);
+    out.put_u32((4 + 2 + len) as u32);
+    out.put_u16(row.len() as u16);
+    for value in row {
+        match value {
+            Some(v) => {
+                out.put_i32(v.len() as i32);
+                out.put_slice(v.as_bytes());
+            }
+            None => out.put_i32(-1),
+        }
+    }
 }

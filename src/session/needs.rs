@@ -26,10 +26,7 @@ where
                 self.meet_prerequisites(frame).await?;
                 self.engine.prerequisites_met();
             }
-            Need::Facts => {
-                self.look_up_facts().await?;
-                self.engine.facts_met();
-            }
+            Need::Own => self.converse().await?,
             Need::Fetched { rels, funcs } => {
                 let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
                 let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
@@ -43,12 +40,6 @@ where
                     .wait_for_facts(db, (&rels, &funcs), wait)
                     .await;
                 self.engine.facts_met();
-            }
-            Need::Settings { sql, generation } => {
-                self.app.metrics.settings_queries.inc();
-                let rows = self.hidden_query(&sql).await?;
-                let ctx = super::relay::ctx(&self.app, &self.entry);
-                self.engine.on_settings(&ctx, generation, rows);
             }
             Need::Cache(wait) => self.app.cache.wait(wait, self.engine.lookup_waited()).await,
         }
@@ -103,7 +94,9 @@ where
                  WHERE c.oid = pg_catalog.to_regclass({})",
                 quote_literal(table)
             );
-            let rows = self.hidden_query(&sql).await?.unwrap_or_default();
+            self.engine.ask_rows(&sql);
+            self.converse().await?;
+            let rows = self.engine.take_own_rows().unwrap_or_default();
             match rows
                 .into_iter()
                 .next()

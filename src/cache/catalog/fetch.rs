@@ -220,21 +220,21 @@ impl Parsed {
 
 /// One lookup of wanted names, as queries to run in turn: the caller runs
 /// each [`Lookup::next_query`] wherever it can, and hands back its rows.
-pub struct Lookup<'w> {
-    rels: Vec<&'w str>,
-    funcs: Vec<&'w str>,
-    publication: Option<&'w str>,
+pub struct Lookup {
+    rels: Vec<String>,
+    funcs: Vec<String>,
+    publication: Option<String>,
     parsed: Parsed,
     /// Queries handed out so far.
     round: u8,
 }
 
-impl<'w> Lookup<'w> {
-    pub fn new(wanted: &'w Wanted, publication: Option<&'w str>) -> Self {
+impl Lookup {
+    pub fn new(wanted: &Wanted, publication: Option<&str>) -> Self {
         Self {
-            rels: wanted.rels.iter().map(|(n, _)| n.as_str()).collect(),
-            funcs: wanted.funcs.iter().map(|(n, _)| n.as_str()).collect(),
-            publication,
+            rels: wanted.rels.iter().map(|(n, _)| n.clone()).collect(),
+            funcs: wanted.funcs.iter().map(|(n, _)| n.clone()).collect(),
+            publication: publication.map(str::to_owned),
             parsed: Parsed::default(),
             round: 0,
         }
@@ -245,9 +245,11 @@ impl<'w> Lookup<'w> {
     pub fn next_query(&mut self) -> Option<String> {
         self.round += 1;
         match self.round {
-            1 if !self.rels.is_empty() || !self.funcs.is_empty() => {
-                Some(facts_sql(&self.rels, &self.funcs, self.publication))
-            }
+            1 if !self.rels.is_empty() || !self.funcs.is_empty() => Some(facts_sql(
+                &names(&self.rels),
+                &names(&self.funcs),
+                self.publication.as_deref(),
+            )),
             1 | 2 => {
                 self.round = 2;
                 let more = self.parsed.policy_functions();
@@ -266,8 +268,12 @@ impl<'w> Lookup<'w> {
     }
 
     pub fn finish(self) -> Fetched {
-        self.parsed.finish(&self.funcs)
+        self.parsed.finish(&names(&self.funcs))
     }
+}
+
+fn names(owned: &[String]) -> Vec<&str> {
+    owned.iter().map(String::as_str).collect()
 }
 
 /// Runs `sql` on a tokio-postgres connection, rows as text.

@@ -71,9 +71,11 @@ pub(in crate::session) enum Need {
     /// The statement's prerequisites: a database pgcache lets go of, a
     /// table taken out of its publication.
     Prerequisites,
-    /// The facts of the names the statement uses, looked up on the
-    /// session's idle backend (pgcache has no connection of its own).
-    Facts,
+    /// pgcache's own queries, asked on the session's idle backend: its
+    /// settings, or the facts of the names the statement uses when
+    /// pgcache has no connection of its own. The driver runs them
+    /// ([`super::Engine::own_request`]).
+    Own,
     /// The facts of these relations and functions, being fetched: a
     /// database's first statements wait for them a little while a tier
     /// could answer (`cache.first_read_wait_ms`).
@@ -81,9 +83,6 @@ pub(in crate::session) enum Need {
         rels: Vec<String>,
         funcs: Vec<String>,
     },
-    /// The session's settings, read on its idle backend by this query
-    /// under the policy's `generation` of settings.
-    Settings { sql: String, generation: u64 },
     /// What the cache waits for: Redis, or a concurrent fill.
     Cache(Wait),
 }

@@ -3,10 +3,13 @@
 
 use bytes::BytesMut;
 
+use super::hidden::Purpose;
 use super::{Ctx, Engine};
+use crate::invalidation::quote_literal;
 use crate::pool::Statuses;
 use crate::pool::reported::Reported;
 use crate::protocol::{TxStatus, encoding};
+use crate::session::link::Link;
 
 impl Engine {
     /// The login's answer: the pool's latest login's parameters `shown`,
@@ -35,5 +38,38 @@ impl Engine {
         let out = shown.login_frames(&[&pid.to_be_bytes(), secret]);
         self.on_ready_for_query(ctx, TxStatus::Idle);
         out
+    }
+
+    /// Before the greeting: asks how the server reports the client's
+    /// startup values the pool has not met yet (`shown`: what the server
+    /// reports at login), on a connection with the client's settings
+    /// applied, so that a value PostgreSQL refuses fails the login as it
+    /// would directly. True if it asked.
+    pub fn learn_reported(&mut self, shown: &Statuses) -> bool {
+        let Link::Pooled(link) = &self.link else {
+            return false;
+        };
+        let missing: Vec<(String, String)> = self
+            .startup
+            .params
+            .iter()
+            .filter(|(name, value)| {
+                shown.has(name)
+                    && name != "client_encoding"
+                    && !link.pool.reported.knows(name, value)
+            })
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return false;
+        }
+        let names: Vec<String> = missing.iter().map(|(n, _)| quote_literal(n)).collect();
+        let sql = format!(
+            "SELECT pg_catalog.current_setting(n) FROM pg_catalog.unnest(ARRAY[{}]::text[]) \
+             WITH ORDINALITY AS t(n, i) ORDER BY i",
+            names.join(",")
+        );
+        self.ask(Purpose::Reported(missing), &sql);
+        true
     }
 }

@@ -1,18 +1,88 @@
-//! The answer to one of pgcache's own queries on the client's backend
-//! connection ("hidden queries": the session's settings, catalog facts),
-//! read frame by frame as the driver reads it.
+//! pgcache's own queries on the client's server connection ("hidden
+//! queries"), as one sub-machine: the session's settings, catalog facts
+//! when pgcache has no connection of its own, the client's settings
+//! applied to a pooled connection and read back from it, how the server
+//! reports startup values. A purpose asks ([`Engine::ask`]); the driver
+//! sends what [`Engine::own_request`] gives it and feeds back the
+//! answer's frames ([`Engine::on_own_frame`]); the answer goes where its
+//! purpose says, and may ask the next query. They run only while the
+//! backend is idle ([`Engine::backend_idle`]), so they never interleave
+//! with the client's work.
+
+use std::collections::VecDeque;
 
 use bytes::BytesMut;
 
-use super::Engine;
-use crate::cache::catalog::fetch::Rows;
+use super::{Ctx, Engine};
+use crate::cache::catalog::Wanted;
+use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, backend as be, extended, messages};
-use crate::session::link::Link;
+use crate::session::SessionError;
+use crate::session::link::{CAPTURE, ClientState, Link, set_config_sql};
+
+/// What one of pgcache's own queries is for: where its answer goes.
+pub(in crate::session) enum Purpose {
+    /// The session's settings, read under the policy's `generation` of
+    /// settings, for the frame being decided.
+    Settings { generation: u64 },
+    /// Catalog facts the database's sessions asked for, one query of the
+    /// lookup at a time.
+    Facts(Box<(Wanted, Lookup)>),
+    /// The client's settings, applied to a pooled connection just taken.
+    Apply,
+    /// The client's settings, read back before the connection goes back.
+    ReadBack,
+    /// Startup parameters the client reset, set again; then the state
+    /// read back is the connection's.
+    SetAgain(ClientState),
+    /// How the server reports startup values the pool has not met yet.
+    Reported(Vec<(String, String)>),
+    /// Rows for the driver ([`Engine::take_own_rows`]).
+    Rows,
+}
+
+/// What becomes of the connection after an answer pgcache cannot take.
+#[derive(Debug)]
+pub(in crate::session) enum Verdict {
+    /// In a state pgcache cannot tell: closed, not given back.
+    Close,
+    /// Closed, and the error is the session's.
+    Fail(SessionError),
+}
+
+/// What to do after a frame of an own query's answer.
+#[derive(Debug)]
+pub(in crate::session) enum OwnStep {
+    /// Read on.
+    Read,
+    /// The client's, though it came meanwhile: a notification or a
+    /// parameter change.
+    ToClient(BytesMut),
+    /// The query is answered, and its answer taken.
+    Answered,
+}
+
+/// The own queries asked and not answered yet, the first one in flight.
+#[derive(Default)]
+pub(in crate::session) struct Own {
+    queue: VecDeque<Asked>,
+    /// The rows of the last [`Purpose::Rows`] query.
+    rows: Option<Rows>,
+    verdict: Option<Verdict>,
+}
+
+/// One own query: what it is for, its request until sent, and its
+/// answer so far.
+struct Asked {
+    purpose: Purpose,
+    request: Option<BytesMut>,
+    answer: HiddenAnswer,
+}
 
 /// A hidden query's answer so far.
 #[derive(Debug, Default)]
-pub struct HiddenAnswer {
+pub(in crate::session) struct HiddenAnswer {
     rows: Rows,
     /// PostgreSQL's ErrorResponse, or `Some(None)`: a row could not be read.
     failed: Option<Option<BytesMut>>,
@@ -20,7 +90,7 @@ pub struct HiddenAnswer {
 
 /// What to do after a frame of a hidden query's answer.
 #[derive(Debug)]
-pub enum HiddenStep {
+pub(in crate::session) enum HiddenStep {
     /// Read on.
     More,
     /// The client's, though it came meanwhile: a notification or a
@@ -78,5 +148,207 @@ impl Engine {
             _ => {}
         }
         HiddenStep::More
+    }
+}
+
+impl Engine {
+    /// Asks one of pgcache's own queries, after those asked before.
+    pub(super) fn ask(&mut self, purpose: Purpose, sql: &str) {
+        self.own.queue.push_back(Asked::new(purpose, sql));
+    }
+
+    /// Own queries wait to be sent or answered.
+    pub fn own_pending(&self) -> bool {
+        !self.own.queue.is_empty()
+    }
+
+    /// The next own query's request, to send now; `None` while the one in
+    /// flight is not answered, or none waits.
+    pub fn own_request(&mut self) -> Option<BytesMut> {
+        self.own.queue.front_mut()?.request.take()
+    }
+
+    /// One frame of the answer to the own query in flight.
+    pub fn on_own_frame(&mut self, ctx: &Ctx, frame: BytesMut) -> OwnStep {
+        let Some(mut asked) = self.own.queue.pop_front() else {
+            return OwnStep::Read;
+        };
+        match self.on_hidden_frame(&mut asked.answer, frame) {
+            HiddenStep::More => {
+                self.own.queue.push_front(asked);
+                OwnStep::Read
+            }
+            HiddenStep::ToClient(frame) => {
+                self.own.queue.push_front(asked);
+                OwnStep::ToClient(frame)
+            }
+            HiddenStep::Done(result) => {
+                self.answered(ctx, asked.purpose, result);
+                OwnStep::Answered
+            }
+        }
+    }
+
+    /// The own query in flight could not be sent (no connection came):
+    /// what waited on it goes on without its answer.
+    pub fn own_unanswered(&mut self, ctx: &Ctx) {
+        if let Some(asked) = self.own.queue.pop_front() {
+            self.forgo(ctx, asked.purpose);
+        }
+    }
+
+    /// What becomes of the connection, once the own queries are over.
+    pub fn take_verdict(&mut self) -> Option<Verdict> {
+        self.own.verdict.take()
+    }
+
+    /// The rows a [`Purpose::Rows`] query returned (`None`: it failed).
+    pub fn take_own_rows(&mut self) -> Option<Rows> {
+        self.own.rows.take()
+    }
+
+    /// How many own queries are asked: a decision given up ([`Engine::whole_batch`])
+    /// withdraws what it asked after this many ([`Engine::withdraw_asked`]).
+    pub(super) fn asked(&self) -> usize {
+        self.own.queue.len()
+    }
+
+    /// Withdraws the own queries asked after the first `kept`, not sent
+    /// yet: the decision that asked them was given up, and the one that
+    /// replaces it asks again. The names a lookup took are wanted again.
+    pub(super) fn withdraw_asked(&mut self, kept: usize) {
+        while self.own.queue.len() > kept {
+            let Some(asked) = self.own.queue.pop_back() else {
+                break;
+            };
+            match asked.purpose {
+                Purpose::Settings { .. } => self.found.asked = None,
+                Purpose::Facts(lookup) => {
+                    self.found.facts = false;
+                    self.db.catalog.abandon(&lookup.0);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Asks for the rows of `sql`, for the driver.
+    pub fn ask_rows(&mut self, sql: &str) {
+        self.ask(Purpose::Rows, sql);
+    }
+
+    /// Transaction mode: reads back the settings the client may have
+    /// changed, before the connection goes back ([`LinkStep::ReadBack`]).
+    ///
+    /// [`LinkStep::ReadBack`]: super::LinkStep::ReadBack
+    pub fn read_back(&mut self) {
+        self.ask(Purpose::ReadBack, CAPTURE);
+    }
+
+    /// The answer to an own query, taken as its purpose says.
+    fn answered(&mut self, ctx: &Ctx, purpose: Purpose, result: Result<Rows, Option<BytesMut>>) {
+        match purpose {
+            Purpose::Settings { generation } => {
+                ctx.app.metrics.settings_queries.inc();
+                self.on_settings(ctx, generation, result.ok());
+            }
+            Purpose::Facts(mut lookup) => {
+                let Ok(rows) = result else {
+                    return self.db.catalog.abandon(&lookup.0);
+                };
+                lookup.1.add(&rows);
+                match lookup.1.next_query() {
+                    Some(sql) => self.ask_next(Purpose::Facts(lookup), &sql),
+                    None => {
+                        let (wanted, lookup) = *lookup;
+                        self.db.catalog.install(&wanted, lookup.finish());
+                    }
+                }
+            }
+            Purpose::Apply => {
+                if let Err(error) = result {
+                    let e = match error {
+                        Some(frame) => SessionError::from_server_error(&frame),
+                        None => SessionError::BackendIo(std::io::ErrorKind::InvalidData.into()),
+                    };
+                    self.give_up(ctx, Verdict::Fail(e));
+                }
+            }
+            Purpose::ReadBack => {
+                let (Ok(rows), Link::Pooled(link)) = (result, &mut self.link) else {
+                    return self.give_up(ctx, Verdict::Close);
+                };
+                let (state, reset) =
+                    ClientState::captured(rows, self.startup.user(), &link.startup);
+                if reset.is_empty() {
+                    tracing::debug!(settings = ?state.settings, "session settings read back");
+                    link.settled(state);
+                } else {
+                    tracing::debug!(?reset, "startup parameters set again after a reset");
+                    self.ask_next(Purpose::SetAgain(state), &set_config_sql(&reset));
+                }
+            }
+            Purpose::SetAgain(state) => match (result, &mut self.link) {
+                (Ok(_), Link::Pooled(link)) => link.settled(state),
+                _ => self.give_up(ctx, Verdict::Close),
+            },
+            Purpose::Reported(missing) => {
+                let (Ok(rows), Link::Pooled(link)) = (result, &self.link) else {
+                    return;
+                };
+                for ((name, value), row) in missing.iter().zip(rows) {
+                    if let Some(Some(reported)) = row.into_iter().next() {
+                        link.pool.reported.learn(name, value, &reported);
+                    }
+                }
+            }
+            Purpose::Rows => self.own.rows = result.ok(),
+        }
+    }
+
+    /// Asks `sql` next, before anything asked earlier.
+    fn ask_next(&mut self, purpose: Purpose, sql: &str) {
+        self.own.queue.push_front(Asked::new(purpose, sql));
+    }
+
+    /// Ends the own queries with `verdict` on the connection: what else
+    /// waited goes on without its answer.
+    fn give_up(&mut self, ctx: &Ctx, verdict: Verdict) {
+        self.own.verdict = Some(verdict);
+        while let Some(asked) = self.own.queue.pop_front() {
+            self.forgo(ctx, asked.purpose);
+        }
+    }
+
+    /// An own query that will not be answered: what waited on it goes on
+    /// without it.
+    fn forgo(&mut self, ctx: &Ctx, purpose: Purpose) {
+        match purpose {
+            Purpose::Settings { generation } => self.on_settings(ctx, generation, None),
+            Purpose::Facts(lookup) => self.db.catalog.abandon(&lookup.0),
+            Purpose::Rows => self.own.rows = None,
+            Purpose::Apply | Purpose::ReadBack | Purpose::SetAgain(_) | Purpose::Reported(_) => {}
+        }
+    }
+
+    /// Transaction mode: the client's settings go on a connection just
+    /// taken (`request`), before anything else is sent on it.
+    pub(super) fn apply_first(&mut self, request: BytesMut) {
+        let asked = Asked::with_request(Purpose::Apply, request);
+        self.own.queue.push_front(asked);
+    }
+}
+
+impl Asked {
+    fn new(purpose: Purpose, sql: &str) -> Self {
+        Self::with_request(purpose, messages::hidden_query(sql))
+    }
+
+    fn with_request(purpose: Purpose, request: BytesMut) -> Self {
+        Self {
+            purpose,
+            request: Some(request),
+            answer: HiddenAnswer::default(),
+        }
     }
 }

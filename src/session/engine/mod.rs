@@ -15,6 +15,7 @@ use tracing::debug;
 
 use crate::App;
 use crate::cache::catalog::Facts;
+use crate::cache::catalog::fetch::Lookup;
 use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
@@ -51,7 +52,8 @@ mod timeouts;
 pub(super) use auth::AuthStep;
 use auth::Sasl;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
-pub(super) use hidden::{HiddenAnswer, HiddenStep};
+use hidden::{Own, Purpose};
+pub(super) use hidden::{OwnStep, Verdict};
 pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.
@@ -99,6 +101,8 @@ pub(super) struct Engine {
     observed: Observed,
     /// Where a relayed login's SASL exchange stands.
     sasl: Sasl,
+    /// pgcache's own queries on the server connection.
+    own: Own,
     /// How long the session may wait on its client.
     timeouts: IdleTimeouts,
     /// The session's last activity, as the driver told it; `None` until
@@ -138,6 +142,7 @@ impl Engine {
             replica: None,
             observed: Observed::default(),
             sasl: Sasl::None,
+            own: Own::default(),
             timeouts: IdleTimeouts::default(),
             last_activity: None,
         }
@@ -573,7 +578,19 @@ impl Engine {
             return Ok(facts);
         }
         if self.db.catalog.fetcher_down() && self.backend_idle() {
-            return Err(Need::Facts);
+            self.found.facts = true;
+            let wanted = self.db.catalog.take_wanted();
+            if wanted.is_empty() {
+                return Ok(facts);
+            }
+            let publication = ctx.app.publication();
+            let mut lookup = Lookup::new(&wanted, publication.as_deref());
+            let Some(sql) = lookup.next_query() else {
+                self.db.catalog.install(&wanted, lookup.finish());
+                return Err(Need::Own);
+            };
+            self.ask(Purpose::Facts(Box::new((wanted, lookup))), &sql);
+            return Err(Need::Own);
         }
         let names = || rels.iter().chain(funcs).copied();
         if ctx

@@ -412,6 +412,15 @@ impl Engine {
         if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
             return None;
         }
+        let asked = self.asked();
+        let ready = self.decide_whole(ctx, buf, max_frame);
+        if ready.is_none() {
+            self.withdraw_asked(asked);
+        }
+        ready
+    }
+
+    fn decide_whole(&mut self, ctx: &Ctx, buf: &[u8], max_frame: usize) -> Option<ReadyBatch> {
         let at = WholeBatch::at_start(buf, max_frame)?;
         // What the session knows first: a write or a read it may not serve
         // now (every run of such a statement) costs no decoding.

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::hidden::Purpose;
 use super::{Asked, Ctx, Engine, Need};
 use crate::cache::catalog::fetch::Rows;
 use crate::classify::BypassReason;
@@ -17,7 +18,7 @@ use crate::session::link::{ClientState, Link};
 use crate::session::logins::Login;
 
 impl Engine {
-    /// The answer to [`Need::Settings`]'s query, read under the policy's
+    /// The answer to the settings query ([`Purpose::Settings`]), read under the policy's
     /// `generation` of settings (`None`: it failed).
     pub fn on_settings(&mut self, ctx: &Ctx, generation: u64, rows: Option<Rows>) {
         let columns = match self.found.asked.take() {
@@ -170,16 +171,15 @@ impl Engine {
             && login.generation == generation
         {
             self.found.asked = Some(Asked::Probe(login));
-            return Need::Settings {
-                sql: probe_sql(),
-                generation,
-            };
+            self.ask(Purpose::Settings { generation }, &probe_sql());
+            return Need::Own;
         }
         let (generation, policy_settings) = self.db.catalog.policy_settings();
         let sql = settings_sql(&policy_settings);
         self.found.asked = Some(Asked::Everything {
             columns: settings_columns(policy_settings.len()),
         });
-        Need::Settings { sql, generation }
+        self.ask(Purpose::Settings { generation }, &sql);
+        Need::Own
     }
 }

@@ -72,12 +72,15 @@ impl Engine {
     }
 
     /// Transaction mode: the pool granted the session a server connection
-    /// (`queued`: after a wait); what must run on it first, if anything.
-    pub fn granted(&mut self, lease: Lease, queued: bool) -> Option<BytesMut> {
+    /// (`queued`: after a wait): the client's settings go on it first, if
+    /// it has others ([`super::Purpose::Apply`]).
+    pub fn granted(&mut self, lease: Lease, queued: bool) {
         let Link::Pooled(link) = &mut self.link else {
-            return None;
+            return;
         };
-        link.granted(lease, queued, &mut self.pipeline)
+        if let Some(apply) = link.granted(lease, queued, &mut self.pipeline) {
+            self.apply_first(apply);
+        }
     }
 
     pub fn server(&self) -> &ServerBook {
@@ -185,7 +188,7 @@ impl Engine {
     }
 
     /// The facts of the names the frame being decided uses were looked up,
-    /// or waited for ([`super::Need::Facts`], [`super::Need::Fetched`]).
+    /// or waited for ([`super::Need::Fetched`]).
     pub fn facts_met(&mut self) {
         self.found.facts = true;
     }

@@ -177,6 +177,23 @@ fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
 }
 
 #[test]
+fn a_whole_batch_that_needs_the_settings_leaves_them_to_the_frames_which_ask_once() {
+    let mut rig = Rig::caching();
+    let frames = batch(0);
+    rig.frames(&[frames[0].clone(), sync()]);
+    rig.sent_to_backend();
+    rig.backend(&[parse_complete(), rfq(TxStatus::Idle)]);
+    let before = rig.settings_reads;
+    let run = frames[1..].concat();
+    let ctx = ctx(&rig.app, &rig.entry);
+    assert!(rig.engine.whole_batch(&ctx, &run, 1 << 20).is_none());
+    assert!(!rig.engine.own_pending(), "the query it asked is withdrawn");
+    rig.frames(&frames[1..]);
+    assert_eq!(rig.settings_reads, before + 1, "asked once, by the frames");
+    assert_eq!(rig.sent_to_backend(), run);
+}
+
+#[test]
 fn a_row_limited_execute_goes_out_with_one_row_more_and_is_cut_when_served() {
     let mut rig = Rig::caching();
     let frames = batch(1);

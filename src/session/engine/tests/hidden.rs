@@ -1,10 +1,13 @@
-//! The answer to pgcache's own query, read frame by frame.
+//! pgcache's own queries: their answers read frame by frame, and taken
+//! as their purposes say.
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
-use super::{Rig, complete, description, error, frame, rfq, row};
-use crate::protocol::{TxStatus, backend as be};
-use crate::session::engine::{HiddenAnswer, HiddenStep};
+use super::{Rig, complete, description, error, frame, query, rfq, row};
+use crate::protocol::{TxStatus, backend as be, messages};
+use crate::session::engine::hidden::{HiddenAnswer, HiddenStep};
+use crate::session::engine::{Need, OwnStep, Verdict};
+use crate::session::link::{ClientState, Link};
 
 fn feed(rig: &mut Rig, answer: &mut HiddenAnswer, frame: &[u8]) -> HiddenStep {
     rig.engine.on_hidden_frame(answer, BytesMut::from(frame))
@@ -68,4 +71,133 @@ fn before_the_login_is_over_a_parameter_change_is_not_the_clients() {
         feed(&mut rig, &mut answer, &status("TimeZone", "UTC")),
         HiddenStep::More
     ));
+}
+
+/// The text of an own query's request (a simple Query, or Parse..Sync).
+fn request_text(rig: &mut Rig) -> String {
+    let request = rig.engine.own_request().expect("an own query to send");
+    String::from_utf8_lossy(&request).into_owned()
+}
+
+/// Feeds an answer to the own query in flight; true once it is answered.
+fn answer(rig: &mut Rig, frames: &[Vec<u8>]) -> bool {
+    let ctx = super::ctx(&rig.app, &rig.entry);
+    let mut answered = false;
+    for f in frames {
+        assert!(!answered, "frames after the answer's ReadyForQuery");
+        answered = matches!(
+            rig.engine.on_own_frame(&ctx, BytesMut::from(&f[..])),
+            OwnStep::Answered
+        );
+    }
+    answered
+}
+
+fn pair(name: &str, value: &str) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    let values = [Some(name.to_owned()), Some(value.to_owned())];
+    crate::session::fuzz::data_row(&mut out, &values);
+    out.to_vec()
+}
+
+/// Transaction mode, the client having logged in with `search_path`.
+fn pooled_with_search_path() -> Rig {
+    let mut rig = Rig::new();
+    rig.engine
+        .startup
+        .params
+        .push(("search_path".into(), "s".into()));
+    let pool = rig.app.pool.pooled.pool("shop", "alice");
+    let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
+    rig.engine.link = Link::pooled(pool, state);
+    rig.backend(&[rfq(TxStatus::Idle)]);
+    rig
+}
+
+fn link(rig: &Rig) -> &crate::session::link::PooledLink {
+    match &rig.engine.link {
+        Link::Pooled(link) => link,
+        Link::Session(_) => panic!("transaction mode"),
+    }
+}
+
+#[test]
+fn a_startup_parameter_the_client_reset_is_set_again_before_the_state_is_kept() {
+    let mut rig = pooled_with_search_path();
+    rig.engine.read_back();
+    assert!(request_text(&mut rig).contains("pg_settings"));
+    assert!(rig.engine.own_request().is_none(), "one query in flight");
+    // RESET search_path: the pooled connection went back to the server's
+    // default, where the client's own would go back to its login's value.
+    let read = [pair("session_authorization", "alice"), pair("role", "none")];
+    assert!(!answer(&mut rig, &read));
+    assert!(answer(
+        &mut rig,
+        &[complete("SELECT 2"), rfq(TxStatus::Idle)]
+    ));
+    let again = request_text(&mut rig);
+    assert!(again.contains("search_path"), "{again}");
+    assert!(answer(
+        &mut rig,
+        &[complete("SELECT 1"), rfq(TxStatus::Idle)]
+    ));
+    assert!(!rig.engine.own_pending());
+    assert!(rig.engine.take_verdict().is_none());
+    let settings = &link(&rig).state.settings;
+    assert!(
+        settings.contains(&("search_path".into(), "s".into())),
+        "{settings:?}"
+    );
+}
+
+#[test]
+fn a_read_back_that_fails_closes_the_connection() {
+    let mut rig = pooled_with_search_path();
+    rig.engine.read_back();
+    request_text(&mut rig);
+    assert!(answer(&mut rig, &[error("57014"), rfq(TxStatus::Idle)]));
+    assert!(matches!(rig.engine.take_verdict(), Some(Verdict::Close)));
+}
+
+#[test]
+fn refused_settings_on_a_new_connection_fail_with_the_servers_error_and_nothing_waits() {
+    let mut rig = pooled_with_search_path();
+    rig.engine.ask_rows("SELECT 1");
+    rig.engine
+        .apply_first(messages::hidden_query("SET search_path = s"));
+    assert!(
+        request_text(&mut rig).contains("SET search_path"),
+        "applied first"
+    );
+    assert!(answer(&mut rig, &[error("22023"), rfq(TxStatus::Idle)]));
+    assert!(!rig.engine.own_pending(), "what waited is given up");
+    assert!(rig.engine.take_own_rows().is_none());
+    match rig.engine.take_verdict() {
+        Some(Verdict::Fail(e)) => assert_eq!(e.sqlstate(), "22023"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn with_the_fetcher_down_the_facts_are_looked_up_on_the_idle_backend() {
+    let mut rig = Rig::logged_in();
+    rig.engine.db.catalog.set_fetcher_down(true);
+    let ctx = super::ctx(&rig.app, &rig.entry);
+    let select = Bytes::from(query("SELECT * FROM items"));
+    assert!(matches!(
+        rig.engine.on_client_frame(&ctx, &select),
+        Err(Need::Own)
+    ));
+    assert!(request_text(&mut rig).contains("pg_class"));
+    let cell = |v: &str| Some(v.to_owned());
+    let facts = [cell("r"), cell("items"), cell("true"), cell("false")];
+    let facts: Vec<_> = facts
+        .into_iter()
+        .chain([None, cell("true"), cell("true")])
+        .collect();
+    let mut found = BytesMut::new();
+    crate::session::fuzz::data_row(&mut found, &facts);
+    assert!(answer(&mut rig, &[found.to_vec(), rfq(TxStatus::Idle)]));
+    let (known, _) = rig.engine.db.catalog.facts(["items"], []);
+    assert!(known.complete(), "installed from the session's own lookup");
 }

@@ -99,13 +99,13 @@ impl Rig {
             let ctx = ctx(&self.app, &self.entry);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
-                Err(Need::Settings { generation, .. }) => {
-                    self.settings_reads += 1;
+                Err(Need::Own) => {
                     let answer = self.settings.clone().map(|row| vec![row]);
-                    self.engine.on_settings(&ctx, generation, answer);
+                    self.settings_reads +=
+                        crate::session::fuzz::answer_own(&mut self.engine, &ctx, answer.as_deref());
                 }
                 Err(Need::Prerequisites) => self.engine.found.prerequisites = true,
-                Err(Need::Facts | Need::Fetched { .. }) => panic!("facts are known or fetched"),
+                Err(Need::Fetched { .. }) => panic!("facts are known or fetched"),
                 Err(Need::Cache(_)) => panic!("no shared tier, no concurrent fill"),
             }
         }
