@@ -20,7 +20,7 @@ use super::SessionError;
 use super::engine::IdleTimeouts;
 use super::engine::{Ctx, Engine};
 use super::known::Known;
-use super::link::{Link, SessionLink};
+use super::link::Link;
 use super::pipeline::Flow;
 use super::reuse::ServerBook;
 use crate::App;
@@ -119,43 +119,26 @@ where
     }
 
     /// Logs the client in: replayed for a parked connection, greeted by
-    /// pgcache on pooled connections, else with PostgreSQL.
+    /// pgcache on pooled connections, else with PostgreSQL (a relayed
+    /// login goes on in the session's loop).
     async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
-        let logged_in = if self.engine.server().reused {
-            Ok(Flow::Continue) // its login frames are replayed by the relay
-        } else if self.engine.link().is_pooled() && !self.attached() {
-            // pgcache logs in for the client on pooled connections.
-            self.greet().await.map(|()| Flow::Continue)
-        } else {
-            let flow = match login {
-                Some(login) => self.log_in(&login.raw, login.secret).await,
-                None => Ok(Flow::Close),
-            };
-            if let Link::Pooled(link) = self.engine.link()
-                && matches!(flow, Ok(Flow::Continue))
-            {
-                if self.engine.server().trusted {
-                    link.pool.learn_trusted();
-                } else {
-                    self.engine.pin(
-                        &ctx(&self.app, &self.entry),
-                        crate::pool::marks::Pin::Password,
-                    );
-                }
-            }
-            self.learning = None;
-            flow
-        };
-        if let Link::Session(SessionLink {
-            checks: Some(checks),
-            ..
-        }) = self.engine.link()
-            && matches!(logged_in, Ok(Flow::Continue))
-            && self.engine.server().trusted
-        {
-            checks.learn_trusted();
+        if self.engine.server().reused {
+            // Its login frames are replayed by the relay.
+            self.engine.login_over(&ctx(&self.app, &self.entry));
+            return Ok(Flow::Continue);
         }
-        logged_in
+        if self.engine.link().is_pooled() && !self.attached() {
+            // pgcache logs in for the client on pooled connections.
+            return self.greet().await.map(|()| Flow::Continue);
+        }
+        let flow = match login {
+            Some(login) => self.log_in(&login.raw, login.secret).await,
+            None => Ok(Flow::Close),
+        };
+        if !self.engine.relaying_login() {
+            self.learning = None;
+        }
+        flow
     }
 
     /// The session's end, as its result says: a lost backend or an error

@@ -30,6 +30,10 @@ where
             return Ok(Flow::Continue);
         };
         let relayed = self.engine.on_backend(&ctx, backend.buffer_mut())?;
+        if self.learning.is_some() && !self.engine.relaying_login() {
+            // The pool's lesson in how to log in is this login's no more.
+            self.learning = None;
+        }
         if !relayed.resend.is_empty() {
             // A retry: the server is waiting for it.
             self.server()?
@@ -97,83 +101,99 @@ where
 
     /// Relays every complete client frame now buffered to the backend.
     pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        let mut flow = Flow::Continue;
-        if !self.engine.caching() {
-            // Pure pass-through: forward whole runs of frames without copying.
-            let mut pos = 0;
-            let mut violation = None;
-            while flow == Flow::Continue {
-                match self.client.frame_len_at(pos) {
-                    Ok(Some(len)) => {
-                        let ctx = ctx(&self.app, &self.entry);
-                        let frame = &self.client.buffered()[pos..pos + len];
-                        let Some(next) = self.engine.on_relayed(&ctx, frame) else {
-                            flow = Flow::Close;
-                            break;
-                        };
-                        flow = next;
-                        pos += len;
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        violation = Some(e);
-                        break;
-                    }
-                }
-            }
-            if pos > 0 {
-                if self.engine.link().is_pooled() {
-                    // Staged for translation, and to fail together with
-                    // the requests they make if no connection comes.
-                    self.engine
-                        .pipeline_mut()
-                        .to_backend
-                        .extend_from_slice(&self.client.buffered()[..pos]);
-                    self.client.consume(pos);
-                    self.flush_backend().await?;
-                } else {
-                    let r = match &mut self.backend {
-                        Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
-                        None => Err(std::io::ErrorKind::NotConnected.into()),
-                    };
-                    self.client.consume(pos);
-                    r.map_err(SessionError::BackendIo)?;
-                }
-            }
-            if let Some(e) = violation {
-                return Err(e.into());
-            }
+        let flow = if self.engine.relaying_login() {
+            self.relay_client_auth().await?;
+            Flow::Continue
+        } else if !self.engine.caching() {
+            self.pass_through().await?
         } else {
-            // A read on a replica holds the client's next frames until it
-            // is answered.
-            while flow == Flow::Continue && !self.engine.replica_busy() {
-                let ctx = ctx(&self.app, &self.entry);
-                let max_frame = self.client.max_frame();
-                if let Some(ready) =
-                    self.engine
-                        .whole_batch(&ctx, self.client.buffered(), max_frame)
-                {
-                    self.on_whole_batch(ready).await?;
-                    continue;
-                }
-                match self.client.next_frame() {
-                    Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
-                    Ok(None) => break,
-                    Err(e) => {
-                        // What came before the bad frame still goes out.
-                        self.flush_backend().await?;
-                        return Err(e.into());
-                    }
-                }
-            }
-            self.flush_backend().await?;
-            self.flush_replica().await?;
-        }
+            self.decide_client_frames().await?
+        };
         self.client.shrink_if_empty();
         if flow == Flow::Continue && self.engine.link().is_pooled() {
             // Only pgcache's own queries may have needed a connection.
             self.detach_if_idle().await?;
         }
+        Ok(flow)
+    }
+
+    /// Caching off: whole runs of frames forwarded without copying.
+    async fn pass_through(&mut self) -> Result<Flow, SessionError> {
+        let mut flow = Flow::Continue;
+        let mut pos = 0;
+        let mut violation = None;
+        while flow == Flow::Continue {
+            match self.client.frame_len_at(pos) {
+                Ok(Some(len)) => {
+                    let ctx = ctx(&self.app, &self.entry);
+                    let frame = &self.client.buffered()[pos..pos + len];
+                    let Some(next) = self.engine.on_relayed(&ctx, frame) else {
+                        flow = Flow::Close;
+                        break;
+                    };
+                    flow = next;
+                    pos += len;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    violation = Some(e);
+                    break;
+                }
+            }
+        }
+        if pos > 0 {
+            if self.engine.link().is_pooled() {
+                // Staged for translation, and to fail together with
+                // the requests they make if no connection comes.
+                self.engine
+                    .pipeline_mut()
+                    .to_backend
+                    .extend_from_slice(&self.client.buffered()[..pos]);
+                self.client.consume(pos);
+                self.flush_backend().await?;
+            } else {
+                let r = match &mut self.backend {
+                    Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
+                    None => Err(std::io::ErrorKind::NotConnected.into()),
+                };
+                self.client.consume(pos);
+                r.map_err(SessionError::BackendIo)?;
+            }
+        }
+        if let Some(e) = violation {
+            return Err(e.into());
+        }
+        Ok(flow)
+    }
+
+    /// Caching on: each frame (or a whole batch at once) decided by the
+    /// engine.
+    async fn decide_client_frames(&mut self) -> Result<Flow, SessionError> {
+        let mut flow = Flow::Continue;
+        // A read on a replica holds the client's next frames until it
+        // is answered.
+        while flow == Flow::Continue && !self.engine.replica_busy() {
+            let ctx = ctx(&self.app, &self.entry);
+            let max_frame = self.client.max_frame();
+            if let Some(ready) = self
+                .engine
+                .whole_batch(&ctx, self.client.buffered(), max_frame)
+            {
+                self.on_whole_batch(ready).await?;
+                continue;
+            }
+            match self.client.next_frame() {
+                Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
+                Ok(None) => break,
+                Err(e) => {
+                    // What came before the bad frame still goes out.
+                    self.flush_backend().await?;
+                    return Err(e.into());
+                }
+            }
+        }
+        self.flush_backend().await?;
+        self.flush_replica().await?;
         Ok(flow)
     }
 

@@ -38,9 +38,10 @@ pub(in crate::session) struct Relayed {
 }
 
 impl Engine {
-    /// Every complete backend frame in `buf`: result frames teed into
-    /// captures, the answers to pgcache's own requests swallowed, cancel
-    /// keys replaced, and each ReadyForQuery completing its request.
+    /// Every complete backend frame in `buf`: a relayed login's exchange
+    /// ([`Engine::on_login_frame`]), result frames teed into captures,
+    /// the answers to pgcache's own requests swallowed, cancel keys
+    /// replaced, and each ReadyForQuery completing its request.
     pub fn on_backend(&mut self, ctx: &Ctx, buf: &mut BytesMut) -> Result<Relayed, SessionError> {
         let mut pos = 0;
         let mut copied = 0; // buffered bytes before this are in `out` or dropped
@@ -50,6 +51,10 @@ impl Engine {
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
+            if self.relaying_login() && self.on_login_frame(ctx, &buf[pos..pos + len]) {
+                (pos, copied) = (pos + len, pos + len);
+                continue;
+            }
             if !pooled
                 && capture::plain(buf[pos])
                 && let Some(end) = self.plain_run(ctx, buf, pos)
@@ -105,18 +110,23 @@ impl Engine {
             }
             pos += len;
         }
-        if let Link::Pooled(link) = &mut self.link {
-            link.spliced = 0..0;
-        }
-        if listened {
-            // Whatever shape carried it, a LISTEN keeps its connection.
-            self.pin(ctx, Pin::Listen);
-        }
+        self.read_through(ctx, listened);
         Ok(Relayed {
             end: pos,
             from: copied,
             resend,
         })
+    }
+
+    /// The backend's buffer is read through: what was spliced into it is
+    /// gone, and a LISTEN (whatever shape carried it) keeps its connection.
+    fn read_through(&mut self, ctx: &Ctx, listened: bool) {
+        if let Link::Pooled(link) = &mut self.link {
+            link.spliced = 0..0;
+        }
+        if listened {
+            self.pin(ctx, Pin::Listen);
+        }
     }
 
     /// What the transaction-mode link makes of the server frame at `at`

@@ -1,16 +1,19 @@
 //! The relayed login (passthrough), frame by frame up to
 //! AuthenticationOk: what of PostgreSQL's exchange the client sees, what
-//! of the client's is refused, and whether the connection was trusted.
-//! The driver moves the bytes ([`crate::session`]'s `login.rs`).
+//! of the client's is refused, whether the connection was trusted, and
+//! what the login teaches the pool. PostgreSQL's frames come through
+//! [`Engine::on_backend`] like any other; the driver moves the bytes.
 
 use tracing::info;
 
 use super::{Ctx, Engine};
 use crate::auth::{self, AUTH_OK, AUTH_SASL};
+use crate::pool::marks::Pin;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
 use crate::scram::MECHANISM;
 use crate::session::SessionError;
+use crate::session::link::Link;
 
 /// The refusal when SCRAM cannot be relayed because both legs are TLS.
 const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgcache: the client's \
@@ -18,14 +21,18 @@ const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgc
      channel_binding=prefer for a downgrade attack. Set auth.mode = \"terminate\" in pgcache, or \
      connect with channel_binding=disable";
 
-/// Where a relayed SASL exchange stands.
+/// Where a relayed login stands.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Sasl {
+pub(super) enum Relay {
+    /// No login is relayed: pgcache logged in for the client, the
+    /// connection replays an earlier login, or the exchange is over.
     #[default]
-    None,
-    /// SCRAM-SHA-256-PLUS was taken out of PostgreSQL's offer (pgcache
-    /// ends both TLS legs, so no binding can match), and the client's
-    /// first SASL message is still to come.
+    Off,
+    /// PostgreSQL's exchange is relayed, up to AuthenticationOk.
+    On,
+    /// Relayed, and SCRAM-SHA-256-PLUS was taken out of PostgreSQL's
+    /// offer (pgcache ends both TLS legs, so no binding can match): the
+    /// client's first SASL message is still to come.
     PlusHidden,
 }
 
@@ -40,12 +47,52 @@ pub enum AuthStep {
 }
 
 impl Engine {
+    /// Passthrough: PostgreSQL's login exchange is relayed from now on.
+    pub fn relay_login(&mut self) {
+        self.relay = Relay::On;
+    }
+
+    /// A login is being relayed: the client's frames go to PostgreSQL as
+    /// [`Engine::on_auth_client_frame`] allows.
+    pub fn relaying_login(&self) -> bool {
+        self.relay != Relay::Off
+    }
+
+    /// A frame of PostgreSQL's while a login is relayed: true if it was
+    /// staged for the client; false at AuthenticationOk, which ends the
+    /// relayed exchange and is the session's first answer to read.
+    pub(super) fn on_login_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> bool {
+        if self.on_auth_backend_frame(frame) == AuthStep::Relayed {
+            return true;
+        }
+        self.login_over(ctx);
+        false
+    }
+
+    /// The login is over (AuthenticationOk): a pool learns whether
+    /// PostgreSQL trusts its clients, and in transaction mode a session
+    /// PostgreSQL asked a password of keeps its connection.
+    pub fn login_over(&mut self, ctx: &Ctx) {
+        match &self.link {
+            Link::Pooled(link) if self.server.trusted => link.pool.learn_trusted(),
+            Link::Pooled(_) => self.pin(ctx, Pin::Password),
+            Link::Session(own) => {
+                if let Some(checks) = &own.checks
+                    && self.server.trusted
+                {
+                    checks.learn_trusted();
+                }
+            }
+        }
+    }
+
     /// A frame PostgreSQL sent while the login is relayed.
     pub fn on_auth_backend_frame(&mut self, frame: &[u8]) -> AuthStep {
         let code = (frame[0] == be::AUTHENTICATION && frame.len() >= HEADER_LEN + 4)
             .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
         if code == Some(AUTH_OK) {
             self.server.trusted = !self.server.challenged;
+            self.relay = Relay::Off;
             return AuthStep::Done;
         }
         // Anything before AuthenticationOk asked the client to prove
@@ -57,7 +104,7 @@ impl Engine {
         };
         match offer {
             Some(offer) => {
-                self.sasl = Sasl::PlusHidden;
+                self.relay = Relay::PlusHidden;
                 self.out.extend_from_slice(&offer);
             }
             None => {
@@ -76,10 +123,10 @@ impl Engine {
         // A client that hangs up while logging in (node-postgres ended
         // while connecting): PostgreSQL closes without a word.
         self.client_ended |= frame[0] == fe::TERMINATE;
-        if frame[0] != fe::PASSWORD || self.sasl != Sasl::PlusHidden {
+        if frame[0] != fe::PASSWORD || self.relay != Relay::PlusHidden {
             return Ok(());
         }
-        self.sasl = Sasl::None;
+        self.relay = Relay::On;
         // 'y': "I can bind, the server cannot". PostgreSQL on TLS knows it
         // can, and refuses with a puzzling message.
         let downgrade =

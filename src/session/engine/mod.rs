@@ -49,8 +49,7 @@ mod surface;
 mod tests;
 mod timeouts;
 
-pub(super) use auth::AuthStep;
-use auth::Sasl;
+use auth::Relay;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
@@ -99,8 +98,8 @@ pub(super) struct Engine {
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
     observed: Observed,
-    /// Where a relayed login's SASL exchange stands.
-    sasl: Sasl,
+    /// Where a relayed login stands.
+    relay: Relay,
     /// pgcache's own queries on the server connection.
     own: Own,
     /// How long the session may wait on its client.
@@ -141,7 +140,7 @@ impl Engine {
             found: Found::default(),
             replica: None,
             observed: Observed::default(),
-            sasl: Sasl::None,
+            relay: Relay::Off,
             own: Own::default(),
             timeouts: IdleTimeouts::default(),
             last_activity: None,

@@ -2,10 +2,12 @@
 
 use bytes::BytesMut;
 
-use super::{Rig, ctx, frame};
-use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
+use super::{Rig, ctx, frame, rfq};
+use crate::pool::marks::Pin;
+use crate::protocol::{TxStatus, backend as be, frontend as fe, messages, sqlstate};
 use crate::session::SessionError;
-use crate::session::engine::AuthStep;
+use crate::session::engine::auth::AuthStep;
+use crate::session::link::{ClientState, Link};
 
 fn authentication(code: i32, payload: &[u8]) -> Vec<u8> {
     let mut body = code.to_be_bytes().to_vec();
@@ -98,4 +100,56 @@ fn a_fatal_error_or_a_terminate_during_login_makes_the_close_expected() {
     assert!(!rig.engine.close_expected());
     client(&mut rig, &frame(fe::TERMINATE, b"")).expect("relayed");
     assert!(rig.engine.close_expected());
+}
+
+/// Transaction mode, before the client logged in.
+fn pooled_unlogged() -> (Rig, std::sync::Arc<crate::pool::transaction::Pool>) {
+    let mut rig = Rig::new();
+    let pool = rig.app.pool.pooled.pool("shop", "alice");
+    let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
+    rig.engine.link = Link::pooled(std::sync::Arc::clone(&pool), state);
+    (rig, pool)
+}
+
+#[test]
+fn a_relayed_login_reaches_the_client_and_the_session_reads_on_from_authentication_ok() {
+    let mut rig = Rig::new();
+    rig.engine.relay_login();
+    let md5 = authentication(5, b"salt");
+    assert_eq!(rig.backend(std::slice::from_ref(&md5)), md5);
+    assert!(rig.engine.relaying_login());
+    assert!(!rig.engine.backend_idle());
+    client(&mut rig, &frame(fe::PASSWORD, b"md5abc\0")).expect("relayed");
+    // AuthenticationOk and the rest of the login's answer, in one read.
+    let ok = authentication(0, b"");
+    let sent = rig.backend(&[ok.clone(), rfq(TxStatus::Idle)]);
+    assert_eq!(sent, [ok, rfq(TxStatus::Idle)].concat());
+    assert!(!rig.engine.relaying_login());
+    assert!(!rig.engine.server.trusted, "asked for a password");
+    assert!(rig.engine.backend_idle(), "logged in");
+}
+
+#[test]
+fn in_transaction_mode_a_login_asked_for_a_password_keeps_its_connection() {
+    let (mut rig, pool) = pooled_unlogged();
+    rig.engine.relay_login();
+    rig.backend(&[authentication(3, b"")]);
+    rig.backend(&[authentication(0, b""), rfq(TxStatus::Idle)]);
+    match &rig.engine.link {
+        Link::Pooled(link) => assert_eq!(link.pinned, Some(Pin::Password)),
+        Link::Session(_) => panic!("transaction mode"),
+    }
+    assert!(
+        !pool.can_log_in(),
+        "the pool learned nothing it can log in with"
+    );
+
+    let (mut rig, pool) = pooled_unlogged();
+    rig.engine.relay_login();
+    rig.backend(&[authentication(0, b""), rfq(TxStatus::Idle)]);
+    assert!(pool.can_log_in(), "PostgreSQL trusts the pool's clients");
+    match &rig.engine.link {
+        Link::Pooled(link) => assert_eq!(link.pinned, None),
+        Link::Session(_) => panic!("transaction mode"),
+    }
 }
