@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use tracing::warn;
 
+use super::life::{Ending, Phase};
 use super::{Action, Ctx, Engine};
 use crate::cache::stats::QueryStats;
 use crate::cache::{Bumps, Fill};
@@ -78,7 +79,9 @@ impl Engine {
                     Cut::Keep
                 }
                 be::ERROR_RESPONSE => {
-                    self.backend_fatal |= messages::is_fatal(&frame[HEADER_LEN..]);
+                    if messages::is_fatal(&frame[HEADER_LEN..]) {
+                        self.end_with(Ending::BackendFatal);
+                    }
                     self.on_response_frame(ctx, frame)
                 }
                 be::COPY_IN_RESPONSE => {
@@ -216,7 +219,7 @@ impl Engine {
             // and pgcache's own requests (a pooled connection taking the
             // client's settings) change nothing of the client's.
             let own = self.pipeline.front().is_some_and(|f| !f.to_client);
-            if self.ready && !own {
+            if self.logged_in() && !own {
                 self.known.prefix = None;
                 self.server.login_state = false;
                 self.link.settings_may_have_changed();
@@ -302,7 +305,7 @@ impl Engine {
     /// ReadyForQuery: the oldest request is complete. Applies its effects,
     /// stores its capture, and closes the transaction's books when it ends.
     pub fn on_ready_for_query(&mut self, ctx: &Ctx, status: TxStatus) {
-        if !self.ready {
+        if !self.logged_in() {
             // Logged in: only now does the database get shared state, so
             // clients naming made-up databases cannot grow the registry.
             self.db = ctx.app.cache.db(self.startup.database());
@@ -312,7 +315,7 @@ impl Engine {
             if self.caching {
                 self.actions.push(Action::Watch);
             }
-            self.ready = true;
+            self.phase = Phase::Serving;
         }
         tracing::trace!(?status, inflight = self.pipeline.len(), "ready for query");
         if let Link::Pooled(link) = &mut self.link

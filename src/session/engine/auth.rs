@@ -6,6 +6,7 @@
 
 use tracing::info;
 
+use super::life::Ending;
 use super::{Ctx, Engine};
 use crate::auth::{self, AUTH_OK, AUTH_SASL};
 use crate::pool::marks::Pin;
@@ -49,13 +50,13 @@ pub enum AuthStep {
 impl Engine {
     /// Passthrough: PostgreSQL's login exchange is relayed from now on.
     pub fn relay_login(&mut self) {
-        self.relay = Relay::On;
+        self.set_relay(Relay::On);
     }
 
     /// A login is being relayed: the client's frames go to PostgreSQL as
     /// [`Engine::on_auth_client_frame`] allows.
     pub fn relaying_login(&self) -> bool {
-        self.relay != Relay::Off
+        self.relay() != Relay::Off
     }
 
     /// A frame of PostgreSQL's while a login is relayed: true if it was
@@ -92,7 +93,7 @@ impl Engine {
             .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
         if code == Some(AUTH_OK) {
             self.server.trusted = !self.server.challenged;
-            self.relay = Relay::Off;
+            self.set_relay(Relay::Off);
             return AuthStep::Done;
         }
         // Anything before AuthenticationOk asked the client to prove
@@ -104,12 +105,12 @@ impl Engine {
         };
         match offer {
             Some(offer) => {
-                self.relay = Relay::PlusHidden;
+                self.set_relay(Relay::PlusHidden);
                 self.out.extend_from_slice(&offer);
             }
             None => {
                 if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
-                    self.backend_fatal = true;
+                    self.end_with(Ending::BackendFatal);
                 }
                 self.out.extend_from_slice(frame);
             }
@@ -122,11 +123,13 @@ impl Engine {
     pub fn on_auth_client_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> Result<(), SessionError> {
         // A client that hangs up while logging in (node-postgres ended
         // while connecting): PostgreSQL closes without a word.
-        self.client_ended |= frame[0] == fe::TERMINATE;
-        if frame[0] != fe::PASSWORD || self.relay != Relay::PlusHidden {
+        if frame[0] == fe::TERMINATE {
+            self.end_with(Ending::ClientEnded);
+        }
+        if frame[0] != fe::PASSWORD || self.relay() != Relay::PlusHidden {
             return Ok(());
         }
-        self.relay = Relay::On;
+        self.set_relay(Relay::On);
         // 'y': "I can bind, the server cannot". PostgreSQL on TLS knows it
         // can, and refuses with a puzzling message.
         let downgrade =

@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 
 use bytes::BytesMut;
 
+use super::life::Ending;
 use super::{Ctx, Engine};
 use crate::cache::catalog::Wanted;
 use crate::cache::catalog::fetch::{Lookup, Rows};
@@ -114,7 +115,9 @@ impl Engine {
                 None => answer.failed = Some(None),
             },
             be::ERROR_RESPONSE => {
-                self.backend_fatal |= messages::is_fatal(body);
+                if messages::is_fatal(body) {
+                    self.end_with(Ending::BackendFatal);
+                }
                 answer.failed = Some(Some(frame));
             }
             be::READY_FOR_QUERY => {
@@ -141,7 +144,7 @@ impl Engine {
                 // for it): a ParameterStatus now would come before its
                 // AuthenticationOk, and the greeting reports the
                 // parameters itself.
-                if self.ready {
+                if self.logged_in() {
                     return HiddenStep::ToClient(frame);
                 }
             }

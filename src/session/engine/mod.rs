@@ -40,6 +40,7 @@ mod auth;
 mod events;
 mod greeting;
 mod hidden;
+mod life;
 mod lookup;
 mod requests;
 mod routing;
@@ -53,6 +54,7 @@ use auth::Relay;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
+use life::{Ending, Phase};
 pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.
@@ -60,8 +62,8 @@ pub(super) struct Engine {
     /// Cache lookups and fills are on (`cache.enabled`).
     caching: bool,
     startup: Startup,
-    /// The first ReadyForQuery has been seen (authentication is over).
-    ready: bool,
+    /// Logging in, or logged in.
+    phase: Phase,
     pipeline: Pipeline,
     tx: Transaction<(Box<Fill>, BytesMut)>,
     batch: Batch,
@@ -78,10 +80,8 @@ pub(super) struct Engine {
     link: Link,
     /// What decides whether the backend connection outlives the session.
     server: ServerBook,
-    /// The backend reported a FATAL error: its close is expected.
-    backend_fatal: bool,
-    /// The client sent Terminate: so is the backend's close that follows.
-    client_ended: bool,
+    /// Why the backend's close that follows is expected, once it is.
+    ending: Option<Ending>,
     /// Databases pgcache let go of for a statement of this session that
     /// needs them free, until it is answered.
     paused: Vec<Paused>,
@@ -98,8 +98,6 @@ pub(super) struct Engine {
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
     observed: Observed,
-    /// Where a relayed login stands.
-    relay: Relay,
     /// pgcache's own queries on the server connection.
     own: Own,
     /// How long the session may wait on its client.
@@ -121,7 +119,7 @@ impl Engine {
             backend_addr,
             caching,
             startup,
-            ready: false,
+            phase: Phase::LoggingIn(Relay::Off),
             pipeline: Pipeline::default(),
             tx: Transaction::default(),
             batch: Batch::default(),
@@ -131,8 +129,7 @@ impl Engine {
             out: BytesMut::new(),
             link,
             server,
-            backend_fatal: false,
-            client_ended: false,
+            ending: None,
             paused: Vec::new(),
             draining: false,
             backend_key: None,
@@ -140,7 +137,6 @@ impl Engine {
             found: Found::default(),
             replica: None,
             observed: Observed::default(),
-            relay: Relay::Off,
             own: Own::default(),
             timeouts: IdleTimeouts::default(),
             last_activity: None,
@@ -150,7 +146,7 @@ impl Engine {
     /// Logged in, outside a transaction block, and nothing asked of the
     /// backend: pgcache may use the connection for itself.
     pub fn backend_idle(&self) -> bool {
-        self.ready && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
+        self.logged_in() && self.tx.status == TxStatus::Idle && self.pipeline.is_quiet()
     }
 
     /// Notes what a Query's or Parse's text (`frame`) means for the
@@ -288,7 +284,7 @@ impl Engine {
         self.backend_idle()
             && !self.batch.holds()
             && !unread
-            && !self.backend_fatal
+            && !self.backend_fatal()
             && link.translator.is_idle()
     }
 
@@ -364,7 +360,7 @@ impl Engine {
         } else if tag == fe::FUNCTION_CALL {
             self.link.settings_may_have_changed();
         } else if tag == fe::TERMINATE {
-            self.client_ended = true;
+            self.end_with(Ending::ClientEnded);
             if self.hand_back(ctx) || pooled {
                 return None;
             }

@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::life::Ending;
 use super::lookup::Answer;
 use super::{Ctx, Engine, Need, ReadyBatch};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
@@ -76,7 +77,7 @@ impl Engine {
             fe::TERMINATE if self.hand_back(ctx) => Flow::Close,
             fe::TERMINATE if self.link.is_pooled() => {
                 // The connection, if any, goes back to the pool.
-                self.client_ended = true;
+                self.end_with(Ending::ClientEnded);
                 Flow::Close
             }
             tag => {
@@ -89,7 +90,7 @@ impl Engine {
                 }
                 self.forward(frame);
                 if tag == fe::TERMINATE {
-                    self.client_ended = true;
+                    self.end_with(Ending::ClientEnded);
                     Flow::Close
                 } else {
                     Flow::Continue

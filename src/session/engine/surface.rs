@@ -55,7 +55,7 @@ impl Engine {
     /// Logged in, and nothing asked of the backend: the session waits on
     /// its client.
     pub fn waits_on_client(&self) -> bool {
-        self.ready && !self.pipeline.awaits_backend()
+        self.logged_in() && !self.pipeline.awaits_backend()
     }
 
     /// A batch is held, waiting for its Sync.
@@ -108,7 +108,7 @@ impl Engine {
     /// The backend's close is expected: it sent FATAL, or the client
     /// ended the session.
     pub fn close_expected(&self) -> bool {
-        self.backend_fatal || self.client_ended
+        self.ending.is_some()
     }
 
     /// Databases let go of for a statement, until it is answered.
@@ -212,7 +212,7 @@ impl Engine {
     /// another client: handed back clean, not ended by FATAL. Its cancel
     /// key and address, and what the session noted of it.
     pub fn into_server_book(self) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
-        if !self.server.handed_back || self.backend_fatal {
+        if !self.server.handed_back || self.backend_fatal() {
             return None;
         }
         Some((self.backend_key?, self.backend_addr, self.server))

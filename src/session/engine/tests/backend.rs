@@ -8,7 +8,7 @@ use super::*;
 fn logging_in_watches_the_database_once() {
     let mut rig = Rig::new();
     rig.backend(&[rfq(TxStatus::Idle)]);
-    assert!(rig.engine.ready);
+    assert!(rig.engine.logged_in());
     assert!(matches!(rig.engine.actions.as_slice(), [Action::Watch]));
     rig.engine.actions.clear();
     rig.backend(&[rfq(TxStatus::Idle)]);
@@ -121,9 +121,9 @@ fn a_fatal_error_is_noted_so_the_close_that_follows_is_expected() {
     rig.engine.pipeline.push(Inflight::default());
     let mut fatal = BytesMut::new();
     messages::error_response(&mut fatal, "FATAL", "57P01", "terminating");
-    assert!(!rig.engine.backend_fatal);
+    assert!(!rig.engine.backend_fatal());
     rig.backend(&[fatal.to_vec()]);
-    assert!(rig.engine.backend_fatal);
+    assert!(rig.engine.backend_fatal());
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::pool::marks::Pin;
+use crate::session::engine::life::Ending;
 use crate::session::link::Link;
 
 const READ: &str = "SELECT v FROM items WHERE k = 1";
@@ -286,7 +287,7 @@ fn a_malformed_hint_is_warned_of_once_per_text() {
 fn terminate_ends_the_session() {
     let mut rig = Rig::caching();
     assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
-    assert!(rig.engine.client_ended);
+    assert!(rig.engine.ending == Some(Ending::ClientEnded));
     assert_eq!(rig.sent_to_backend(), frame(fe::TERMINATE, &[]));
 }
 
@@ -324,7 +325,7 @@ fn relayed_frames_still_pin_the_session_and_end_it() {
     assert_eq!(link.pinned, Some(Pin::Listen));
     // The pool's connection outlives the client: its Terminate stays here.
     assert_eq!(rig.relayed(&frame(fe::TERMINATE, &[])), None);
-    assert!(rig.engine.client_ended);
+    assert!(rig.engine.ending == Some(Ending::ClientEnded));
     // Session mode without reuse: PostgreSQL hears the Terminate.
     let mut rig = Rig::logged_in();
     rig.engine.caching = false;
@@ -509,7 +510,7 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
     latest.set("server_version", "16.4");
     latest.set("client_encoding", "SQL_ASCII");
     latest.set("application_name", "");
-    assert!(!rig.engine.ready);
+    assert!(!rig.engine.logged_in());
 
     let ctx = ctx(&rig.app, &rig.entry);
     let out = rig
@@ -525,5 +526,5 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
         out,
         expected.login_frames(&[&77u32.to_be_bytes(), &[1, 2, 3, 4]])
     );
-    assert!(rig.engine.ready, "logged in");
+    assert!(rig.engine.logged_in(), "logged in");
 }

@@ -1,0 +1,61 @@
+//! Where a session stands in its life: logging in (a relayed login's
+//! exchange, if any), then serving; and, once known, why its backend's
+//! close is expected.
+
+use super::Engine;
+use super::auth::Relay;
+
+/// Logging in, or logged in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// PostgreSQL's first ReadyForQuery (or pgcache's greeting) is still
+    /// to come; a relayed login's exchange stands as `Relay` says.
+    LoggingIn(Relay),
+    /// Logged in: the session's requests are served.
+    Serving,
+}
+
+/// Why the backend's close that follows is expected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ending {
+    /// The client sent Terminate.
+    ClientEnded,
+    /// The backend reported a FATAL error: its connection is no other
+    /// client's to have.
+    BackendFatal,
+}
+
+impl Engine {
+    /// The first ReadyForQuery has been seen (the login is over).
+    pub(super) fn logged_in(&self) -> bool {
+        self.phase == Phase::Serving
+    }
+
+    /// Notes why the session ends; a backend's FATAL error is never
+    /// forgotten for a later reason.
+    pub(super) fn end_with(&mut self, ending: Ending) {
+        if self.ending != Some(Ending::BackendFatal) {
+            self.ending = Some(ending);
+        }
+    }
+
+    /// The backend reported a FATAL error.
+    pub(super) fn backend_fatal(&self) -> bool {
+        self.ending == Some(Ending::BackendFatal)
+    }
+
+    /// Where a relayed login stands (off once logged in).
+    pub(super) fn relay(&self) -> Relay {
+        match self.phase {
+            Phase::LoggingIn(relay) => relay,
+            Phase::Serving => Relay::Off,
+        }
+    }
+
+    /// A relayed login moves on; nothing changes once logged in.
+    pub(super) fn set_relay(&mut self, relay: Relay) {
+        if let Phase::LoggingIn(now) = &mut self.phase {
+            *now = relay;
+        }
+    }
+}
