@@ -178,7 +178,7 @@ pub struct Server {
     pub login_settings: Option<LoginSettings>,
 }
 
-/// The answer of a session's settings query (see `session/hidden.rs`) in
+/// The answer of a session's settings query (see `session/engine/hidden.rs`) in
 /// a connection's login state, and the policy generation it was asked
 /// under. `DISCARD ALL` returns the connection to that state, and the
 /// pool's check closes it if what login applies changed.

@@ -15,7 +15,7 @@
 //! requests in flight (`pipeline.rs`), the extended batch held until Sync
 //! (`batch.rs`), the transaction's books (`transaction.rs`), what a
 //! statement means for the cache (`plan.rs`), and what the session knows
-//! of itself (`known.rs`, read by pgcache's own queries in `hidden.rs`).
+//! of itself (`known.rs`, read by pgcache's own queries, `engine/hidden.rs`).
 //! The driver (`relay.rs`) does the I/O. The cache itself is behind
 //! [`crate::cache::Cache`].
 
@@ -27,7 +27,6 @@ mod error;
 mod explain;
 #[doc(hidden)]
 pub mod fuzz;
-mod hidden;
 mod keyed;
 mod known;
 mod link;

@@ -1,5 +1,8 @@
 //! What the engine waits for, met by the driver ([`Need`]): the cache's
-//! waits, the session's settings, catalog facts, and what a client's
+//! waits, pgcache's own queries on the client's connection (the engine
+//! asks them and takes their answers, [`super::engine::OwnStep`]; the
+//! driver takes a connection for them in transaction mode, sends them and
+//! reads their answers), catalog facts being fetched, and what a client's
 //! statement needs of pgcache before it goes out (see
 //! [`crate::classify::prerequisites`]): databases pgcache lets go of (see
 //! [`crate::cache::hold`]), and tables taken out of its publication.
@@ -8,11 +11,13 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::Need;
-use super::relay::Session;
+use super::engine::{Need, OwnStep, Verdict};
+use super::link::Link;
+use super::relay::{Session, ctx};
 use crate::classify::prerequisites::prerequisites;
 use crate::invalidation::{Alter, alter_tables, full_message, quote_literal};
 use crate::protocol::codec::HEADER_LEN;
+use crate::protocol::stream::ReadError;
 use crate::protocol::{extended, frontend as fe};
 
 impl<C> Session<C>
@@ -44,6 +49,70 @@ where
             Need::Cache(wait) => self.app.cache.wait(wait, self.engine.lookup_waited()).await,
         }
         Ok(())
+    }
+
+    /// Runs the own queries the engine asked, to the last answer; then the
+    /// connection is closed if the engine could not take an answer.
+    pub(super) async fn converse(&mut self) -> Result<(), SessionError> {
+        while self.engine.own_pending() {
+            if !self.attached() {
+                match Box::pin(self.take_connection(false)).await {
+                    Ok(()) => {}
+                    Err(SessionError::Pool(e)) => {
+                        // No connection: what waited goes on without the
+                        // answer, and the statement fails at once with
+                        // the same error.
+                        if let Link::Pooled(link) = self.engine.link_mut() {
+                            link.no_connection = Some(Box::new(e));
+                        }
+                        self.engine.own_unanswered(&ctx(&self.app, &self.entry));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            let Some(request) = self.engine.own_request() else {
+                break;
+            };
+            self.server()?
+                .write_all(&request)
+                .await
+                .map_err(SessionError::BackendIo)?;
+            loop {
+                let frame = match self.server()?.read_frame().await {
+                    Ok(Some(frame)) => frame,
+                    Ok(None) => {
+                        let eof = std::io::ErrorKind::UnexpectedEof.into();
+                        return Err(SessionError::BackendIo(eof));
+                    }
+                    Err(ReadError::Io(e)) => return Err(SessionError::BackendIo(e)),
+                    Err(e) => return Err(SessionError::BackendFrame(e)),
+                };
+                match self
+                    .engine
+                    .on_own_frame(&ctx(&self.app, &self.entry), frame)
+                {
+                    OwnStep::Read => {}
+                    OwnStep::ToClient(frame) => self
+                        .client
+                        .write_all(&frame)
+                        .await
+                        .map_err(SessionError::ClientIo)?,
+                    OwnStep::Answered => break,
+                }
+            }
+        }
+        match self.engine.take_verdict() {
+            None => Ok(()),
+            Some(Verdict::Close) => {
+                self.drop_backend();
+                Ok(())
+            }
+            Some(Verdict::Fail(e)) => {
+                self.drop_backend();
+                Err(e)
+            }
+        }
     }
 
     /// For a Query or Parse frame whose text names a database or UNLOGGED.

@@ -6,7 +6,7 @@
 
 use tracing::info;
 
-use super::life::Ending;
+use super::life::{Ending, Relay};
 use super::{Ctx, Engine};
 use crate::auth::{self, AUTH_OK, AUTH_SASL};
 use crate::pool::marks::Pin;
@@ -21,21 +21,6 @@ const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgc
      connection and PostgreSQL's both use TLS, so PostgreSQL would take the client's \
      channel_binding=prefer for a downgrade attack. Set auth.mode = \"terminate\" in pgcache, or \
      connect with channel_binding=disable";
-
-/// Where a relayed login stands.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Relay {
-    /// No login is relayed: pgcache logged in for the client, the
-    /// connection replays an earlier login, or the exchange is over.
-    #[default]
-    Off,
-    /// PostgreSQL's exchange is relayed, up to AuthenticationOk.
-    On,
-    /// Relayed, and SCRAM-SHA-256-PLUS was taken out of PostgreSQL's
-    /// offer (pgcache ends both TLS legs, so no binding can match): the
-    /// client's first SASL message is still to come.
-    PlusHidden,
-}
 
 /// What a frame of PostgreSQL's before the login ends is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,6 @@
 //! close is expected.
 
 use super::Engine;
-use super::auth::Relay;
 
 /// Logging in, or logged in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,6 +12,21 @@ pub(super) enum Phase {
     LoggingIn(Relay),
     /// Logged in: the session's requests are served.
     Serving,
+}
+
+/// Where a relayed login stands.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Relay {
+    /// No login is relayed: pgcache logged in for the client, the
+    /// connection replays an earlier login, or the exchange is over.
+    #[default]
+    Off,
+    /// PostgreSQL's exchange is relayed, up to AuthenticationOk.
+    On,
+    /// Relayed, and SCRAM-SHA-256-PLUS was taken out of PostgreSQL's
+    /// offer (pgcache ends both TLS legs, so no binding can match): the
+    /// client's first SASL message is still to come.
+    PlusHidden,
 }
 
 /// Why the backend's close that follows is expected.

@@ -50,11 +50,10 @@ mod surface;
 mod tests;
 mod timeouts;
 
-use auth::Relay;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
-use life::{Ending, Phase};
+use life::{Ending, Phase, Relay};
 pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.
