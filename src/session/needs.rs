@@ -12,7 +12,6 @@ use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Need, OwnStep, Verdict};
-use super::link::Link;
 use super::relay::{Session, ctx};
 use crate::classify::prerequisites::prerequisites;
 use crate::invalidation::{Alter, alter_tables, full_message, quote_literal};
@@ -62,10 +61,7 @@ where
                         // No connection: what waited goes on without the
                         // answer, and the statement fails at once with
                         // the same error.
-                        if let Link::Pooled(link) = self.engine.link_mut() {
-                            link.no_connection = Some(Box::new(e));
-                        }
-                        self.engine.own_unanswered(&ctx(&self.app, &self.entry));
+                        self.engine.no_connection(&ctx(&self.app, &self.entry), e);
                         continue;
                     }
                     Err(e) => return Err(e),

@@ -11,7 +11,6 @@ use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Action, LinkStep, ReadyBatch};
-use super::link::Link;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
@@ -143,12 +142,7 @@ where
         }
         if pos > 0 {
             if self.engine.link().is_pooled() {
-                // Staged for translation, and to fail together with
-                // the requests they make if no connection comes.
-                self.engine
-                    .pipeline_mut()
-                    .to_backend
-                    .extend_from_slice(&self.client.buffered()[..pos]);
+                self.engine.stage_relayed(&self.client.buffered()[..pos]);
                 self.client.consume(pos);
                 self.flush_backend().await?;
             } else {
@@ -268,15 +262,10 @@ where
             }
             r.map_err(SessionError::BackendIo)?;
             if !answers.is_empty() {
-                // Nothing was owed before them: as if they had arrived.
-                let buf = self.server()?.buffer_mut();
-                let at = complete_frames(buf);
-                let tail = buf.split_off(at);
-                buf.extend_from_slice(&answers);
-                buf.extend_from_slice(&tail);
-                if let Link::Pooled(link) = self.engine.link_mut() {
-                    link.spliced = at..at + answers.len();
-                }
+                let not_connected = || std::io::ErrorKind::NotConnected.into();
+                let backend = self.backend.as_mut().ok_or_else(not_connected);
+                let backend = backend.map_err(SessionError::BackendIo)?;
+                self.engine.splice(backend.buffer_mut(), &answers);
                 Box::pin(self.on_backend_data()).await?;
             }
         }
@@ -377,9 +366,8 @@ where
             self.replica = Some(conn);
             return;
         }
-        let lifetime = match self.engine.link_mut() {
-            Link::Pooled(link) => link.knobs(&self.app).lifetime,
-            Link::Session(_) => return,
+        let Some(lifetime) = self.engine.pooled_lifetime(&self.app) else {
+            return;
         };
         if let Some((applied, prepared)) = self.engine.replica_books() {
             (*conn).give_back(applied, prepared, lifetime);
@@ -465,11 +453,6 @@ where
         }
         Ok(Flow::Continue)
     }
-}
-
-/// Where the complete frames of a buffer end.
-fn complete_frames(buf: &[u8]) -> usize {
-    crate::protocol::codec::frames(buf).map(<[u8]>::len).sum()
 }
 
 /// What the client is to be sent of the first `pos` bytes buffered from a

@@ -217,4 +217,44 @@ impl Engine {
         }
         Some((self.backend_key?, self.backend_addr, self.server))
     }
+
+    /// Transaction mode: no connection came for the own query in flight
+    /// (`error`): what waited goes on without its answer, and the
+    /// statement fails at once with the same error.
+    pub fn no_connection(&mut self, ctx: &super::Ctx, error: crate::pool::PoolError) {
+        if let Link::Pooled(link) = &mut self.link {
+            link.no_connection = Some(Box::new(error));
+        }
+        self.own_unanswered(ctx);
+    }
+
+    /// Client frames relayed untouched, staged for the backend (in
+    /// transaction mode: for translation, and to fail together with the
+    /// requests they make if no connection comes).
+    pub fn stage_relayed(&mut self, frames: &[u8]) {
+        self.pipeline.to_backend.extend_from_slice(frames);
+    }
+
+    /// Puts answers pgcache gave in the server's place (`answers`) after
+    /// the complete frames in the server's buffer `buf`, as if they had
+    /// arrived: nothing was owed before them. The next read of the buffer
+    /// knows them for pgcache's.
+    pub fn splice(&mut self, buf: &mut BytesMut, answers: &[u8]) {
+        let at: usize = crate::protocol::codec::frames(buf).map(<[u8]>::len).sum();
+        let tail = buf.split_off(at);
+        buf.extend_from_slice(answers);
+        buf.extend_from_slice(&tail);
+        if let Link::Pooled(link) = &mut self.link {
+            link.spliced = at..at + answers.len();
+        }
+    }
+
+    /// Transaction mode: how long a pooled connection may live, as the
+    /// policy now says (`None` in session mode).
+    pub fn pooled_lifetime(&mut self, app: &crate::App) -> Option<std::time::Duration> {
+        match &mut self.link {
+            Link::Pooled(link) => Some(link.knobs(app).lifetime),
+            Link::Session(_) => None,
+        }
+    }
 }

@@ -178,3 +178,18 @@ fn parameter_statuses_are_kept_only_where_a_connection_is_handed_back() {
         assert_eq!(rig.engine.server.statuses.has("DateStyle"), kept);
     }
 }
+
+#[test]
+fn answers_given_in_the_servers_place_go_after_its_complete_frames() {
+    let mut rig = Rig::pooled();
+    let whole = complete("SELECT 1");
+    let partial = &rfq(TxStatus::Idle)[..3];
+    let mut buf = BytesMut::from(&[&whole[..], partial].concat()[..]);
+    let answers = [parse_complete(), bind_complete()].concat();
+    rig.engine.splice(&mut buf, &answers);
+    assert_eq!(&buf[..], &[&whole[..], &answers[..], partial].concat()[..]);
+    match &rig.engine.link {
+        Link::Pooled(link) => assert_eq!(link.spliced, whole.len()..whole.len() + answers.len()),
+        Link::Session(_) => panic!("transaction mode"),
+    }
+}
