@@ -9,8 +9,8 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
-use super::engine::LinkStep;
-use super::link::{Link, UNKNOWN_STATE};
+use super::engine::{LinkStep, Parting};
+use super::link::Link;
 use super::relay::Session;
 use crate::backend::BackendStream;
 use crate::pool::Server;
@@ -110,22 +110,15 @@ where
     /// on, which no pool owns.
     async fn give_back(&mut self, close: bool) -> Result<(), SessionError> {
         tracing::trace!(status = ?self.engine.tx_status(), "giving the server connection back");
-        let Link::Pooled(link) = self.engine.link_mut() else {
+        if !self.engine.link().is_pooled() {
             return Ok(());
-        };
-        let lifetime = link.knobs(&self.app).lifetime;
+        }
         let Some(mut stream) = self.backend.take() else {
             return Ok(());
         };
-        match link.lease.take() {
-            Some(lease) if !close => lease.give_back(stream, lifetime),
-            lease => {
-                // The connection the client logged in on, which is not the
-                // pool's, or one that listens for another client.
-                if let Some(lease) = lease {
-                    lease.close_listening();
-                }
-                link.own_statements = None;
+        match self.engine.part(&self.app, close) {
+            Some(Parting::Back(lease, lifetime)) => lease.give_back(stream, lifetime),
+            _ => {
                 let _ = stream.write_all(&messages::TERMINATE).await;
             }
         }
@@ -150,28 +143,16 @@ where
     /// At the session's end: an idle pooled connection goes back to the
     /// pool; any other is closed.
     pub(super) fn release_at_end(&mut self) {
-        if !self.attached() {
+        if !self.attached() || !self.engine.link().is_pooled() {
             return;
         }
-        let clean = self.engine.may_give_back(self.unread());
-        let Link::Pooled(link) = self.engine.link_mut() else {
-            return;
-        };
+        let unread = self.unread();
         let Some(mut stream) = self.backend.take() else {
             return;
         };
-        match link.lease.take() {
-            Some(mut lease)
-                if clean && link.pinned.is_none() && !link.listens.carries_foreign() =>
-            {
-                if link.state_dirty {
-                    lease.server_mut().state = UNKNOWN_STATE;
-                }
-                let lifetime = link.knobs(&self.app).lifetime;
-                lease.give_back(stream, lifetime);
-            }
+        match self.engine.part_at_end(&self.app, unread) {
+            Some(Parting::Back(lease, lifetime)) => lease.give_back(stream, lifetime),
             _ => {
-                // Closed, with a word, so PostgreSQL does not log a lost client.
                 tokio::spawn(async move {
                     let _ = stream.write_all(&messages::TERMINATE).await;
                 });

@@ -54,6 +54,7 @@ pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
 use life::{Ending, Phase, Relay};
+pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
 
 /// The state of one client session.

@@ -19,7 +19,7 @@ use crate::cancel::{CancelGuard, CancelTarget};
 use crate::pool::transaction::Lease;
 use crate::protocol::TxStatus;
 use crate::protocol::startup::Startup;
-use crate::session::link::Link;
+use crate::session::link::{Link, UNKNOWN_STATE};
 use crate::session::pipeline::Pipeline;
 use crate::session::replica::ReplicaLeg;
 use crate::session::reuse::ServerBook;
@@ -257,4 +257,55 @@ impl Engine {
             Link::Session(_) => None,
         }
     }
+
+    /// Transaction mode: the session lets its connection go now (`close`:
+    /// see [`super::LinkStep::Close`]). `None` in session mode.
+    pub fn part(&mut self, app: &crate::App, close: bool) -> Option<Parting> {
+        let Link::Pooled(link) = &mut self.link else {
+            return None;
+        };
+        let lifetime = link.knobs(app).lifetime;
+        Some(match link.lease.take() {
+            Some(lease) if !close => Parting::Back(lease, lifetime),
+            lease => {
+                // The connection the client logged in on, which is not the
+                // pool's, or one that listens for another client.
+                if let Some(lease) = lease {
+                    lease.close_listening();
+                }
+                link.own_statements = None;
+                Parting::Close
+            }
+        })
+    }
+
+    /// Transaction mode, at the session's end (`unread`: the server sent
+    /// bytes not read): an idle connection goes back to its pool (its
+    /// settings unknown if they may have changed), any other is closed.
+    pub fn part_at_end(&mut self, app: &crate::App, unread: bool) -> Option<Parting> {
+        let clean = self.may_give_back(unread);
+        let Link::Pooled(link) = &mut self.link else {
+            return None;
+        };
+        Some(match link.lease.take() {
+            Some(mut lease)
+                if clean && link.pinned.is_none() && !link.listens.carries_foreign() =>
+            {
+                if link.state_dirty {
+                    lease.server_mut().state = UNKNOWN_STATE;
+                }
+                Parting::Back(lease, link.knobs(app).lifetime)
+            }
+            _ => Parting::Close,
+        })
+    }
+}
+
+/// What becomes of a pooled server connection the session lets go of.
+pub(in crate::session) enum Parting {
+    /// Back to its pool, to live at most so long.
+    Back(Lease, std::time::Duration),
+    /// Closed, with a Terminate so that PostgreSQL does not log a lost
+    /// client: no pool's, or in a state no other client may see.
+    Close,
 }
