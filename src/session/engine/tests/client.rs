@@ -146,13 +146,20 @@ fn an_extended_batch_is_held_until_sync_then_answered_whole_from_the_cache() {
     assert!(sent.ends_with(&query("SELECT 2")));
 }
 
-#[test]
-fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
+/// A session that defined a statement (Parse, Sync, answered); the
+/// frames of its batch, the Parse first.
+fn statement_defined() -> (Rig, Vec<Vec<u8>>) {
     let mut rig = Rig::caching();
     let frames = batch(0);
     rig.frames(&[frames[0].clone(), sync()]);
     rig.sent_to_backend();
     rig.backend(&[parse_complete(), rfq(TxStatus::Idle)]);
+    (rig, frames)
+}
+
+#[test]
+fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
+    let (mut rig, frames) = statement_defined();
     // A run of the statement: Bind Describe Execute Sync, in one read.
     rig.frames(&frames[1..]);
     assert_eq!(rig.sent_to_backend(), frames[1..].concat());
@@ -179,11 +186,7 @@ fn a_whole_batch_in_the_read_buffer_gets_the_answer_the_frames_get() {
 
 #[test]
 fn a_whole_batch_that_needs_the_settings_leaves_them_to_the_frames_which_ask_once() {
-    let mut rig = Rig::caching();
-    let frames = batch(0);
-    rig.frames(&[frames[0].clone(), sync()]);
-    rig.sent_to_backend();
-    rig.backend(&[parse_complete(), rfq(TxStatus::Idle)]);
+    let (mut rig, frames) = statement_defined();
     let before = rig.settings_reads;
     let run = frames[1..].concat();
     let ctx = ctx(&rig.app, &rig.entry);
