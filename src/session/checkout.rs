@@ -198,14 +198,12 @@ where
     }
 
     /// The backend connection, if this session handed it back clean.
-    pub fn into_server(self) -> Option<Server> {
+    pub fn into_server(self, checked_by_pgcache: bool) -> Option<Server> {
         if self.engine.server().pooling && self.engine.server().tainted {
             self.app.metrics.pool.closed_tainted.inc();
         }
-        if self.unread() {
-            return None;
-        }
-        let (key, addr, book) = self.engine.into_server_book()?;
+        let unread = self.unread();
+        let (key, addr, book) = self.engine.into_server_book(unread, checked_by_pgcache)?;
         let mut key_data = key.backend_pid.to_be_bytes().to_vec();
         key_data.extend_from_slice(&key.backend_secret);
         Some(Server {

@@ -272,15 +272,11 @@ impl Ready {
             mut session, end, ..
         } = *self;
         match end {
-            // A connection PostgreSQL asked a password for is kept only
-            // for clients pgcache authenticates itself.
             End::Session {
                 key: Some(key),
                 checked_by_pgcache,
             } => {
-                if let Some(server) = session.into_server()
-                    && (server.trusted || checked_by_pgcache)
-                {
+                if let Some(server) = session.into_server(checked_by_pgcache) {
                     app.pool.give_back(&app.config().pool, key, server);
                 }
             }

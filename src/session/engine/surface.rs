@@ -209,10 +209,17 @@ impl Engine {
     }
 
     /// The backend connection as the session leaves it, if it may serve
-    /// another client: handed back clean, not ended by FATAL. Its cancel
-    /// key and address, and what the session noted of it.
-    pub fn into_server_book(self) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
-        if !self.server.handed_back || self.backend_fatal() {
+    /// another client: handed back clean, not ended by FATAL, nothing
+    /// `unread` from it; and PostgreSQL asked no password on it, unless
+    /// pgcache checks its clients' itself (`checked_by_pgcache`). Its
+    /// cancel key and address, and what the session noted of it.
+    pub fn into_server_book(
+        self,
+        unread: bool,
+        checked_by_pgcache: bool,
+    ) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
+        let trusted = self.server.trusted || checked_by_pgcache;
+        if unread || !self.server.handed_back || self.backend_fatal() || !trusted {
             return None;
         }
         Some((self.backend_key?, self.backend_addr, self.server))

@@ -193,3 +193,32 @@ fn answers_given_in_the_servers_place_go_after_its_complete_frames() {
         Link::Session(_) => panic!("transaction mode"),
     }
 }
+
+#[test]
+fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
+    let parked = |trusted: bool, checked_by_pgcache: bool, unread: bool| {
+        let mut rig = Rig::new();
+        rig.engine.server = crate::session::reuse::ServerBook::new(true);
+        let mut body = BytesMut::new();
+        body.put_u32(4242);
+        body.put_u32(0xdead_beef);
+        rig.backend(&[frame(be::BACKEND_KEY_DATA, &body), rfq(TxStatus::Idle)]);
+        rig.engine.server.trusted = trusted;
+        assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
+        let book = rig.engine.into_server_book(unread, checked_by_pgcache);
+        book.is_some()
+    };
+    assert!(parked(true, false, false), "PostgreSQL asked no password");
+    assert!(
+        parked(false, true, false),
+        "pgcache checks its clients itself"
+    );
+    assert!(
+        !parked(false, false, false),
+        "a password was asked, checked by no one"
+    );
+    assert!(
+        !parked(true, false, true),
+        "the server sent more than was read"
+    );
+}
