@@ -378,21 +378,17 @@ where
     /// The client went away: stop whatever the backend is still doing for
     /// it, then close the backend connection.
     pub(super) async fn client_gone(&mut self) {
-        if self.engine.pipeline().len() > 0 {
-            // A backend busy with a long query would not notice the closed
-            // socket until it writes; cancel it so it is freed now.
-            if let Some(target) = self.engine.backend_key().cloned() {
-                let app = Arc::clone(&self.app);
-                tokio::spawn(async move {
-                    let _ = crate::backend::send_cancel(
-                        &app.upstream,
-                        &target.addr,
-                        target.backend_pid,
-                        &target.backend_secret,
-                    )
-                    .await;
-                });
-            }
+        if let Some(target) = self.engine.cancel_on_leaving() {
+            let app = Arc::clone(&self.app);
+            tokio::spawn(async move {
+                let _ = crate::backend::send_cancel(
+                    &app.upstream,
+                    &target.addr,
+                    target.backend_pid,
+                    &target.backend_secret,
+                )
+                .await;
+            });
         }
         self.end_backend().await;
     }
@@ -403,11 +399,7 @@ where
         if let Some(replica) = self.replica.take() {
             replica.close().await;
         }
-        if let Link::Pooled(link) = self.engine.link()
-            && link.lease().is_some()
-            && link.pinned.is_none()
-            && self.backend_idle()
-        {
+        if self.engine.backend_outlives_session() {
             return;
         }
         if let Some(backend) = &mut self.backend {

@@ -125,11 +125,6 @@ impl Engine {
         self.draining
     }
 
-    /// The backend's own cancel key, once it gave one.
-    pub fn backend_key(&self) -> Option<&Arc<CancelTarget>> {
-        self.backend_key.as_ref()
-    }
-
     /// A server connection from the pool is the session's now: cancels
     /// go to it.
     pub fn attach_server(&mut self, addr: &UpstreamAddr, key: Arc<CancelTarget>) {
@@ -263,6 +258,23 @@ impl Engine {
             Link::Pooled(link) => Some(link.knobs(app).lifetime),
             Link::Session(_) => None,
         }
+    }
+
+    /// The client left with requests in flight: the backend's key, to
+    /// cancel them (a backend busy with a long query would not notice the
+    /// closed socket until it writes).
+    pub fn cancel_on_leaving(&self) -> Option<Arc<CancelTarget>> {
+        (self.pipeline.len() > 0)
+            .then(|| self.backend_key.clone())
+            .flatten()
+    }
+
+    /// The session's connection goes back to its pool when the session
+    /// ends ([`Engine::part_at_end`]): it is not told to end. A pooled
+    /// lease, idle, not pinned.
+    pub fn backend_outlives_session(&self) -> bool {
+        matches!(&self.link, Link::Pooled(link) if link.lease().is_some() && link.pinned.is_none())
+            && self.backend_idle()
     }
 
     /// Transaction mode: the session lets its connection go now (`close`:

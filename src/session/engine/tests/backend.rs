@@ -222,3 +222,19 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
         "the server sent more than was read"
     );
 }
+
+#[test]
+fn a_client_that_leaves_mid_request_has_its_backend_cancelled() {
+    let mut rig = Rig::new();
+    let mut body = BytesMut::new();
+    body.put_u32(4242);
+    body.put_u32(0xdead_beef);
+    rig.backend(&[frame(be::BACKEND_KEY_DATA, &body), rfq(TxStatus::Idle)]);
+    assert!(
+        rig.engine.cancel_on_leaving().is_none(),
+        "nothing in flight"
+    );
+    rig.client(&query("SELECT pg_sleep(60)"));
+    let target = rig.engine.cancel_on_leaving().expect("a query in flight");
+    assert_eq!(target.backend_pid, 4242);
+}
