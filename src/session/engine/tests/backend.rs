@@ -129,10 +129,7 @@ fn a_fatal_error_is_noted_so_the_close_that_follows_is_expected() {
 #[test]
 fn the_backends_cancel_key_is_replaced_by_one_of_pgcaches() {
     let mut rig = Rig::new();
-    let mut body = BytesMut::new();
-    body.put_u32(4242);
-    body.put_u32(0xdead_beef);
-    let key = frame(be::BACKEND_KEY_DATA, &body);
+    let key = key_data(4242);
     let sent = rig.backend(&[key.clone(), rfq(TxStatus::Idle)]);
     assert_eq!(sent.len(), key.len() + 6);
     assert_ne!(
@@ -199,10 +196,7 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
     let parked = |trusted: bool, checked_by_pgcache: bool, unread: bool| {
         let mut rig = Rig::new();
         rig.engine.server = crate::session::reuse::ServerBook::new(true);
-        let mut body = BytesMut::new();
-        body.put_u32(4242);
-        body.put_u32(0xdead_beef);
-        rig.backend(&[frame(be::BACKEND_KEY_DATA, &body), rfq(TxStatus::Idle)]);
+        rig.backend(&[key_data(4242), rfq(TxStatus::Idle)]);
         rig.engine.server.trusted = trusted;
         assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
         let book = rig.engine.into_server_book(unread, checked_by_pgcache);
@@ -226,10 +220,7 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
 #[test]
 fn a_client_that_leaves_mid_request_has_its_backend_cancelled() {
     let mut rig = Rig::new();
-    let mut body = BytesMut::new();
-    body.put_u32(4242);
-    body.put_u32(0xdead_beef);
-    rig.backend(&[frame(be::BACKEND_KEY_DATA, &body), rfq(TxStatus::Idle)]);
+    rig.backend(&[key_data(4242), rfq(TxStatus::Idle)]);
     assert!(
         rig.engine.cancel_on_leaving().is_none(),
         "nothing in flight"
@@ -237,4 +228,12 @@ fn a_client_that_leaves_mid_request_has_its_backend_cancelled() {
     rig.client(&query("SELECT pg_sleep(60)"));
     let target = rig.engine.cancel_on_leaving().expect("a query in flight");
     assert_eq!(target.backend_pid, 4242);
+}
+
+/// The backend's BackendKeyData: its process id `pid` and a secret.
+fn key_data(pid: u32) -> Vec<u8> {
+    let mut body = BytesMut::new();
+    body.put_u32(pid);
+    body.put_u32(0xdead_beef);
+    frame(be::BACKEND_KEY_DATA, &body)
 }
