@@ -11,10 +11,8 @@ pub(super) struct ServerBook {
     /// The parameters PostgreSQL reported, latest value each; kept in
     /// session mode only, for a connection handed back whole.
     pub statuses: Statuses,
-    /// PostgreSQL let the login in without a password.
-    pub trusted: bool,
-    /// PostgreSQL asked for something before AuthenticationOk.
-    pub challenged: bool,
+    /// What PostgreSQL asked of the login on this connection.
+    pub trust: Trust,
     /// When the connection logged in (earlier than the session if reused).
     pub born: Instant,
     /// A parked connection: its login frames wait in the backend's buffer.
@@ -34,12 +32,28 @@ pub(super) struct ServerBook {
     pub login_settings: Option<LoginSettings>,
 }
 
+/// What PostgreSQL asked of the login on a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Trust {
+    /// Nothing known: the login is not over, or pgcache logged in itself.
+    Unknown,
+    /// PostgreSQL asked for something before AuthenticationOk: the
+    /// connection is not one any client may have.
+    Challenged,
+    /// PostgreSQL let the login in without asking for anything.
+    Trusted,
+}
+
 impl ServerBook {
+    /// PostgreSQL let the login in without a password.
+    pub fn trusted(&self) -> bool {
+        self.trust == Trust::Trusted
+    }
+
     pub fn new(pooling: bool) -> Self {
         Self {
             statuses: Statuses::default(),
-            trusted: false,
-            challenged: false,
+            trust: Trust::Unknown,
             born: Instant::now(),
             reused: false,
             pooling,
@@ -54,8 +68,10 @@ impl ServerBook {
     pub fn reused(server: &Server) -> Self {
         Self {
             statuses: server.statuses.clone(),
-            trusted: server.trusted,
-            challenged: false,
+            trust: match server.trusted {
+                true => Trust::Trusted,
+                false => Trust::Unknown,
+            },
             born: server.born,
             reused: true,
             pooling: true,

@@ -15,6 +15,7 @@ use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
 use crate::scram::MECHANISM;
 use crate::session::SessionError;
 use crate::session::link::Link;
+use crate::session::reuse::Trust;
 
 /// The refusal when SCRAM cannot be relayed because both legs are TLS.
 const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgcache: the client's \
@@ -60,11 +61,11 @@ impl Engine {
     /// PostgreSQL asked a password of keeps its connection.
     pub fn login_over(&mut self, ctx: &Ctx) {
         match &self.link {
-            Link::Pooled(link) if self.server.trusted => link.pool.learn_trusted(),
+            Link::Pooled(link) if self.server.trusted() => link.pool.learn_trusted(),
             Link::Pooled(_) => self.pin(ctx, Pin::Password),
             Link::Session(own) => {
                 if let Some(checks) = &own.checks
-                    && self.server.trusted
+                    && self.server.trusted()
                 {
                     checks.learn_trusted();
                 }
@@ -77,13 +78,15 @@ impl Engine {
         let code = (frame[0] == be::AUTHENTICATION && frame.len() >= HEADER_LEN + 4)
             .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
         if code == Some(AUTH_OK) {
-            self.server.trusted = !self.server.challenged;
+            if self.server.trust != Trust::Challenged {
+                self.server.trust = Trust::Trusted;
+            }
             self.set_relay(Relay::Off);
             return AuthStep::Done;
         }
         // Anything before AuthenticationOk asked the client to prove
         // itself: this connection is not one any client may have.
-        self.server.challenged = true;
+        self.server.trust = Trust::Challenged;
         let offer = match code {
             Some(AUTH_SASL) => auth::without_plus(&frame[HEADER_LEN + 4..]),
             _ => None,

@@ -213,7 +213,7 @@ impl Engine {
         unread: bool,
         checked_by_pgcache: bool,
     ) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
-        let trusted = self.server.trusted || checked_by_pgcache;
+        let trusted = self.server.trusted() || checked_by_pgcache;
         if unread || !self.server.handed_back || self.backend_fatal() || !trusted {
             return None;
         }

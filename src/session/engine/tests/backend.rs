@@ -197,7 +197,10 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
         let mut rig = Rig::new();
         rig.engine.server = crate::session::reuse::ServerBook::new(true);
         rig.backend(&[key_data(4242), rfq(TxStatus::Idle)]);
-        rig.engine.server.trusted = trusted;
+        rig.engine.server.trust = match trusted {
+            true => crate::session::reuse::Trust::Trusted,
+            false => crate::session::reuse::Trust::Challenged,
+        };
         assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
         let book = rig.engine.into_server_book(unread, checked_by_pgcache);
         book.is_some()
