@@ -1176,21 +1176,13 @@ async fn notified_client(
     tokio_postgres::Client,
     tokio::sync::mpsc::UnboundedReceiver<(String, String)>,
 ) {
-    use futures_util::StreamExt;
-    let (client, mut connection) =
-        tokio_postgres::connect(&proxy.dsn("postgres", db), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-    let (tx, notifications) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = message {
-                let _ = tx.send((n.channel().to_owned(), n.payload().to_owned()));
-            }
+    connect_picking(&proxy.dsn("postgres", db), |message| match message {
+        tokio_postgres::AsyncMessage::Notification(n) => {
+            Some((n.channel().to_owned(), n.payload().to_owned()))
         }
-    });
-    (client, notifications)
+        _ => None,
+    })
+    .await
 }
 
 /// The three shapes a statement's text travels in.

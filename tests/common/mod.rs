@@ -248,13 +248,14 @@ pub async fn standby_caught_up(primary: &Pg, standby: &Pg) {
     .await;
 }
 
-/// Connects and collects the notices the server sends, as
-/// `SEVERITY: message`.
-pub async fn connect_with_notices(
+/// Connects and forwards what `pick` keeps of the server's asynchronous
+/// messages (notices, notifications) to a channel.
+pub async fn connect_picking<T: Send + 'static>(
     dsn: &str,
+    pick: fn(tokio_postgres::AsyncMessage) -> Option<T>,
 ) -> (
     tokio_postgres::Client,
-    tokio::sync::mpsc::UnboundedReceiver<String>,
+    tokio::sync::mpsc::UnboundedReceiver<T>,
 ) {
     use futures_util::StreamExt;
     let (client, mut conn) = tokio_postgres::connect(dsn, tokio_postgres::NoTls)
@@ -264,10 +265,27 @@ pub async fn connect_with_notices(
     tokio::spawn(async move {
         let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
         while let Some(Ok(message)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notice(n) = message {
-                let _ = tx.send(format!("{}: {}", n.severity(), n.message()));
+            if let Some(kept) = pick(message) {
+                let _ = tx.send(kept);
             }
         }
     });
     (client, rx)
+}
+
+/// Connects and collects the notices the server sends, as
+/// `SEVERITY: message`.
+pub async fn connect_with_notices(
+    dsn: &str,
+) -> (
+    tokio_postgres::Client,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    connect_picking(dsn, |message| match message {
+        tokio_postgres::AsyncMessage::Notice(n) => {
+            Some(format!("{}: {}", n.severity(), n.message()))
+        }
+        _ => None,
+    })
+    .await
 }
