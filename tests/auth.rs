@@ -272,3 +272,54 @@ async fn terminate_mode_with_auth_query_logs_in_with_no_password_stored_anywhere
     let failures = &proxy.app.metrics.auth_failures;
     assert_eq!((failures.client.get(), failures.backend.get()), (2, 1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminate_mode_relays_postgresqls_refusal_and_gives_up_on_a_login_that_never_ends() {
+    // Every connection pgcache opens as "slow" goes nowhere: its startup
+    // packet never reaches PostgreSQL.
+    let faults = Faults {
+        freeze: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        frozen_marker: b"user\0slow\0",
+        ..Faults::default()
+    };
+    let port = relay(pg().port, faults).await;
+    let mut config = pg().proxy_config();
+    config.upstream.url = format!("postgres://postgres@127.0.0.1:{port}");
+    config.upstream.connect_timeout_ms = 300;
+    config.auth.mode = AuthMode::Terminate;
+    // Not md5user's password in PostgreSQL.
+    for user in [MD5_USER, "slow"] {
+        config.auth.users.insert(user.into(), "pw".into());
+    }
+    let proxy = Proxy::start(config).await;
+
+    // PostgreSQL refuses the password pgcache answers with: its own FATAL
+    // reaches the client.
+    let err = refused(&proxy, MD5_USER, "pw").await;
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(
+        db.code(),
+        &tokio_postgres::error::SqlState::INVALID_PASSWORD
+    );
+    assert!(
+        db.message().contains("password authentication failed"),
+        "{}",
+        db.message()
+    );
+
+    // PostgreSQL never answers: the login fails at pgcache's deadline.
+    let err = refused(&proxy, "slow", "pw").await;
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(
+        db.code(),
+        &tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+    );
+    assert!(
+        db.message()
+            .contains("did not finish authentication in time"),
+        "{}",
+        db.message()
+    );
+    let failures = &proxy.app.metrics.auth_failures;
+    assert_eq!((failures.client.get(), failures.backend.get()), (0, 2));
+}

@@ -8,11 +8,13 @@
 //! gave away (PostgreSQL must then hold the same verifier, as it does when
 //! the verifier comes from `pg_authid`).
 
+mod login;
+
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use bytes::BytesMut;
-use pgwire::messages::startup::{Authentication, Password, SASLInitialResponse, SASLResponse};
+use pgwire::messages::startup::Authentication;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, warn};
 
@@ -20,12 +22,13 @@ use crate::config::AuthConfig;
 use crate::protocol::codec::{HEADER_LEN, read_cstr, read_i32};
 use crate::protocol::messages::encode;
 use crate::protocol::stream::{FramedStream, ReadError};
-use crate::protocol::{backend as be, frontend as fe, sqlstate};
+use crate::protocol::{frontend as fe, sqlstate};
 use crate::scram::{
-    self, ClientExchange, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ScramError,
-    ServerBinding, Verifier, credentials,
+    self, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ScramError, ServerBinding,
+    Verifier, credentials,
 };
 use crate::upstream::Upstream;
+pub use login::{BackendLogin, LoginError, LoginStep, login_backend};
 
 /// Authentication request codes (the `R` message's first field).
 pub const AUTH_OK: i32 = 0;
@@ -282,172 +285,6 @@ where
     }
 }
 
-/// Logs in to PostgreSQL for a client pgcache authenticated: sends its
-/// StartupMessage and answers the server's authentication request. Leaves
-/// the AuthenticationOk and everything after it in `buf`, for the session
-/// to relay. `Err(Some(frame))`: PostgreSQL's own ErrorResponse.
-pub async fn login_backend<B>(
-    backend: &mut FramedStream<B>,
-    startup_raw: &[u8],
-    user: &str,
-    secret: &ClientSecret,
-) -> Result<(), LoginError>
-where
-    B: AsyncRead + AsyncWrite + Unpin,
-{
-    backend.write_all(startup_raw).await?;
-    let mut scram: Option<ClientExchange> = None;
-    loop {
-        let len = backend.wait_frame().await?.ok_or(LoginError::Failed(
-            "PostgreSQL closed the connection during authentication".into(),
-        ))?;
-        match backend.buffered()[0] {
-            be::AUTHENTICATION => {}
-            be::ERROR_RESPONSE => return Err(LoginError::Server(backend.split_to(len))),
-            be::NEGOTIATE_PROTOCOL_VERSION => {
-                // Informational here.
-                backend.consume(len);
-                continue;
-            }
-            other => {
-                return Err(LoginError::Failed(format!(
-                    "unexpected message {:?} during authentication",
-                    other as char
-                )));
-            }
-        }
-        let body = &backend.buffered()[HEADER_LEN..len];
-        let code = i32::from_be_bytes(
-            body.get(..4)
-                .and_then(|b| b.try_into().ok())
-                .unwrap_or([0xff; 4]),
-        );
-        if code == AUTH_OK {
-            return Ok(());
-        }
-        let data = body[4..].to_vec();
-        backend.consume(len);
-        let reply = match answer(code, &data, user, secret, &mut scram)? {
-            Some(reply) => reply,
-            None => continue,
-        };
-        backend.write_all(&reply).await?;
-    }
-}
-
-/// The answer to PostgreSQL's authentication request `code`; `None` when
-/// none is due (SASLFinal, checked here).
-fn answer(
-    code: i32,
-    data: &[u8],
-    user: &str,
-    secret: &ClientSecret,
-    scram: &mut Option<ClientExchange>,
-) -> Result<Option<BytesMut>, LoginError> {
-    let mut reply = BytesMut::new();
-    match (code, secret) {
-        (AUTH_CLEARTEXT, ClientSecret::Password(password)) => {
-            encode(&mut reply, Password::new(password.clone()));
-        }
-        (AUTH_MD5, ClientSecret::Password(password)) => {
-            let salt = data
-                .get(..4)
-                .ok_or(LoginError::Failed("short MD5 salt".into()))?;
-            encode(
-                &mut reply,
-                Password::new(md5_response(user, password, salt)),
-            );
-        }
-        (AUTH_CLEARTEXT | AUTH_MD5, ClientSecret::Key { .. }) => {
-            return Err(LoginError::Failed(format!(
-                "PostgreSQL asks for user \"{user}\"'s password in {}, but pgcache holds only \
-                 its SCRAM verifier: give the password in auth.users, or use scram-sha-256 \
-                 in pg_hba.conf",
-                if code == AUTH_MD5 {
-                    "MD5"
-                } else {
-                    "clear text"
-                }
-            )));
-        }
-        (AUTH_SASL, _) => {
-            let offered = data.split(|b| *b == 0).any(|m| m == MECHANISM.as_bytes());
-            if !offered {
-                return Err(LoginError::Failed(
-                    "PostgreSQL offers no SASL mechanism pgcache knows".into(),
-                ));
-            }
-            let (exchange, first) = ClientExchange::start(secret.clone());
-            *scram = Some(exchange);
-            encode(
-                &mut reply,
-                SASLInitialResponse::new(MECHANISM.to_owned(), Some(first.into())),
-            );
-        }
-        (AUTH_SASL_CONTINUE, _) => {
-            let exchange = scram
-                .as_mut()
-                .ok_or(LoginError::Failed("SASLContinue out of order".into()))?;
-            let last = exchange.respond(&String::from_utf8_lossy(data))?;
-            encode(&mut reply, SASLResponse::new(last.into()));
-        }
-        (AUTH_SASL_FINAL, _) => {
-            scram
-                .as_ref()
-                .ok_or(LoginError::Failed("SASLFinal out of order".into()))?
-                .verify(&String::from_utf8_lossy(data))?;
-            return Ok(None);
-        }
-        (other, _) => {
-            return Err(LoginError::Failed(format!(
-                "PostgreSQL asks for authentication method {other}, which pgcache cannot \
-                 answer for a client"
-            )));
-        }
-    }
-    Ok(Some(reply))
-}
-
-/// How logging in to PostgreSQL failed.
-#[derive(Debug)]
-pub enum LoginError {
-    /// PostgreSQL's ErrorResponse, to relay.
-    Server(BytesMut),
-    Failed(String),
-}
-
-impl From<std::io::Error> for LoginError {
-    fn from(e: std::io::Error) -> Self {
-        LoginError::Failed(format!("connection to PostgreSQL: {e}"))
-    }
-}
-
-impl From<ScramError> for LoginError {
-    fn from(e: ScramError) -> Self {
-        LoginError::Failed(e.to_string())
-    }
-}
-
-impl From<ReadError> for LoginError {
-    fn from(e: ReadError) -> Self {
-        LoginError::Failed(format!("from PostgreSQL: {e}"))
-    }
-}
-
-/// libpq's MD5 answer: "md5" + md5(md5(password + user) + salt), in hex.
-fn md5_response(user: &str, password: &str, salt: &[u8]) -> String {
-    use md5::{Digest, Md5};
-    let inner = hex(&Md5::digest(format!("{password}{user}")));
-    let mut outer = Md5::new();
-    outer.update(inner.as_bytes());
-    outer.update(salt);
-    format!("md5{}", hex(&outer.finalize()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Passthrough: the mechanism list of an AuthenticationSASL body (after the
 /// code) without `SCRAM-SHA-256-PLUS`, which cannot cross pgcache's TLS
 /// ends. `None` when there is nothing to take out.
@@ -472,15 +309,6 @@ pub fn without_plus(mechanisms: &[u8]) -> Option<BytesMut> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn md5_answer_is_libpqs() {
-        // PostgreSQL 15: SELECT 'md5' || md5(md5('pu') || 'abcd')
-        assert_eq!(
-            md5_response("u", "p", b"abcd"),
-            "md5fa55bd30a96b8d5bd8215eee7c50a918"
-        );
-    }
 
     #[test]
     fn plus_is_taken_out_of_the_mechanism_list() {

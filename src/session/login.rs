@@ -1,66 +1,43 @@
 //! A session's login to PostgreSQL: relayed for the client (passthrough),
-//! through the session's loop as the engine decides frame by frame
-//! ([`super::engine::AuthStep`]), or made by pgcache for a client it
-//! authenticated itself (terminate). See [`crate::auth`].
+//! or answered by pgcache for a client it authenticated itself
+//! (terminate), through the session's loop as the engine decides frame by
+//! frame ([`super::engine::AuthStep`]). See [`crate::auth`].
+
+use std::time::Instant;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::info;
 
 use super::SessionError;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
-use crate::auth::{self, LoginError};
-use crate::protocol::sqlstate;
 use crate::scram::ClientSecret;
 
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Starts the login to PostgreSQL. Passthrough: the StartupMessage is
-    /// sent and the exchange that follows is the session loop's. Terminate:
-    /// pgcache logs in; `Flow::Continue` leaves PostgreSQL's
-    /// AuthenticationOk and what follows in the backend's buffer.
+    /// Starts the login to PostgreSQL: the StartupMessage is sent, and
+    /// the exchange that follows is the session loop's, relayed for the
+    /// client (passthrough) or answered by pgcache with the secret of a
+    /// client it authenticated (terminate).
     pub(super) async fn log_in(
         &mut self,
         startup_raw: &[u8],
         secret: Option<Box<ClientSecret>>,
     ) -> Result<Flow, SessionError> {
         let app = std::sync::Arc::clone(&self.app);
-        let startup_raw = &*app.upstream.origin.client_startup(startup_raw);
-        let Some(secret) = secret else {
-            self.engine.relay_login();
-            self.server()?
-                .write_all(startup_raw)
-                .await
-                .map_err(SessionError::BackendIo)?;
-            return Ok(Flow::Continue);
-        };
-        let user = self.engine.startup().user().to_owned();
-        let connect_timeout = self.app.upstream.connect_timeout;
-        let login = auth::login_backend(self.server()?, startup_raw, &user, &secret);
-        let result = tokio::time::timeout(connect_timeout, login).await;
-        let message = match result {
-            Ok(Ok(())) => {
-                self.engine.login_over(&ctx(&self.app, &self.entry));
-                return Ok(Flow::Continue);
+        match secret {
+            Some(secret) => {
+                let timeout = app.upstream.connect_timeout;
+                self.engine.answer_login(*secret, Instant::now(), timeout);
             }
-            Ok(Err(LoginError::Server(frame))) => {
-                self.app.metrics.auth_failures.backend.inc();
-                // PostgreSQL's own FATAL (no such database, too many
-                // connections, ...): the client gets it as is.
-                let _ = self.client.write_all(&frame).await;
-                return Ok(Flow::Close);
-            }
-            Ok(Err(LoginError::Failed(reason))) => reason,
-            Err(_) => "PostgreSQL did not finish authentication in time".to_owned(),
-        };
-        self.app.metrics.auth_failures.backend.inc();
-        info!(user, reason = %message, "could not log in to PostgreSQL for a client");
-        Err(SessionError::refused(
-            sqlstate::INVALID_AUTHORIZATION,
-            format!("pgcache could not log in to PostgreSQL as \"{user}\": {message}"),
-        ))
+            None => self.engine.relay_login(),
+        }
+        self.server()?
+            .write_all(&app.upstream.origin.client_startup(startup_raw))
+            .await
+            .map_err(SessionError::BackendIo)?;
+        Ok(Flow::Continue)
     }
 
     /// While a login is relayed: the client's frames go to PostgreSQL,

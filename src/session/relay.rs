@@ -244,8 +244,10 @@ where
                 .engine
                 .poll_timeout()
                 .map(tokio::time::Instant::from_std);
-            // A read on a replica is answered before anything else is read.
+            // A read on a replica is answered before anything else is
+            // read; the client waits while pgcache logs in for it.
             let on_replica = self.engine.replica_busy();
+            let hold_client = on_replica || self.engine.answering_login();
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
@@ -254,7 +256,7 @@ where
                 w = replica_leg(&mut self.replica, on_replica), if on_replica || self.replica.is_some() => w,
                 // A session holding no connection has no backend to read.
                 r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
-                r = self.client.fill_lazily(), if !on_replica => Woke::Client(r),
+                r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
                 _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             });
@@ -312,7 +314,7 @@ where
                 self.close_if_drained().await
             }
             Woke::Timeout => {
-                let e = self.engine.on_timeout();
+                let e = self.engine.on_timeout(&ctx(&self.app, &self.entry));
                 info!(code = e.sqlstate(), "{e}");
                 self.close_with(&e).await;
                 Flow::Close

@@ -52,7 +52,9 @@ impl Engine {
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
-            if self.relaying_login() && self.on_login_frame(ctx, &buf[pos..pos + len]) {
+            if self.relaying_login()
+                && self.on_login_frame(ctx, &buf[pos..pos + len], &mut resend)?
+            {
                 (pos, copied) = (pos + len, pos + len);
                 continue;
             }

@@ -1,18 +1,24 @@
-//! The relayed login (passthrough), frame by frame up to
-//! AuthenticationOk: what of PostgreSQL's exchange the client sees, what
-//! of the client's is refused, whether the connection was trusted, and
-//! what the login teaches the pool. PostgreSQL's frames come through
-//! [`Engine::on_backend`] like any other; the driver moves the bytes.
+//! A login's exchange with PostgreSQL, frame by frame up to
+//! AuthenticationOk. Relayed (passthrough): what of PostgreSQL's exchange
+//! the client sees, what of the client's is refused, whether the
+//! connection was trusted, and what the login teaches the pool. Answered
+//! for the client (terminate): pgcache's answers, by a deadline, and a
+//! failure told as the client's login failing. PostgreSQL's frames come
+//! through [`Engine::on_backend`] like any other; the driver moves the
+//! bytes.
 
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
 use tracing::info;
 
 use super::life::{Ending, Relay};
 use super::{Ctx, Engine};
-use crate::auth::{self, AUTH_OK, AUTH_SASL};
+use crate::auth::{self, AUTH_OK, AUTH_SASL, BackendLogin, LoginError, LoginStep};
 use crate::pool::marks::Pin;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
-use crate::scram::MECHANISM;
+use crate::scram::{ClientSecret, MECHANISM};
 use crate::session::SessionError;
 use crate::session::link::Link;
 use crate::session::reuse::Trust;
@@ -39,21 +45,85 @@ impl Engine {
         self.set_relay(Relay::On);
     }
 
-    /// A login is being relayed: the client's frames go to PostgreSQL as
-    /// [`Engine::on_auth_client_frame`] allows.
-    pub fn relaying_login(&self) -> bool {
-        self.relay() != Relay::Off
+    /// Terminate mode: pgcache answers PostgreSQL's exchange for the
+    /// client it authenticated, with its secret, within `timeout` of
+    /// `now`.
+    pub fn answer_login(&mut self, secret: ClientSecret, now: Instant, timeout: Duration) {
+        let login = BackendLogin::new(self.startup.user(), secret);
+        self.set_relay(Relay::ForClient {
+            login: Box::new(login),
+            deadline: now + timeout,
+        });
     }
 
-    /// A frame of PostgreSQL's while a login is relayed: true if it was
-    /// staged for the client; false at AuthenticationOk, which ends the
-    /// relayed exchange and is the session's first answer to read.
-    pub(super) fn on_login_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> bool {
-        if self.on_auth_backend_frame(frame) == AuthStep::Relayed {
-            return true;
+    /// A login's exchange is going on: PostgreSQL's frames are the
+    /// exchange's, and the client's go to PostgreSQL as
+    /// [`Engine::on_auth_client_frame`] allows.
+    pub fn relaying_login(&self) -> bool {
+        !matches!(self.relay(), Relay::Off)
+    }
+
+    /// pgcache answers the exchange: the client's frames wait.
+    pub fn answering_login(&self) -> bool {
+        matches!(self.relay(), Relay::ForClient { .. })
+    }
+
+    /// When an exchange pgcache answers is to be over.
+    pub(super) fn login_deadline(&self) -> Option<Instant> {
+        match self.relay() {
+            Relay::ForClient { deadline, .. } => Some(*deadline),
+            _ => None,
         }
-        self.login_over(ctx);
-        false
+    }
+
+    /// A frame of PostgreSQL's during a login's exchange: true if it was
+    /// the exchange's (staged for the client, or answered into `resend`);
+    /// false at AuthenticationOk, which ends the exchange and is the
+    /// session's first answer to read.
+    pub(super) fn on_login_frame(
+        &mut self,
+        ctx: &Ctx,
+        frame: &[u8],
+        resend: &mut BytesMut,
+    ) -> Result<bool, SessionError> {
+        let Some(Relay::ForClient { login, .. }) = self.relay_mut() else {
+            if self.on_auth_backend_frame(frame) == AuthStep::Relayed {
+                return Ok(true);
+            }
+            self.login_over(ctx);
+            return Ok(false);
+        };
+        let step = login.on_frame(frame);
+        match step {
+            Ok(LoginStep::Answer(reply)) => resend.extend_from_slice(&reply),
+            Ok(LoginStep::Wait) => {}
+            Ok(LoginStep::Done) => {
+                self.set_relay(Relay::Off);
+                self.login_over(ctx);
+                return Ok(false);
+            }
+            Err(LoginError::Server(frame)) => {
+                // PostgreSQL's own FATAL (no such database, too many
+                // connections, ...): the client gets it as is.
+                ctx.app.metrics.auth_failures.backend.inc();
+                self.end_with(Ending::BackendFatal);
+                self.out.extend_from_slice(&frame);
+            }
+            Err(LoginError::Failed(reason)) => return Err(self.login_failed(ctx, &reason)),
+        }
+        Ok(true)
+    }
+
+    /// pgcache could not log in for the client, for `reason`: the client
+    /// is told its login failed.
+    pub(super) fn login_failed(&self, ctx: &Ctx, reason: &str) -> SessionError {
+        ctx.app.metrics.auth_failures.backend.inc();
+        let user = self.startup.user();
+        info!(user, reason, "could not log in to PostgreSQL for a client");
+        SessionError::refused(
+            sqlstate::INVALID_AUTHORIZATION,
+            format!("pgcache could not log in to PostgreSQL as \"{user}\": {reason}"),
+        )
     }
 
     /// The login is over (AuthenticationOk): a pool learns whether
@@ -114,7 +184,7 @@ impl Engine {
         if frame[0] == fe::TERMINATE {
             self.end_with(Ending::ClientEnded);
         }
-        if frame[0] != fe::PASSWORD || self.relay() != Relay::PlusHidden {
+        if frame[0] != fe::PASSWORD || !matches!(self.relay(), Relay::PlusHidden) {
             return Ok(());
         }
         self.set_relay(Relay::On);

@@ -2,10 +2,12 @@
 //! exchange, if any), then serving; and, once known, why its backend's
 //! close is expected.
 
+use std::time::Instant;
+
 use super::Engine;
+use crate::auth::BackendLogin;
 
 /// Logging in, or logged in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Phase {
     /// PostgreSQL's first ReadyForQuery (or pgcache's greeting) is still
     /// to come; a relayed login's exchange stands as `Relay` says.
@@ -14,12 +16,10 @@ pub(super) enum Phase {
     Serving,
 }
 
-/// Where a relayed login stands.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// Where the exchange of a login stands.
 pub(super) enum Relay {
-    /// No login is relayed: pgcache logged in for the client, the
-    /// connection replays an earlier login, or the exchange is over.
-    #[default]
+    /// No exchange is going on: the connection replays an earlier login,
+    /// pgcache greets the client, or the exchange is over.
     Off,
     /// PostgreSQL's exchange is relayed, up to AuthenticationOk.
     On,
@@ -27,6 +27,12 @@ pub(super) enum Relay {
     /// offer (pgcache ends both TLS legs, so no binding can match): the
     /// client's first SASL message is still to come.
     PlusHidden,
+    /// Terminate mode: pgcache answers PostgreSQL's exchange for the
+    /// client it authenticated, by `deadline`; the client waits.
+    ForClient {
+        login: Box<BackendLogin>,
+        deadline: Instant,
+    },
 }
 
 /// Why the backend's close that follows is expected.
@@ -42,7 +48,7 @@ pub(super) enum Ending {
 impl Engine {
     /// The first ReadyForQuery has been seen (the login is over).
     pub(super) fn logged_in(&self) -> bool {
-        self.phase == Phase::Serving
+        matches!(self.phase, Phase::Serving)
     }
 
     /// Notes why the session ends; a backend's FATAL error is never
@@ -58,11 +64,18 @@ impl Engine {
         self.ending == Some(Ending::BackendFatal)
     }
 
-    /// Where a relayed login stands (off once logged in).
-    pub(super) fn relay(&self) -> Relay {
-        match self.phase {
+    /// Where a login's exchange stands (off once logged in).
+    pub(super) fn relay(&self) -> &Relay {
+        match &self.phase {
             Phase::LoggingIn(relay) => relay,
-            Phase::Serving => Relay::Off,
+            Phase::Serving => &Relay::Off,
+        }
+    }
+
+    pub(super) fn relay_mut(&mut self) -> Option<&mut Relay> {
+        match &mut self.phase {
+            Phase::LoggingIn(relay) => Some(relay),
+            Phase::Serving => None,
         }
     }
 

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::Engine;
+use super::{Ctx, Engine};
 use crate::protocol::{TxStatus, sqlstate};
 use crate::session::SessionError;
 
@@ -60,10 +60,14 @@ impl Engine {
         self.last_activity = Some(now);
     }
 
-    /// When the session is to end for idling, if it waits on its client
-    /// (logged in, nothing asked of the backend) and a timeout applies to
-    /// its transaction state.
+    /// When the session is to end: pgcache's login for the client is
+    /// overdue, or it idles waiting on its client (logged in, nothing
+    /// asked of the backend) and a timeout applies to its transaction
+    /// state.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        if let Some(deadline) = self.login_deadline() {
+            return Some(deadline);
+        }
         let waiting = self.waits_on_client();
         let limit = self.timeouts.limit(self.tx.status)?;
         let since = self.last_activity?;
@@ -72,7 +76,10 @@ impl Engine {
 
     /// The deadline of [`Self::poll_timeout`] passed: the error the
     /// client is told, as PostgreSQL words it.
-    pub fn on_timeout(&self) -> SessionError {
+    pub fn on_timeout(&self, ctx: &Ctx) -> SessionError {
+        if self.login_deadline().is_some() {
+            return self.login_failed(ctx, "PostgreSQL did not finish authentication in time");
+        }
         if self.tx.status == TxStatus::Idle {
             SessionError::refused(
                 sqlstate::IDLE_SESSION_TIMEOUT,

@@ -1,10 +1,14 @@
-//! The relayed login, decided frame by frame.
+//! A login's exchange, relayed or answered by pgcache, decided frame by
+//! frame.
+
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 
 use super::{Rig, ctx, frame, rfq};
 use crate::pool::marks::Pin;
 use crate::protocol::{TxStatus, backend as be, frontend as fe, messages, sqlstate};
+use crate::scram::ClientSecret;
 use crate::session::SessionError;
 use crate::session::engine::auth::AuthStep;
 use crate::session::link::{ClientState, Link};
@@ -152,4 +156,93 @@ fn in_transaction_mode_a_login_asked_for_a_password_keeps_its_connection() {
         Link::Pooled(link) => assert_eq!(link.pinned, None),
         Link::Session(_) => panic!("transaction mode"),
     }
+}
+
+/// Terminate mode: the frames PostgreSQL sends, fed as the driver feeds
+/// them; returns what goes back to PostgreSQL and what to the client.
+fn answered(rig: &mut Rig, frames: &[Vec<u8>]) -> Result<(Vec<u8>, Vec<u8>), SessionError> {
+    let mut buf = BytesMut::from(&frames.concat()[..]);
+    let ctx = ctx(&rig.app, &rig.entry);
+    let relayed = rig.engine.on_backend(&ctx, &mut buf)?;
+    let mut sent = std::mem::take(&mut rig.engine.out).to_vec();
+    sent.extend_from_slice(&buf[relayed.from..relayed.end]);
+    Ok((relayed.resend.to_vec(), sent))
+}
+
+#[test]
+fn pgcache_answers_the_exchange_for_a_client_it_authenticated_and_the_client_sees_only_its_end() {
+    let mut rig = Rig::new();
+    let t0 = Instant::now();
+    let secret = ClientSecret::Password("hunter2".into());
+    rig.engine.answer_login(secret, t0, Duration::from_secs(5));
+    assert!(rig.engine.answering_login());
+    assert_eq!(rig.engine.poll_timeout(), Some(t0 + Duration::from_secs(5)));
+
+    let (to_server, to_client) = answered(&mut rig, &[authentication(3, b"")]).expect("asked");
+    assert_eq!(to_server, frame(fe::PASSWORD, b"hunter2\0"));
+    assert!(to_client.is_empty(), "the exchange is pgcache's");
+
+    // AuthenticationOk and the rest of the login reach the client.
+    let ok = authentication(0, b"");
+    let (to_server, to_client) =
+        answered(&mut rig, &[ok.clone(), rfq(TxStatus::Idle)]).expect("logged in");
+    assert!(to_server.is_empty());
+    assert_eq!(to_client, [ok, rfq(TxStatus::Idle)].concat());
+    assert!(!rig.engine.answering_login());
+    assert_eq!(
+        rig.engine.poll_timeout(),
+        None,
+        "no deadline once logged in"
+    );
+}
+
+#[test]
+fn a_login_pgcache_cannot_answer_or_finish_in_time_fails_as_the_clients_login() {
+    let before = |rig: &Rig| rig.app.metrics.auth_failures.backend.get();
+    // Only a SCRAM key, and PostgreSQL asks for an MD5 password.
+    let mut rig = Rig::new();
+    let key = ClientSecret::Key {
+        client_key: [7; 32],
+        verifier: crate::scram::Verifier::impossible("alice", &[9; 32]),
+    };
+    rig.engine
+        .answer_login(key, Instant::now(), Duration::from_secs(5));
+    let failures = before(&rig);
+    let e = answered(&mut rig, &[authentication(5, b"salt")]).expect_err("cannot answer");
+    assert_eq!(e.sqlstate(), sqlstate::INVALID_AUTHORIZATION);
+    assert!(
+        e.to_string().contains("holds only its SCRAM verifier"),
+        "{e}"
+    );
+    assert_eq!(before(&rig), failures + 1);
+
+    // PostgreSQL never finishes.
+    let mut rig = Rig::new();
+    let secret = ClientSecret::Password("hunter2".into());
+    rig.engine
+        .answer_login(secret, Instant::now(), Duration::from_secs(5));
+    let e = rig.engine.on_timeout(&ctx(&rig.app, &rig.entry));
+    assert_eq!(e.sqlstate(), sqlstate::INVALID_AUTHORIZATION);
+    assert!(
+        e.to_string()
+            .contains("did not finish authentication in time"),
+        "{e}"
+    );
+
+    // PostgreSQL's own refusal reaches the client as it is.
+    let mut rig = Rig::new();
+    let secret = ClientSecret::Password("hunter2".into());
+    rig.engine
+        .answer_login(secret, Instant::now(), Duration::from_secs(5));
+    let mut fatal = BytesMut::new();
+    messages::error_response(
+        &mut fatal,
+        "FATAL",
+        "3D000",
+        "database \"shop\" does not exist",
+    );
+    let (to_server, to_client) = answered(&mut rig, &[fatal.to_vec()]).expect("relayed");
+    assert!(to_server.is_empty());
+    assert_eq!(to_client, fatal.to_vec());
+    assert!(rig.engine.close_expected());
 }

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Rig, complete, query, rfq};
+use super::{Rig, complete, ctx, query, rfq};
 use crate::config::ServerConfig;
 use crate::protocol::{TxStatus, sqlstate};
 use crate::session::engine::IdleTimeouts;
@@ -33,7 +33,7 @@ fn the_deadline_follows_the_last_activity_and_the_transaction_state() {
         Some(t1 + Duration::from_secs(10))
     );
     assert_eq!(
-        rig.engine.on_timeout().sqlstate(),
+        rig.engine.on_timeout(&ctx(&rig.app, &rig.entry)).sqlstate(),
         sqlstate::IDLE_SESSION_TIMEOUT
     );
 
@@ -45,7 +45,7 @@ fn the_deadline_follows_the_last_activity_and_the_transaction_state() {
     rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
     assert_eq!(rig.engine.poll_timeout(), Some(t1 + Duration::from_secs(3)));
     assert_eq!(
-        rig.engine.on_timeout().sqlstate(),
+        rig.engine.on_timeout(&ctx(&rig.app, &rig.entry)).sqlstate(),
         sqlstate::IDLE_IN_TRANSACTION_TIMEOUT
     );
 
