@@ -147,6 +147,28 @@ pub struct RelName {
     pub name: String,
 }
 
+/// The isolation of a transaction, as far as the cache cares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Isolation {
+    /// READ COMMITTED or READ UNCOMMITTED: each statement sees what was
+    /// committed when it began, as a cached result does.
+    #[default]
+    PerStatement,
+    /// REPEATABLE READ or SERIALIZABLE: the transaction reads one
+    /// snapshot, which the cache cannot serve.
+    Snapshot,
+}
+
+/// How a statement starts a transaction block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Begin {
+    /// At the session's default_transaction_isolation.
+    #[default]
+    AtDefault,
+    /// At the isolation level it names.
+    At(Isolation),
+}
+
 /// What running a statement may change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
@@ -158,9 +180,8 @@ pub enum Effect {
     Write(Vec<RelName>),
     /// Changes session settings (SET, RESET, DISCARD, SET ROLE...).
     Settings,
-    /// Starts a transaction block; `strict` when its isolation level is
-    /// REPEATABLE READ or SERIALIZABLE.
-    Begin { strict: bool },
+    /// Starts a transaction block.
+    Begin(Begin),
     /// Anything else: DDL, GRANT, CALL, DO, EXPLAIN ANALYZE, unparsable text.
     Opaque,
 }
@@ -373,18 +394,20 @@ fn effect_of(stmt: &Statement, facts: &Facts, relations: &[RelName]) -> Effect {
             source: CopySource::Table { .. },
             ..
         } => Effect::Write(relations.to_vec()),
-        Statement::StartTransaction { modes, .. } => Effect::Begin {
-            strict: modes.iter().any(|m| {
-                matches!(
-                    m,
-                    TransactionMode::IsolationLevel(
-                        TransactionIsolationLevel::RepeatableRead
-                            | TransactionIsolationLevel::Serializable
-                            | TransactionIsolationLevel::Snapshot
-                    )
-                )
-            }),
-        },
+        Statement::StartTransaction { modes, .. } => {
+            let level = modes.iter().find_map(|m| match m {
+                TransactionMode::IsolationLevel(level) => Some(level),
+                _ => None,
+            });
+            Effect::Begin(match level {
+                None => Begin::AtDefault,
+                Some(
+                    TransactionIsolationLevel::ReadCommitted
+                    | TransactionIsolationLevel::ReadUncommitted,
+                ) => Begin::At(Isolation::PerStatement),
+                Some(_) => Begin::At(Isolation::Snapshot),
+            })
+        }
         Statement::Commit { .. }
         | Statement::Rollback { .. }
         | Statement::Savepoint { .. }
@@ -612,14 +635,18 @@ mod tests {
             Effect::Settings
         );
         assert_eq!(one("DISCARD ALL").effect, Effect::Settings);
-        assert_eq!(one("BEGIN").effect, Effect::Begin { strict: false });
+        assert_eq!(one("BEGIN").effect, Effect::Begin(Begin::AtDefault));
         assert_eq!(
             one("BEGIN ISOLATION LEVEL REPEATABLE READ").effect,
-            Effect::Begin { strict: true }
+            Effect::Begin(Begin::At(Isolation::Snapshot))
         );
         assert_eq!(
             one("START TRANSACTION ISOLATION LEVEL SERIALIZABLE").effect,
-            Effect::Begin { strict: true }
+            Effect::Begin(Begin::At(Isolation::Snapshot))
+        );
+        assert_eq!(
+            one("BEGIN READ ONLY ISOLATION LEVEL READ COMMITTED").effect,
+            Effect::Begin(Begin::At(Isolation::PerStatement))
         );
         assert_eq!(one("COMMIT").effect, Effect::None);
         assert_eq!(one("ROLLBACK").effect, Effect::None);

@@ -14,7 +14,7 @@ use crate::cache::stats::QueryStats;
 use crate::cache::versions::Family;
 use crate::cache::versions::Versions;
 use crate::cache::{Analyzed, Bumps, Lifetime, Reads};
-use crate::classify::{Analysis, BypassReason, Ddl, Effect, StatementInfo};
+use crate::classify::{Analysis, Begin, BypassReason, Ddl, Effect, StatementInfo};
 use crate::config::CacheMode;
 use crate::hints::{Hints, Tier};
 use crate::policy::Policy;
@@ -45,8 +45,8 @@ pub(super) struct Plan {
     /// It may write (starts "after a write" in a transaction).
     pub writes: bool,
     pub creates_temp: bool,
-    /// It starts a transaction block (`Some(strict)`).
-    pub begin_strict: Option<bool>,
+    /// It starts a transaction block, so.
+    pub begins: Option<Begin>,
     /// A cacheable read of a relation replication cannot watch (cached by
     /// TTL): its entries may lag PostgreSQL within their lifetime.
     pub unwatched: bool,
@@ -208,7 +208,7 @@ impl Plan {
             settings: false,
             writes: false,
             creates_temp: false,
-            begin_strict: None,
+            begins: None,
             unwatched: false,
             replica_safe: true,
             explain: hints.explain,
@@ -275,7 +275,7 @@ impl Plan {
                 }
             }
             Effect::Settings => self.settings = true,
-            Effect::Begin { strict } => self.begin_strict = Some(*strict),
+            Effect::Begin(begin) => self.begins = Some(*begin),
             Effect::Opaque => {
                 self.effects.merge(&Bumps::ddl(st.ddl.clone()));
                 // DDL whose objects the parser named cannot change the
@@ -384,6 +384,7 @@ mod tests {
     use crate::cache::analysis::Analyses;
     use crate::cache::catalog::{Catalog, Fetched, FuncFacts, RelFacts};
     use crate::cache::stats::StatsRegistry;
+    use crate::classify::Isolation;
     use crate::config::CacheConfig;
 
     fn facts() -> Facts {
@@ -649,10 +650,10 @@ mod tests {
 
     #[test]
     fn transaction_and_settings_statements_are_noted() {
-        assert_eq!(plan("BEGIN").begin_strict, Some(false));
+        assert_eq!(plan("BEGIN").begins, Some(Begin::AtDefault));
         assert_eq!(
-            plan("BEGIN ISOLATION LEVEL SERIALIZABLE").begin_strict,
-            Some(true)
+            plan("BEGIN ISOLATION LEVEL SERIALIZABLE").begins,
+            Some(Begin::At(Isolation::Snapshot))
         );
         assert!(plan("SET search_path = x").settings);
         assert!(plan("CREATE TEMP TABLE x (a int)").creates_temp);

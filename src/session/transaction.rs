@@ -11,7 +11,7 @@
 use smallvec::SmallVec;
 
 use crate::cache::Bumps;
-use crate::classify::BypassReason;
+use crate::classify::{Begin, BypassReason, Isolation};
 use crate::protocol::TxStatus;
 
 const MAX_DEFERRED: usize = 64;
@@ -21,10 +21,10 @@ const MAX_DEFERRED_BYTES: usize = 4 * 1024 * 1024;
 pub(super) struct Transaction<R> {
     /// As the last ReadyForQuery said.
     pub status: TxStatus,
-    /// default_transaction_isolation is REPEATABLE READ or SERIALIZABLE.
-    pub default_strict: bool,
-    /// This transaction's isolation is stricter than READ COMMITTED.
-    strict: bool,
+    /// The session's default_transaction_isolation.
+    pub default_isolation: Isolation,
+    /// How this transaction began.
+    begun: Begin,
     /// It may have written.
     wrote: bool,
     /// Bumps applied locally, to publish when it ends.
@@ -51,8 +51,8 @@ impl<R> Default for Transaction<R> {
     fn default() -> Self {
         Self {
             status: TxStatus::Idle,
-            default_strict: false,
-            strict: false,
+            default_isolation: Isolation::PerStatement,
+            begun: Begin::AtDefault,
             wrote: false,
             effects: Bumps::default(),
             deferred: Vec::new(),
@@ -63,9 +63,17 @@ impl<R> Default for Transaction<R> {
 }
 
 impl<R> Transaction<R> {
-    /// A BEGIN (or START TRANSACTION) went out with this isolation.
-    pub fn begin(&mut self, strict: bool) {
-        self.strict = strict;
+    /// A BEGIN (or START TRANSACTION) went out.
+    pub fn begin(&mut self, begun: Begin) {
+        self.begun = begun;
+    }
+
+    /// The isolation the transaction runs at.
+    fn isolation(&self) -> Isolation {
+        match self.begun {
+            Begin::AtDefault => self.default_isolation,
+            Begin::At(isolation) => isolation,
+        }
     }
 
     /// A statement that may write went out.
@@ -88,7 +96,7 @@ impl<R> Transaction<R> {
             TxStatus::Idle => Ok(()),
             TxStatus::Failed => Err(BypassReason::InTransactionAfterWrite),
             TxStatus::InTransaction if self.wrote => Err(BypassReason::InTransactionAfterWrite),
-            TxStatus::InTransaction if self.strict || self.default_strict => {
+            TxStatus::InTransaction if self.isolation() == Isolation::Snapshot => {
                 Err(BypassReason::IsolationLevel)
             }
             TxStatus::InTransaction => Ok(()),
@@ -143,7 +151,7 @@ impl<R> Transaction<R> {
                 }
             }
             self.wrote = false;
-            self.strict = false;
+            self.begun = Begin::AtDefault;
         }
         done
     }
@@ -225,13 +233,16 @@ mod tests {
     #[test]
     fn strict_isolation_keeps_reads_off_the_cache_and_deferred_results_are_bounded() {
         let mut tx: Transaction<u8> = Transaction::default();
-        tx.begin(true);
+        tx.begin(Begin::At(Isolation::Snapshot));
         tx.complete(TxStatus::InTransaction, Bumps::default(), None);
         assert_eq!(tx.reads_may_use_cache(), Err(BypassReason::IsolationLevel));
-        tx.begin(false);
-        tx.default_strict = true;
+        tx.begin(Begin::AtDefault);
+        tx.default_isolation = Isolation::Snapshot;
         assert_eq!(tx.reads_may_use_cache(), Err(BypassReason::IsolationLevel));
-        tx.default_strict = false;
+        tx.begin(Begin::At(Isolation::PerStatement));
+        assert_eq!(tx.reads_may_use_cache(), Ok(()), "READ COMMITTED named");
+        tx.begin(Begin::AtDefault);
+        tx.default_isolation = Isolation::PerStatement;
         tx.complete(
             TxStatus::InTransaction,
             Bumps::default(),

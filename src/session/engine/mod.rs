@@ -19,7 +19,7 @@ use crate::cache::catalog::fetch::Lookup;
 use crate::cache::hold::Paused;
 use crate::cache::{DbState, Fill};
 use crate::cancel::{CancelGuard, CancelTarget};
-use crate::classify::BypassReason;
+use crate::classify::{Begin, BypassReason, Isolation};
 use crate::hints::Scan;
 use crate::pool::marks::{Marks, Pin};
 use crate::protocol::startup::Startup;
@@ -416,8 +416,8 @@ impl Engine {
         if plan.creates_temp {
             self.known.temp = true;
         }
-        if let Some(strict) = plan.begin_strict {
-            self.tx.begin(strict);
+        if let Some(begin) = plan.begins {
+            self.tx.begin(begin);
         }
         if plan.writes {
             self.tx.wrote();
@@ -475,7 +475,9 @@ impl Engine {
     /// settings are known, and they can only be read while it is idle: so
     /// they are read just before a BEGIN goes out, if they are not known.
     pub(super) fn before_begin(&mut self, ctx: &Ctx, plan: &Plan) -> Result<(), Need> {
-        if plan.begin_strict == Some(false)
+        if plan
+            .begins
+            .is_some_and(|b| b != Begin::At(Isolation::Snapshot))
             && self.known.prefix.is_none()
             && self.backend_idle()
             && !self.found.settings

@@ -428,7 +428,7 @@ impl Engine {
         let (portal, statement) = extended::bind_names(at.bind_body(buf))?;
         let stmt = Arc::clone(self.known.statements.get(statement)?);
         let plan = self.plan(ctx, stmt.hash, &stmt.sql).ok()?;
-        if plan.begin_strict.is_some() {
+        if plan.begins.is_some() {
             return None;
         }
         let prefix = self.may_serve(ctx, &plan, false).ok()?.ok()?;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::hidden::Purpose;
 use super::{Asked, Ctx, Engine, Need};
 use crate::cache::catalog::fetch::Rows;
-use crate::classify::BypassReason;
+use crate::classify::{BypassReason, Isolation};
 use crate::pool::LoginSettings;
 use crate::pool::transaction::SettingsRow;
 use crate::session::known::{
@@ -92,10 +92,10 @@ impl Engine {
     /// default isolation and cache-key prefix.
     pub(super) fn adopt_settings(&mut self, row: &SettingsRow, generation: u64) -> u128 {
         let prefix = self.known.adopt_settings(row, generation, &self.startup);
-        self.tx.default_strict = !matches!(
-            row.cells.get(2).and_then(|v| v.as_deref()),
-            Some("read committed" | "read uncommitted")
-        );
+        self.tx.default_isolation = match row.cells.get(2).and_then(|v| v.as_deref()) {
+            Some("read committed" | "read uncommitted") => Isolation::PerStatement,
+            _ => Isolation::Snapshot,
+        };
         if let Link::Session(own) = &mut self.link {
             // Session mode: what pgcache's own requests for this session's
             // hits run in, on a connection of their own.

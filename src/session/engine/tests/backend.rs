@@ -103,7 +103,7 @@ fn the_answers_to_pgcaches_own_requests_reach_nobody() {
 fn a_fill_inside_a_transaction_waits_for_the_commit_and_a_rollback_drops_it() {
     for (end, kept) in [("COMMIT", true), ("ROLLBACK", false)] {
         let mut rig = Rig::logged_in();
-        rig.engine.tx.begin(false);
+        rig.engine.tx.begin(crate::classify::Begin::AtDefault);
         rig.engine.pipeline.push(Inflight::default());
         rig.backend(&[complete("BEGIN"), rfq(TxStatus::InTransaction)]);
         rig.miss(7);
