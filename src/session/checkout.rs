@@ -12,6 +12,7 @@ use super::SessionError;
 use super::engine::{LinkStep, Parting};
 use super::link::Link;
 use super::relay::Session;
+use super::reuse::Fate;
 use crate::backend::BackendStream;
 use crate::pool::Server;
 use crate::pool::clients::Activity;
@@ -199,7 +200,7 @@ where
 
     /// The backend connection, if this session handed it back clean.
     pub fn into_server(self, checked_by_pgcache: bool) -> Option<Server> {
-        if self.engine.server().pooling && self.engine.server().tainted {
+        if self.engine.server().fate == Fate::Tainted {
             self.app.metrics.pool.closed_tainted.inc();
         }
         let unread = self.unread();

@@ -22,7 +22,7 @@ use super::engine::{Ctx, Engine};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
-use super::reuse::ServerBook;
+use super::reuse::{ServerBook, Source};
 use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
@@ -122,7 +122,7 @@ where
     /// pgcache on pooled connections, else with PostgreSQL (a relayed
     /// login goes on in the session's loop).
     async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
-        if self.engine.server().reused {
+        if self.engine.server().source == Source::Parked {
             // Its login frames are replayed by the relay.
             self.engine.login_over(&ctx(&self.app, &self.entry));
             return Ok(Flow::Continue);

@@ -15,21 +15,42 @@ pub(super) struct ServerBook {
     pub trust: Trust,
     /// When the connection logged in (earlier than the session if reused).
     pub born: Instant,
-    /// A parked connection: its login frames wait in the backend's buffer.
-    pub reused: bool,
-    /// Connections are parked between sessions (`pool.max_idle_servers`).
-    pub pooling: bool,
-    /// The session ran something `DISCARD ALL` does not undo.
-    pub tainted: bool,
-    /// The client sent Terminate while the backend was idle, and the
-    /// backend was not told: the connection is the pool's to reset.
-    pub handed_back: bool,
+    /// Where the connection came from.
+    pub source: Source,
+    /// What becomes of it at the session's end.
+    pub fate: Fate,
     /// The session's settings are still those of its login: nothing it
     /// ran may have changed them (as far as the cache key can tell).
     pub login_state: bool,
     /// The settings query's answer in the login state, kept with the
     /// connection for the sessions that reuse it.
     pub login_settings: Option<LoginSettings>,
+}
+
+/// Where a session's connection came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Source {
+    /// Opened for the session (or, in transaction mode, none is its own).
+    Fresh,
+    /// Parked by an earlier session: its login frames wait in the
+    /// backend's buffer, to be replayed.
+    Parked,
+}
+
+/// What becomes of a session's connection at its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// Closed: connections are not parked between sessions
+    /// (`pool.max_idle_servers = 0`, or transaction mode, whose pool
+    /// has its own books).
+    Closed,
+    /// Parked for the next client, if the session hands it back.
+    Parkable,
+    /// Closed: the session ran something `DISCARD ALL` does not undo.
+    Tainted,
+    /// The client sent Terminate while the backend was idle, and the
+    /// backend was not told: parked, the pool's to reset.
+    HandedBack,
 }
 
 /// What PostgreSQL asked of the login on a connection.
@@ -50,15 +71,30 @@ impl ServerBook {
         self.trust == Trust::Trusted
     }
 
-    pub fn new(pooling: bool) -> Self {
+    /// Connections are parked between sessions: the session notes what
+    /// decides whether its own may be.
+    pub fn parks(&self) -> bool {
+        self.fate != Fate::Closed
+    }
+
+    /// The session ran something `DISCARD ALL` does not undo.
+    pub fn taint(&mut self) {
+        if self.fate == Fate::Parkable {
+            self.fate = Fate::Tainted;
+        }
+    }
+
+    /// A fresh connection, parked at the end (`parks`) or closed.
+    pub fn new(parks: bool) -> Self {
         Self {
             statuses: Statuses::default(),
             trust: Trust::Unknown,
             born: Instant::now(),
-            reused: false,
-            pooling,
-            tainted: false,
-            handed_back: false,
+            source: Source::Fresh,
+            fate: match parks {
+                true => Fate::Parkable,
+                false => Fate::Closed,
+            },
             login_state: true,
             login_settings: None,
         }
@@ -73,10 +109,8 @@ impl ServerBook {
                 false => Trust::Unknown,
             },
             born: server.born,
-            reused: true,
-            pooling: true,
-            tainted: false,
-            handed_back: false,
+            source: Source::Parked,
+            fate: Fate::Parkable,
             login_state: true,
             login_settings: server.login_settings.clone(),
         }

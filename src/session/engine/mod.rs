@@ -31,7 +31,7 @@ use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
 use crate::session::replica::{Observed, ReplicaLeg};
-use crate::session::reuse::ServerBook;
+use crate::session::reuse::{Fate, ServerBook};
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
 
@@ -153,7 +153,9 @@ impl Engine {
     /// connection ([`Marks`]); parked connections are closed before a
     /// database-level statement goes out.
     pub fn note_marks(&mut self, ctx: &Ctx, marks: Marks, frame: &[u8]) {
-        self.server.tainted |= marks.taints;
+        if marks.taints {
+            self.server.taint();
+        }
         if marks.evicts {
             ctx.app.pool.evict_all();
         }
@@ -340,12 +342,14 @@ impl Engine {
     /// pool of parked connections, in which case the Terminate is not
     /// forwarded.
     pub fn hand_back(&mut self, ctx: &Ctx) -> bool {
-        self.server.handed_back = self.server.pooling
-            && !self.server.tainted
+        let handed_back = self.server.fate == Fate::Parkable
             && self.backend_idle()
             && !self.batch.holds()
             && !ctx.app.drain.is_cancelled();
-        self.server.handed_back
+        if handed_back {
+            self.server.fate = Fate::HandedBack;
+        }
+        handed_back
     }
 
     /// A client frame relayed untouched (caching off): what it tells of
@@ -354,7 +358,7 @@ impl Engine {
     pub fn on_relayed(&mut self, ctx: &Ctx, frame: &[u8]) -> Option<Flow> {
         let tag = frame[0];
         let pooled = self.link.is_pooled();
-        if (self.server.pooling || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
+        if (self.server.parks() || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
             let marks = self.known.frame_marks(frame);
             self.note_marks(ctx, marks, frame);
         } else if tag == fe::FUNCTION_CALL {

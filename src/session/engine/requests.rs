@@ -107,7 +107,7 @@ impl Engine {
         if marks.frees {
             self.known.forget_freed(frame);
         }
-        if self.server.pooling || self.link.is_pooled() {
+        if self.server.parks() || self.link.is_pooled() {
             self.note_marks(ctx, marks, frame);
         }
         if (marks.evicts || marks.unlogged)

@@ -16,6 +16,7 @@ use crate::session::known::{
 };
 use crate::session::link::{ClientState, Link};
 use crate::session::logins::Login;
+use crate::session::reuse::Source;
 
 impl Engine {
     /// The answer to the settings query ([`Purpose::Settings`]), read under the policy's
@@ -63,7 +64,7 @@ impl Engine {
         if let Some(fingerprint) = fingerprint
             && matches!(self.link, Link::Session(_))
             && self.server.login_state
-            && !self.server.reused
+            && self.server.source == Source::Fresh
         {
             let row = Arc::clone(&row);
             ctx.app
@@ -164,7 +165,7 @@ impl Engine {
     pub(super) fn read_settings(&mut self, ctx: &Ctx) -> Need {
         let generation = self.db.catalog.policy_settings_generation();
         if matches!(self.link, Link::Session(_))
-            && !self.server.reused
+            && self.server.source == Source::Fresh
             && self.server.login_state
             && !self.found.probe_missed
             && let Some(login) = ctx.app.logins.get(&self.db, &self.startup)

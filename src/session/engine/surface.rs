@@ -22,7 +22,7 @@ use crate::protocol::startup::Startup;
 use crate::session::link::{Link, UNKNOWN_STATE};
 use crate::session::pipeline::Pipeline;
 use crate::session::replica::ReplicaLeg;
-use crate::session::reuse::ServerBook;
+use crate::session::reuse::{Fate, ServerBook};
 use crate::upstream::UpstreamAddr;
 
 impl Engine {
@@ -214,7 +214,7 @@ impl Engine {
         checked_by_pgcache: bool,
     ) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
         let trusted = self.server.trusted() || checked_by_pgcache;
-        if unread || !self.server.handed_back || self.backend_fatal() || !trusted {
+        if unread || self.server.fate != Fate::HandedBack || self.backend_fatal() || !trusted {
             return None;
         }
         Some((self.backend_key?, self.backend_addr, self.server))
