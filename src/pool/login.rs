@@ -9,10 +9,11 @@ use super::Statuses;
 use crate::auth::{self, AUTH_OK, LoginError};
 use crate::backend::BackendStream;
 use crate::cancel::CancelTarget;
+use crate::protocol::answer::read_answer;
 use crate::protocol::codec::{HEADER_LEN, MAX_BACKEND_FRAME, read_i32};
 use crate::protocol::startup::encode_startup;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
-use crate::protocol::{backend as be, extended, messages, sqlstate};
+use crate::protocol::{backend as be, messages, sqlstate};
 use crate::scram::ClientSecret;
 use crate::upstream::{Upstream, UpstreamAddr};
 
@@ -146,31 +147,21 @@ async fn read_login(
 
 /// Runs [`super::CHECK`] on a new connection: its answer as one text.
 async fn check(stream: &mut FramedStream<BackendStream>) -> Result<Box<str>, PoolError> {
-    stream
-        .write_all(&messages::query(super::CHECK))
-        .await
-        .map_err(io_error)?;
+    let answered = read_answer(stream, &messages::query(super::CHECK), drop).await;
+    let answered = answered.map_err(|e| PoolError::Login(e.to_string()))?;
+    let answered =
+        answered.ok_or_else(|| PoolError::Login("PostgreSQL closed the connection".into()))?;
+    let rows = match answered.result {
+        Ok(rows) => rows,
+        Err(Some(frame)) => return Err(server_error(&frame)),
+        Err(None) => return Err(PoolError::Login("an unreadable row".into())),
+    };
     let mut answer = String::new();
-    let mut failed = None;
-    loop {
-        let frame = login_frame(stream).await?;
-        match frame[0] {
-            be::DATA_ROW => {
-                for value in extended::data_row(&frame[HEADER_LEN..]).unwrap_or_default() {
-                    answer.push_str(value.as_deref().unwrap_or("\\N"));
-                    answer.push('\n');
-                }
-            }
-            be::ERROR_RESPONSE => failed = Some(server_error(&frame)),
-            be::READY_FOR_QUERY => {
-                return match failed {
-                    Some(e) => Err(e),
-                    None => Ok(answer.into()),
-                };
-            }
-            _ => {}
-        }
+    for value in rows.into_iter().flatten() {
+        answer.push_str(value.as_deref().unwrap_or("\\N"));
+        answer.push('\n');
     }
+    Ok(answer.into())
 }
 
 #[cfg(test)]

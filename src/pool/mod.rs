@@ -46,10 +46,11 @@ use tracing::debug;
 use crate::backend::BackendStream;
 use crate::config::PoolConfig;
 use crate::metrics::PoolMetrics;
+use crate::protocol::answer::{Answered, read_answer};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, backend as be, extended, messages};
+use crate::protocol::{TxStatus, backend as be, messages};
 use crate::upstream::UpstreamAddr;
 
 /// What a parked connection's settings depend on beyond its startup
@@ -390,25 +391,14 @@ async fn reap(pool: Weak<ServerPool>, timeout: Duration) {
 
 /// `DISCARD ALL`: true if it succeeded and left the connection idle.
 async fn reset(server: &mut Server) -> bool {
-    if server
-        .stream
-        .write_all(&messages::query("DISCARD ALL"))
-        .await
-        .is_err()
-    {
-        return false;
-    }
-    read_answer(server).await.is_some()
+    let answered = ask(server, "DISCARD ALL").await;
+    answered.is_some_and(|a| a.clean())
 }
 
 /// The check query's answer as one text; `None` if it failed.
 async fn check(server: &mut Server) -> Option<Box<str>> {
-    server
-        .stream
-        .write_all(&messages::query(CHECK))
-        .await
-        .ok()?;
-    let rows = read_answer(server).await.filter(|r| !r.is_empty())?;
+    let answered = ask(server, CHECK).await.filter(Answered::clean)?;
+    let rows = answered.result.ok().filter(|r| !r.is_empty())?;
     let mut answer = String::new();
     for value in rows.iter().flatten() {
         answer.push_str(value.as_deref().unwrap_or("\\N"));
@@ -417,26 +407,21 @@ async fn check(server: &mut Server) -> Option<Box<str>> {
     Some(answer.into())
 }
 
-/// Reads one simple query's answer up to ReadyForQuery: its rows, or
-/// `None` if it failed or left a transaction open. Parameter changes are
-/// noted; notices are dropped (no client is listening).
-async fn read_answer(server: &mut Server) -> Option<Vec<Vec<Option<String>>>> {
-    let mut rows = Vec::new();
-    let mut failed = false;
-    loop {
-        let frame = server.stream.read_frame().await.ok()??;
-        let body = &frame[HEADER_LEN..];
-        match frame[0] {
-            be::DATA_ROW => rows.push(extended::data_row(body)?),
-            be::ERROR_RESPONSE => failed = true,
-            be::PARAMETER_STATUS => server.statuses.note(&frame),
-            be::READY_FOR_QUERY => {
-                let idle = body.first() == Some(&b'I');
-                return (idle && !failed).then_some(rows);
-            }
-            _ => {}
+/// Runs `sql` on a parked connection: its answer, `None` if the
+/// connection failed. Parameter changes are noted; notices are dropped
+/// (no client is listening).
+async fn ask(server: &mut Server, sql: &str) -> Option<Answered> {
+    let Server {
+        stream, statuses, ..
+    } = server;
+    let note = |frame: BytesMut| {
+        if frame[0] == be::PARAMETER_STATUS {
+            statuses.note(&frame);
         }
-    }
+    };
+    read_answer(stream, &messages::query(sql), note)
+        .await
+        .ok()?
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! ReadyForQuery); everything else is passed on byte for byte, so encodings,
 //! unknown message types and future protocol additions survive the trip.
 
+pub mod answer;
 pub mod codec;
 pub mod encoding;
 pub mod extended;

@@ -17,13 +17,15 @@ use super::capture::{Capture, Captured};
 use super::known::Known;
 use super::link::{ClientState, Link, SessionLink};
 use crate::App;
-use crate::backend::BackendStream;
 use crate::cache::DbState;
 use crate::pool::prepared::{Reply, Translator};
 use crate::pool::transaction::Pool;
+use crate::protocol::answer::read_answer;
 use crate::protocol::codec::{HEADER_LEN, frames};
-use crate::protocol::stream::FramedStream;
 use crate::protocol::{backend as be, extended, frontend as fe, messages};
+
+/// Why a job ends without its answer, most often.
+const LOST: &str = "the server connection was lost";
 
 /// pgcache's own request for a served hit, to run on a connection of the
 /// session's pool.
@@ -99,8 +101,9 @@ impl Job {
         if lease.server().state != self.state.id {
             lease.server_mut().prepared.forget_unnamed();
             let apply = messages::query(&self.state.apply_sql());
-            stream.write_all(&apply).await.map_err(|_| "write")?;
-            if !read_to_ready(&mut stream).await? {
+            let answered = read_answer(&mut stream, &apply, drop).await;
+            let answered = answered.ok().flatten().ok_or(LOST)?;
+            if answered.result.is_err() {
                 return Err("the client's settings were refused");
             }
             lease.server_mut().state = self.state.id;
@@ -119,7 +122,7 @@ impl Job {
         let idle = loop {
             let frame = match stream.read_frame().await {
                 Ok(Some(frame)) => frame,
-                _ => return Err("the server connection was lost"),
+                _ => return Err(LOST),
             };
             // Not the first statement of a transaction: never sent again.
             let answer = self
@@ -169,19 +172,4 @@ fn statements_for(known: &Known, db: &DbState, request: &[u8]) -> Option<Transla
         seen.push(name);
     }
     Some(translator)
-}
-
-/// Reads up to ReadyForQuery; true if nothing failed.
-async fn read_to_ready(stream: &mut FramedStream<BackendStream>) -> Result<bool, &'static str> {
-    let mut ok = true;
-    loop {
-        match stream.read_frame().await {
-            Ok(Some(frame)) => match frame[0] {
-                be::ERROR_RESPONSE => ok = false,
-                be::READY_FOR_QUERY => return Ok(ok),
-                _ => {}
-            },
-            _ => return Err("the server connection was lost"),
-        }
-    }
 }

@@ -14,8 +14,9 @@ use crate::cancel::CancelTarget;
 use crate::pool::prepared::ServerStatements;
 use crate::pool::transaction::{Lease, Pool};
 use crate::pool::{PoolError, Pools};
+use crate::protocol::answer::read_answer;
+use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
-use crate::protocol::{TxStatus, backend as be, messages};
 use crate::replica::{Connection, Replica};
 
 /// A session's connection to a replica.
@@ -110,11 +111,20 @@ impl ReplicaConn {
 
     /// Runs the SQL that gives the connection the client's settings.
     pub async fn apply(&mut self, sql: &str) -> Result<(), String> {
-        self.stream
-            .write_all(&messages::query(sql))
-            .await
-            .map_err(|e| e.to_string())?;
-        applied(&mut self.stream).await
+        let answered = read_answer(&mut self.stream, &messages::query(sql), drop).await;
+        let answered = answered.map_err(|e| e.to_string())?;
+        let answered = answered.ok_or("the replica closed the connection")?;
+        match answered.result {
+            Err(error) => {
+                let error = error.unwrap_or_default();
+                let (code, message) = messages::error_parts(&error, ("", "a row was unreadable"));
+                Err(format!(
+                    "the client's settings failed there: {code} {message}"
+                ))
+            }
+            Ok(_) if answered.clean() => Ok(()),
+            Ok(_) => Err("the settings left a transaction open".into()),
+        }
     }
 
     /// A read was written to it (`true`), or its answer ended.
@@ -177,36 +187,5 @@ struct Listed(Arc<Replica>, Arc<Connection>);
 impl Drop for Listed {
     fn drop(&mut self) {
         self.0.connections.closed(self.1.id);
-    }
-}
-
-/// Reads the answer to the settings pgcache applied on a replica
-/// connection, to its ReadyForQuery.
-async fn applied(stream: &mut FramedStream<BackendStream>) -> Result<(), String> {
-    let mut failed = None;
-    loop {
-        let frame = match stream.read_frame().await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return Err("the replica closed the connection".into()),
-            Err(e) => return Err(e.to_string()),
-        };
-        match frame[0] {
-            be::ERROR_RESPONSE => {
-                let (code, message) = messages::error_parts(&frame, ("", ""));
-                failed = Some(format!(
-                    "the client's settings failed there: {code} {message}"
-                ));
-            }
-            be::READY_FOR_QUERY => {
-                let idle =
-                    frame.get(5).and_then(|b| TxStatus::from_byte(*b)) == Some(TxStatus::Idle);
-                return match failed {
-                    Some(why) => Err(why),
-                    None if idle => Ok(()),
-                    None => Err("the settings left a transaction open".into()),
-                };
-            }
-            _ => {}
-        }
     }
 }

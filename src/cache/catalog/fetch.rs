@@ -18,8 +18,7 @@ use crate::cache::rowkey::Identity;
 use crate::classify::policy_facts;
 use crate::upstream::Upstream;
 
-/// Rows of a query, as text.
-pub type Rows = Vec<Vec<Option<String>>>;
+pub use crate::protocol::answer::Rows;
 
 /// `s` as an escape string literal, which reads the same whatever
 /// `standard_conforming_strings` says.

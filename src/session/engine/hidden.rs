@@ -17,8 +17,9 @@ use super::life::Ending;
 use super::{Ctx, Engine};
 use crate::cache::catalog::Wanted;
 use crate::cache::catalog::fetch::{Lookup, Rows};
+use crate::protocol::answer::{Answer, Read};
 use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, backend as be, extended, messages};
+use crate::protocol::{backend as be, messages};
 use crate::session::SessionError;
 use crate::session::link::{CAPTURE, ClientState, Link, set_config_sql};
 
@@ -78,15 +79,7 @@ pub(in crate::session) struct Own {
 struct Asked {
     purpose: Purpose,
     request: Option<BytesMut>,
-    answer: HiddenAnswer,
-}
-
-/// A hidden query's answer so far.
-#[derive(Debug, Default)]
-pub(in crate::session) struct HiddenAnswer {
-    rows: Rows,
-    /// PostgreSQL's ErrorResponse, or `Some(None)`: a row could not be read.
-    failed: Option<Option<BytesMut>>,
+    answer: Answer,
 }
 
 /// What to do after a frame of a hidden query's answer.
@@ -107,48 +100,39 @@ impl Engine {
     /// changes go on to a greeted client (a notification of another
     /// client's LISTEN in transaction mode never does); notices caused by
     /// the query itself do not.
-    pub fn on_hidden_frame(&mut self, answer: &mut HiddenAnswer, frame: BytesMut) -> HiddenStep {
-        let body = &frame[HEADER_LEN..];
-        match frame[0] {
-            be::DATA_ROW => match extended::data_row(body) {
-                Some(row) => answer.rows.push(row),
-                None => answer.failed = Some(None),
-            },
-            be::ERROR_RESPONSE => {
-                if messages::is_fatal(body) {
-                    self.end_with(Ending::BackendFatal);
-                }
-                answer.failed = Some(Some(frame));
-            }
-            be::READY_FOR_QUERY => {
-                if let Some(status) = body.first().and_then(|b| TxStatus::from_byte(*b)) {
+    pub fn on_hidden_frame(&mut self, answer: &mut Answer, frame: BytesMut) -> HiddenStep {
+        if frame[0] == be::ERROR_RESPONSE && messages::is_fatal(&frame[HEADER_LEN..]) {
+            self.end_with(Ending::BackendFatal);
+        }
+        let frame = match answer.on_frame(frame) {
+            Read::More => return HiddenStep::More,
+            Read::Done(answered) => {
+                if let Some(status) = answered.status {
                     self.tx.status = status;
                 }
-                return HiddenStep::Done(match answer.failed.take() {
-                    None => Ok(std::mem::take(&mut answer.rows)),
-                    Some(error) => Err(error),
-                });
+                return HiddenStep::Done(answered.result);
             }
-            be::PARAMETER_STATUS | be::NOTIFICATION => {
-                if frame[0] == be::PARAMETER_STATUS {
-                    self.note_status(&frame);
-                }
+            Read::Aside(frame) => frame,
+        };
+        match frame[0] {
+            be::PARAMETER_STATUS => self.note_status(&frame),
+            be::NOTIFICATION => {
                 if let Link::Pooled(link) = &mut self.link
-                    && frame[0] == be::NOTIFICATION
                     && !link.listens.admits(&frame)
                 {
                     return HiddenStep::More;
                 }
-                // Before the client's first ReadyForQuery, pgcache is still
-                // greeting it (transaction mode, a pool connection set up
-                // for it): a ParameterStatus now would come before its
-                // AuthenticationOk, and the greeting reports the
-                // parameters itself.
-                if self.logged_in() {
-                    return HiddenStep::ToClient(frame);
-                }
             }
-            _ => {}
+            // A notice the query itself caused.
+            _ => return HiddenStep::More,
+        }
+        // Before the client's first ReadyForQuery, pgcache is still
+        // greeting it (transaction mode, a pool connection set up for
+        // it): a ParameterStatus now would come before its
+        // AuthenticationOk, and the greeting reports the parameters
+        // itself.
+        if self.logged_in() {
+            return HiddenStep::ToClient(frame);
         }
         HiddenStep::More
     }
@@ -351,7 +335,7 @@ impl Asked {
         Self {
             purpose,
             request: Some(request),
-            answer: HiddenAnswer::default(),
+            answer: Answer::default(),
         }
     }
 }

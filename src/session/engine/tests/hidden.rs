@@ -4,12 +4,13 @@
 use bytes::{Bytes, BytesMut};
 
 use super::{Rig, complete, description, error, frame, query, rfq, row};
+use crate::protocol::answer::Answer;
 use crate::protocol::{TxStatus, backend as be, messages};
-use crate::session::engine::hidden::{HiddenAnswer, HiddenStep};
+use crate::session::engine::hidden::HiddenStep;
 use crate::session::engine::{Need, OwnStep, Verdict};
 use crate::session::link::{ClientState, Link};
 
-fn feed(rig: &mut Rig, answer: &mut HiddenAnswer, frame: &[u8]) -> HiddenStep {
+fn feed(rig: &mut Rig, answer: &mut Answer, frame: &[u8]) -> HiddenStep {
     rig.engine.on_hidden_frame(answer, BytesMut::from(frame))
 }
 
@@ -23,7 +24,7 @@ fn status(name: &str, value: &str) -> Vec<u8> {
 #[test]
 fn the_rows_come_back_at_ready_for_query_and_the_clients_frames_go_on() {
     let mut rig = Rig::logged_in();
-    let mut answer = HiddenAnswer::default();
+    let mut answer = Answer::default();
     for f in [description(), row("on"), row("off")] {
         assert!(matches!(feed(&mut rig, &mut answer, &f), HiddenStep::More));
     }
@@ -49,7 +50,7 @@ fn the_rows_come_back_at_ready_for_query_and_the_clients_frames_go_on() {
 #[test]
 fn an_error_is_the_answer_and_the_transaction_status_is_taken() {
     let mut rig = Rig::logged_in();
-    let mut answer = HiddenAnswer::default();
+    let mut answer = Answer::default();
     let refused = error("42501");
     assert!(matches!(
         feed(&mut rig, &mut answer, &refused),
@@ -66,7 +67,7 @@ fn an_error_is_the_answer_and_the_transaction_status_is_taken() {
 #[test]
 fn before_the_login_is_over_a_parameter_change_is_not_the_clients() {
     let mut rig = Rig::new();
-    let mut answer = HiddenAnswer::default();
+    let mut answer = Answer::default();
     assert!(matches!(
         feed(&mut rig, &mut answer, &status("TimeZone", "UTC")),
         HiddenStep::More
