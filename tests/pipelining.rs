@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::wire::{cstr, frame, parse, raw_login, read_message, sync};
+use common::wire::{cstr, frame, parse, query, raw_login, read_message, sync};
 use common::{Proxy, pg};
 use tokio::io::AsyncWriteExt;
 
@@ -109,4 +109,77 @@ async fn an_error_reaches_a_pipelining_client_about_as_soon_as_directly() {
         "through pgcache the client wrote a median of {median} rows of {ROW_BYTES} bytes \
          ({through:?}) before the error reached it, directly at most {direct}"
     );
+}
+
+/// The messages up to the next ReadyForQuery: the values of its rows, and
+/// the transaction status it reports.
+async fn answer(socket: &mut tokio::net::TcpStream) -> (Vec<String>, u8) {
+    let mut values = Vec::new();
+    loop {
+        let (tag, body) = read_message(socket).await.expect("a message");
+        match tag {
+            // One text column: count, length, value.
+            b'D' => values.push(String::from_utf8_lossy(&body[6..]).into_owned()),
+            b'E' => panic!("an error: {}", String::from_utf8_lossy(&body)),
+            b'Z' => return (values, body[0]),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_or_a_write_pipelined_behind_a_read_still_keeps_its_transactions_reads_off_the_cache()
+ {
+    let pg = pg();
+    let db = pg.create_db("pipelined_begin");
+    pg.psql_db(
+        &db,
+        "CREATE TABLE kv (k int PRIMARY KEY, v text); INSERT INTO kv VALUES (1, 'old'), (2, 'two')",
+    );
+    let proxy = Proxy::start(pg.proxy_config()).await;
+    proxy.wait_streaming(&db).await;
+    let (mut socket, _) = raw_login(proxy.addr, &db).await;
+    let read = query("SELECT v FROM kv WHERE k = 1");
+    for _ in 0..2 {
+        socket.write_all(&read).await.unwrap();
+        assert_eq!(answer(&mut socket).await, (vec!["old".to_owned()], b'I'));
+    }
+    let hits = proxy.hits();
+    assert!(hits > 0, "the read is cached");
+    // A read the cache does not hold goes to PostgreSQL; the BEGIN (and
+    // the write) behind it are decided before its answer comes back.
+    for begin in [
+        vec![query("BEGIN ISOLATION LEVEL REPEATABLE READ")],
+        vec![query("BEGIN"), query("UPDATE kv SET v = 'new' WHERE k = 1")],
+    ] {
+        let n = begin.len();
+        socket
+            .write_all(
+                &[
+                    vec![query(&format!("SELECT v FROM kv WHERE k = 2 LIMIT {n}"))],
+                    begin,
+                ]
+                .concat()
+                .concat(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(answer(&mut socket).await, (vec!["two".to_owned()], b'I'));
+        for _ in 0..n {
+            assert_eq!(answer(&mut socket).await.1, b'T');
+        }
+        // A snapshot's read, and a read after the transaction's own
+        // write, are PostgreSQL's to answer.
+        socket.write_all(&read).await.unwrap();
+        let (values, status) = answer(&mut socket).await;
+        assert_eq!(status, b'T');
+        assert_eq!(values, [if n == 1 { "old" } else { "new" }]);
+        assert_eq!(
+            proxy.hits(),
+            hits,
+            "nothing served from the cache ({n} statements)"
+        );
+        socket.write_all(&query("ROLLBACK")).await.unwrap();
+        assert_eq!(answer(&mut socket).await.1, b'I');
+    }
 }

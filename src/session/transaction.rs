@@ -137,23 +137,30 @@ impl<R> Transaction<R> {
             }
             _ => {}
         }
-        if status == TxStatus::Idle {
-            if previous != TxStatus::Idle {
-                // The transaction ended: its writes are visible (or gone) now.
-                let effects = std::mem::take(&mut self.effects);
-                if !effects.is_empty() {
-                    done.visible.push(effects);
-                }
-                self.deferred_bytes = 0;
-                let deferred = std::mem::take(&mut self.deferred);
-                if self.last_was_commit {
-                    done.store.extend(deferred);
-                }
+        if status == TxStatus::Idle && previous != TxStatus::Idle {
+            // The transaction ended: its writes are visible (or gone) now.
+            let effects = std::mem::take(&mut self.effects);
+            if !effects.is_empty() {
+                done.visible.push(effects);
             }
+            self.deferred_bytes = 0;
+            let deferred = std::mem::take(&mut self.deferred);
+            if self.last_was_commit {
+                done.store.extend(deferred);
+            }
+        }
+        done
+    }
+
+    /// Idle with nothing in flight: how the last transaction began and
+    /// whether it wrote are history. Not at every idle ReadyForQuery: in a
+    /// pipeline, a BEGIN and a write after the request it answers were
+    /// decided before it came.
+    pub fn settle(&mut self) {
+        if self.status == TxStatus::Idle {
             self.wrote = false;
             self.begun = Begin::AtDefault;
         }
-        done
     }
 }
 

@@ -344,6 +344,9 @@ impl Engine {
             self.paused.clear();
         }
         let completion = self.tx.complete(status, effects, result);
+        if self.pipeline.is_quiet() {
+            self.tx.settle();
+        }
         if completion.private.is_some() || !completion.visible.is_empty() {
             // A write through this instance: reads after it go only to
             // replicas known to have replayed it (read-your-writes).

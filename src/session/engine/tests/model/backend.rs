@@ -282,6 +282,21 @@ impl Backend {
         }
     }
 
+    /// [`Step::Direct`]: another session writes key `k` and commits, if
+    /// this one has no transaction open (`None`: it has, and the write is
+    /// not made). `Some(true)`: a row changed.
+    pub fn direct_write(&mut self, k: u8) -> Option<bool> {
+        if self.tx.is_some() || self.implicit.is_some() {
+            return None;
+        }
+        let row = self.items.get_mut(&k);
+        let changed = row.is_some();
+        if let Some(v) = row {
+            v.push('z');
+        }
+        Some(changed)
+    }
+
     /// The transaction block under way wrote: no hit may follow in it.
     pub fn block_wrote(&self) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.wrote)
