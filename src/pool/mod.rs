@@ -21,6 +21,7 @@
 //! connection reused after pgcache starts is closed for that reason.)
 
 pub mod clients;
+pub mod errand;
 mod error;
 pub mod listens;
 mod login;

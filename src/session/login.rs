@@ -9,7 +9,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
 use super::pipeline::Flow;
-use super::relay::{Session, ctx};
+use super::relay::Session;
 use crate::scram::ClientSecret;
 
 impl<C> Session<C>
@@ -38,26 +38,5 @@ where
             .await
             .map_err(SessionError::BackendIo)?;
         Ok(Flow::Continue)
-    }
-
-    /// While a login is relayed: the client's frames go to PostgreSQL,
-    /// unless the engine refuses one.
-    pub(super) async fn relay_client_auth(&mut self) -> Result<(), SessionError> {
-        let mut pos = 0;
-        let ctx = ctx(&self.app, &self.entry);
-        while let Some(len) = self.client.frame_len_at(pos)? {
-            let frame = &self.client.buffered()[pos..pos + len];
-            self.engine.on_auth_client_frame(&ctx, frame)?;
-            pos += len;
-        }
-        if pos > 0 {
-            let r = match &mut self.backend {
-                Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
-                None => Err(std::io::ErrorKind::NotConnected.into()),
-            };
-            self.client.consume(pos);
-            r.map_err(SessionError::BackendIo)?;
-        }
-        Ok(())
     }
 }

@@ -11,6 +11,7 @@ use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Action, LinkStep, ReadyBatch};
+use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
@@ -28,6 +29,7 @@ where
         let Some(backend) = &mut self.backend else {
             return Ok(Flow::Continue);
         };
+        let answering = self.engine.answering_login();
         let relayed = self.engine.on_backend(&ctx, backend.buffer_mut())?;
         if self.learning.is_some() && !self.engine.relaying_login() {
             // The pool's lesson in how to log in is this login's no more.
@@ -55,6 +57,10 @@ where
         if self.engine.link().is_pooled() {
             self.detach_if_idle().await?;
         }
+        if answering && !self.engine.answering_login() && !self.client.buffered().is_empty() {
+            // What the client sent while pgcache logged in for it.
+            return Box::pin(self.on_client_data()).await;
+        }
         Ok(Flow::Continue)
     }
 
@@ -70,8 +76,16 @@ where
                 Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
                 Action::Watch => self.app.streams.ensure(self.engine.db()),
                 Action::Fetch => self.app.fetch_catalog(self.engine.db()),
-                Action::Offload(job, capture) => {
-                    tokio::spawn(job.run_into(Arc::clone(&self.app), capture));
+                Action::Offload(errand, mut capture) => {
+                    let app = Arc::clone(&self.app);
+                    tokio::spawn(async move {
+                        let max_entry = app.cache.local.max_entry_bytes();
+                        let config = app.config();
+                        let on = (&*app.pool.pooled, &*app.upstream, &config.pool);
+                        let sink = |frame: &[u8]| capture.add(frame, max_entry);
+                        let result = errand.run(on, sink).await;
+                        offload::finish(&app, capture, result);
+                    });
                 }
             }
         }
@@ -100,10 +114,10 @@ where
 
     /// Relays every complete client frame now buffered to the backend.
     pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        let flow = if self.engine.relaying_login() {
-            self.relay_client_auth().await?;
-            Flow::Continue
-        } else if !self.engine.caching() {
+        let flow = if self.engine.answering_login() {
+            // It waits until pgcache has logged in for it.
+            return Ok(Flow::Continue);
+        } else if self.engine.relaying_login() || !self.engine.caching() {
             self.pass_through().await?
         } else {
             self.decide_client_frames().await?
@@ -116,7 +130,8 @@ where
         Ok(flow)
     }
 
-    /// Caching off: whole runs of frames forwarded without copying.
+    /// Caching off, or a login's exchange relayed: whole runs of frames
+    /// forwarded without copying, as the engine allows.
     async fn pass_through(&mut self) -> Result<Flow, SessionError> {
         let mut flow = Flow::Continue;
         let mut pos = 0;
@@ -126,7 +141,7 @@ where
                 Ok(Some(len)) => {
                     let ctx = ctx(&self.app, &self.entry);
                     let frame = &self.client.buffered()[pos..pos + len];
-                    let Some(next) = self.engine.on_relayed(&ctx, frame) else {
+                    let Some(next) = self.engine.on_relayed(&ctx, frame)? else {
                         flow = Flow::Close;
                         break;
                     };
@@ -141,7 +156,8 @@ where
             }
         }
         if pos > 0 {
-            if self.engine.link().is_pooled() {
+            // A login's frames go to the connection it logs in on as they are.
+            if self.engine.link().is_pooled() && !self.engine.relaying_login() {
                 self.engine.stage_relayed(&self.client.buffered()[..pos]);
                 self.client.consume(pos);
                 self.flush_backend().await?;

@@ -12,10 +12,10 @@ use crate::cache::key::RequestKey;
 use crate::cache::versions::Family;
 use crate::cache::{Fill, Publication, Wait, Waited};
 use crate::pool::clients::Client;
+use crate::pool::errand::Errand;
 use crate::session::capture::Capture;
 use crate::session::known::Statement;
 use crate::session::logins::Login;
-use crate::session::offload::Job;
 use crate::session::plan::Plan;
 
 /// What the engine may read with each event: shared state that never
@@ -47,7 +47,7 @@ pub(in crate::session) enum Action {
     Fetch,
     /// Run pgcache's own request for a hit served (a refresh, a check) off
     /// the client's path, into the capture.
-    Offload(Box<Job>, Capture),
+    Offload(Box<Errand>, Capture),
 }
 
 /// What a session in transaction mode is to do with its server connection

@@ -14,7 +14,7 @@ use crate::config::CacheMode;
 use crate::protocol::{TxStatus, messages};
 use crate::session::capture::Capture;
 use crate::session::explain::Explain;
-use crate::session::offload::Job;
+use crate::session::offload;
 use crate::session::plan::Plan;
 use crate::session::row_limit::cut_stored;
 
@@ -158,9 +158,10 @@ impl Engine {
         };
         // Off the client's path where pgcache can; else on its connection,
         // answered to nobody.
-        match Job::for_request(&self.link, &self.known, &self.db, request) {
-            Some(job) => {
-                self.actions.push(Action::Offload(Box::new(job), capture));
+        match offload::errand(&self.link, &self.known, &self.db, request) {
+            Some(errand) => {
+                self.actions
+                    .push(Action::Offload(Box::new(errand), capture));
                 Answer::Served { refreshed: false }
             }
             None => {

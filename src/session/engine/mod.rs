@@ -352,10 +352,16 @@ impl Engine {
         handed_back
     }
 
-    /// A client frame relayed untouched (caching off): what it tells of
-    /// the session. `None` for a Terminate that is not forwarded (the
-    /// connection is handed back, or held for a pool): the session ends.
-    pub fn on_relayed(&mut self, ctx: &Ctx, frame: &[u8]) -> Option<Flow> {
+    /// A client frame relayed untouched (caching off, or a login's
+    /// exchange relayed): what it tells of the session. `None` for a
+    /// Terminate that is not forwarded (the connection is handed back, or
+    /// held for a pool): the session ends. A login's frame the engine
+    /// refuses ends the session with the error.
+    pub fn on_relayed(&mut self, ctx: &Ctx, frame: &[u8]) -> Result<Option<Flow>, SessionError> {
+        if self.relaying_login() {
+            self.on_auth_client_frame(ctx, frame)?;
+            return Ok(Some(Flow::Continue));
+        }
         let tag = frame[0];
         let pooled = self.link.is_pooled();
         if (self.server.parks() || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
@@ -366,10 +372,10 @@ impl Engine {
         } else if tag == fe::TERMINATE {
             self.end_with(Ending::ClientEnded);
             if self.hand_back(ctx) || pooled {
-                return None;
+                return Ok(None);
             }
         }
-        Some(self.pipeline.note_client_frame(tag))
+        Ok(Some(self.pipeline.note_client_frame(tag)))
     }
 
     /// A statement may have changed the session's settings: they are read

@@ -114,7 +114,7 @@ impl Rig {
     /// Feeds a client frame relayed untouched, as with caching off.
     fn relayed(&mut self, frame: &[u8]) -> Option<Flow> {
         let ctx = ctx(&self.app, &self.entry);
-        self.engine.on_relayed(&ctx, frame)
+        self.engine.on_relayed(&ctx, frame).expect("not a login")
     }
 
     /// Feeds several client frames in turn.
