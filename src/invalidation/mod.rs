@@ -37,7 +37,7 @@ pub mod slot;
 mod trigger;
 
 pub use control::{cluster_id, full_message, preflight, probe_origin, quote_ident, quote_literal};
-pub use publication::{Alter, alter_tables};
+pub use publication::{Alter, alter_tables, take_out_for_unlogged};
 pub use replication::Streams;
 
 #[derive(Debug, thiserror::Error)]

@@ -180,6 +180,40 @@ pub struct Refused {
     pub message: String,
 }
 
+/// Takes `table` (a qualified name) of database `db` out of the
+/// publication, for a session's `SET UNLOGGED`, which PostgreSQL refuses
+/// for a published table; on pgcache's own connection, whose role owns
+/// the publication. Nothing is reported back: a table not in the
+/// publication, or locked (by the client's own transaction, say), leaves
+/// the statement to meet PostgreSQL's answer. While unlogged the table is
+/// not cached (replication cannot see it); `SET LOGGED` is DDL, after
+/// which the publication sync adds it again.
+pub async fn take_out_for_unlogged(
+    upstream: &crate::upstream::Upstream,
+    db: &str,
+    publication: &str,
+    table: &str,
+) {
+    let ctl = match upstream.control(db).await {
+        Ok(ctl) => ctl,
+        Err(e) => {
+            debug!(error = %full_message(&e), "cannot take a table out of the publication");
+            return;
+        }
+    };
+    let tables = [(table.to_owned(), String::new())];
+    match alter_tables(&ctl, publication, Alter::Drop, &tables).await {
+        Ok(refused) if refused.is_empty() => {
+            info!(
+                table,
+                "took the table out of the publication for SET UNLOGGED"
+            )
+        }
+        Ok(refused) => debug!(table, outcome = ?refused, "publication unchanged"),
+        Err(e) => debug!(table, error = %full_message(&e), "publication unchanged"),
+    }
+}
+
 /// Adds `tables` (qualified names, first of each pair) to the publication
 /// or drops them from it, one by one, each in a subtransaction that waits
 /// at most [`LOCK_TIMEOUT`] for its lock. After a lock not granted in time

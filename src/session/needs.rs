@@ -8,13 +8,12 @@
 //! [`crate::cache::hold`]), and tables taken out of its publication.
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::{debug, info};
 
 use super::SessionError;
 use super::engine::{Need, OwnStep, Verdict};
 use super::relay::{Session, ctx};
 use crate::classify::prerequisites::prerequisites;
-use crate::invalidation::{Alter, alter_tables, full_message, quote_literal};
+use crate::invalidation::{quote_literal, take_out_for_unlogged};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::stream::ReadError;
 use crate::protocol::{extended, frontend as fe};
@@ -141,13 +140,9 @@ where
         Ok(())
     }
 
-    /// Takes `table` out of pgcache's publication: PostgreSQL refuses
-    /// `SET UNLOGGED` for a published table. The name is resolved in the
-    /// client's own session (its search_path) when it is idle; the change
-    /// is made on pgcache's own connection, whose role owns the
-    /// publication. While unlogged the table is not cached (replication
-    /// cannot see it); `SET LOGGED` is DDL, after which the publication
-    /// sync adds it again.
+    /// Takes `table` out of pgcache's publication for a `SET UNLOGGED`
+    /// ([`take_out_for_unlogged`]). The name is resolved in the client's
+    /// own session (its search_path) when it is idle.
     async fn unpublish(&mut self, table: &str) -> Result<(), SessionError> {
         let Some(publication) = self.app.publication() else {
             return Ok(());
@@ -174,32 +169,8 @@ where
         } else {
             table.to_owned()
         };
-        let ctl = match self
-            .app
-            .upstream
-            .control(self.engine.startup().database())
-            .await
-        {
-            Ok(ctl) => ctl,
-            Err(e) => {
-                debug!(error = %full_message(&e), "cannot take a table out of the publication");
-                return Ok(());
-            }
-        };
-        let tables = [(qualified.clone(), String::new())];
-        match alter_tables(&ctl, &publication, Alter::Drop, &tables).await {
-            Ok(refused) if refused.is_empty() => {
-                info!(table = %qualified, "took the table out of the publication for SET UNLOGGED")
-            }
-            // Not in the publication, or locked (by the client's own
-            // transaction, say): the statement meets PostgreSQL's answer.
-            Ok(refused) => {
-                debug!(table = %qualified, outcome = ?refused, "publication unchanged")
-            }
-            Err(e) => {
-                debug!(table = %qualified, error = %full_message(&e), "publication unchanged")
-            }
-        }
+        let db = self.engine.startup().database();
+        take_out_for_unlogged(&self.app.upstream, db, &publication, &qualified).await;
         Ok(())
     }
 }
