@@ -27,7 +27,6 @@ use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
-use crate::protocol::sqlstate;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
 use crate::shutdown::Stage;
@@ -272,11 +271,7 @@ where
     async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
         Ok(match woke {
             Woke::Force => {
-                let e = SessionError::refused(
-                    sqlstate::ADMIN_SHUTDOWN,
-                    "terminating connection: pgcache shutdown timeout reached",
-                );
-                self.close_with(&e).await;
+                self.close_with(&Engine::forced()).await;
                 Flow::Close
             }
             Woke::Retired => {
@@ -322,14 +317,11 @@ where
         })
     }
 
+    /// Draining, the session ends as soon as the engine says it may.
     pub(super) async fn close_if_drained(&mut self) -> Flow {
-        if !self.backend_idle() || self.engine.holds_batch() {
+        let Some(e) = self.engine.drained() else {
             return Flow::Continue;
-        }
-        let e = SessionError::refused(
-            sqlstate::ADMIN_SHUTDOWN,
-            "terminating connection due to pgcache shutdown",
-        );
+        };
         self.close_with(&e).await;
         Flow::Close
     }

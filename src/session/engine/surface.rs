@@ -58,11 +58,6 @@ impl Engine {
         self.logged_in() && !self.pipeline.awaits_backend()
     }
 
-    /// A batch is held, waiting for its Sync.
-    pub fn holds_batch(&self) -> bool {
-        self.batch.holds()
-    }
-
     pub fn link(&self) -> &Link {
         &self.link
     }

@@ -1,8 +1,10 @@
-//! The idle timeouts of a session waiting on its client, as PostgreSQL's
-//! own: `idle_session_timeout` and `idle_in_transaction_session_timeout`.
-//! The engine keeps them and the time of the client's last activity, and
-//! gives the driver its next deadline ([`Engine::poll_timeout`]); the
-//! clock is the driver's, passed in.
+//! When a session ends of itself. The idle timeouts of a session waiting
+//! on its client, as PostgreSQL's own: `idle_session_timeout` and
+//! `idle_in_transaction_session_timeout`. The engine keeps them and the
+//! time of the client's last activity, and gives the driver its next
+//! deadline ([`Engine::poll_timeout`]); the clock is the driver's, passed
+//! in. And pgcache's shutdown: a draining session ends once idle, and
+//! every session at the drain's deadline.
 
 use std::time::{Duration, Instant};
 
@@ -91,5 +93,25 @@ impl Engine {
                 "terminating connection due to idle-in-transaction timeout",
             )
         }
+    }
+
+    /// Draining, the session may end now (idle, holding no batch): the
+    /// error the client is told.
+    pub fn drained(&self) -> Option<SessionError> {
+        let idle = self.backend_idle() && !self.batch.holds();
+        (self.draining && idle).then(|| {
+            SessionError::refused(
+                sqlstate::ADMIN_SHUTDOWN,
+                "terminating connection due to pgcache shutdown",
+            )
+        })
+    }
+
+    /// The drain's deadline passed: every session ends, with this error.
+    pub fn forced() -> SessionError {
+        SessionError::refused(
+            sqlstate::ADMIN_SHUTDOWN,
+            "terminating connection: pgcache shutdown timeout reached",
+        )
     }
 }

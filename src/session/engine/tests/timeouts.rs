@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::{Rig, complete, ctx, query, rfq};
 use crate::config::ServerConfig;
 use crate::protocol::{TxStatus, sqlstate};
-use crate::session::engine::IdleTimeouts;
+use crate::session::engine::{Engine, IdleTimeouts};
 
 fn timeouts(idle: u64, in_transaction: u64) -> IdleTimeouts {
     IdleTimeouts::new(&ServerConfig {
@@ -77,4 +77,19 @@ fn only_a_set_timeout_of_the_current_state_makes_a_deadline() {
     let mut fresh = Rig::new();
     fresh.engine.set_idle_timeouts(timeouts(10, 3), t0);
     assert_eq!(fresh.engine.poll_timeout(), None);
+}
+
+#[test]
+fn a_draining_session_ends_once_idle_with_57p01() {
+    let mut rig = Rig::logged_in();
+    assert!(rig.engine.drained().is_none(), "not draining");
+    rig.engine.drain();
+    rig.client(&query("SELECT 1"));
+    assert!(rig.engine.drained().is_none(), "a request to send");
+    assert_eq!(rig.sent_to_backend(), query("SELECT 1"));
+    assert!(rig.engine.drained().is_none(), "an answer owed");
+    rig.backend(&[complete("SELECT 1"), rfq(TxStatus::Idle)]);
+    let e = rig.engine.drained().expect("idle now");
+    assert_eq!(e.sqlstate(), sqlstate::ADMIN_SHUTDOWN);
+    assert_eq!(Engine::forced().sqlstate(), sqlstate::ADMIN_SHUTDOWN);
 }
