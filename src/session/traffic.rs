@@ -15,7 +15,6 @@ use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
-use crate::protocol::{messages, sqlstate};
 use crate::replica::Replica;
 
 impl<C> Session<C>
@@ -444,25 +443,9 @@ where
     ) -> Result<Flow, SessionError> {
         let name = self.replica.take().map(|c| c.server.name.clone());
         info!(replica = ?name, error = ?error, "replica connection lost");
-        self.engine.retarget_cancel();
-        if self.engine.replica_failed() {
-            if let Some(leg) = self.engine.replica() {
-                leg.server.metrics.retries.inc();
-            }
-            self.flush_backend().await?;
-        } else {
-            let mut out = bytes::BytesMut::new();
-            messages::error_response(
-                &mut out,
-                "ERROR",
-                sqlstate::CONNECTION_FAILURE,
-                "the replica's connection was lost while it answered",
-            );
-            out.extend_from_slice(&messages::ready_for_query(self.engine.tx_status()));
-            self.client
-                .write_all(&out)
-                .await
-                .map_err(SessionError::ClientIo)?;
+        match self.engine.on_replica_lost() {
+            true => self.flush_backend().await?,
+            false => self.flush_out().await?,
         }
         if !self.client.buffered().is_empty() {
             return Box::pin(self.on_client_data()).await;

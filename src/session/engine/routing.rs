@@ -15,7 +15,7 @@ use crate::cache::versions::Family;
 use crate::classify::BypassReason;
 use crate::pool::prepared::ServerStatements;
 use crate::protocol::extended;
-use crate::protocol::{TxStatus, messages};
+use crate::protocol::{TxStatus, messages, sqlstate};
 use crate::session::known::Statement;
 use crate::session::link::UNKNOWN_STATE;
 use crate::session::pipeline::Inflight;
@@ -349,5 +349,28 @@ impl Engine {
         self.forward(&frame);
         self.pipeline.push(done);
         true
+    }
+
+    /// The replica's connection ended or failed while a read was there:
+    /// the cancel key is the primary's again, and the read goes to the
+    /// primary if none of its answer reached the client (true); else the
+    /// client is told it failed (staged in `out`).
+    pub fn on_replica_lost(&mut self) -> bool {
+        self.retarget_cancel();
+        if self.replica_failed() {
+            if let Some(leg) = &self.replica {
+                leg.server.metrics.retries.inc();
+            }
+            return true;
+        }
+        messages::error_response(
+            &mut self.out,
+            "ERROR",
+            sqlstate::CONNECTION_FAILURE,
+            "the replica's connection was lost while it answered",
+        );
+        self.out
+            .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        false
     }
 }

@@ -53,3 +53,41 @@ fn settings_are_given_once_and_unknown_until_taken() {
     assert_eq!(rig.engine.replica_books().map(|(a, _)| a), Some(session));
     assert_eq!(rig.engine.replica().map(|l| l.applied), Some(UNKNOWN_STATE));
 }
+
+#[test]
+fn a_replica_lost_mid_answer_fails_the_read_and_one_lost_before_it_sends_it_to_the_primary() {
+    use crate::protocol::{TxStatus, messages, sqlstate};
+    use crate::session::pipeline::Inflight;
+    use crate::session::replica::{Routed, Verdict};
+    let read = super::query("SELECT 1");
+    for relayed in [false, true] {
+        let mut rig = Rig::logged_in();
+        let server = server();
+        rig.engine.replica = Some(Box::new(ReplicaLeg::new(Arc::clone(&server))));
+        let mut routed = Routed::new(server, (read.clone().into(), None), 0, None);
+        if relayed {
+            routed.verdict = Verdict::Relayed;
+        }
+        rig.engine.pipeline.push(Inflight {
+            routed: Some(Box::new(routed)),
+            ..Inflight::default()
+        });
+        let retried = rig.engine.on_replica_lost();
+        assert_eq!(retried, !relayed);
+        if relayed {
+            let mut told = bytes::BytesMut::new();
+            messages::error_response(
+                &mut told,
+                "ERROR",
+                sqlstate::CONNECTION_FAILURE,
+                "the replica's connection was lost while it answered",
+            );
+            told.extend_from_slice(&messages::ready_for_query(TxStatus::Idle));
+            assert_eq!(rig.sent_to_client(), told.to_vec());
+            assert!(rig.sent_to_backend().is_empty());
+        } else {
+            assert!(rig.sent_to_client().is_empty());
+            assert_eq!(rig.sent_to_backend(), read, "the read goes to the primary");
+        }
+    }
+}
