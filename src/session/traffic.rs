@@ -313,8 +313,9 @@ where
             Err(why) => {
                 debug!(replica = %server.name, "read sent to the primary: {why}");
                 self.replica = None;
-                server.metrics.retries.inc();
-                self.engine.replica_failed();
+                if !self.engine.on_replica_lost() {
+                    return self.flush_out().await;
+                }
                 Box::pin(self.flush_backend()).await
             }
         }

@@ -322,7 +322,7 @@ impl Engine {
     /// The replica cannot take the read staged for it, or lost it before
     /// its answer reached the client: it goes to the primary. False if
     /// part of the answer already reached the client (the read failed).
-    pub fn replica_failed(&mut self) -> bool {
+    fn replica_failed(&mut self) -> bool {
         let Some(leg) = &mut self.replica else {
             return true;
         };
