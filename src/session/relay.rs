@@ -353,17 +353,10 @@ where
     /// The backend closed or failed: tell the client, unless the backend's
     /// own FATAL error already did.
     pub(super) async fn backend_lost(&mut self, error: Option<std::io::Error>) {
-        if self.engine.close_expected() {
+        let Some(e) = self.engine.on_backend_lost(error) else {
             return;
-        }
-        let error = error.unwrap_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "server closed the connection unexpectedly",
-            )
-        });
-        info!(detail = %error, "backend connection lost");
-        let e = SessionError::BackendIo(error);
+        };
+        info!(detail = %e, "backend connection lost");
         if let Some(msg) = e.to_fatal() {
             let _ = self.client.write_all(&msg).await;
         }

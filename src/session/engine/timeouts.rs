@@ -114,4 +114,20 @@ impl Engine {
             "terminating connection: pgcache shutdown timeout reached",
         )
     }
+
+    /// The backend's connection ended (cleanly, or with `error`): what the
+    /// client is told, unless the close was expected (the client's
+    /// Terminate, or the backend's own FATAL error, already told).
+    pub fn on_backend_lost(&self, error: Option<std::io::Error>) -> Option<SessionError> {
+        if self.close_expected() {
+            return None;
+        }
+        let error = error.unwrap_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "server closed the connection unexpectedly",
+            )
+        });
+        Some(SessionError::BackendIo(error))
+    }
 }

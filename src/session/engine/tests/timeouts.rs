@@ -93,3 +93,19 @@ fn a_draining_session_ends_once_idle_with_57p01() {
     assert_eq!(e.sqlstate(), sqlstate::ADMIN_SHUTDOWN);
     assert_eq!(Engine::forced().sqlstate(), sqlstate::ADMIN_SHUTDOWN);
 }
+
+#[test]
+fn a_backend_lost_unexpectedly_is_told_and_an_expected_close_is_not() {
+    let mut rig = Rig::logged_in();
+    let e = rig.engine.on_backend_lost(None).expect("unexpected");
+    assert_eq!(e.sqlstate(), sqlstate::CONNECTION_FAILURE);
+    assert!(
+        e.to_string().contains("closed the connection unexpectedly"),
+        "{e}"
+    );
+    rig.client(&super::frame(b'X', b""));
+    assert!(
+        rig.engine.on_backend_lost(None).is_none(),
+        "after Terminate"
+    );
+}
