@@ -243,10 +243,9 @@ where
                 .engine
                 .poll_timeout()
                 .map(tokio::time::Instant::from_std);
-            // A read on a replica is answered before anything else is
-            // read; the client waits while pgcache logs in for it.
+            // What the engine waits to read.
             let on_replica = self.engine.replica_busy();
-            let hold_client = on_replica || self.engine.answering_login();
+            let hold_client = !self.engine.reads_client();
             woke = Some(tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,

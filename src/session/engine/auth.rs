@@ -63,6 +63,13 @@ impl Engine {
         !matches!(self.relay(), Relay::Off)
     }
 
+    /// Whether the client's next frames are to be read now: not while a
+    /// read on a replica is answered (it comes before anything else), nor
+    /// while pgcache logs in for the client.
+    pub fn reads_client(&self) -> bool {
+        !self.replica_busy() && !self.answering_login()
+    }
+
     /// pgcache answers the exchange: the client's frames wait.
     pub fn answering_login(&self) -> bool {
         matches!(self.relay(), Relay::ForClient { .. })

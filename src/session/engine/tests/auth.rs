@@ -176,6 +176,7 @@ fn pgcache_answers_the_exchange_for_a_client_it_authenticated_and_the_client_see
     let secret = ClientSecret::Password("hunter2".into());
     rig.engine.answer_login(secret, t0, Duration::from_secs(5));
     assert!(rig.engine.answering_login());
+    assert!(!rig.engine.reads_client(), "the client waits");
     assert_eq!(rig.engine.poll_timeout(), Some(t0 + Duration::from_secs(5)));
 
     let (to_server, to_client) = answered(&mut rig, &[authentication(3, b"")]).expect("asked");
@@ -189,6 +190,7 @@ fn pgcache_answers_the_exchange_for_a_client_it_authenticated_and_the_client_see
     assert!(to_server.is_empty());
     assert_eq!(to_client, [ok, rfq(TxStatus::Idle)].concat());
     assert!(!rig.engine.answering_login());
+    assert!(rig.engine.reads_client());
     assert_eq!(
         rig.engine.poll_timeout(),
         None,
