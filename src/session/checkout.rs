@@ -55,14 +55,9 @@ where
         if self.attached() {
             return Ok(());
         }
-        let Link::Pooled(link) = self.engine.link_mut() else {
+        let Some((pool, wait)) = self.engine.checkout(&self.app)? else {
             return Ok(());
         };
-        if let Some(e) = link.no_connection.take() {
-            return Err(SessionError::Pool(*e));
-        }
-        let pool = Arc::clone(&link.pool);
-        let wait = link.knobs(&self.app).wait;
         tracing::trace!(status = ?self.engine.tx_status(), "taking a server connection");
         let client = Arc::clone(&self.entry.client);
         client.set(Activity::Waiting);

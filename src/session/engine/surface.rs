@@ -8,22 +8,29 @@
 //! the client output the driver assembles itself.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::BytesMut;
 
 use super::{Action, Engine};
+use crate::App;
 use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
-use crate::pool::transaction::Lease;
+use crate::pool::transaction::{Lease, Pool};
 use crate::protocol::TxStatus;
 use crate::protocol::startup::Startup;
+use crate::session::SessionError;
 use crate::session::link::{Link, UNKNOWN_STATE};
 use crate::session::pipeline::Pipeline;
 use crate::session::replica::ReplicaLeg;
 use crate::session::reuse::{Fate, ServerBook};
 use crate::upstream::UpstreamAddr;
+
+/// Where a session in transaction mode takes a connection from: its pool,
+/// and how long it waits for one (`None`: as long as it takes).
+pub(in crate::session) type Checkout = (Arc<Pool>, Option<Duration>);
 
 impl Engine {
     /// Cache lookups and fills are on (`cache.enabled`).
@@ -62,8 +69,17 @@ impl Engine {
         &self.link
     }
 
-    pub fn link_mut(&mut self) -> &mut Link {
-        &mut self.link
+    /// Transaction mode: the pool to take a connection from and how long
+    /// to wait for one; `None` in session mode. The error of a checkout
+    /// that failed for an own query fails the statement that waited on it.
+    pub fn checkout(&mut self, app: &App) -> Result<Option<Checkout>, SessionError> {
+        let Link::Pooled(link) = &mut self.link else {
+            return Ok(None);
+        };
+        if let Some(e) = link.no_connection.take() {
+            return Err(SessionError::Pool(*e));
+        }
+        Ok(Some((Arc::clone(&link.pool), link.knobs(app).wait)))
     }
 
     /// Transaction mode: the pool granted the session a server connection

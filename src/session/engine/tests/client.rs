@@ -531,3 +531,26 @@ fn transaction_mode_the_greeting_tells_the_client_its_own_values_and_pgcaches_ke
     );
     assert!(rig.engine.logged_in(), "logged in");
 }
+
+#[test]
+fn transaction_mode_the_engine_names_the_pool_and_a_failed_checkout_fails_what_waited() {
+    use crate::pool::PoolError;
+    let mut rig = Rig::caching();
+    assert!(
+        matches!(rig.engine.checkout(&rig.app), Ok(None)),
+        "session mode"
+    );
+    let mut rig = Rig::pooled();
+    let (pool, wait) = rig.engine.checkout(&rig.app).expect("ok").expect("pooled");
+    assert_eq!((&*pool.id.database, &*pool.id.user), ("shop", "alice"));
+    assert_eq!(wait, rig.app.config().pool.query_wait_timeout());
+    let Link::Pooled(link) = &mut rig.engine.link else {
+        panic!("transaction mode");
+    };
+    link.no_connection = Some(Box::new(PoolError::WaitTimeout(5)));
+    let Err(e) = rig.engine.checkout(&rig.app) else {
+        panic!("what waited fails");
+    };
+    assert_eq!(e.sqlstate(), PoolError::WaitTimeout(5).sqlstate());
+    assert!(rig.engine.checkout(&rig.app).is_ok(), "once");
+}
