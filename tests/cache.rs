@@ -419,6 +419,47 @@ async fn repeatable_read_and_serializable_transactions_bypass_the_cache() {
 }
 
 #[tokio::test]
+async fn a_transaction_takes_the_isolation_it_names_over_the_sessions_default() {
+    let (db, proxy, client) = setup(
+        "named_isolation",
+        "CREATE TABLE t(id int PRIMARY KEY, v int); INSERT INTO t VALUES (1, 1)",
+    )
+    .await;
+    proxy.wait_stream(&db).await;
+    client
+        .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            scalar(&client, "SELECT v FROM t").await.as_deref(),
+            Some("1")
+        );
+    }
+    // At the default, a snapshot: PostgreSQL answers.
+    let hits = proxy.hits();
+    client.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        scalar(&client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+    client.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(proxy.hits(), hits, "a repeatable-read transaction");
+    // READ COMMITTED named: each statement reads what is committed, as a
+    // cached answer is.
+    client
+        .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar(&client, "SELECT v FROM t").await.as_deref(),
+        Some("1")
+    );
+    client.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(proxy.hits(), hits + 1, "a read-committed transaction");
+}
+
+#[tokio::test]
 async fn extended_protocol_hits_with_binary_results_nulls_and_new_parameters() {
     let (_db, proxy, client) = setup(
         "extended",
