@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use tracing::info;
 
-use super::life::{Ending, Relay};
+use super::life::{Ending, Exchange};
 use super::{Ctx, Engine};
 use crate::auth::{self, AUTH_OK, AUTH_SASL, BackendLogin, LoginError, LoginStep};
 use crate::pool::marks::Pin;
@@ -42,7 +42,7 @@ pub enum AuthStep {
 impl Engine {
     /// Passthrough: PostgreSQL's login exchange is relayed from now on.
     pub fn relay_login(&mut self) {
-        self.set_relay(Relay::On);
+        self.set_exchange(Exchange::Relayed);
     }
 
     /// Terminate mode: pgcache answers PostgreSQL's exchange for the
@@ -50,7 +50,7 @@ impl Engine {
     /// `now`.
     pub fn answer_login(&mut self, secret: ClientSecret, now: Instant, timeout: Duration) {
         let login = BackendLogin::new(self.startup.user(), secret);
-        self.set_relay(Relay::ForClient {
+        self.set_exchange(Exchange::Answered {
             login: Box::new(login),
             deadline: now + timeout,
         });
@@ -60,7 +60,7 @@ impl Engine {
     /// exchange's, and the client's go to PostgreSQL as
     /// [`Engine::on_auth_client_frame`] allows.
     pub fn relaying_login(&self) -> bool {
-        !matches!(self.relay(), Relay::Off)
+        !matches!(self.exchange(), Exchange::Over)
     }
 
     /// Whether the client's next frames are to be read now: not while a
@@ -72,13 +72,13 @@ impl Engine {
 
     /// pgcache answers the exchange: the client's frames wait.
     pub fn answering_login(&self) -> bool {
-        matches!(self.relay(), Relay::ForClient { .. })
+        matches!(self.exchange(), Exchange::Answered { .. })
     }
 
     /// When an exchange pgcache answers is to be over.
     pub(super) fn login_deadline(&self) -> Option<Instant> {
-        match self.relay() {
-            Relay::ForClient { deadline, .. } => Some(*deadline),
+        match self.exchange() {
+            Exchange::Answered { deadline, .. } => Some(*deadline),
             _ => None,
         }
     }
@@ -93,7 +93,7 @@ impl Engine {
         frame: &[u8],
         resend: &mut BytesMut,
     ) -> Result<bool, SessionError> {
-        let Some(Relay::ForClient { login, .. }) = self.relay_mut() else {
+        let Some(Exchange::Answered { login, .. }) = self.exchange_mut() else {
             if self.on_auth_backend_frame(frame) == AuthStep::Relayed {
                 return Ok(true);
             }
@@ -105,7 +105,7 @@ impl Engine {
             Ok(LoginStep::Answer(reply)) => resend.extend_from_slice(&reply),
             Ok(LoginStep::Wait) => {}
             Ok(LoginStep::Done) => {
-                self.set_relay(Relay::Off);
+                self.set_exchange(Exchange::Over);
                 self.login_over(ctx);
                 return Ok(false);
             }
@@ -158,7 +158,7 @@ impl Engine {
             if self.server.trust != Trust::Challenged {
                 self.server.trust = Trust::Trusted;
             }
-            self.set_relay(Relay::Off);
+            self.set_exchange(Exchange::Over);
             return AuthStep::Done;
         }
         // Anything before AuthenticationOk asked the client to prove
@@ -170,7 +170,7 @@ impl Engine {
         };
         match offer {
             Some(offer) => {
-                self.set_relay(Relay::PlusHidden);
+                self.set_exchange(Exchange::PlusHidden);
                 self.out.extend_from_slice(&offer);
             }
             None => {
@@ -191,10 +191,10 @@ impl Engine {
         if frame[0] == fe::TERMINATE {
             self.end_with(Ending::ClientEnded);
         }
-        if frame[0] != fe::PASSWORD || !matches!(self.relay(), Relay::PlusHidden) {
+        if frame[0] != fe::PASSWORD || !matches!(self.exchange(), Exchange::PlusHidden) {
             return Ok(());
         }
-        self.set_relay(Relay::On);
+        self.set_exchange(Exchange::Relayed);
         // 'y': "I can bind, the server cannot". PostgreSQL on TLS knows it
         // can, and refuses with a puzzling message.
         let downgrade =

@@ -1,6 +1,6 @@
-//! Where a session stands in its life: logging in (a relayed login's
-//! exchange, if any), then serving; and, once known, why its backend's
-//! close is expected.
+//! Where a session stands in its life: logging in (how far the login's
+//! exchange with PostgreSQL is, relayed or answered by pgcache), then
+//! serving; and, once known, why its backend's close is expected.
 
 use std::time::Instant;
 
@@ -10,26 +10,26 @@ use crate::auth::BackendLogin;
 /// Logging in, or logged in.
 pub(super) enum Phase {
     /// PostgreSQL's first ReadyForQuery (or pgcache's greeting) is still
-    /// to come; a relayed login's exchange stands as `Relay` says.
-    LoggingIn(Relay),
+    /// to come; the login's exchange stands as `Exchange` says.
+    LoggingIn(Exchange),
     /// Logged in: the session's requests are served.
     Serving,
 }
 
 /// Where the exchange of a login stands.
-pub(super) enum Relay {
+pub(super) enum Exchange {
     /// No exchange is going on: the connection replays an earlier login,
     /// pgcache greets the client, or the exchange is over.
-    Off,
+    Over,
     /// PostgreSQL's exchange is relayed, up to AuthenticationOk.
-    On,
+    Relayed,
     /// Relayed, and SCRAM-SHA-256-PLUS was taken out of PostgreSQL's
     /// offer (pgcache ends both TLS legs, so no binding can match): the
     /// client's first SASL message is still to come.
     PlusHidden,
     /// Terminate mode: pgcache answers PostgreSQL's exchange for the
     /// client it authenticated, by `deadline`; the client waits.
-    ForClient {
+    Answered {
         login: Box<BackendLogin>,
         deadline: Instant,
     },
@@ -64,25 +64,26 @@ impl Engine {
         self.ending == Some(Ending::BackendFatal)
     }
 
-    /// Where a login's exchange stands (off once logged in).
-    pub(super) fn relay(&self) -> &Relay {
+    /// Where a login's exchange stands (over once logged in).
+    pub(super) fn exchange(&self) -> &Exchange {
         match &self.phase {
-            Phase::LoggingIn(relay) => relay,
-            Phase::Serving => &Relay::Off,
+            Phase::LoggingIn(exchange) => exchange,
+            Phase::Serving => &Exchange::Over,
         }
     }
 
-    pub(super) fn relay_mut(&mut self) -> Option<&mut Relay> {
+    /// The exchange under way, to move on; `None` once logged in.
+    pub(super) fn exchange_mut(&mut self) -> Option<&mut Exchange> {
         match &mut self.phase {
-            Phase::LoggingIn(relay) => Some(relay),
+            Phase::LoggingIn(exchange) => Some(exchange),
             Phase::Serving => None,
         }
     }
 
-    /// A relayed login moves on; nothing changes once logged in.
-    pub(super) fn set_relay(&mut self, relay: Relay) {
+    /// The login's exchange moves on; nothing changes once logged in.
+    pub(super) fn set_exchange(&mut self, exchange: Exchange) {
         if let Phase::LoggingIn(now) = &mut self.phase {
-            *now = relay;
+            *now = exchange;
         }
     }
 }

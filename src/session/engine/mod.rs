@@ -53,7 +53,7 @@ mod timeouts;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
-use life::{Ending, Phase, Relay};
+use life::{Ending, Exchange, Phase};
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
 
@@ -119,7 +119,7 @@ impl Engine {
             backend_addr,
             caching,
             startup,
-            phase: Phase::LoggingIn(Relay::Off),
+            phase: Phase::LoggingIn(Exchange::Over),
             pipeline: Pipeline::default(),
             tx: Transaction::default(),
             batch: Batch::default(),
