@@ -57,8 +57,9 @@ impl Engine {
     }
 
     /// A login's exchange is going on: PostgreSQL's frames are the
-    /// exchange's, and the client's go to PostgreSQL as
-    /// [`Engine::on_auth_client_frame`] allows.
+    /// exchange's. Relayed, the client's go to PostgreSQL as
+    /// [`Engine::on_auth_client_frame`] allows; answered by pgcache, they
+    /// wait ([`Engine::answering_login`]).
     pub fn relaying_login(&self) -> bool {
         !matches!(self.exchange(), Exchange::Over)
     }
@@ -100,8 +101,7 @@ impl Engine {
             self.login_over(ctx);
             return Ok(false);
         };
-        let step = login.on_frame(frame);
-        match step {
+        match login.on_frame(frame) {
             Ok(LoginStep::Answer(reply)) => resend.extend_from_slice(&reply),
             Ok(LoginStep::Wait) => {}
             Ok(LoginStep::Done) => {
