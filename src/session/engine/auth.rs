@@ -151,7 +151,7 @@ impl Engine {
     }
 
     /// A frame PostgreSQL sent while the login is relayed.
-    pub fn on_auth_backend_frame(&mut self, frame: &[u8]) -> AuthStep {
+    pub(super) fn on_auth_backend_frame(&mut self, frame: &[u8]) -> AuthStep {
         let code = (frame[0] == be::AUTHENTICATION && frame.len() >= HEADER_LEN + 4)
             .then(|| i32::from_be_bytes([frame[5], frame[6], frame[7], frame[8]]));
         if code == Some(AUTH_OK) {
@@ -185,7 +185,11 @@ impl Engine {
 
     /// A frame the client sent while the login is relayed: to go on to
     /// PostgreSQL, or the session ends with the error.
-    pub fn on_auth_client_frame(&mut self, ctx: &Ctx, frame: &[u8]) -> Result<(), SessionError> {
+    pub(super) fn on_auth_client_frame(
+        &mut self,
+        ctx: &Ctx,
+        frame: &[u8],
+    ) -> Result<(), SessionError> {
         // A client that hangs up while logging in (node-postgres ended
         // while connecting): PostgreSQL closes without a word.
         if frame[0] == fe::TERMINATE {
