@@ -3,7 +3,7 @@
 //! ```text
 //! client ──startup──▶ negotiate (SSL/GSS, cancel, limits)      negotiate.rs
 //!        ──────────▶ admin console, or terminate-mode auth
-//!        ──────────▶ connect backend, log in                  login.rs
+//!        ──────────▶ connect backend, log in                  engine/auth.rs
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
 //!   client frames  → Query, Parse/Bind/Describe/Execute/Sync  engine/requests.rs
@@ -30,7 +30,6 @@ pub mod fuzz;
 mod keyed;
 mod known;
 mod link;
-mod login;
 mod logins;
 mod needs;
 mod negotiate;
@@ -250,7 +249,8 @@ enum End {
 }
 
 /// What a session's login to PostgreSQL needs: the StartupMessage as the
-/// client sent it, and the client's secret when pgcache checked it.
+/// client sent it, and the client's secret when pgcache checked it
+/// ([`engine::Engine::start`]).
 pub(super) struct Login {
     pub raw: BytesMut,
     pub secret: Option<Box<ClientSecret>>,

@@ -18,11 +18,11 @@ use tracing::info;
 
 use super::SessionError;
 use super::engine::IdleTimeouts;
-use super::engine::{Ctx, Engine};
+use super::engine::{Ctx, Engine, Start};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
-use super::reuse::{ServerBook, Source};
+use super::reuse::ServerBook;
 use crate::App;
 use crate::backend::BackendStream;
 use crate::pool::clients::ClientEntry;
@@ -117,22 +117,15 @@ where
         Box::pin(self.end(result)).await
     }
 
-    /// Logs the client in: replayed for a parked connection, greeted by
-    /// pgcache on pooled connections, else with PostgreSQL (a relayed
+    /// Logs the client in, as the engine begins it: greeted by pgcache
+    /// on pooled connections, else the StartupMessage sent (a relayed
     /// login goes on in the session's loop).
     async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
-        if self.engine.server().source == Source::Parked {
-            // Its login frames are replayed by the relay.
-            self.engine.login_over(&ctx(&self.app, &self.entry));
-            return Ok(Flow::Continue);
-        }
-        if self.engine.link().is_pooled() && !self.attached() {
-            // pgcache logs in for the client on pooled connections.
-            return self.greet().await.map(|()| Flow::Continue);
-        }
-        let flow = match login {
-            Some(login) => self.log_in(&login.raw, login.secret).await,
-            None => Ok(Flow::Close),
+        let ctx = ctx(&self.app, &self.entry);
+        let flow = match self.engine.start(&ctx, self.attached(), login) {
+            Start::Begun => self.flush_server().await.map(|()| Flow::Continue),
+            Start::Greet => self.greet().await.map(|()| Flow::Continue),
+            Start::Close => Ok(Flow::Close),
         };
         if !self.engine.relaying_login() {
             self.learning = None;

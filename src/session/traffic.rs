@@ -34,13 +34,8 @@ where
             // The pool's lesson in how to log in is this login's no more.
             self.learning = None;
         }
-        if !relayed.resend.is_empty() {
-            // A retry: the server is waiting for it.
-            self.server()?
-                .write_all(&relayed.resend)
-                .await
-                .map_err(SessionError::BackendIo)?;
-        }
+        // A login's answer, a retry: the server is waiting for it.
+        self.flush_server().await?;
         if self.engine.has_actions() {
             self.carry_out().await;
         }
@@ -238,6 +233,15 @@ where
             self.carry_out().await;
         }
         self.flush_out().await
+    }
+
+    /// Writes what the server connection is owed as it is.
+    pub(super) async fn flush_server(&mut self) -> Result<(), SessionError> {
+        if let Some(bytes) = self.engine.take_to_server() {
+            let r = self.server()?.write_all(&bytes).await;
+            r.map_err(SessionError::BackendIo)?;
+        }
+        Ok(())
     }
 
     /// Writes what pgcache staged in `out` to the client.

@@ -34,8 +34,6 @@ pub(in crate::session) struct Relayed {
     /// The client gets the engine's staged bytes, then `buf[from..end]`:
     /// what was not rewritten goes out without a copy.
     pub from: usize,
-    /// To send the backend again (a retried request).
-    pub resend: BytesMut,
 }
 
 impl Engine {
@@ -46,7 +44,8 @@ impl Engine {
     pub fn on_backend(&mut self, ctx: &Ctx, buf: &mut BytesMut) -> Result<Relayed, SessionError> {
         let mut pos = 0;
         let mut copied = 0; // buffered bytes before this are in `out` or dropped
-        let mut resend = BytesMut::new();
+        // What the server is owed as it is ([`Engine::take_to_server`]).
+        let mut resend = std::mem::take(&mut self.to_server);
         let pooled = self.link.is_pooled();
         let mut listened = false;
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
@@ -116,10 +115,10 @@ impl Engine {
             pos += len;
         }
         self.read_through(ctx, listened);
+        self.to_server = resend;
         Ok(Relayed {
             end: pos,
             from: copied,
-            resend,
         })
     }
 

@@ -19,9 +19,10 @@ use crate::pool::marks::Pin;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
 use crate::scram::{ClientSecret, MECHANISM};
+use crate::session::Login;
 use crate::session::SessionError;
 use crate::session::link::Link;
-use crate::session::reuse::Trust;
+use crate::session::reuse::{Source, Trust};
 
 /// The refusal when SCRAM cannot be relayed because both legs are TLS.
 const BINDING_CANNOT_PASS: &str = "SCRAM channel binding cannot pass through pgcache: the client's \
@@ -39,7 +40,47 @@ pub enum AuthStep {
     Relayed,
 }
 
+/// How a session's login begins ([`Engine::start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::session) enum Start {
+    /// Under way: a parked connection's login is replayed from its read
+    /// buffer, or PostgreSQL is owed the StartupMessage
+    /// ([`Engine::take_to_server`]).
+    Begun,
+    /// Transaction mode, holding no connection: pgcache greets the client
+    /// ([`Engine::greeting`]).
+    Greet,
+    /// Nothing to log in with: the session ends.
+    Close,
+}
+
 impl Engine {
+    /// Begins the session's login (`attached`: it holds a server
+    /// connection): replayed for a parked connection, greeted by pgcache
+    /// on pooled connections, else with PostgreSQL: relayed for the
+    /// client (passthrough), or answered by pgcache with the secret of a
+    /// client it authenticated (terminate) within `upstream.connect_timeout`.
+    pub fn start(&mut self, ctx: &Ctx, attached: bool, login: Option<Box<Login>>) -> Start {
+        if self.server.source == Source::Parked {
+            self.login_over(ctx);
+            return Start::Begun;
+        }
+        if self.link.is_pooled() && !attached {
+            return Start::Greet;
+        }
+        let Some(login) = login else {
+            return Start::Close;
+        };
+        let upstream = &ctx.app.upstream;
+        match login.secret {
+            Some(secret) => self.answer_login(*secret, ctx.now, upstream.connect_timeout),
+            None => self.relay_login(),
+        }
+        let startup = upstream.origin.client_startup(&login.raw);
+        self.to_server.extend_from_slice(&startup);
+        Start::Begun
+    }
+
     /// Passthrough: PostgreSQL's login exchange is relayed from now on.
     pub fn relay_login(&mut self) {
         self.set_exchange(Exchange::Relayed);

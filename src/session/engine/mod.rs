@@ -50,6 +50,7 @@ mod surface;
 mod tests;
 mod timeouts;
 
+pub(super) use auth::Start;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
@@ -75,6 +76,10 @@ pub(super) struct Engine {
     actions: Vec<Action>,
     /// Staging for client writes that pgcache assembles or rewrites.
     out: BytesMut,
+    /// What the server connection is owed as it is, before any request
+    /// staged for it: the StartupMessage, a login's answers, a retried
+    /// request.
+    to_server: BytesMut,
     /// Transaction mode: where server connections come from, and what of
     /// the client's state goes with it from one to the next.
     link: Link,
@@ -127,6 +132,7 @@ impl Engine {
             db: Arc::default(),
             actions: Vec::new(),
             out: BytesMut::new(),
+            to_server: BytesMut::new(),
             link,
             server,
             ending: None,

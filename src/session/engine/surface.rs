@@ -116,6 +116,12 @@ impl Engine {
         &mut self.out
     }
 
+    /// What the server connection is owed as it is, before any request
+    /// staged for it: the StartupMessage, a login's answers, a retry.
+    pub fn take_to_server(&mut self) -> Option<BytesMut> {
+        (!self.to_server.is_empty()).then(|| self.to_server.split())
+    }
+
     /// The backend's close is expected: it sent FATAL, or the client
     /// ended the session.
     pub fn close_expected(&self) -> bool {

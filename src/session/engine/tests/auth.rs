@@ -166,7 +166,8 @@ fn answered(rig: &mut Rig, frames: &[Vec<u8>]) -> Result<(Vec<u8>, Vec<u8>), Ses
     let relayed = rig.engine.on_backend(&ctx, &mut buf)?;
     let mut sent = std::mem::take(&mut rig.engine.out).to_vec();
     sent.extend_from_slice(&buf[relayed.from..relayed.end]);
-    Ok((relayed.resend.to_vec(), sent))
+    let to_server = rig.engine.take_to_server().unwrap_or_default();
+    Ok((to_server.to_vec(), sent))
 }
 
 #[test]
@@ -247,4 +248,52 @@ fn a_login_pgcache_cannot_answer_or_finish_in_time_fails_as_the_clients_login() 
     assert!(to_server.is_empty());
     assert_eq!(to_client, fatal.to_vec());
     assert!(rig.engine.close_expected());
+}
+
+#[test]
+fn a_login_begins_replayed_greeted_or_with_the_startup_message_owed_to_postgresql() {
+    use crate::session::Login;
+    use crate::session::engine::Start;
+    use crate::session::reuse::Source;
+    let raw = || BytesMut::from(&b"\0\0\0\x08\0\x03\0\0"[..]);
+    let login = |secret: Option<ClientSecret>| {
+        Some(Box::new(Login {
+            raw: raw(),
+            secret: secret.map(Box::new),
+        }))
+    };
+
+    let mut rig = Rig::new();
+    let now = ctx(&rig.app, &rig.entry);
+    assert_eq!(rig.engine.start(&now, true, login(None)), Start::Begun);
+    assert!(
+        rig.engine.relaying_login(),
+        "passthrough relays the exchange"
+    );
+    assert_eq!(rig.engine.take_to_server().as_deref(), Some(&raw()[..]));
+    assert_eq!(rig.engine.take_to_server(), None, "owed once");
+
+    let mut rig = Rig::new();
+    let now = ctx(&rig.app, &rig.entry);
+    let secret = ClientSecret::Password("hunter2".into());
+    assert_eq!(
+        rig.engine.start(&now, true, login(Some(secret))),
+        Start::Begun
+    );
+    assert!(rig.engine.answering_login(), "terminate answers it");
+    assert!(rig.engine.poll_timeout().is_some(), "by a deadline");
+    assert_eq!(rig.engine.take_to_server().as_deref(), Some(&raw()[..]));
+
+    let mut rig = Rig::new();
+    rig.engine.server.source = Source::Parked;
+    let now = ctx(&rig.app, &rig.entry);
+    assert_eq!(rig.engine.start(&now, true, login(None)), Start::Begun);
+    assert!(!rig.engine.relaying_login(), "a parked login is replayed");
+    assert_eq!(rig.engine.take_to_server(), None);
+
+    let (mut rig, _pool) = pooled_unlogged();
+    let now = ctx(&rig.app, &rig.entry);
+    assert_eq!(rig.engine.start(&now, false, login(None)), Start::Greet);
+    assert_eq!(rig.engine.take_to_server(), None);
+    assert_eq!(rig.engine.start(&now, true, None), Start::Close);
 }
