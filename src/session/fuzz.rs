@@ -204,7 +204,7 @@ fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bo
                 let answer = (control & 2 == 0).then(|| vec![row]);
                 answer_own(engine, ctx, answer.as_deref());
             }
-            Err(Need::Prerequisites) => engine.prerequisites_met(),
+            Err(Need::Prerequisites(_)) => engine.prerequisites_met(),
             Err(Need::Fetched { .. }) => engine.facts_met(),
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.

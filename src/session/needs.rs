@@ -12,21 +12,28 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use super::SessionError;
 use super::engine::{Need, OwnStep, Verdict};
 use super::relay::{Session, ctx};
-use crate::classify::prerequisites::prerequisites;
-use crate::invalidation::{quote_literal, take_out_for_unlogged};
-use crate::protocol::codec::HEADER_LEN;
+use crate::invalidation::take_out_for_unlogged;
 use crate::protocol::stream::ReadError;
-use crate::protocol::{extended, frontend as fe};
 
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Gets what the engine needs to decide on `frame`, and tells it.
-    pub(super) async fn meet(&mut self, need: Need, frame: &[u8]) -> Result<(), SessionError> {
+    /// Gets what the engine needs to decide on a frame, and tells it.
+    pub(super) async fn meet(&mut self, need: Need) -> Result<(), SessionError> {
         match need {
-            Need::Prerequisites => {
-                self.meet_prerequisites(frame).await?;
+            Need::Prerequisites(needs) => {
+                let db = self.engine.startup().database().to_owned();
+                for name in &needs.free_databases {
+                    if let Some(paused) = self.app.streams.release(name, &db).await {
+                        self.engine.hold_paused(paused);
+                    }
+                }
+                if let Some(publication) = self.app.publication() {
+                    for table in &needs.unpublish {
+                        take_out_for_unlogged(&self.app.upstream, &db, &publication, table).await;
+                    }
+                }
                 self.engine.prerequisites_met();
             }
             Need::Own => self.converse().await?,
@@ -108,69 +115,5 @@ where
                 Err(e)
             }
         }
-    }
-
-    /// For a Query or Parse frame whose text names a database or UNLOGGED.
-    async fn meet_prerequisites(&mut self, frame: &[u8]) -> Result<(), SessionError> {
-        if !self.app.cache.replication_on() {
-            return Ok(());
-        }
-        let body = &frame[HEADER_LEN..];
-        let text = if frame[0] == fe::PARSE {
-            match extended::parse(body) {
-                Some(p) => p.query,
-                None => return Ok(()),
-            }
-        } else {
-            body.split(|b| *b == 0).next().unwrap_or_default()
-        };
-        let Ok(sql) = std::str::from_utf8(text) else {
-            return Ok(());
-        };
-        let needs = prerequisites(sql);
-        for name in needs.free_databases {
-            let via = self.engine.startup().database();
-            if let Some(paused) = self.app.streams.release(&name, via).await {
-                self.engine.hold_paused(paused);
-            }
-        }
-        for table in needs.unpublish {
-            self.unpublish(&table).await?;
-        }
-        Ok(())
-    }
-
-    /// Takes `table` out of pgcache's publication for a `SET UNLOGGED`
-    /// ([`take_out_for_unlogged`]). The name is resolved in the client's
-    /// own session (its search_path) when it is idle.
-    async fn unpublish(&mut self, table: &str) -> Result<(), SessionError> {
-        let Some(publication) = self.app.publication() else {
-            return Ok(());
-        };
-        let qualified = if self.backend_idle() {
-            let sql = format!(
-                "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
-                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
-                 WHERE c.oid = pg_catalog.to_regclass({})",
-                quote_literal(table)
-            );
-            self.engine.ask_rows(&sql);
-            self.converse().await?;
-            let rows = self.engine.take_own_rows().unwrap_or_default();
-            match rows
-                .into_iter()
-                .next()
-                .and_then(|r| r.into_iter().next().flatten())
-            {
-                Some(name) => name,
-                // No such table: the statement fails on its own.
-                None => return Ok(()),
-            }
-        } else {
-            table.to_owned()
-        };
-        let db = self.engine.startup().database();
-        take_out_for_unlogged(&self.app.upstream, db, &publication, &qualified).await;
-        Ok(())
     }
 }

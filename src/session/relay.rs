@@ -102,10 +102,6 @@ where
         }
     }
 
-    pub fn backend_idle(&self) -> bool {
-        self.engine.backend_idle()
-    }
-
     /// The session from its login to its end. Only the relay's future is
     /// kept whole while the session lives: the login and the ending are
     /// boxed, large and live once.

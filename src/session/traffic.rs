@@ -208,7 +208,7 @@ where
             let ctx = ctx(&self.app, &self.entry);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => break flow,
-                Err(need) => Box::pin(self.meet(need, &frame)).await?,
+                Err(need) => Box::pin(self.meet(need)).await?,
             }
         };
         if self.engine.has_actions() {
@@ -225,7 +225,7 @@ where
             let request = &self.client.buffered()[..ready.len];
             match self.engine.on_whole_batch(&ctx, &ready, request) {
                 Ok(()) => break,
-                Err(need) => Box::pin(self.meet(need, &[])).await?,
+                Err(need) => Box::pin(self.meet(need)).await?,
             }
         }
         self.client.consume(ready.len);

@@ -11,6 +11,7 @@ use crate::App;
 use crate::cache::key::RequestKey;
 use crate::cache::versions::Family;
 use crate::cache::{Fill, Publication, Wait, Waited};
+use crate::classify::prerequisites::Prerequisites;
 use crate::pool::clients::Client;
 use crate::pool::errand::Errand;
 use crate::session::capture::Capture;
@@ -68,9 +69,10 @@ pub(in crate::session) enum LinkStep {
 /// What a client frame's decision waits for. The driver meets it, notes
 /// what it found in [`Found`], and feeds the engine the same frame again.
 pub(in crate::session) enum Need {
-    /// The statement's prerequisites: a database pgcache lets go of, a
-    /// table taken out of its publication.
-    Prerequisites,
+    /// The statement's prerequisites: databases pgcache lets go of,
+    /// tables taken out of its publication (named as the client's session
+    /// resolves them, when it could ask).
+    Prerequisites(Box<Prerequisites>),
     /// pgcache's own queries, asked on the session's idle backend: its
     /// settings, or the facts of the names the statement uses when
     /// pgcache has no connection of its own. The driver runs them
@@ -92,6 +94,8 @@ pub(in crate::session) enum Need {
 #[derive(Default)]
 pub(in crate::session) struct Found {
     pub prerequisites: bool,
+    /// The statement's prerequisites, while its tables are resolved.
+    pub needs: Option<Box<Prerequisites>>,
     /// The facts were looked up (or could not be).
     pub facts: bool,
     /// The settings were read (or could not be).
@@ -113,6 +117,7 @@ pub(in crate::session) enum Asked {
 impl Found {
     pub fn clear(&mut self) {
         if self.prerequisites
+            || self.needs.is_some()
             || self.facts
             || self.settings
             || self.asked.is_some()

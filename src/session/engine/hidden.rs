@@ -17,6 +17,7 @@ use super::life::Ending;
 use super::{Ctx, Engine};
 use crate::cache::catalog::Wanted;
 use crate::cache::catalog::fetch::{Lookup, Rows};
+use crate::invalidation::quote_literal;
 use crate::protocol::answer::{Answer, Read};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, messages};
@@ -40,8 +41,9 @@ pub(in crate::session) enum Purpose {
     SetAgain(ClientState),
     /// How the server reports startup values the pool has not met yet.
     Reported(Vec<(String, String)>),
-    /// Rows for the driver ([`Engine::take_own_rows`]).
-    Rows,
+    /// A table a statement takes out of pgcache's publication, named as
+    /// the client's session resolves it ([`Engine::needs_of`]).
+    Qualify,
 }
 
 /// What becomes of the connection after an answer pgcache cannot take.
@@ -69,8 +71,6 @@ pub(in crate::session) enum OwnStep {
 #[derive(Default)]
 pub(in crate::session) struct Own {
     queue: VecDeque<Asked>,
-    /// The rows of the last [`Purpose::Rows`] query.
-    rows: Option<Rows>,
     verdict: Option<Verdict>,
 }
 
@@ -189,11 +189,6 @@ impl Engine {
         self.own.verdict.take()
     }
 
-    /// The rows a [`Purpose::Rows`] query returned (`None`: it failed).
-    pub fn take_own_rows(&mut self) -> Option<Rows> {
-        self.own.rows.take()
-    }
-
     /// How many own queries are asked: a decision given up ([`Engine::whole_batch`])
     /// withdraws what it asked after this many ([`Engine::withdraw_asked`]).
     pub(super) fn asked(&self) -> usize {
@@ -217,11 +212,6 @@ impl Engine {
                 _ => {}
             }
         }
-    }
-
-    /// Asks for the rows of `sql`, for the driver.
-    pub fn ask_rows(&mut self, sql: &str) {
-        self.ask(Purpose::Rows, sql);
     }
 
     /// Transaction mode: reads back the settings the client may have
@@ -289,7 +279,14 @@ impl Engine {
                     }
                 }
             }
-            Purpose::Rows => self.own.rows = result.ok(),
+            Purpose::Qualify => {
+                // No such table: the statement fails on its own.
+                let row = result.ok().and_then(|rows| rows.into_iter().next());
+                let name = row.and_then(|row| row.into_iter().next().flatten());
+                if let (Some(name), Some(needs)) = (name, &mut self.found.needs) {
+                    needs.unpublish.push(name);
+                }
+            }
         }
     }
 
@@ -313,8 +310,11 @@ impl Engine {
         match purpose {
             Purpose::Settings { generation } => self.on_settings(ctx, generation, None),
             Purpose::Facts(lookup) => self.db.catalog.abandon(&lookup.0),
-            Purpose::Rows => self.own.rows = None,
-            Purpose::Apply | Purpose::ReadBack | Purpose::SetAgain(_) | Purpose::Reported(_) => {}
+            Purpose::Qualify
+            | Purpose::Apply
+            | Purpose::ReadBack
+            | Purpose::SetAgain(_)
+            | Purpose::Reported(_) => {}
         }
     }
 
@@ -324,6 +324,16 @@ impl Engine {
         let asked = Asked::with_request(Purpose::Apply, request);
         self.own.queue.push_front(asked);
     }
+}
+
+/// The query naming `table` as the session resolves it, schema first.
+pub(super) fn qualify_sql(table: &str) -> String {
+    format!(
+        "SELECT pg_catalog.format('%I.%I', n.nspname, c.relname) FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.oid = pg_catalog.to_regclass({})",
+        quote_literal(table)
+    )
 }
 
 impl Asked {

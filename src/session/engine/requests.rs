@@ -30,12 +30,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::hidden::qualify_sql;
 use super::life::Ending;
 use super::lookup::Answer;
-use super::{Ctx, Engine, Need, ReadyBatch};
+use super::{Ctx, Engine, Need, Purpose, ReadyBatch};
 use crate::cache::key::{self, KeyBuilder, RequestKey};
 use crate::cache::{Bumps, Reads};
 use crate::classify::BypassReason;
+use crate::classify::prerequisites::prerequisites;
 use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, extended, frontend as fe};
@@ -114,9 +116,33 @@ impl Engine {
             && !self.found.prerequisites
             && ctx.app.cache.replication_on()
         {
-            return Err(Need::Prerequisites);
+            return Err(self.needs_of(frame));
         }
         Ok(())
+    }
+
+    /// What the statement in `frame` needs of pgcache before it goes out
+    /// ([`crate::classify::prerequisites`]). The tables it takes out of the
+    /// publication are first named as the client's session resolves them
+    /// (its search_path), when its connection is idle to ask.
+    pub(super) fn needs_of(&mut self, frame: &[u8]) -> Need {
+        let needs = match self.found.needs.take() {
+            Some(needs) => needs,
+            None => {
+                let text = extended::statement_text(frame);
+                let sql = std::str::from_utf8(text).unwrap_or_default();
+                let mut needs = Box::new(prerequisites(sql));
+                if !needs.unpublish.is_empty() && self.backend_idle() {
+                    for table in needs.unpublish.drain(..) {
+                        self.ask(Purpose::Qualify, &qualify_sql(&table));
+                    }
+                    self.found.needs = Some(needs);
+                    return Need::Own;
+                }
+                needs
+            }
+        };
+        Need::Prerequisites(needs)
     }
 
     fn on_query(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {

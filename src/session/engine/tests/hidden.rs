@@ -163,7 +163,11 @@ fn a_read_back_that_fails_closes_the_connection() {
 #[test]
 fn refused_settings_on_a_new_connection_fail_with_the_servers_error_and_nothing_waits() {
     let mut rig = pooled_with_search_path();
-    rig.engine.ask_rows("SELECT 1");
+    // A table's name asked for a statement's prerequisites waits behind.
+    rig.engine.found.needs = Some(Box::default());
+    let qualify = crate::session::engine::hidden::qualify_sql("t");
+    rig.engine
+        .ask(crate::session::engine::Purpose::Qualify, &qualify);
     rig.engine
         .apply_first(messages::hidden_query("SET search_path = s"));
     assert!(
@@ -172,7 +176,13 @@ fn refused_settings_on_a_new_connection_fail_with_the_servers_error_and_nothing_
     );
     assert!(answer(&mut rig, &[error("22023"), rfq(TxStatus::Idle)]));
     assert!(!rig.engine.own_pending(), "what waited is given up");
-    assert!(rig.engine.take_own_rows().is_none());
+    let needs = rig
+        .engine
+        .found
+        .needs
+        .as_ref()
+        .expect("still the statement's");
+    assert!(needs.unpublish.is_empty(), "no name came");
     match rig.engine.take_verdict() {
         Some(Verdict::Fail(e)) => assert_eq!(e.sqlstate(), "22023"),
         other => panic!("{other:?}"),
@@ -201,4 +211,53 @@ fn with_the_fetcher_down_the_facts_are_looked_up_on_the_idle_backend() {
     assert!(answer(&mut rig, &[found.to_vec(), rfq(TxStatus::Idle)]));
     let (known, _) = rig.engine.db.catalog.facts(["items"], []);
     assert!(known.complete(), "installed from the session's own lookup");
+}
+
+#[test]
+fn a_table_set_unlogged_is_named_as_the_clients_session_resolves_it_before_it_leaves_the_publication()
+ {
+    let mut rig = Rig::logged_in();
+    rig.app.cache.set_replication(true);
+    let ctx = super::ctx(&rig.app, &rig.entry);
+    let alter = query("ALTER TABLE t SET UNLOGGED");
+    assert!(matches!(
+        rig.engine
+            .on_client_frame(&ctx, &Bytes::from(alter.clone())),
+        Err(Need::Own)
+    ));
+    assert!(request_text(&mut rig).contains("to_regclass('t')"));
+    let name = {
+        let mut out = BytesMut::new();
+        crate::session::fuzz::data_row(&mut out, &[Some("s.t".to_owned())]);
+        out.to_vec()
+    };
+    let answered = answer(
+        &mut rig,
+        &[
+            description(),
+            name,
+            complete("SELECT 1"),
+            rfq(TxStatus::Idle),
+        ],
+    );
+    assert!(answered);
+    let ctx = super::ctx(&rig.app, &rig.entry);
+    match rig
+        .engine
+        .on_client_frame(&ctx, &Bytes::from(alter.clone()))
+    {
+        Err(Need::Prerequisites(needs)) => assert_eq!(needs.unpublish, ["s.t"]),
+        _ => panic!("the prerequisites, named"),
+    }
+    rig.engine.prerequisites_met();
+    let ctx = super::ctx(&rig.app, &rig.entry);
+    assert!(
+        rig.engine
+            .on_client_frame(&ctx, &Bytes::from(alter))
+            .is_ok()
+    );
+    assert!(
+        String::from_utf8_lossy(&rig.engine.pipeline().to_backend).contains("SET UNLOGGED"),
+        "then it goes out"
+    );
 }

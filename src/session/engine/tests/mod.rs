@@ -104,7 +104,7 @@ impl Rig {
                     self.settings_reads +=
                         crate::session::fuzz::answer_own(&mut self.engine, &ctx, answer.as_deref());
                 }
-                Err(Need::Prerequisites) => self.engine.found.prerequisites = true,
+                Err(Need::Prerequisites(_)) => self.engine.found.prerequisites = true,
                 Err(Need::Fetched { .. }) => panic!("facts are known or fetched"),
                 Err(Need::Cache(_)) => panic!("no shared tier, no concurrent fill"),
             }
