@@ -89,8 +89,8 @@ pub fn feed(data: &[u8]) -> Fed {
         };
         // What the driver would write and carry out.
         fed.served += usize::from(!engine.out().is_empty() && control & 1 == 0);
-        engine.out_mut().clear();
-        engine.pipeline_mut().to_backend.clear();
+        engine.client_sent();
+        engine.drop_staged();
         for action in engine.take_actions() {
             match action {
                 Action::Store(fill, bytes) => {

@@ -15,6 +15,8 @@ use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use super::replica_conn::ReplicaConn;
+use crate::backend::BackendStream;
+use crate::protocol::stream::FramedStream;
 use crate::replica::Replica;
 
 impl<C> Session<C>
@@ -24,23 +26,14 @@ where
     /// Relays every complete backend frame now buffered to the client,
     /// as the engine has it.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
-        let ctx = ctx(&self.app, &self.entry);
-        let Some(backend) = &mut self.backend else {
+        if self.backend.is_none() {
             return Ok(Flow::Continue);
-        };
+        }
         let answering = self.engine.answering_login();
-        let relayed = self.engine.on_backend(&ctx, backend.buffer_mut())?;
+        self.relay_from(Leg::Primary).await?;
         if self.learning.is_some() && !self.engine.relaying_login() {
             // The pool's lesson in how to log in is this login's no more.
             self.learning = None;
-        }
-        // A login's answer, a retry: the server is waiting for it.
-        self.flush_server().await?;
-        if self.engine.has_actions() {
-            self.carry_out().await;
-        }
-        if relayed.end > 0 {
-            self.relay_to_client(relayed.end, relayed.from).await?;
         }
         if let Some(backend) = &mut self.backend {
             backend.shrink_if_empty();
@@ -56,6 +49,43 @@ where
             return Box::pin(self.on_client_data()).await;
         }
         Ok(Flow::Continue)
+    }
+
+    /// Every complete frame buffered from a server leg, through the
+    /// engine: what the server is owed written to it first, then the
+    /// engine's actions, then the client's bytes.
+    async fn relay_from(&mut self, leg: Leg) -> Result<(), SessionError> {
+        let ctx = ctx(&self.app, &self.entry);
+        let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
+            return Ok(());
+        };
+        let relayed = self.engine.on_backend(&ctx, stream.buffer_mut())?;
+        if leg == Leg::Primary {
+            // A login's answer, a retry: the server is waiting for it.
+            self.flush_server().await?;
+        }
+        if self.engine.has_actions() {
+            self.carry_out().await;
+        }
+        let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
+            return Ok(());
+        };
+        if relayed.end == 0 {
+            return Ok(());
+        }
+        let bytes = self.engine.for_client(stream.buffered(), &relayed);
+        self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
+        let sent = match bytes.is_empty() {
+            true => Ok(()),
+            false => self.client.write_all(bytes).await,
+        };
+        self.engine.client_sent();
+        stream.consume(relayed.end);
+        if let Err(e) = sent {
+            self.client_gone().await;
+            return Err(SessionError::ClientIo(e));
+        }
+        Ok(())
     }
 
     /// Does what the engine asked for, in order.
@@ -83,27 +113,6 @@ where
                 }
             }
         }
-    }
-
-    /// Writes the first `pos` buffered backend bytes to the client (see
-    /// [`to_client`]).
-    async fn relay_to_client(&mut self, pos: usize, copied: usize) -> Result<(), SessionError> {
-        let Some(backend) = &mut self.backend else {
-            return Ok(());
-        };
-        let bytes = to_client(self.engine.out_mut(), backend.buffered(), pos, copied);
-        self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
-        let result = match bytes.is_empty() {
-            true => Ok(()),
-            false => self.client.write_all(bytes).await,
-        };
-        self.engine.out_mut().clear();
-        backend.consume(pos);
-        if let Err(e) = result {
-            self.client_gone().await;
-            return Err(SessionError::ClientIo(e));
-        }
-        Ok(())
     }
 
     /// Relays every complete client frame now buffered to the backend.
@@ -250,7 +259,7 @@ where
             return Ok(());
         }
         let r = self.client.write_all(self.engine.out()).await;
-        self.engine.out_mut().clear();
+        self.engine.client_sent();
         r.map_err(SessionError::ClientIo)
     }
 
@@ -399,34 +408,7 @@ where
     /// what waited goes on: a retry to the primary, the client's next
     /// frames.
     pub(super) async fn on_replica_data(&mut self) -> Result<Flow, SessionError> {
-        let ctx = ctx(&self.app, &self.entry);
-        let Some(conn) = &mut self.replica else {
-            return Ok(Flow::Continue);
-        };
-        let relayed = self.engine.on_backend(&ctx, conn.stream.buffer_mut())?;
-        self.carry_out().await;
-        if relayed.end > 0 {
-            let Some(conn) = &mut self.replica else {
-                return Ok(Flow::Continue);
-            };
-            let bytes = to_client(
-                self.engine.out_mut(),
-                conn.stream.buffered(),
-                relayed.end,
-                relayed.from,
-            );
-            self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
-            let sent = match bytes.is_empty() {
-                true => Ok(()),
-                false => self.client.write_all(bytes).await,
-            };
-            self.engine.out_mut().clear();
-            conn.stream.consume(relayed.end);
-            if let Err(e) = sent {
-                self.client_gone().await;
-                return Err(SessionError::ClientIo(e));
-            }
-        }
+        self.relay_from(Leg::Replica).await?;
         if self.engine.replica_busy() {
             return Ok(Flow::Continue);
         }
@@ -459,19 +441,23 @@ where
     }
 }
 
-/// What the client is to be sent of the first `pos` bytes buffered from a
-/// server: those bytes as they are when nothing was rewritten, else what
-/// the engine staged in `out` with the rest (from `copied` on) after it.
-pub(super) fn to_client<'a>(
-    out: &'a mut BytesMut,
-    buffered: &'a [u8],
-    pos: usize,
-    copied: usize,
-) -> &'a [u8] {
-    if out.is_empty() && copied == 0 {
-        &buffered[..pos]
-    } else {
-        out.extend_from_slice(&buffered[copied..pos]);
-        out
+/// A server leg of the session: the primary's connection, or a replica's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leg {
+    Primary,
+    Replica,
+}
+
+impl Leg {
+    /// The leg's connection, if the session holds one.
+    fn of<'a>(
+        self,
+        backend: &'a mut Option<FramedStream<BackendStream>>,
+        replica: &'a mut Option<Box<ReplicaConn>>,
+    ) -> Option<&'a mut FramedStream<BackendStream>> {
+        match self {
+            Leg::Primary => backend.as_mut(),
+            Leg::Replica => replica.as_mut().map(|conn| &mut conn.stream),
+        }
     }
 }

@@ -2,16 +2,15 @@
 //! state is private, and the driver goes through these.
 //!
 //! Reads are plain accessors. Changes name what happened (a server was
-//! attached or detached, shutdown began) rather than set a
-//! field. The `_mut` accessors left are the seams still to move into the
-//! engine: the transaction-mode link, the pipeline's unsent requests and
-//! the client output the driver assembles itself.
+//! attached or detached, the client was sent its bytes, shutdown began)
+//! rather than set a field.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 
+use super::answers::Relayed;
 use super::{Action, Engine};
 use crate::App;
 use crate::cache::DbState;
@@ -55,8 +54,11 @@ impl Engine {
         &self.pipeline
     }
 
-    pub fn pipeline_mut(&mut self) -> &mut Pipeline {
-        &mut self.pipeline
+    /// What was staged for the backend is gone (the fuzz target sends
+    /// nothing).
+    #[doc(hidden)]
+    pub fn drop_staged(&mut self) {
+        self.pipeline.to_backend.clear();
     }
 
     /// Logged in, and nothing asked of the backend: the session waits on
@@ -112,8 +114,22 @@ impl Engine {
         &self.out
     }
 
-    pub fn out_mut(&mut self) -> &mut BytesMut {
-        &mut self.out
+    /// What the client is sent of the bytes buffered from a server
+    /// (`buf`) that [`Engine::on_backend`] handled (`relayed`): those bytes
+    /// as they are when nothing was rewritten, else what the engine staged
+    /// with the rest after it.
+    pub fn for_client<'a>(&'a mut self, buf: &'a [u8], relayed: &Relayed) -> &'a [u8] {
+        if self.out.is_empty() && relayed.from == 0 {
+            &buf[..relayed.end]
+        } else {
+            self.out.extend_from_slice(&buf[relayed.from..relayed.end]);
+            &self.out
+        }
+    }
+
+    /// The client was sent what was staged for it.
+    pub fn client_sent(&mut self) {
+        self.out.clear();
     }
 
     /// What the server connection is owed as it is, before any request

@@ -240,3 +240,38 @@ fn key_data(pid: u32) -> Vec<u8> {
     body.put_u32(0xdead_beef);
     frame(be::BACKEND_KEY_DATA, &body)
 }
+
+#[test]
+fn the_client_gets_untouched_bytes_from_the_servers_buffer_and_rewritten_ones_from_the_engine() {
+    let mut rig = Rig::new();
+    let ctx = ctx(&rig.app, &rig.entry);
+    let mut buf = BytesMut::from(&[auth_ok(), status("a", "b")].concat()[..]);
+    let relayed = rig.engine.on_backend(&ctx, &mut buf).expect("frames");
+    assert_eq!(relayed.from, 0, "nothing rewritten");
+    let sent = rig.engine.for_client(&buf, &relayed);
+    assert_eq!(sent.as_ptr(), buf.as_ptr(), "no copy");
+
+    let mut buf = BytesMut::from(&[key_data(7), rfq(TxStatus::Idle)].concat()[..]);
+    let relayed = rig.engine.on_backend(&ctx, &mut buf).expect("frames");
+    let sent = rig.engine.for_client(&buf, &relayed).to_vec();
+    assert!(sent.ends_with(&rfq(TxStatus::Idle)));
+    assert_eq!(
+        sent.len(),
+        buf.len(),
+        "a key of pgcache's, in the backend's place"
+    );
+    assert_ne!(sent[..key_data(7).len()], key_data(7)[..]);
+    rig.engine.client_sent();
+    assert!(rig.engine.out().is_empty());
+}
+
+fn auth_ok() -> Vec<u8> {
+    frame(be::AUTHENTICATION, &0i32.to_be_bytes())
+}
+
+fn status(name: &str, value: &str) -> Vec<u8> {
+    frame(
+        be::PARAMETER_STATUS,
+        format!("{name}\0{value}\0").as_bytes(),
+    )
+}
