@@ -10,6 +10,7 @@
 //! A WAL position is a `u64` here, as PostgreSQL's `pg_lsn` is.
 
 mod clock;
+mod conn;
 mod connections;
 pub mod monitor;
 
@@ -18,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use clock::PrimaryClock;
+pub use conn::ReplicaConn;
 pub use connections::{Connection, Connections};
 
 use crate::classify::BypassReason;

@@ -38,7 +38,6 @@ mod pipeline;
 mod plan;
 mod relay;
 mod replica;
-mod replica_conn;
 mod reuse;
 mod row_limit;
 mod traffic;

@@ -29,6 +29,7 @@ use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
+use crate::replica::ReplicaConn;
 use crate::shutdown::Stage;
 use crate::upstream::UpstreamAddr;
 
@@ -39,7 +40,7 @@ pub(super) struct Session<C> {
     /// transactions.
     pub backend: Option<FramedStream<BackendStream>>,
     /// The connection to a replica, once a read was routed to one.
-    pub(super) replica: Option<Box<super::replica_conn::ReplicaConn>>,
+    pub(super) replica: Option<Box<ReplicaConn>>,
     /// Everything the session knows and decides.
     pub(super) engine: Engine,
     /// Transaction mode: the pool's lesson in how to log in, held until
@@ -407,10 +408,7 @@ pub(super) fn fill(
 
 /// The replica connection: its answer while a read is there (an error
 /// without a connection), else the moment its server leaves the rotation.
-async fn replica_leg(
-    replica: &mut Option<Box<super::replica_conn::ReplicaConn>>,
-    busy: bool,
-) -> Woke {
+async fn replica_leg(replica: &mut Option<Box<ReplicaConn>>, busy: bool) -> Woke {
     match replica {
         Some(conn) if busy => Woke::Replica(conn.stream.fill().await),
         Some(conn) => {

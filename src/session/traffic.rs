@@ -14,10 +14,9 @@ use super::engine::{Action, LinkStep, ReadyBatch};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
-use super::replica_conn::ReplicaConn;
 use crate::backend::BackendStream;
 use crate::protocol::stream::FramedStream;
-use crate::replica::Replica;
+use crate::replica::{Replica, ReplicaConn};
 
 impl<C> Session<C>
 where

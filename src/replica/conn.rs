@@ -1,7 +1,7 @@
-//! The driver's connection to a replica ([`super::replica`]). In session
-//! mode, the session's own: opened as the client's user with its pool's
-//! credentials when the engine first routes a read there, kept until the
-//! session ends or the replica leaves the rotation. In transaction mode,
+//! A session's connection to a replica, for the reads its engine routes
+//! there. In session mode, the session's own: opened as the client's user
+//! with its pool's credentials when the first read is routed there, kept
+//! until the session ends or the replica leaves the rotation. In transaction mode,
 //! one of the replica's pool for the client's database and user, taken for
 //! a read and given back once it is answered. Either is given the client's
 //! settings (again whenever they change) before a read is written to it.
@@ -20,7 +20,7 @@ use crate::protocol::stream::FramedStream;
 use crate::replica::{Connection, Replica};
 
 /// A session's connection to a replica.
-pub(super) struct ReplicaConn {
+pub struct ReplicaConn {
     pub server: Arc<Replica>,
     pub stream: FramedStream<BackendStream>,
     /// Its cancel key: a CancelRequest goes there while a read is.
