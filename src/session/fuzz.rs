@@ -236,13 +236,10 @@ pub(in crate::session) fn answer_own(
         frames.extend_from_slice(&crate::protocol::messages::ready_for_query(
             engine.tx_status(),
         ));
-        for frame in crate::protocol::codec::frames(&frames) {
-            if let super::engine::OwnStep::Answered =
-                engine.on_own_frame(ctx, BytesMut::from(frame))
-            {
-                answered += 1;
-            }
-        }
+        // Read as the driver reads it: through the backend's frames.
+        let relayed = engine.on_backend(ctx, &mut frames).expect("an answer");
+        assert_eq!(relayed.end, frames.len(), "the answer is read whole");
+        answered += 1;
     }
     answered
 }

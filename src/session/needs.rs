@@ -10,10 +10,10 @@
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
-use super::engine::{Need, OwnStep, Verdict};
+use super::engine::{Need, Verdict};
 use super::relay::{Session, ctx};
+use super::traffic::Leg;
 use crate::invalidation::take_out_for_unlogged;
-use crate::protocol::stream::ReadError;
 
 impl<C> Session<C>
 where
@@ -73,35 +73,18 @@ where
                     Err(e) => return Err(e),
                 }
             }
-            let Some(request) = self.engine.own_request() else {
-                break;
-            };
-            self.server()?
-                .write_all(&request)
-                .await
-                .map_err(SessionError::BackendIo)?;
-            loop {
-                let frame = match self.server()?.read_frame().await {
-                    Ok(Some(frame)) => frame,
-                    Ok(None) => {
-                        let eof = std::io::ErrorKind::UnexpectedEof.into();
-                        return Err(SessionError::BackendIo(eof));
-                    }
-                    Err(ReadError::Io(e)) => return Err(SessionError::BackendIo(e)),
-                    Err(e) => return Err(SessionError::BackendFrame(e)),
-                };
-                match self
-                    .engine
-                    .on_own_frame(&ctx(&self.app, &self.entry), frame)
-                {
-                    OwnStep::Read => {}
-                    OwnStep::ToClient(frame) => self
-                        .client
-                        .write_all(&frame)
-                        .await
-                        .map_err(SessionError::ClientIo)?,
-                    OwnStep::Answered => break,
+            if let Some(request) = self.engine.own_request() {
+                let r = self.server()?.write_all(&request).await;
+                r.map_err(SessionError::BackendIo)?;
+            }
+            // Its answer is read as any other (`Engine::on_backend`).
+            match self.server()?.fill().await {
+                Ok(0) => {
+                    let eof = std::io::ErrorKind::UnexpectedEof.into();
+                    return Err(SessionError::BackendIo(eof));
                 }
+                Ok(_) => self.relay_from(Leg::Primary).await?,
+                Err(e) => return Err(SessionError::BackendIo(e)),
             }
         }
         match self.engine.take_verdict() {

@@ -53,7 +53,7 @@ where
     /// Every complete frame buffered from a server leg, through the
     /// engine: what the server is owed written to it first, then the
     /// engine's actions, then the client's bytes.
-    async fn relay_from(&mut self, leg: Leg) -> Result<(), SessionError> {
+    pub(super) async fn relay_from(&mut self, leg: Leg) -> Result<(), SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
             return Ok(());
@@ -442,7 +442,7 @@ where
 
 /// A server leg of the session: the primary's connection, or a replica's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Leg {
+pub(super) enum Leg {
     Primary,
     Replica,
 }

@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use tracing::warn;
 
 use super::life::{Ending, Phase};
-use super::{Action, Ctx, Engine};
+use super::{Action, Ctx, Engine, OwnStep};
 use crate::cache::stats::QueryStats;
 use crate::cache::{Bumps, Fill};
 use crate::cancel::{CancelTarget, ClientPid};
@@ -37,10 +37,12 @@ pub(in crate::session) struct Relayed {
 }
 
 impl Engine {
-    /// Every complete backend frame in `buf`: a relayed login's exchange
-    /// ([`Engine::on_login_frame`]), result frames teed into captures,
-    /// the answers to pgcache's own requests swallowed, cancel keys
-    /// replaced, and each ReadyForQuery completing its request.
+    /// Every complete backend frame in `buf`: the answer to pgcache's own
+    /// query in flight ([`Engine::on_own_frame`]), a relayed login's
+    /// exchange ([`Engine::on_login_frame`]), result frames teed into
+    /// captures, the answers to pgcache's own requests in a pooled batch
+    /// swallowed, cancel keys replaced, and each ReadyForQuery completing
+    /// its request.
     pub fn on_backend(&mut self, ctx: &Ctx, buf: &mut BytesMut) -> Result<Relayed, SessionError> {
         let mut pos = 0;
         let mut copied = 0; // buffered bytes before this are in `out` or dropped
@@ -51,6 +53,17 @@ impl Engine {
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
+            if self.own_in_flight() {
+                // The answer to pgcache's own query: not the client's, but
+                // what comes meanwhile that is ([`OwnStep::ToClient`]).
+                let frame = BytesMut::from(&buf[pos..pos + len]);
+                self.out.extend_from_slice(&buf[copied..pos]);
+                if let OwnStep::ToClient(frame) = self.on_own_frame(ctx, frame) {
+                    self.out.extend_from_slice(&frame);
+                }
+                (pos, copied) = (pos + len, pos + len);
+                continue;
+            }
             if self.relaying_login()
                 && self.on_login_frame(ctx, &buf[pos..pos + len], &mut resend)?
             {

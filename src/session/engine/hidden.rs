@@ -3,9 +3,10 @@
 //! when pgcache has no connection of its own, the client's settings
 //! applied to a pooled connection and read back from it, how the server
 //! reports startup values. A purpose asks ([`Engine::ask`]); the driver
-//! sends what [`Engine::own_request`] gives it and feeds back the
-//! answer's frames ([`Engine::on_own_frame`]); the answer goes where its
-//! purpose says, and may ask the next query. They run only while the
+//! sends what [`Engine::own_request`] gives it, and the answer's frames
+//! come back through [`Engine::on_backend`] as any other
+//! ([`Engine::on_own_frame`]); the answer goes where its purpose says, and
+//! may ask the next query. They run only while the
 //! backend is idle ([`Engine::backend_idle`]), so they never interleave
 //! with the client's work.
 
@@ -155,8 +156,17 @@ impl Engine {
         self.own.queue.front_mut()?.request.take()
     }
 
+    /// An own query was sent and its answer is still to come: the
+    /// backend's frames are its.
+    pub(super) fn own_in_flight(&self) -> bool {
+        self.own
+            .queue
+            .front()
+            .is_some_and(|asked| asked.request.is_none())
+    }
+
     /// One frame of the answer to the own query in flight.
-    pub fn on_own_frame(&mut self, ctx: &Ctx, frame: BytesMut) -> OwnStep {
+    pub(super) fn on_own_frame(&mut self, ctx: &Ctx, frame: BytesMut) -> OwnStep {
         let Some(mut asked) = self.own.queue.pop_front() else {
             return OwnStep::Read;
         };

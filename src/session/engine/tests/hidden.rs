@@ -261,3 +261,30 @@ fn a_table_set_unlogged_is_named_as_the_clients_session_resolves_it_before_it_le
         "then it goes out"
     );
 }
+
+#[test]
+fn an_own_answer_is_read_with_the_backends_frames_and_only_what_is_the_clients_reaches_it() {
+    let mut rig = Rig::logged_in();
+    let qualify = crate::session::engine::hidden::qualify_sql("t");
+    rig.engine.found.needs = Some(Box::default());
+    rig.engine
+        .ask(crate::session::engine::Purpose::Qualify, &qualify);
+    request_text(&mut rig);
+    let change = status("TimeZone", "UTC");
+    let name = pair("s.t", "x");
+    let sent = rig.backend(&[
+        description(),
+        name,
+        change.clone(),
+        complete("SELECT 1"),
+        rfq(TxStatus::Idle),
+    ]);
+    assert_eq!(sent, change, "the parameter change alone is the client's");
+    assert!(!rig.engine.own_pending(), "answered");
+    let needs = rig.engine.found.needs.as_ref().expect("the statement's");
+    assert_eq!(needs.unpublish, ["s.t"]);
+    // The frames after it are the client's again.
+    rig.client(&query("SELECT 1"));
+    let answer = [complete("SELECT 1"), rfq(TxStatus::Idle)];
+    assert_eq!(rig.backend(&answer), answer.concat());
+}
