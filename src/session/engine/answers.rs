@@ -53,20 +53,7 @@ impl Engine {
         while let Some(len) = parse_frame(&buf[pos..], MAX_BACKEND_FRAME)
             .map_err(|e| SessionError::BackendFrame(e.into()))?
         {
-            if self.own_in_flight() {
-                // The answer to pgcache's own query: not the client's, but
-                // what comes meanwhile that is ([`OwnStep::ToClient`]).
-                let frame = BytesMut::from(&buf[pos..pos + len]);
-                self.out.extend_from_slice(&buf[copied..pos]);
-                if let OwnStep::ToClient(frame) = self.on_own_frame(ctx, frame) {
-                    self.out.extend_from_slice(&frame);
-                }
-                (pos, copied) = (pos + len, pos + len);
-                continue;
-            }
-            if self.relaying_login()
-                && self.on_login_frame(ctx, &buf[pos..pos + len], &mut resend)?
-            {
+            if self.aside(ctx, &buf[copied..pos + len], pos - copied, &mut resend)? {
                 (pos, copied) = (pos + len, pos + len);
                 continue;
             }
@@ -127,17 +114,40 @@ impl Engine {
             }
             pos += len;
         }
-        self.read_through(ctx, listened);
-        self.to_server = resend;
+        self.read_through(ctx, listened, resend);
         Ok(Relayed {
             end: pos,
             from: copied,
         })
     }
 
+    /// The frame at `at` in `run` (the bytes since the last copied to the
+    /// client), if no client request's: the answer to pgcache's own query
+    /// in flight (the bytes before it go to the client as they are, and
+    /// what of it is the client's, [`OwnStep::ToClient`]), or a login's
+    /// exchange ([`Engine::on_login_frame`]). True if it was.
+    fn aside(
+        &mut self,
+        ctx: &Ctx,
+        run: &[u8],
+        at: usize,
+        resend: &mut BytesMut,
+    ) -> Result<bool, SessionError> {
+        if self.own_in_flight() {
+            self.out.extend_from_slice(&run[..at]);
+            if let OwnStep::ToClient(frame) = self.on_own_frame(ctx, BytesMut::from(&run[at..])) {
+                self.out.extend_from_slice(&frame);
+            }
+            return Ok(true);
+        }
+        Ok(self.relaying_login() && self.on_login_frame(ctx, &run[at..], resend)?)
+    }
+
     /// The backend's buffer is read through: what was spliced into it is
-    /// gone, and a LISTEN (whatever shape carried it) keeps its connection.
-    fn read_through(&mut self, ctx: &Ctx, listened: bool) {
+    /// gone, a LISTEN (whatever shape carried it) keeps its connection,
+    /// and what the server is owed (`resend`) waits to be sent.
+    fn read_through(&mut self, ctx: &Ctx, listened: bool, resend: BytesMut) {
+        self.to_server = resend;
         if let Link::Pooled(link) = &mut self.link {
             link.spliced = 0..0;
         }
