@@ -269,12 +269,8 @@ where
             // Boxed: taking a connection is a large future, and the
             // session waits on its client far more often.
             if let Err(e) = Box::pin(self.attach(true)).await {
-                let answers = self.engine.checkout_failed(e)?;
-                return self
-                    .client
-                    .write_all(&answers)
-                    .await
-                    .map_err(SessionError::ClientIo);
+                self.engine.checkout_failed(e)?;
+                return self.flush_out().await;
             }
         }
         if !self.engine.pipeline().to_backend.is_empty() {

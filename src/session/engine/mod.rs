@@ -298,10 +298,10 @@ impl Engine {
 
     /// Transaction mode: taking a server connection for what the client
     /// sent failed with `error`. While the client's requests are whole
-    /// (synced), each it is owed an answer for fails with the pool's error,
-    /// its statements forgotten, and the session goes on: returned, what
-    /// the client is sent. Otherwise the session ends with the error.
-    pub fn checkout_failed(&mut self, error: SessionError) -> Result<BytesMut, SessionError> {
+    /// (synced), each it is owed an answer for fails with the pool's error
+    /// (staged for the client), its statements forgotten, and the session
+    /// goes on. Otherwise the session ends with the error.
+    pub fn checkout_failed(&mut self, error: SessionError) -> Result<(), SessionError> {
         let SessionError::Pool(pool) = &error else {
             return Err(error);
         };
@@ -309,15 +309,16 @@ impl Engine {
             return Err(error);
         }
         tracing::info!(code = pool.sqlstate(), "{pool}");
-        let mut out = BytesMut::new();
         for request in self.pipeline.drop_unsent() {
             for name in &request.parsed {
                 self.known.statements.remove(name);
             }
-            messages::error_response(&mut out, "ERROR", pool.sqlstate(), &pool.to_string());
-            out.extend_from_slice(&messages::ready_for_query(self.tx.status));
+            let (code, message) = (pool.sqlstate(), pool.to_string());
+            messages::error_response(&mut self.out, "ERROR", code, &message);
+            self.out
+                .extend_from_slice(&messages::ready_for_query(self.tx.status));
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Transaction mode: what to do with the server connection now.

@@ -457,10 +457,10 @@ fn transaction_mode_a_failed_checkout_fails_each_request_and_the_session_goes_on
     rig.client(&query("UPDATE items SET v = 1"));
     rig.frames(&[parse("s1", "SELECT 1"), sync()]);
     assert!(rig.engine.known.statements.contains_key(&b"s1"[..]));
-    let answers = rig
-        .engine
+    rig.engine
         .checkout_failed(SessionError::Pool(PoolError::WaitTimeout(5)))
         .expect("the session goes on");
+    let answers = rig.sent_to_client();
     let e = PoolError::WaitTimeout(5);
     let mut expected = BytesMut::new();
     for _ in 0..2 {
