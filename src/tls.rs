@@ -167,6 +167,14 @@ impl ClientStream {
     pub fn is_tls(&self) -> bool {
         matches!(self, ClientStream::Tls(_))
     }
+
+    /// The protocol agreed on by ALPN, on a TLS connection.
+    pub fn alpn_protocol(&self) -> Option<&[u8]> {
+        match self {
+            ClientStream::Tls(tls) => tls.get_ref().1.alpn_protocol(),
+            _ => None,
+        }
+    }
 }
 
 impl AsyncRead for ClientStream {

@@ -64,7 +64,7 @@ use crate::tls::ClientStream;
 pub use error::SessionError;
 use link::{ClientState, Link, SessionLink};
 pub use logins::SharedLogins;
-use negotiate::Negotiated;
+use negotiate::{Negotiated, Opening};
 pub use plan::SharedPlans;
 use relay::Session;
 use reuse::ServerBook;
@@ -111,7 +111,7 @@ pub async fn serve(
     // every idle client keeps.
     let negotiated = tokio::time::timeout(
         config.startup_timeout(),
-        Box::pin(negotiate::negotiate(&app, &mut client)),
+        Box::pin(negotiate(&app, &mut client)),
     )
     .await
     .unwrap_or_else(|_| {
@@ -134,6 +134,77 @@ pub async fn serve(
         }
         Ok(None) => {}
         Err((client, e)) => refused(client, e, peer).await,
+    }
+}
+
+/// The connection's first packets, as [`negotiate::next_packet`] says:
+/// switching to TLS when the client asks (after an SSLRequest) or starts
+/// with a TLS handshake (direct TLS). `Ok(None)`: the connection has
+/// nothing more to do (a cancel request, or the client went away).
+async fn negotiate(
+    app: &App,
+    client: &mut FramedStream<ClientStream>,
+) -> Result<Option<Negotiated>, SessionError> {
+    let acceptor = app.tls.acceptor();
+    if let (Some(acceptor), ClientStream::Plain(socket)) = (&acceptor, client.get_ref()) {
+        let mut first = [0u8; 1];
+        let peeked = socket.peek(&mut first).await;
+        if peeked.map_err(SessionError::ClientIo)? == 1 && first[0] == negotiate::TLS_HANDSHAKE {
+            upgrade(client, acceptor).await?;
+            negotiate::direct_tls_agreed(client.get_ref().alpn_protocol())?;
+        }
+    }
+    loop {
+        let offer = acceptor.as_ref().filter(|_| !client.get_ref().is_tls());
+        match negotiate::next_packet(client.buffer_mut(), offer.is_some())? {
+            Opening::More => {
+                if client.fill().await.map_err(SessionError::ClientIo)? == 0 {
+                    return Ok(None);
+                }
+            }
+            Opening::Answer { tls } => {
+                let answer = if tls { b"S" } else { b"N" };
+                client
+                    .write_all(answer)
+                    .await
+                    .map_err(SessionError::ClientIo)?;
+                if let (true, Some(acceptor)) = (tls, offer) {
+                    upgrade(client, acceptor).await?;
+                }
+            }
+            Opening::Cancel { pid, secret } => {
+                forward_cancel(app, pid, &secret).await;
+                return Ok(None);
+            }
+            Opening::Startup(negotiated) => return Ok(Some(negotiated)),
+        }
+    }
+}
+
+/// The TLS handshake, on a connection in plain text so far.
+async fn upgrade(
+    client: &mut FramedStream<ClientStream>,
+    acceptor: &tokio_rustls::TlsAcceptor,
+) -> Result<(), SessionError> {
+    let stream = client.get_mut();
+    let ClientStream::Plain(socket) = std::mem::replace(stream, ClientStream::Detached) else {
+        return Err(SessionError::Dropped("TLS requested twice"));
+    };
+    let tls = acceptor.accept(socket).await;
+    *stream = ClientStream::Tls(Box::new(tls.map_err(SessionError::ClientIo)?));
+    Ok(())
+}
+
+/// Sends a client's CancelRequest on to the backend its key names, if the
+/// key is one pgcache handed out.
+async fn forward_cancel(app: &App, pid: u32, secret: &[u8]) {
+    let Some(target) = app.cancel.lookup(pid, secret) else {
+        debug!(pid, "cancel request with an unknown key ignored");
+        return;
+    };
+    let (addr, backend_pid, secret) = (&target.addr, target.backend_pid, &target.backend_secret);
+    if let Err(e) = crate::backend::send_cancel(&app.upstream, addr, backend_pid, secret).await {
+        warn!(error = %e, "could not forward cancel request");
     }
 }
 
