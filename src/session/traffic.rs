@@ -10,13 +10,13 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, LinkStep, ReadyBatch};
+use super::engine::{Action, LinkStep, ReadyBatch, ReplicaStep};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::backend::BackendStream;
 use crate::protocol::stream::FramedStream;
-use crate::replica::{Replica, ReplicaConn};
+use crate::replica::ReplicaConn;
 
 impl<C> Session<C>
 where
@@ -301,25 +301,20 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Writes what the engine staged for its replica, connecting (and
-    /// applying the client's settings) first where needed. A replica that
-    /// cannot take it leaves the read to the primary.
+    /// Writes the read the engine routed to a replica, with what it needs
+    /// first ([`ReplicaStep`]). A replica that cannot take it leaves the
+    /// read to the primary.
     pub(super) async fn flush_replica(&mut self) -> Result<(), SessionError> {
-        let Some(leg) = self.engine.replica() else {
-            return Ok(());
-        };
-        if !self.engine.replica_chosen() {
-            return Ok(());
-        }
-        let server = Arc::clone(&leg.server);
-        match Box::pin(self.send_replica(&server)).await {
-            Ok(()) => {
+        match Box::pin(self.send_replica()).await {
+            Ok(false) => Ok(()),
+            Ok(true) => {
                 let key = self.replica.as_ref().map(|c| Arc::clone(&c.key));
                 self.engine.cancel_towards(key);
                 Ok(())
             }
             Err(why) => {
-                debug!(replica = %server.name, "read sent to the primary: {why}");
+                let name = self.engine.replica().map(|leg| leg.server.name.clone());
+                debug!(replica = ?name, "read sent to the primary: {why}");
                 self.replica = None;
                 if !self.engine.on_replica_lost() {
                     return self.flush_out().await;
@@ -329,54 +324,51 @@ where
         }
     }
 
-    /// Gets a connection to `server` if the session has none there (its
-    /// own in session mode, its pool's in transaction mode), gives it the
-    /// client's settings if it has others, and writes the read the engine
-    /// stages for it.
-    async fn send_replica(&mut self, server: &Arc<Replica>) -> Result<(), String> {
-        let Some(pool) = self.engine.link().replica_login().cloned() else {
-            return Err("no credentials to log in with".into());
-        };
-        if self
-            .replica
-            .as_ref()
-            .is_none_or(|c| !Arc::ptr_eq(&c.server, server))
-        {
-            if let Some(old) = self.replica.take() {
-                old.close().await;
-            }
-            let client = self.entry.client.id;
-            let (conn, applied, prepared) = match self.engine.link().is_pooled() {
-                false => {
-                    let id = self.app.pool.pooled.server_id();
-                    let conn = ReplicaConn::open(&pool, server, id, client).await?;
-                    (conn, 0, Default::default())
-                }
-                true => ReplicaConn::lease(&pool, server, &self.app.pool.pooled, client)
-                    .await
-                    .map_err(|e| e.to_string())?,
+    /// Carries out the steps of a read routed to a replica, to its write:
+    /// true once written, false if none waited.
+    async fn send_replica(&mut self) -> Result<bool, String> {
+        loop {
+            let held = self.replica.as_ref().map(|conn| &conn.server);
+            let Some(step) = self.engine.replica_step(held, Instant::now()) else {
+                return Ok(false);
             };
-            let opened = conn.opened;
-            self.replica = Some(Box::new(conn));
-            self.engine.replica_connected(applied, prepared, opened);
+            match step {
+                ReplicaStep::Fail(why) => return Err(why.into()),
+                ReplicaStep::Connect {
+                    server,
+                    pool,
+                    pooled,
+                } => {
+                    if let Some(old) = self.replica.take() {
+                        old.close().await;
+                    }
+                    let (client, ids) = (self.entry.client.id, &self.app.pool.pooled);
+                    let (conn, applied, prepared) = match pooled {
+                        false => {
+                            let conn = ReplicaConn::open(&pool, &server, ids.server_id(), client);
+                            (conn.await?, 0, Default::default())
+                        }
+                        true => ReplicaConn::lease(&pool, &server, ids, client)
+                            .await
+                            .map_err(|e| e.to_string())?,
+                    };
+                    self.engine
+                        .replica_connected(applied, prepared, conn.opened);
+                    self.replica = Some(Box::new(conn));
+                }
+                ReplicaStep::Apply(sql) => {
+                    let conn = self.replica.as_mut().ok_or("no replica connection")?;
+                    conn.apply(&sql).await?;
+                    self.engine.replica_settings_applied();
+                }
+                ReplicaStep::Write(read) => {
+                    let conn = self.replica.as_mut().ok_or("no replica connection")?;
+                    conn.set_active(true);
+                    let written = conn.stream.write_all(&read).await;
+                    return written.map(|()| true).map_err(|e| e.to_string());
+                }
+            }
         }
-        let (Some(conn), Some(_)) = (&mut self.replica, self.engine.replica()) else {
-            return Err("no replica".into());
-        };
-        if let Some(sql) = self.engine.replica_settings_due() {
-            conn.apply(&sql).await?;
-            self.engine.replica_settings_applied();
-        }
-        self.engine.stage_replica(Instant::now());
-        let (Some(conn), Some(staged)) = (&mut self.replica, self.engine.take_replica_staged())
-        else {
-            return Err("no replica".into());
-        };
-        conn.set_active(true);
-        conn.stream
-            .write_all(&staged)
-            .await
-            .map_err(|e| e.to_string())
     }
 
     /// A read on the replica is answered: a pooled connection goes back to

@@ -14,15 +14,69 @@ use super::{Ctx, Engine, Need};
 use crate::cache::versions::Family;
 use crate::classify::BypassReason;
 use crate::pool::prepared::ServerStatements;
+use crate::pool::transaction::Pool;
 use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages, sqlstate};
+use crate::replica::Replica;
 use crate::session::known::Statement;
 use crate::session::link::UNKNOWN_STATE;
 use crate::session::pipeline::Inflight;
 use crate::session::plan::Plan;
 use crate::session::replica::{ReadState, ReplicaLeg, Routed, Verdict, without_parse};
 
+/// What a read routed to a replica needs of the driver next
+/// ([`Engine::replica_step`]).
+pub(in crate::session) enum ReplicaStep {
+    /// A connection to the leg's replica, logged in with `pool`'s
+    /// credentials: the session's own, or (`pooled`) one of the replica's
+    /// pool for the session's. Then [`Engine::replica_connected`].
+    Connect {
+        server: Arc<Replica>,
+        pool: Arc<Pool>,
+        pooled: bool,
+    },
+    /// The session's settings, applied on the connection first (this SQL).
+    /// Then [`Engine::replica_settings_applied`].
+    Apply(String),
+    /// The read, behind a probe where needed: to write now.
+    Write(BytesMut),
+    /// The replica cannot take it, for this reason: the read goes to the
+    /// primary ([`Engine::on_replica_lost`]).
+    Fail(&'static str),
+}
+
 impl Engine {
+    /// What the read routed to a replica needs next, if one waits for the
+    /// driver ([`Self::replica_chosen`]); `held`: the replica the session
+    /// holds a connection to. `now`: the time, for a probe's answer.
+    pub fn replica_step(
+        &mut self,
+        held: Option<&Arc<Replica>>,
+        now: Instant,
+    ) -> Option<ReplicaStep> {
+        if !self.replica_chosen() {
+            return None;
+        }
+        let Some(pool) = self.link.replica_login().cloned() else {
+            return Some(ReplicaStep::Fail("no credentials to log in with"));
+        };
+        let server = &self.replica.as_ref()?.server;
+        if held.is_none_or(|held| !Arc::ptr_eq(held, server)) {
+            let server = Arc::clone(server);
+            let pooled = self.link.is_pooled();
+            return Some(ReplicaStep::Connect {
+                server,
+                pool,
+                pooled,
+            });
+        }
+        if let Some(sql) = self.replica_settings_due() {
+            return Some(ReplicaStep::Apply(sql));
+        }
+        self.stage_replica(now);
+        self.take_replica_staged().map(ReplicaStep::Write)
+    }
+
     /// Sends a read to a replica when `replicas.routing` may: a cacheable
     /// read that missed or bypassed the cache, for a client pgcache can
     /// log in for (its settings known, no temporary objects, in
@@ -97,7 +151,7 @@ impl Engine {
     /// earlier probe's, [`ReplicaLeg::known`]): a read then costs the
     /// replica one transaction, not two. `now`: the time, for the probe's
     /// answer to be placed.
-    pub fn stage_replica(&mut self, now: Instant) {
+    fn stage_replica(&mut self, now: Instant) {
         let routed = self.pipeline.front().and_then(|r| r.routed.as_deref());
         let (Some(leg), Some(routed)) = (&mut self.replica, routed) else {
             return;
@@ -149,7 +203,7 @@ impl Engine {
     }
 
     /// What [`Self::stage_replica`] staged for the replica, to write now.
-    pub fn take_replica_staged(&mut self) -> Option<BytesMut> {
+    fn take_replica_staged(&mut self) -> Option<BytesMut> {
         let leg = self.replica.as_deref_mut()?;
         Some(std::mem::take(&mut leg.staged))
     }
@@ -313,7 +367,7 @@ impl Engine {
 
     /// A read is routed to a replica and waits for the driver to get a
     /// connection there.
-    pub fn replica_chosen(&self) -> bool {
+    fn replica_chosen(&self) -> bool {
         self.replica
             .as_ref()
             .is_some_and(|leg| leg.read == ReadState::Chosen)

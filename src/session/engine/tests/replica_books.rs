@@ -91,3 +91,62 @@ fn a_replica_lost_mid_answer_fails_the_read_and_one_lost_before_it_sends_it_to_t
         }
     }
 }
+
+#[test]
+fn a_routed_read_gets_a_connection_then_the_settings_then_is_written_once() {
+    use crate::session::engine::ReplicaStep;
+    use crate::session::link::{Link, SessionLink};
+    use crate::session::pipeline::Inflight;
+    use crate::session::replica::{ReadState, Routed};
+    let read = super::query("SELECT 1");
+    let mut rig = Rig::logged_in();
+    let server = server();
+    let mut leg = ReplicaLeg::new(Arc::clone(&server));
+    leg.read = ReadState::Chosen;
+    rig.engine.replica = Some(Box::new(leg));
+    let routed = Routed::new(Arc::clone(&server), (read.clone().into(), None), 0, None);
+    rig.engine.pipeline.push(Inflight {
+        routed: Some(Box::new(routed)),
+        ..Inflight::default()
+    });
+    let now = Instant::now();
+    assert!(
+        matches!(
+            rig.engine.replica_step(None, now),
+            Some(ReplicaStep::Fail(_))
+        ),
+        "pgcache cannot log in there for the client"
+    );
+
+    let pool = rig.app.pool.pooled.pool("shop", "alice");
+    pool.learn_trusted();
+    rig.engine.link = Link::Session(SessionLink {
+        checks: Some(pool),
+        ..SessionLink::default()
+    });
+    match rig.engine.replica_step(None, now) {
+        Some(ReplicaStep::Connect {
+            server: s, pooled, ..
+        }) => {
+            assert!(Arc::ptr_eq(&s, &server));
+            assert!(!pooled, "session mode: the session's own");
+        }
+        _ => panic!("a connection first"),
+    }
+    let session = rig.engine.link.state().id;
+    rig.engine
+        .replica_connected(session + 1, ServerStatements::default(), now);
+    match rig.engine.replica_step(Some(&server), now) {
+        Some(ReplicaStep::Apply(sql)) => assert_eq!(sql, rig.engine.link.state().apply_sql()),
+        _ => panic!("the settings next"),
+    }
+    rig.engine.replica_settings_applied();
+    match rig.engine.replica_step(Some(&server), now) {
+        Some(ReplicaStep::Write(bytes)) => assert!(bytes.ends_with(&read)),
+        _ => panic!("then the read"),
+    }
+    assert!(
+        rig.engine.replica_step(Some(&server), now).is_none(),
+        "once"
+    );
+}
