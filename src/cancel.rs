@@ -61,6 +61,11 @@ pub struct CancelGuard {
 }
 
 impl CancelGuard {
+    /// The key the client is given: its process id and secret.
+    pub fn key(&self) -> (u32, &[u8]) {
+        (self.pid, &self.secret)
+    }
+
     /// A pooled session's key now cancels on `target` (`None`: nothing).
     pub fn retarget(&self, target: Option<Arc<CancelTarget>>) {
         *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::SessionError;
-use super::engine::{LinkStep, Parting};
-use super::link::Link;
+use super::engine::{Greeting, LinkStep, Parting};
 use super::relay::Session;
 use super::reuse::Fate;
 use crate::backend::BackendStream;
@@ -157,39 +156,19 @@ where
         }
     }
 
-    /// Transaction mode, for a client pgcache can log in for: what
-    /// PostgreSQL tells a client at login (the latest login's parameters,
-    /// with the client's own where it gave them), with a key of
-    /// pgcache's, and no connection taken unless none ever logged in.
+    /// Transaction mode, for a client pgcache can log in for: the
+    /// greeting, as the engine has it ([`super::engine::Greeting`]), with
+    /// no connection taken unless it needs one.
     pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
-        let Link::Pooled(link) = self.engine.link() else {
-            return Ok(());
-        };
-        let pool = Arc::clone(&link.pool);
-        let statuses = match pool.statuses() {
-            Some(statuses) => statuses,
-            None => {
-                self.attach(false).await?;
-                pool.statuses().unwrap_or_default()
+        loop {
+            let ctx = super::relay::ctx(&self.app, &self.entry);
+            if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
+                break;
             }
-        };
-        let (pid, secret, guard) = self.app.cancel.register_pooled();
-        self.engine.register_cancel(guard);
-        // How the server reports the client's startup values the pool has
-        // not met yet, on a connection with the client's settings applied:
-        // a value PostgreSQL refuses fails the login, as it would directly.
-        if self.engine.learn_reported(&statuses) {
             self.attach(false).await?;
         }
-        let ctx = super::relay::ctx(&self.app, &self.entry);
-        let out = self
-            .engine
-            .greeting(&ctx, statuses, &pool.reported, (pid, &secret));
         self.carry_out().await;
-        self.client
-            .write_all(&out)
-            .await
-            .map_err(SessionError::ClientIo)?;
+        self.flush_out().await?;
         self.detach_if_idle().await
     }
 

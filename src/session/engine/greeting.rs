@@ -1,6 +1,8 @@
 //! Transaction mode's greeting: what PostgreSQL tells a client at login,
 //! said by pgcache for a client it logs in for.
 
+use std::sync::Arc;
+
 use bytes::BytesMut;
 
 use super::hidden::Purpose;
@@ -11,13 +13,54 @@ use crate::pool::reported::Reported;
 use crate::protocol::{TxStatus, encoding};
 use crate::session::link::Link;
 
+/// Where transaction mode's greeting stands ([`Engine::greet`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::session) enum Greeting {
+    /// It needs a server connection, and the own queries asked on it
+    /// answered: then greet again.
+    Connection,
+    /// The greeting is staged for the client: the session is logged in.
+    Greeted,
+}
+
 impl Engine {
+    /// Transaction mode, for a client pgcache logs in for (`attached`: a
+    /// connection is held): the greeting, once it has what it needs. The
+    /// pool's latest login's parameters (a connection's login first, if
+    /// none ever logged in); then the client's key, pgcache's own; and,
+    /// on a connection with the client's settings applied, how the server
+    /// reports the client's startup values the pool has not met yet, so
+    /// that a value PostgreSQL refuses fails the login as it would
+    /// directly.
+    pub fn greet(&mut self, ctx: &Ctx, attached: bool) -> Greeting {
+        let Link::Pooled(link) = &self.link else {
+            return Greeting::Greeted;
+        };
+        let pool = Arc::clone(&link.pool);
+        let Some(statuses) = pool.statuses().or_else(|| attached.then(Statuses::default)) else {
+            return Greeting::Connection;
+        };
+        let Some(cancel) = &self.cancel else {
+            let (_, _, guard) = ctx.app.cancel.register_pooled();
+            self.register_cancel(guard);
+            if self.learn_reported(&statuses) {
+                return Greeting::Connection;
+            }
+            return self.greet(ctx, attached);
+        };
+        let (pid, secret) = cancel.key();
+        let secret = secret.to_vec();
+        let out = self.greeting(ctx, statuses, &pool.reported, (pid, &secret));
+        self.out.extend_from_slice(&out);
+        Greeting::Greeted
+    }
+
     /// The login's answer: the pool's latest login's parameters `shown`,
     /// with the client's own values where it gave them, reported as the
     /// server reports them (`reported`; a name reported once is only ever
     /// replaced), then pgcache's cancel key (`pid`, `secret`) and the
     /// first ReadyForQuery. The session is logged in from here.
-    pub fn greeting(
+    pub(super) fn greeting(
         &mut self,
         ctx: &Ctx,
         mut shown: Statuses,
@@ -45,7 +88,7 @@ impl Engine {
     /// reports at login), on a connection with the client's settings
     /// applied, so that a value PostgreSQL refuses fails the login as it
     /// would directly. True if it asked.
-    pub fn learn_reported(&mut self, shown: &Statuses) -> bool {
+    fn learn_reported(&mut self, shown: &Statuses) -> bool {
         let Link::Pooled(link) = &self.link else {
             return false;
         };

@@ -52,6 +52,7 @@ mod timeouts;
 
 pub(super) use auth::Start;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
+pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
 use life::{Ending, Exchange, Phase};

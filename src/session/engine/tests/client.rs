@@ -554,3 +554,32 @@ fn transaction_mode_the_engine_names_the_pool_and_a_failed_checkout_fails_what_w
     assert_eq!(e.sqlstate(), PoolError::WaitTimeout(5).sqlstate());
     assert!(rig.engine.checkout(&rig.app).is_ok(), "once");
 }
+
+#[test]
+fn transaction_mode_the_greeting_waits_for_a_connection_only_while_no_login_is_known() {
+    use crate::session::engine::Greeting;
+    let mut rig = Rig::new();
+    let pool = rig.app.pool.pooled.pool("shop", "alice");
+    let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
+    rig.engine.link = Link::pooled(pool, state);
+    let ctx = ctx(&rig.app, &rig.entry);
+    assert_eq!(rig.engine.greet(&ctx, false), Greeting::Connection);
+    assert!(
+        rig.engine.cancel.is_none(),
+        "no key before the login is known"
+    );
+
+    // A connection held, whose login the pool did not keep: greeted with
+    // what is known, and pgcache's key.
+    assert_eq!(rig.engine.greet(&ctx, true), Greeting::Greeted);
+    let (pid, secret) = rig.engine.cancel.as_ref().expect("a key").key();
+    let mut key = pid.to_be_bytes().to_vec();
+    key.extend_from_slice(secret);
+    let sent = rig.sent_to_client();
+    assert!(sent.ends_with(&rfq(TxStatus::Idle)));
+    assert!(
+        sent.windows(key.len()).any(|w| w == key),
+        "BackendKeyData carries the registered key"
+    );
+    assert!(rig.engine.logged_in());
+}
