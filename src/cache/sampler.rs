@@ -42,15 +42,22 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// Whether to check this hit. A hit drawn over the budget is counted as
-    /// skipped.
-    pub fn draw(&self, rate: f64, max_per_sec: u32, metrics: &VerifyMetrics) -> bool {
-        if rate <= 0.0 || rand::random::<f64>() >= rate {
+    /// Whether to check this hit: `roll` (uniform in [0, 1), the caller's
+    /// randomness) falls under `rate`, within the budget of the second
+    /// `now` is in. A hit drawn over the budget is counted as skipped.
+    pub fn draw(
+        &self,
+        (roll, now): (f64, Instant),
+        rate: f64,
+        max_per_sec: u32,
+        metrics: &VerifyMetrics,
+    ) -> bool {
+        if rate <= 0.0 || roll >= rate {
             return false;
         }
         self.drawn.fetch_add(1, Ordering::Relaxed);
-        let anchor = *self.anchor.get_or_init(Instant::now);
-        let now = anchor.elapsed().as_secs();
+        let anchor = *self.anchor.get_or_init(|| now);
+        let now = now.saturating_duration_since(anchor).as_secs();
         if self.second.swap(now, Ordering::AcqRel) != now {
             self.taken.store(0, Ordering::Release);
         }

@@ -28,13 +28,10 @@ fn app() -> &'static (App, ClientEntry) {
     APP.get_or_init(|| unstarted_app("fuzz", "fuzz"))
 }
 
-/// A pgcache of the default configuration, never started, and the line
-/// of one client of `user` on `database` in it. No hit is drawn for a
-/// check against PostgreSQL (1 in 1,000 by default), so a hit is served
-/// the same way on every run.
+/// A pgcache of the default configuration (the sampler on), never
+/// started, and the line of one client of `user` on `database` in it.
 pub(super) fn unstarted_app(user: &str, database: &str) -> (App, ClientEntry) {
-    let config = Config::from_toml("[cache]\nverify_sample_rate = 0.0\n", Path::new(database))
-        .expect("config without the sampler");
+    let config = Config::from_toml("", Path::new(database)).expect("the default config");
     let app = App::new(config).expect("app");
     let entry = app.clients.register(Arrival {
         user,
@@ -46,12 +43,29 @@ pub(super) fn unstarted_app(user: &str, database: &str) -> (App, ClientEntry) {
     (app, entry)
 }
 
+thread_local! {
+    static DRAWS: std::cell::RefCell<rand::rngs::StdRng> = std::cell::RefCell::new(fresh());
+}
+
+fn fresh() -> rand::rngs::StdRng {
+    rand::SeedableRng::seed_from_u64(0x5eed)
+}
+
+/// A draw from a generator seeded alike on every thread: what tests and
+/// the fuzz target pass as [`Ctx::draw`], so that which replica takes a
+/// read and which hit the sampler checks are the same on every run.
+pub(in crate::session) fn seeded() -> u64 {
+    DRAWS.with(|draws| rand::Rng::random(&mut *draws.borrow_mut()))
+}
+
 /// Feeds one engine `data`, read as a run of events: a control byte, a
 /// length byte and that many bytes. The control byte says whose the bytes
 /// are (client or backend), the tag of the frame they become, and how the
 /// driver meets what the engine needs.
 #[doc(hidden)]
 pub fn feed(data: &[u8]) -> Fed {
+    // Each input draws the same numbers, whatever ran before it.
+    DRAWS.with(|draws| *draws.borrow_mut() = fresh());
     let mut fed = Fed::default();
     let (app, entry) = app();
     let mut engine = session_engine(app, "fuzz", "fuzz");
@@ -66,7 +80,7 @@ pub fn feed(data: &[u8]) -> Fed {
             app,
             client: &entry.client,
             now: Instant::now(),
-            draw: || 0,
+            draw: seeded,
         };
         let mut frame = BytesMut::new();
         let (tag, body) = chunk.split_first().unwrap_or((&b'Q', &[]));

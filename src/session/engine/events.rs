@@ -26,9 +26,17 @@ pub(in crate::session) struct Ctx<'a> {
     /// The session's line in `SHOW CLIENTS`.
     pub client: &'a Client,
     pub now: Instant,
-    /// Draws a random number (which replica takes a read): the driver's
-    /// is `rand::random`, a test's is its own.
+    /// Draws a random number (which replica takes a read, which hit the
+    /// sampler checks): the driver's is `rand::random`, a test's is
+    /// seeded.
     pub draw: fn() -> u64,
+}
+
+impl Ctx<'_> {
+    /// A draw uniform in [0, 1), from [`Ctx::draw`].
+    pub fn roll(&self) -> f64 {
+        ((self.draw)() >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 /// What the engine asks the driver to do, in order, before the client is

@@ -142,6 +142,7 @@ impl Engine {
             Some(fill) => Some(Capture::new(fill)),
             None if self.tx.status == TxStatus::Idle
                 && ctx.app.cache.sampler.draw(
+                    (ctx.roll(), ctx.now),
                     self.known.policy.verify_rate,
                     self.known.policy.verify_max_per_sec,
                     &ctx.app.metrics.verify,

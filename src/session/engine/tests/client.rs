@@ -583,3 +583,29 @@ fn transaction_mode_the_greeting_waits_for_a_connection_only_while_no_login_is_k
     );
     assert!(rig.engine.logged_in());
 }
+
+#[test]
+fn the_sampler_checks_a_hit_as_the_seeded_draw_says_and_the_client_is_served_either_way() {
+    for rate in [1.0, 0.0] {
+        let mut rig = Rig::caching();
+        let toml = format!("[cache]\nverify_sample_rate = {rate:?}\n");
+        let config = crate::Config::from_toml(&toml, "t".as_ref()).expect("config");
+        let generation = rig.engine.known.policy.generation;
+        let policy = crate::policy::Policy::new(&config.cache, generation);
+        rig.engine.known.policy = std::sync::Arc::new(policy);
+        fill(&mut rig);
+        rig.client(&query(READ));
+        assert_eq!(
+            rig.sent_to_client(),
+            [answer(), rfq(TxStatus::Idle)].concat()
+        );
+        let checked = rig.app.cache.sampler.drawn();
+        assert_eq!(checked, u64::from(rate > 0.0), "rate {rate}");
+        let sent = String::from_utf8_lossy(&rig.sent_to_backend()).into_owned();
+        assert_eq!(
+            sent.contains("SELECT"),
+            rate > 0.0,
+            "the check is the read again: {sent}"
+        );
+    }
+}

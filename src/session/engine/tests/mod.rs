@@ -217,13 +217,13 @@ impl Rig {
 }
 
 /// What the driver passes with each event: the rig's instance and
-/// client, the clock now, and a draw that is always 0.
+/// client, the clock now, and a seeded draw.
 fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     Ctx {
         app,
         client: &entry.client,
         now: Instant::now(),
-        draw: || 0,
+        draw: crate::session::fuzz::seeded,
     }
 }
 
