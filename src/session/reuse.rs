@@ -19,12 +19,21 @@ pub(super) struct ServerBook {
     pub source: Source,
     /// What becomes of it at the session's end.
     pub fate: Fate,
-    /// The session's settings are still those of its login: nothing it
-    /// ran may have changed them (as far as the cache key can tell).
-    pub login_state: bool,
+    /// Whether the session's settings are still its login's.
+    pub settings: Settings,
     /// The settings query's answer in the login state, kept with the
     /// connection for the sessions that reuse it.
     pub login_settings: Option<LoginSettings>,
+}
+
+/// Whether a session's settings are still those of its login.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Settings {
+    /// Nothing the session ran may have changed them (as far as the cache
+    /// key can tell).
+    AsLoggedIn,
+    /// A statement may have changed them.
+    Changed,
 }
 
 /// Where a session's connection came from.
@@ -95,7 +104,7 @@ impl ServerBook {
                 true => Fate::Parkable,
                 false => Fate::Closed,
             },
-            login_state: true,
+            settings: Settings::AsLoggedIn,
             login_settings: None,
         }
     }
@@ -111,7 +120,7 @@ impl ServerBook {
             born: server.born,
             source: Source::Parked,
             fate: Fate::Parkable,
-            login_state: true,
+            settings: Settings::AsLoggedIn,
             login_settings: server.login_settings.clone(),
         }
     }

@@ -24,6 +24,7 @@ use crate::session::capture::{self, Captured};
 use crate::session::link::Link;
 use crate::session::pipeline::Inflight;
 use crate::session::replica::Verdict;
+use crate::session::reuse::Settings;
 use crate::session::row_limit::Cut;
 
 /// What became of the backend's buffered frames ([`Engine::on_backend`]).
@@ -245,7 +246,7 @@ impl Engine {
             let own = self.pipeline.front().is_some_and(|f| !f.to_client);
             if self.logged_in() && !own {
                 self.known.prefix = None;
-                self.server.login_state = false;
+                self.server.settings = Settings::Changed;
                 self.link.settings_may_have_changed();
             }
             self.note_status(frame);

@@ -35,6 +35,14 @@ pub(super) enum Exchange {
     },
 }
 
+/// Whether pgcache is shutting down, as far as the session is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Shutdown {
+    Running,
+    /// Draining: the session ends once idle ([`Engine::drained`]).
+    Draining,
+}
+
 /// Why the backend's close that follows is expected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Ending {

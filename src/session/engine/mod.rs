@@ -31,7 +31,7 @@ use crate::session::link::Link;
 use crate::session::pipeline::{Flow, Inflight, Pipeline};
 use crate::session::plan::Plan;
 use crate::session::replica::{Observed, ReplicaLeg};
-use crate::session::reuse::{Fate, ServerBook};
+use crate::session::reuse::{Fate, ServerBook, Settings};
 use crate::session::transaction::Transaction;
 use crate::upstream::UpstreamAddr;
 
@@ -55,7 +55,7 @@ pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
-use life::{Ending, Exchange, Phase};
+use life::{Ending, Exchange, Phase, Shutdown};
 pub(super) use routing::ReplicaStep;
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
@@ -92,8 +92,9 @@ pub(super) struct Engine {
     /// Databases pgcache let go of for a statement of this session that
     /// needs them free, until it is answered.
     paused: Vec<Paused>,
-    /// Shutting down: the session closes once idle.
-    draining: bool,
+    /// Whether pgcache is shutting down: draining, the session closes
+    /// once idle.
+    shutdown: Shutdown,
     /// Where the backend connection is.
     backend_addr: UpstreamAddr,
     /// The backend's own cancel key, and the registration of ours.
@@ -139,7 +140,7 @@ impl Engine {
             server,
             ending: None,
             paused: Vec::new(),
-            draining: false,
+            shutdown: Shutdown::Running,
             backend_key: None,
             cancel: None,
             found: Found::default(),
@@ -391,7 +392,7 @@ impl Engine {
     /// again before the next cacheable read.
     pub fn settings_may_have_changed(&mut self) {
         self.known.prefix = None;
-        self.server.login_state = false;
+        self.server.settings = Settings::Changed;
         self.link.settings_may_have_changed();
     }
 

@@ -16,7 +16,7 @@ use crate::session::known::{
 };
 use crate::session::link::{ClientState, Link};
 use crate::session::logins::Login;
-use crate::session::reuse::Source;
+use crate::session::reuse::{Settings, Source};
 
 impl Engine {
     /// The answer to the settings query ([`Purpose::Settings`]), read under the policy's
@@ -63,7 +63,7 @@ impl Engine {
         self.adopt_settings(&row, generation);
         if let Some(fingerprint) = fingerprint
             && matches!(self.link, Link::Session(_))
-            && self.server.login_state
+            && self.server.settings == Settings::AsLoggedIn
             && self.server.source == Source::Fresh
         {
             let row = Arc::clone(&row);
@@ -83,7 +83,7 @@ impl Engine {
                     .remember_settings(p.state.id, generation, read_in, row);
             }
         }
-        if self.server.login_state {
+        if self.server.settings == Settings::AsLoggedIn {
             // What a client logging in on this connection starts with.
             self.server.login_settings = Some(LoginSettings { generation, row });
         }
@@ -147,7 +147,7 @@ impl Engine {
         // A reused connection still in its login state is in the state an
         // earlier session read at login: no need to read it again.
         if pool.is_none()
-            && self.server.login_state
+            && self.server.settings == Settings::AsLoggedIn
             && let Some(login) = self.server.login_settings.clone()
             && login.generation == generation
         {
@@ -166,7 +166,7 @@ impl Engine {
         let generation = self.db.catalog.policy_settings_generation();
         if matches!(self.link, Link::Session(_))
             && self.server.source == Source::Fresh
-            && self.server.login_state
+            && self.server.settings == Settings::AsLoggedIn
             && !self.found.probe_missed
             && let Some(login) = ctx.app.logins.get(&self.db, &self.startup)
             && login.generation == generation

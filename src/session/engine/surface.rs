@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 
 use super::answers::Relayed;
+use super::life::Shutdown;
 use super::{Action, Engine};
 use crate::App;
 use crate::cache::DbState;
@@ -151,11 +152,11 @@ impl Engine {
 
     /// Shutting down: the session closes once idle.
     pub fn drain(&mut self) {
-        self.draining = true;
+        self.shutdown = Shutdown::Draining;
     }
 
     pub fn draining(&self) -> bool {
-        self.draining
+        self.shutdown == Shutdown::Draining
     }
 
     /// A server connection from the pool is the session's now: cancels

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::life::Shutdown;
 use super::{Ctx, Engine};
 use crate::protocol::{TxStatus, sqlstate};
 use crate::session::SessionError;
@@ -99,7 +100,7 @@ impl Engine {
     /// error the client is told.
     pub fn drained(&self) -> Option<SessionError> {
         let idle = self.backend_idle() && !self.batch.holds();
-        (self.draining && idle).then(|| {
+        (self.shutdown == Shutdown::Draining && idle).then(|| {
             SessionError::refused(
                 sqlstate::ADMIN_SHUTDOWN,
                 "terminating connection due to pgcache shutdown",
