@@ -19,6 +19,7 @@
 //! The driver (`relay.rs`) does the I/O. The cache itself is behind
 //! [`crate::cache::Cache`].
 
+mod admission;
 mod batch;
 mod capture;
 mod checkout;
@@ -53,14 +54,16 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::App;
 use crate::auth;
-use crate::config::{AuthMode, PoolMode, SslMode};
+use crate::config::AuthMode;
 use crate::pool::PoolKey;
 use crate::pool::clients::{Arrival, ClientEntry};
+use crate::pool::transaction::Pool;
 use crate::protocol::codec::MAX_BACKEND_FRAME;
 use crate::protocol::sqlstate;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
 use crate::tls::ClientStream;
+use admission::{Door, Mode};
 pub use error::SessionError;
 use link::{ClientState, Link, SessionLink};
 pub use logins::SharedLogins;
@@ -222,9 +225,10 @@ async fn refused(mut client: FramedStream<ClientStream>, e: SessionError, peer: 
     }
 }
 
-/// From a StartupMessage to a session ready to run: the checks, the admin
-/// console (served here: `None`), authentication and the backend
-/// connection. An error comes back with the client, to be told.
+/// From a StartupMessage to a session ready to run, as
+/// [`admission`] decides: the checks, the admin console (served here:
+/// `None`), authentication and the backend connection. An error comes
+/// back with the client, to be told.
 async fn admit(
     app: &Arc<App>,
     mut client: FramedStream<ClientStream>,
@@ -232,50 +236,44 @@ async fn admit(
     limit: &Arc<tokio::sync::Semaphore>,
     peer: SocketAddr,
 ) -> Result<Option<Ready>, Refused> {
-    let config = app.config();
-    if app.tls.mode == SslMode::Require && !client.get_ref().is_tls() {
-        let e = SessionError::refused(
-            sqlstate::INVALID_AUTHORIZATION,
-            "pgcache requires TLS: connect with sslmode=require (or stronger)",
-        );
-        return Err((client, e));
-    }
-    let Ok(permit) = Arc::clone(limit).try_acquire_owned() else {
-        let e = SessionError::refused(
-            sqlstate::TOO_MANY_CONNECTIONS,
-            "sorry, too many clients already",
-        );
-        return Err((client, e));
-    };
+    let permit = Arc::clone(limit).try_acquire_owned().ok();
     let startup = &negotiated.startup;
-    if !config.admin.password.is_empty() && startup.database() == config.admin.database {
-        Box::pin(crate::admin::serve(Arc::clone(app), client, startup)).await;
-        return Ok(None);
+    let on_tls = client.get_ref().is_tls();
+    match admission::door(app, on_tls, permit.is_some(), startup) {
+        Err(e) => return Err((client, e)),
+        Ok(Door::Admin) => {
+            Box::pin(crate::admin::serve(Arc::clone(app), client, startup)).await;
+            return Ok(None);
+        }
+        Ok(Door::Session) => {}
     }
     let secret = match Box::pin(authenticate(app, &mut client, startup.user())).await {
         Ok(secret) => secret,
+        Err(e) => return Err((client, e)),
+    };
+    let mode = match admission::mode(app, startup, secret.as_deref()) {
+        Ok(mode) => mode,
         Err(e) => return Err((client, e)),
     };
     let entry = app.clients.register(Arrival {
         user: startup.user(),
         database: startup.database(),
         addr: peer,
-        tls: client.get_ref().is_tls(),
+        tls: on_tls,
         application_name: startup.param("application_name").unwrap_or_default(),
     });
-    let pooled = config.pool.mode == PoolMode::Transaction && PoolKey::of(startup).is_some();
     let admitted = Admitted {
         client,
         negotiated,
         secret,
         entry,
     };
-    let ready = match pooled {
-        true => Box::pin(admit_pooled(app, admitted)).await,
-        false => Box::pin(admit_session(app, admitted)).await,
+    let ready = match mode {
+        Mode::Pooled { pool, state } => Box::pin(admit_pooled(app, admitted, pool, state)).await,
+        Mode::Session { key, checks } => Box::pin(admit_session(app, admitted, key, checks)).await,
     }?;
     Ok(Some(Ready {
-        _permit: Some(permit),
+        _permit: permit,
         ..ready
     }))
 }
@@ -356,22 +354,23 @@ impl Ready {
     }
 }
 
-/// Session mode: the session's own backend connection (a parked one when
-/// there is one it may have).
-async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refused> {
+/// Session mode: the session's own backend connection (a parked one under
+/// `key` when there is one it may have), and the pool its hits' own
+/// requests run on (`checks`).
+async fn admit_session(
+    app: &Arc<App>,
+    admitted: Admitted,
+    key: Option<PoolKey>,
+    checks: Option<Arc<Pool>>,
+) -> Result<Ready, Refused> {
     let Admitted {
         client,
         negotiated,
         secret,
         entry,
     } = admitted;
-    let config = app.config();
-    let startup = &negotiated.startup;
+    let pool = &app.config().pool;
     let checked_by_pgcache = secret.is_some();
-    let pool = &config.pool;
-    let key = (pool.max_idle_servers > 0)
-        .then(|| PoolKey::of(startup))
-        .flatten();
     let parked = match &key {
         // A client pgcache did not authenticate may only have a connection
         // PostgreSQL would have let it open without a password.
@@ -394,15 +393,10 @@ async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refu
             Err(e) => return Err((client, e.into())),
         },
     };
-    let mut own = SessionLink::default();
-    if config.cache.enabled && (key.is_some() || PoolKey::of(startup).is_some()) {
-        let checks = app.pool.pooled.pool(startup.database(), startup.user());
-        if let Some(secret) = &secret {
-            checks.learn_secret(ClientSecret::clone(secret));
-        }
-        own.checks = Some(checks);
-    }
-    let link = Link::Session(own);
+    let link = Link::Session(SessionLink {
+        checks,
+        ..SessionLink::default()
+    });
     let session = Session::new(
         Arc::clone(app),
         client,
@@ -427,31 +421,24 @@ async fn admit_session(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refu
     })
 }
 
-/// Transaction mode: the session takes server connections from the pool
-/// of its database and user. A client pgcache can log in for (it checked
-/// its password, or PostgreSQL trusts the pool's clients) takes none to
-/// log in; any other logs in on a connection of its own first, relayed,
-/// which teaches the pool whether PostgreSQL trusts its clients.
-async fn admit_pooled(app: &Arc<App>, admitted: Admitted) -> Result<Ready, Refused> {
+/// Transaction mode: the session takes server connections from `pool`.
+/// A client pgcache can log in for (it checked its password, or
+/// PostgreSQL trusts the pool's clients) takes none to log in; any other
+/// logs in on a connection of its own first, relayed, which teaches the
+/// pool whether PostgreSQL trusts its clients.
+async fn admit_pooled(
+    app: &Arc<App>,
+    admitted: Admitted,
+    pool: Arc<Pool>,
+    state: ClientState,
+) -> Result<Ready, Refused> {
+    // The client's secret was taught to the pool, which logs in with it.
     let Admitted {
         client,
         negotiated: Negotiated { raw, startup },
-        secret,
         entry,
+        ..
     } = admitted;
-    let state = match ClientState::from_startup(&startup) {
-        Ok(state) => state,
-        Err(message) => {
-            let e = SessionError::refused(sqlstate::FEATURE_NOT_SUPPORTED, message);
-            return Err((client, e));
-        }
-    };
-    let pool = app.pool.pooled.pool(startup.database(), startup.user());
-    // Taught to the pool, which logs in with it: the session has no more
-    // use for it.
-    if let Some(secret) = secret {
-        pool.learn_secret(*secret);
-    }
     let mut learning = match pool.can_log_in() {
         true => None,
         false => Some(Arc::clone(&pool.learning).lock_owned().await),
