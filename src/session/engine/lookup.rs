@@ -140,14 +140,7 @@ impl Engine {
         // again, as pgcache's own.
         let hidden = match refresh {
             Some(fill) => Some(Capture::new(fill)),
-            None if self.tx.status == TxStatus::Idle
-                && ctx.app.cache.sampler.draw(
-                    (ctx.roll(), ctx.now),
-                    self.known.policy.verify_rate,
-                    self.known.policy.verify_max_per_sec,
-                    &ctx.app.metrics.verify,
-                ) =>
-            {
+            None if self.sampled(ctx) => {
                 let reads = plan.read.as_ref().expect("a hit has its reads");
                 let check = Check::new(&self.db, &plan.stats, bytes, reads, plan.unwatched);
                 Some(Capture::verify(check))
@@ -171,5 +164,18 @@ impl Engine {
                 Answer::Served { refreshed: true }
             }
         }
+    }
+
+    /// The correctness sampler checks this hit: a draw of the session's
+    /// policy, outside a transaction block.
+    fn sampled(&self, ctx: &Ctx) -> bool {
+        let policy = &self.known.policy;
+        let (rate, max) = (policy.verify_rate, policy.verify_max_per_sec);
+        self.tx.status == TxStatus::Idle
+            && ctx
+                .app
+                .cache
+                .sampler
+                .draw((ctx.roll(), ctx.now), rate, max, &ctx.app.metrics.verify)
     }
 }

@@ -5,6 +5,7 @@
 mod auth;
 mod backend;
 mod client;
+mod greeting;
 mod hidden;
 pub(crate) mod model;
 mod property;
