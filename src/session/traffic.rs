@@ -132,50 +132,21 @@ where
         Ok(flow)
     }
 
-    /// Caching off, or a login's exchange relayed: whole runs of frames
-    /// forwarded without copying, as the engine allows.
+    /// Caching off, or a login's exchange relayed: the run of frames
+    /// buffered, staged untouched as the engine allows, then written.
     async fn pass_through(&mut self) -> Result<Flow, SessionError> {
-        let mut flow = Flow::Continue;
-        let mut pos = 0;
-        let mut violation = None;
-        while flow == Flow::Continue {
-            match self.client.frame_len_at(pos) {
-                Ok(Some(len)) => {
-                    let ctx = ctx(&self.app, &self.entry);
-                    let frame = &self.client.buffered()[pos..pos + len];
-                    let Some(next) = self.engine.on_relayed(&ctx, frame)? else {
-                        flow = Flow::Close;
-                        break;
-                    };
-                    flow = next;
-                    pos += len;
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    violation = Some(e);
-                    break;
-                }
-            }
+        let ctx = ctx(&self.app, &self.entry);
+        let max_frame = self.client.max_frame();
+        let run = self
+            .engine
+            .relay_client(&ctx, self.client.buffered(), max_frame)?;
+        self.client.consume(run.taken);
+        // What came before a bad frame still goes out.
+        self.flush_backend().await?;
+        match run.violation {
+            Some(e) => Err(SessionError::ClientFrame(e)),
+            None => Ok(run.flow),
         }
-        if pos > 0 {
-            // A login's frames go to the connection it logs in on as they are.
-            if self.engine.link().is_pooled() && !self.engine.relaying_login() {
-                self.engine.stage_relayed(&self.client.buffered()[..pos]);
-                self.client.consume(pos);
-                self.flush_backend().await?;
-            } else {
-                let r = match &mut self.backend {
-                    Some(backend) => backend.write_all(&self.client.buffered()[..pos]).await,
-                    None => Err(std::io::ErrorKind::NotConnected.into()),
-                };
-                self.client.consume(pos);
-                r.map_err(SessionError::BackendIo)?;
-            }
-        }
-        if let Some(e) = violation {
-            return Err(e.into());
-        }
-        Ok(flow)
     }
 
     /// Caching on: each frame (or a whole batch at once) decided by the
@@ -265,6 +236,8 @@ where
     /// Writes the queued client frames to the backend, taking a pooled
     /// connection first if the session holds none.
     pub(super) async fn flush_backend(&mut self) -> Result<(), SessionError> {
+        // What the server is owed as it is goes first (a login's frames).
+        self.flush_server().await?;
         if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
             // Boxed: taking a connection is a large future, and the
             // session waits on its client far more often.

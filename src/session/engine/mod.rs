@@ -23,12 +23,12 @@ use crate::classify::{Begin, BypassReason, Isolation};
 use crate::hints::Scan;
 use crate::pool::marks::{Marks, Pin};
 use crate::protocol::startup::Startup;
-use crate::protocol::{TxStatus, extended, frontend as fe, messages};
+use crate::protocol::{TxStatus, extended, messages};
 use crate::session::SessionError;
 use crate::session::batch::Batch;
 use crate::session::known::Known;
 use crate::session::link::Link;
-use crate::session::pipeline::{Flow, Inflight, Pipeline};
+use crate::session::pipeline::{Inflight, Pipeline};
 use crate::session::plan::Plan;
 use crate::session::replica::{Observed, ReplicaLeg};
 use crate::session::reuse::{Fate, ServerBook, Settings};
@@ -42,6 +42,7 @@ mod greeting;
 mod hidden;
 mod life;
 mod lookup;
+mod passthrough;
 mod requests;
 mod routing;
 mod settings;
@@ -360,32 +361,6 @@ impl Engine {
             self.server.fate = Fate::HandedBack;
         }
         handed_back
-    }
-
-    /// A client frame relayed untouched (caching off, or a login's
-    /// exchange relayed): what it tells of the session. `None` for a
-    /// Terminate that is not forwarded (the connection is handed back, or
-    /// held for a pool): the session ends. A login's frame the engine
-    /// refuses ends the session with the error.
-    pub fn on_relayed(&mut self, ctx: &Ctx, frame: &[u8]) -> Result<Option<Flow>, SessionError> {
-        if self.relaying_login() {
-            self.on_auth_client_frame(ctx, frame)?;
-            return Ok(Some(Flow::Continue));
-        }
-        let tag = frame[0];
-        let pooled = self.link.is_pooled();
-        if (self.server.parks() || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
-            let marks = self.known.frame_marks(frame);
-            self.note_marks(ctx, marks, frame);
-        } else if tag == fe::FUNCTION_CALL {
-            self.link.settings_may_have_changed();
-        } else if tag == fe::TERMINATE {
-            self.end_with(Ending::ClientEnded);
-            if self.hand_back(ctx) || pooled {
-                return Ok(None);
-            }
-        }
-        Ok(Some(self.pipeline.note_client_frame(tag)))
     }
 
     /// A statement may have changed the session's settings: they are read

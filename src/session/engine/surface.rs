@@ -264,13 +264,6 @@ impl Engine {
         self.own_unanswered(ctx);
     }
 
-    /// Client frames relayed untouched, staged for the backend (in
-    /// transaction mode: for translation, and to fail together with the
-    /// requests they make if no connection comes).
-    pub fn stage_relayed(&mut self, frames: &[u8]) {
-        self.pipeline.to_backend.extend_from_slice(frames);
-    }
-
     /// Puts answers pgcache gave in the server's place (`answers`) after
     /// the complete frames in the server's buffer `buf`, as if they had
     /// arrived: nothing was owed before them. The next read of the buffer
