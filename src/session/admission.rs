@@ -2,20 +2,29 @@
 //! required, no place under `server.max_client_connections`, a startup
 //! transaction mode cannot carry), the admin console, or a session, in
 //! session or transaction mode, and where its server connections come
-//! from. The driver ([`super::serve`]) takes the place, authenticates the
-//! client, connects and builds the session.
+//! from; and what admission yields: a session ready to run, what its login
+//! needs, what becomes of its connection at its end. The driver
+//! ([`super::serve`]) takes the place, authenticates the client, connects
+//! and builds the session.
 
 use std::sync::Arc;
 
+use bytes::BytesMut;
+
 use super::SessionError;
 use super::link::ClientState;
+use super::negotiate::Negotiated;
+use super::relay::Session;
 use crate::App;
 use crate::config::{PoolMode, SslMode};
 use crate::pool::PoolKey;
+use crate::pool::clients::ClientEntry;
 use crate::pool::transaction::Pool;
 use crate::protocol::sqlstate;
 use crate::protocol::startup::Startup;
+use crate::protocol::stream::FramedStream;
 use crate::scram::ClientSecret;
+use crate::tls::ClientStream;
 
 /// Where a StartupMessage goes, before authentication.
 #[derive(Debug, PartialEq, Eq)]
@@ -98,6 +107,52 @@ pub(super) fn mode(
         learn(pool);
     }
     Ok(Mode::Session { key, checks })
+}
+
+/// A client past authentication: what each mode's admission starts from.
+pub(super) struct Admitted {
+    pub client: FramedStream<ClientStream>,
+    pub negotiated: Negotiated,
+    /// The client's SCRAM secret, when pgcache checked its password;
+    /// boxed, as every future that carries it keeps room for it.
+    pub secret: Option<Box<ClientSecret>>,
+    pub entry: ClientEntry,
+}
+
+/// A client turned away, with why.
+pub(super) type Refused = (FramedStream<ClientStream>, SessionError);
+
+/// A session ready to run, with what its login still needs (the
+/// StartupMessage as the client sent it, and the client's secret when
+/// pgcache checked it and logs in with it), and what becomes of its
+/// connection at its end.
+pub(super) struct Ready {
+    pub session: Session<ClientStream>,
+    pub login: Option<Box<Login>>,
+    pub end: End,
+    /// Its place under `server.max_client_connections`.
+    pub _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// What becomes of a session's connection at its end.
+pub(super) enum End {
+    /// Session mode: parked for the next client under `key`, if the
+    /// session handed it back and may (`checked_by_pgcache`: pgcache
+    /// authenticated the client itself).
+    Session {
+        key: Option<PoolKey>,
+        checked_by_pgcache: bool,
+    },
+    /// Transaction mode: an idle pooled connection goes back to its pool.
+    Pooled,
+}
+
+/// What a session's login to PostgreSQL needs: the StartupMessage as the
+/// client sent it, and the client's secret when pgcache checked it
+/// ([`super::engine::Engine::start`]).
+pub(super) struct Login {
+    pub raw: BytesMut,
+    pub secret: Option<Box<ClientSecret>>,
 }
 
 #[cfg(test)]

@@ -1,23 +1,27 @@
 //! One client session, from the first packet to the last.
 //!
 //! ```text
-//! client ──startup──▶ negotiate (SSL/GSS, cancel, limits)      negotiate.rs
-//!        ──────────▶ admin console, or terminate-mode auth
+//! client ──startup──▶ negotiate (SSL/GSS, cancel)              negotiate.rs
+//!        ──────────▶ the door (TLS, limits), admin console,   admission.rs
+//!                     terminate-mode auth, the session's mode
 //!        ──────────▶ connect backend, log in                  engine/auth.rs
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
 //!   client frames  → Query, Parse/Bind/Describe/Execute/Sync  engine/requests.rs
+//!                    (caching off: forwarded)                 engine/passthrough.rs
 //!                    what a decision waits for, met           needs.rs
 //!   drain          → close once idle (57P01)
 //! ```
 //!
-//! A session's state is the [`engine::Engine`]'s, split by concern: the
-//! requests in flight (`pipeline.rs`), the extended batch held until Sync
-//! (`batch.rs`), the transaction's books (`transaction.rs`), what a
-//! statement means for the cache (`plan.rs`), and what the session knows
-//! of itself (`known.rs`, read by pgcache's own queries, `engine/hidden.rs`).
-//! The driver (`relay.rs`) does the I/O. The cache itself is behind
-//! [`crate::cache::Cache`].
+//! Decisions are made in synchronous code: the first packets
+//! (`negotiate.rs`), admission (`admission.rs`) and the session itself,
+//! the [`engine::Engine`], split by concern: the requests in flight
+//! (`pipeline.rs`), the extended batch held until Sync (`batch.rs`), the
+//! transaction's books (`transaction.rs`), what a statement means for the
+//! cache (`plan.rs`), and what the session knows of itself (`known.rs`,
+//! read by pgcache's own queries, `engine/hidden.rs`). The driver (this
+//! file, `relay.rs`, `traffic.rs`, `checkout.rs`, `needs.rs`) does the
+//! I/O. The cache itself is behind [`crate::cache::Cache`].
 
 mod admission;
 mod batch;
@@ -56,14 +60,14 @@ use crate::App;
 use crate::auth;
 use crate::config::AuthMode;
 use crate::pool::PoolKey;
-use crate::pool::clients::{Arrival, ClientEntry};
+use crate::pool::clients::Arrival;
 use crate::pool::transaction::Pool;
 use crate::protocol::codec::MAX_BACKEND_FRAME;
 use crate::protocol::sqlstate;
 use crate::protocol::stream::{FramedStream, READ_CHUNK};
 use crate::scram::{ClientSecret, ServerBinding};
 use crate::tls::ClientStream;
-use admission::{Door, Mode};
+use admission::{Admitted, Door, End, Login, Mode, Ready, Refused};
 pub use error::SessionError;
 use link::{ClientState, Link, SessionLink};
 pub use logins::SharedLogins;
@@ -276,52 +280,6 @@ async fn admit(
         _permit: permit,
         ..ready
     }))
-}
-
-/// A client past authentication: what each mode's admission starts from.
-struct Admitted {
-    client: FramedStream<ClientStream>,
-    negotiated: Negotiated,
-    /// The client's SCRAM secret, when pgcache checked its password;
-    /// boxed, as every future that carries it keeps room for it.
-    secret: Option<Box<ClientSecret>>,
-    entry: ClientEntry,
-}
-
-/// A client turned away, with why.
-type Refused = (FramedStream<ClientStream>, SessionError);
-
-/// A session ready to run, with what its login still needs (the
-/// StartupMessage as the client sent it, and the client's secret when
-/// pgcache checked it and logs in with it), and what becomes of its
-/// connection at its end.
-struct Ready {
-    session: Session<ClientStream>,
-    login: Option<Box<Login>>,
-    end: End,
-    /// Its place under `server.max_client_connections`.
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-/// What becomes of a session's connection at its end.
-enum End {
-    /// Session mode: parked for the next client under `key`, if the
-    /// session handed it back and may (`checked_by_pgcache`: pgcache
-    /// authenticated the client itself).
-    Session {
-        key: Option<PoolKey>,
-        checked_by_pgcache: bool,
-    },
-    /// Transaction mode: an idle pooled connection goes back to its pool.
-    Pooled,
-}
-
-/// What a session's login to PostgreSQL needs: the StartupMessage as the
-/// client sent it, and the client's secret when pgcache checked it
-/// ([`engine::Engine::start`]).
-pub(super) struct Login {
-    pub raw: BytesMut,
-    pub secret: Option<Box<ClientSecret>>,
 }
 
 impl Ready {
