@@ -278,6 +278,10 @@ where
     /// first ([`ReplicaStep`]). A replica that cannot take it leaves the
     /// read to the primary.
     pub(super) async fn flush_replica(&mut self) -> Result<(), SessionError> {
+        if !self.engine.replica_chosen() {
+            // Most reads: nothing routed, and no boxed future made for it.
+            return Ok(());
+        }
         match Box::pin(self.send_replica()).await {
             Ok(false) => Ok(()),
             Ok(true) => {

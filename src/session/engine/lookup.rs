@@ -171,7 +171,9 @@ impl Engine {
     fn sampled(&self, ctx: &Ctx) -> bool {
         let policy = &self.known.policy;
         let (rate, max) = (policy.verify_rate, policy.verify_max_per_sec);
+        // No draw at all with the sampler off.
         self.tx.status == TxStatus::Idle
+            && rate > 0.0
             && ctx
                 .app
                 .cache

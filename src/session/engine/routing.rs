@@ -367,7 +367,7 @@ impl Engine {
 
     /// A read is routed to a replica and waits for the driver to get a
     /// connection there.
-    fn replica_chosen(&self) -> bool {
+    pub fn replica_chosen(&self) -> bool {
         self.replica
             .as_ref()
             .is_some_and(|leg| leg.read == ReadState::Chosen)
