@@ -12,15 +12,15 @@ use bytes::BytesMut;
 
 use super::answers::Relayed;
 use super::life::Shutdown;
-use super::{Action, Engine};
+use super::{Action, Engine, LinkStep};
 use crate::App;
 use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
 use crate::pool::transaction::{Lease, Pool};
-use crate::protocol::TxStatus;
 use crate::protocol::startup::Startup;
+use crate::protocol::{TxStatus, messages};
 use crate::session::SessionError;
 use crate::session::link::{Link, UNKNOWN_STATE};
 use crate::session::pipeline::Pipeline;
@@ -94,6 +94,55 @@ impl Engine {
         };
         if let Some(apply) = link.granted(lease, queued, &mut self.pipeline) {
             self.apply_first(apply);
+        }
+    }
+
+    /// Transaction mode: taking a server connection for what the client
+    /// sent failed with `error`. While the client's requests are whole
+    /// (synced), each it is owed an answer for fails with the pool's error
+    /// (staged for the client), its statements forgotten, and the session
+    /// goes on. Otherwise the session ends with the error.
+    pub fn checkout_failed(&mut self, error: SessionError) -> Result<(), SessionError> {
+        let SessionError::Pool(pool) = &error else {
+            return Err(error);
+        };
+        if self.pipeline.unsynced {
+            return Err(error);
+        }
+        tracing::info!(code = pool.sqlstate(), "{pool}");
+        for request in self.pipeline.drop_unsent() {
+            for name in &request.parsed {
+                self.known.statements.remove(name);
+            }
+            let (code, message) = (pool.sqlstate(), pool.to_string());
+            messages::error_response(&mut self.out, "ERROR", code, &message);
+            self.out
+                .extend_from_slice(&messages::ready_for_query(self.tx.status));
+        }
+        Ok(())
+    }
+
+    /// Transaction mode: what to do with the server connection now.
+    /// `attached`: one is held; `unread`: it sent bytes not read yet.
+    /// A pinned session keeps its connection, but its settings are still
+    /// read back, as they are what pgcache's own requests for it run in.
+    pub fn link_step(&self, attached: bool, unread: bool) -> Option<LinkStep> {
+        let Link::Pooled(link) = &self.link else {
+            return None;
+        };
+        if !attached {
+            return (!self.pipeline.to_backend.is_empty()).then_some(LinkStep::CheckOut);
+        }
+        if !self.may_give_back(unread) {
+            None
+        } else if link.state_dirty {
+            Some(LinkStep::ReadBack)
+        } else if link.pinned.is_some() {
+            None
+        } else if link.listens.carries_foreign() {
+            Some(LinkStep::Close)
+        } else {
+            Some(LinkStep::GiveBack)
         }
     }
 
