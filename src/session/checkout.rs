@@ -179,17 +179,6 @@ where
         }
         let unread = self.unread();
         let (key, addr, book) = self.engine.into_server_book(unread, checked_by_pgcache)?;
-        let mut key_data = key.backend_pid.to_be_bytes().to_vec();
-        key_data.extend_from_slice(&key.backend_secret);
-        let trusted = book.trusted();
-        Some(Server {
-            stream: self.backend?,
-            addr,
-            statuses: book.statuses,
-            key_data,
-            trusted,
-            born: book.born,
-            login_settings: book.login_settings,
-        })
+        Some(book.park(self.backend?, &key, addr))
     }
 }

@@ -4,7 +4,11 @@
 
 use std::time::Instant;
 
+use crate::backend::BackendStream;
+use crate::cancel::CancelTarget;
 use crate::pool::{LoginSettings, Server, Statuses};
+use crate::protocol::stream::FramedStream;
+use crate::upstream::UpstreamAddr;
 
 /// What the session knows of its backend connection beyond the relay.
 pub(super) struct ServerBook {
@@ -75,6 +79,29 @@ pub(super) enum Trust {
 }
 
 impl ServerBook {
+    /// The connection parked for the next client: its `stream`, where it
+    /// is (`addr`), its cancel key (`key`), and what the session noted of
+    /// it.
+    pub fn park(
+        self,
+        stream: FramedStream<BackendStream>,
+        key: &CancelTarget,
+        addr: UpstreamAddr,
+    ) -> Server {
+        let mut key_data = key.backend_pid.to_be_bytes().to_vec();
+        key_data.extend_from_slice(&key.backend_secret);
+        let trusted = self.trusted();
+        Server {
+            stream,
+            addr,
+            statuses: self.statuses,
+            key_data,
+            trusted,
+            born: self.born,
+            login_settings: self.login_settings,
+        }
+    }
+
     /// PostgreSQL let the login in without a password.
     pub fn trusted(&self) -> bool {
         self.trust == Trust::Trusted
