@@ -40,16 +40,19 @@ impl Engine {
         let Some(statuses) = pool.statuses().or_else(|| attached.then(Statuses::default)) else {
             return Greeting::Connection;
         };
-        let Some(cancel) = &self.cancel else {
-            let (_, _, guard) = ctx.app.cancel.register_pooled();
-            self.register_cancel(guard);
-            if self.learn_reported(&statuses) {
-                return Greeting::Connection;
+        let (pid, secret) = match &self.cancel {
+            Some(cancel) => (cancel.key().0, cancel.key().1.to_vec()),
+            None => {
+                // The first time with the statuses known: pgcache's key,
+                // and what the server's reporting is still to teach.
+                let (pid, secret, guard) = ctx.app.cancel.register_pooled();
+                self.register_cancel(guard);
+                if self.learn_reported(&statuses) {
+                    return Greeting::Connection;
+                }
+                (pid, secret)
             }
-            return self.greet(ctx, attached);
         };
-        let (pid, secret) = cancel.key();
-        let secret = secret.to_vec();
         let out = self.greeting(ctx, statuses, &pool.reported, (pid, &secret));
         self.out.extend_from_slice(&out);
         Greeting::Greeted
