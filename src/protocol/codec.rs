@@ -49,6 +49,12 @@ pub fn parse_frame(buf: &[u8], max_len: usize) -> Result<Option<usize>, FrameErr
     Ok((buf.len() >= total).then_some(total))
 }
 
+/// Takes the first frame out of `buf`, if it is complete ([`parse_frame`]
+/// says what is refused).
+pub fn split_frame(buf: &mut BytesMut, max_len: usize) -> Result<Option<BytesMut>, FrameError> {
+    Ok(parse_frame(buf, max_len)?.map(|len| buf.split_to(len)))
+}
+
 /// How many bytes are still missing for the frame at the start of `buf`, used
 /// to reserve the read buffer once instead of growing it in steps.
 pub fn missing_bytes(buf: &[u8]) -> usize {

@@ -15,7 +15,7 @@ use bytes::{Buf, BytesMut};
 use futures_util::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::codec::{self, FrameError, parse_frame};
+use super::codec::{self, FrameError, parse_frame, split_frame};
 
 /// Read granularity; a large frame reserves its whole length at once.
 pub const READ_CHUNK: usize = 16 * 1024;
@@ -90,7 +90,7 @@ impl<S> FramedStream<S> {
 
     /// Takes the first buffered frame out, if it is complete.
     pub fn next_frame(&mut self) -> Result<Option<BytesMut>, FrameError> {
-        Ok(self.frame_len_at(0)?.map(|len| self.buf.split_to(len)))
+        split_frame(&mut self.buf, self.max_frame)
     }
 
     /// Gives the buffer back while nothing is in it: an idle connection

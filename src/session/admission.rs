@@ -2,29 +2,31 @@
 //! required, no place under `server.max_client_connections`, a startup
 //! transaction mode cannot carry), the admin console, or a session, in
 //! session or transaction mode, and where its server connections come
-//! from; and what admission yields: a session ready to run, what its login
-//! needs, what becomes of its connection at its end. The driver
-//! ([`super::serve`]) takes the place, authenticates the client, connects
-//! and builds the session.
+//! from; what its login needs, and what becomes of its connection at its
+//! end. The driver ([`super::admit`]) takes the place, authenticates the
+//! client, connects and builds the session.
 
 use std::sync::Arc;
 
 use bytes::BytesMut;
 
 use super::SessionError;
-use super::link::ClientState;
-use super::negotiate::Negotiated;
-use super::relay::Session;
+use super::link::{ClientState, Link, SessionLink};
 use crate::App;
 use crate::config::{PoolMode, SslMode};
 use crate::pool::PoolKey;
-use crate::pool::clients::ClientEntry;
 use crate::pool::transaction::Pool;
 use crate::protocol::sqlstate;
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
 use crate::scram::ClientSecret;
 use crate::tls::ClientStream;
+
+/// A StartupMessage, as received and as parsed.
+pub struct Negotiated {
+    pub raw: BytesMut,
+    pub startup: Startup,
+}
 
 /// Where a StartupMessage goes, before authentication.
 #[derive(Debug, PartialEq, Eq)]
@@ -109,30 +111,30 @@ pub(super) fn mode(
     Ok(Mode::Session { key, checks })
 }
 
-/// A client past authentication: what each mode's admission starts from.
-pub(super) struct Admitted {
-    pub client: FramedStream<ClientStream>,
-    pub negotiated: Negotiated,
-    /// The client's SCRAM secret, when pgcache checked its password;
-    /// boxed, as every future that carries it keeps room for it.
-    pub secret: Option<Box<ClientSecret>>,
-    pub entry: ClientEntry,
+impl Mode {
+    /// The session's link to its server connections, and what becomes of
+    /// its connection at its end (`checked_by_pgcache`: pgcache
+    /// authenticated the client itself).
+    pub fn into_parts(self, checked_by_pgcache: bool) -> (Link, End) {
+        match self {
+            Mode::Session { key, checks } => {
+                let link = Link::Session(SessionLink {
+                    checks,
+                    ..SessionLink::default()
+                });
+                let end = End::Session {
+                    key,
+                    checked_by_pgcache,
+                };
+                (link, end)
+            }
+            Mode::Pooled { pool, state } => (Link::pooled(pool, state), End::Pooled),
+        }
+    }
 }
 
 /// A client turned away, with why.
 pub(super) type Refused = (FramedStream<ClientStream>, SessionError);
-
-/// A session ready to run, with what its login still needs (the
-/// StartupMessage as the client sent it, and the client's secret when
-/// pgcache checked it and logs in with it), and what becomes of its
-/// connection at its end.
-pub(super) struct Ready {
-    pub session: Session<ClientStream>,
-    pub login: Option<Box<Login>>,
-    pub end: End,
-    /// Its place under `server.max_client_connections`.
-    pub _permit: Option<tokio::sync::OwnedSemaphorePermit>,
-}
 
 /// What becomes of a session's connection at its end.
 pub(super) enum End {

@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
 
-use super::engine::{Action, Ctx, Engine, Need};
+use super::engine::{Action, Ctx, Engine, Need, Taken};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
@@ -18,7 +18,6 @@ use crate::App;
 use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::config::Config;
 use crate::pool::clients::{Arrival, ClientEntry};
-use crate::protocol::codec::frames;
 use crate::protocol::startup::Startup;
 use crate::upstream::UpstreamAddr;
 
@@ -182,50 +181,41 @@ pub struct Fed {
     pub served: usize,
 }
 
-/// The client's buffered frames, as the driver hands them over: a whole
-/// batch at once when the engine takes one, else frame by frame. True if
-/// the session would end.
+/// The client's buffered frames, handed to the engine as the driver hands
+/// them over, with what a decision waits for met. True if the session
+/// would end.
 fn client_data(engine: &mut Engine, ctx: &Ctx, client: &mut BytesMut, control: u8) -> bool {
-    while !client.is_empty() {
-        if let Some(ready) = engine.whole_batch(ctx, client, 1 << 20) {
-            if engine
-                .on_whole_batch(ctx, &ready, &client[..ready.len])
-                .is_err()
-            {
-                return true;
-            }
-            let _ = client.split_to(ready.len);
-            continue;
-        }
-        let len = frames(client).next().map_or(client.len(), <[u8]>::len);
-        let frame = client.split_to(len).freeze();
-        if client_frame(engine, ctx, frame, control) {
-            return true;
-        }
-    }
-    false
-}
-
-/// One client frame; true if the session would end.
-fn client_frame(engine: &mut Engine, ctx: &Ctx, frame: Bytes, control: u8) -> bool {
-    for _ in 0..8 {
-        match engine.on_client_frame(ctx, &frame) {
-            Ok(flow) => return flow == Flow::Close,
-            Err(Need::Own) => {
+    // Needs met in a row while nothing more of the buffer was taken.
+    let (mut needs, mut left) = (0, client.len());
+    loop {
+        let need = match engine.on_client_data(ctx, client, 1 << 20) {
+            Ok(Taken::Done(flow)) => return flow == Flow::Close,
+            // What the frame left is carried out after the run.
+            Ok(Taken::Settle) => continue,
+            Ok(Taken::Need(need)) => need,
+            Err(_) => return true,
+        };
+        needs = if client.len() == left { needs + 1 } else { 1 };
+        left = client.len();
+        assert!(
+            needs < 8,
+            "the engine asked for the same need again and again"
+        );
+        match need {
+            Need::Own => {
                 let row = ["fuzz", "fuzz", "read committed", "", "none", "{}"]
                     .map(|v| Some(v.to_owned()))
                     .to_vec();
                 let answer = (control & 2 == 0).then(|| vec![row]);
                 answer_own(engine, ctx, answer.as_deref());
             }
-            Err(Need::Prerequisites(_)) => engine.prerequisites_met(),
-            Err(Need::Fetched { .. }) => engine.facts_met(),
+            Need::Prerequisites(_) => engine.prerequisites_met(),
+            Need::Fetched { .. } => engine.facts_met(),
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.
-            Err(Need::Cache(_)) => return true,
+            Need::Cache(_) => return true,
         }
     }
-    panic!("the engine asked for the same need again and again");
 }
 
 /// Answers every own query the engine asked, as PostgreSQL would: with

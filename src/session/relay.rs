@@ -18,13 +18,14 @@ use tracing::info;
 
 use super::SessionError;
 use super::engine::IdleTimeouts;
-use super::engine::{Ctx, Engine, Start};
+use super::engine::{Ctx, Engine, Greeting, Parting, Start, Upto};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
-use super::reuse::ServerBook;
+use super::reuse::{Fate, ServerBook};
 use crate::App;
 use crate::backend::BackendStream;
+use crate::pool::Server;
 use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
@@ -106,7 +107,10 @@ where
     /// The session from its login to its end. Only the relay's future is
     /// kept whole while the session lives: the login and the ending are
     /// boxed, large and live once.
-    pub async fn run(&mut self, login: Option<Box<super::Login>>) -> Result<(), SessionError> {
+    pub async fn run(
+        &mut self,
+        login: Option<Box<super::admission::Login>>,
+    ) -> Result<(), SessionError> {
         let result = match Box::pin(self.start(login)).await {
             Ok(Flow::Continue) => self.relay().await,
             other => other.map(|_| ()),
@@ -117,10 +121,13 @@ where
     /// Logs the client in, as the engine begins it: greeted by pgcache
     /// on pooled connections, else the StartupMessage sent (a relayed
     /// login goes on in the session's loop).
-    async fn start(&mut self, login: Option<Box<super::Login>>) -> Result<Flow, SessionError> {
+    async fn start(
+        &mut self,
+        login: Option<Box<super::admission::Login>>,
+    ) -> Result<Flow, SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         let flow = match self.engine.start(&ctx, self.attached(), login) {
-            Start::Begun => self.flush_server().await.map(|()| Flow::Continue),
+            Start::Begun => self.settle(Upto::Answer).await.map(|()| Flow::Continue),
             Start::Greet => self.greet().await.map(|()| Flow::Continue),
             Start::Close => Ok(Flow::Close),
         };
@@ -174,20 +181,7 @@ where
             }
             self.client.release_if_empty();
             self.engine.release_buffers();
-            let deadline = self
-                .engine
-                .poll_timeout()
-                .map(tokio::time::Instant::from_std);
-            woke = Some(tokio::select! {
-                biased;
-                _ = shutdown.wait(Stage::Force) => Woke::Force,
-                r = self.client.fill_lazily() => Woke::Client(r),
-                _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
-            });
-            if self.engine.tracks_activity() {
-                self.engine.note_activity(std::time::Instant::now());
-            }
+            woke = Some(self.wait(shutdown).await);
         }
     }
 
@@ -225,94 +219,81 @@ where
                 }
             }
             // Waiting on the client: logged in and nothing asked of the backend.
-            let waiting = self.engine.waits_on_client();
-            if waiting && !self.attached() {
+            if self.engine.waits_on_client() && !self.attached() {
                 return Ok(Flow::Continue);
             }
-            let deadline = self
-                .engine
-                .poll_timeout()
-                .map(tokio::time::Instant::from_std);
-            // What the engine waits to read.
-            let on_replica = self.engine.replica_busy();
-            let hold_client = !self.engine.reads_client();
-            woke = Some(tokio::select! {
-                biased;
-                _ = shutdown.wait(Stage::Force) => Woke::Force,
-                // Between reads, a replica leaving the rotation takes the
-                // session's connection to it along.
-                w = replica_leg(&mut self.replica, on_replica), if on_replica || self.replica.is_some() => w,
-                // A session holding no connection has no backend to read.
-                r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
-                r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
-                _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
-            });
-            if self.engine.tracks_activity() {
-                self.engine.note_activity(std::time::Instant::now());
-            }
+            woke = Some(self.wait(shutdown).await);
         }
     }
 
+    /// Waits for what the engine waits on: bytes from a leg it reads, a
+    /// shutdown stage, its next deadline; between reads, a replica leaving
+    /// the rotation takes the session's connection to it along. Parked,
+    /// the session holds no backend to read.
+    async fn wait(&mut self, shutdown: &crate::shutdown::Shutdown) -> Woke {
+        let deadline = self
+            .engine
+            .poll_timeout()
+            .map(tokio::time::Instant::from_std);
+        let on_replica = self.engine.replica_busy();
+        let hold_client = !self.engine.reads_client();
+        let woke = tokio::select! {
+            biased;
+            _ = shutdown.wait(Stage::Force) => Woke::Force,
+            w = replica_leg(&mut self.replica, on_replica), if on_replica || self.replica.is_some() => w,
+            r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
+            r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
+            _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
+            _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
+        };
+        if self.engine.tracks_activity() {
+            self.engine.note_activity(std::time::Instant::now());
+        }
+        woke
+    }
+
     /// What woke the session, handled: the replica's answer, an end or
-    /// failure of either leg, a shutdown stage, a timeout (bytes from
-    /// either leg are [`Self::serve`]'s).
+    /// failure of a leg, a shutdown stage, a timeout. An error ends the
+    /// session as [`Self::end`] says.
     async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
-        Ok(match woke {
-            Woke::Force => {
-                self.close_with(&Engine::forced()).await;
-                Flow::Close
-            }
+        match woke {
+            Woke::Force => Err(Engine::forced()),
             Woke::Retired => {
                 if let Some(conn) = self.replica.take() {
                     info!(replica = %conn.server.name, "out of rotation: the session's connection to it is closed");
                     conn.close().await;
                 }
-                Flow::Continue
+                Ok(Flow::Continue)
             }
-            Woke::Replica(r) => match r {
-                Ok(n) if n > 0 => self.on_replica_data().await?,
-                r => self.replica_lost(r.err()).await?,
-            },
-            Woke::Backend(r) => match r {
-                Ok(n) if n > 0 => self.on_backend_data().await?,
-                r => {
-                    self.backend_lost(r.err()).await;
-                    Flow::Close
-                }
-            },
-            Woke::Client(Ok(0)) => {
-                self.client_gone().await;
-                Flow::Close
+            Woke::Replica(Ok(n)) if n > 0 => self.on_replica_data().await,
+            Woke::Replica(r) => self.replica_lost(r.err()).await,
+            Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await,
+            Woke::Backend(r) => {
+                self.backend_lost(r.err()).await;
+                Ok(Flow::Close)
             }
-            Woke::Client(Ok(n)) => {
+            Woke::Client(Ok(n)) if n > 0 => {
                 self.app.metrics.client_bytes_in.inc_by(n as u64);
-                self.on_client_data().await?
+                self.on_client_data().await
             }
-            Woke::Client(Err(e)) => {
+            Woke::Client(r) => {
                 self.client_gone().await;
-                return Err(SessionError::ClientIo(e));
+                r.map(|_| Flow::Close).map_err(SessionError::ClientIo)
             }
             Woke::Drain => {
                 self.engine.drain();
-                self.close_if_drained().await
+                self.drained()
             }
-            Woke::Timeout => {
-                let e = self.engine.on_timeout(&ctx(&self.app, &self.entry));
-                info!(code = e.sqlstate(), "{e}");
-                self.close_with(&e).await;
-                Flow::Close
-            }
-        })
+            Woke::Timeout => Err(self.engine.on_timeout(&ctx(&self.app, &self.entry))),
+        }
     }
 
     /// Draining, the session ends as soon as the engine says it may.
-    pub(super) async fn close_if_drained(&mut self) -> Flow {
-        let Some(e) = self.engine.drained() else {
-            return Flow::Continue;
-        };
-        self.close_with(&e).await;
-        Flow::Close
+    pub(super) fn drained(&self) -> Result<Flow, SessionError> {
+        match self.engine.drained() {
+            Some(e) => Err(e),
+            None => Ok(Flow::Continue),
+        }
     }
 
     /// Ends the session on pgcache's side: a FATAL error for the client, a
@@ -382,6 +363,94 @@ where
             let _ = backend.write_all(&messages::TERMINATE).await;
         }
         self.drop_backend();
+    }
+}
+
+/// The server connection held: where it comes from and goes back to. In
+/// transaction mode, a connection taken from the pool when a request has
+/// to go to PostgreSQL and given back once the session is idle; in
+/// session mode, the connection parked for the next client at a clean
+/// Terminate.
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    pub(super) fn attached(&self) -> bool {
+        self.backend.is_some()
+    }
+
+    /// The held connection; writing to none fails as a closed one would.
+    pub(super) fn server(&mut self) -> Result<&mut FramedStream<BackendStream>, SessionError> {
+        self.backend
+            .as_mut()
+            .ok_or_else(|| SessionError::BackendIo(std::io::ErrorKind::NotConnected.into()))
+    }
+
+    /// The held connection sent bytes not read yet.
+    pub(super) fn unread(&self) -> bool {
+        self.backend
+            .as_ref()
+            .is_some_and(|b| !b.buffered().is_empty())
+    }
+
+    /// The session holds no connection any more.
+    pub(super) fn detached_now(&mut self) {
+        self.engine.detach_server();
+        self.entry.client.hold(0, 0);
+    }
+
+    /// Closes the held connection: it is in a state no other client may
+    /// see.
+    pub(super) fn drop_backend(&mut self) {
+        self.engine.drop_server();
+        self.backend = None;
+        self.detached_now();
+    }
+
+    /// At the session's end: an idle pooled connection goes back to the
+    /// pool; any other is closed.
+    pub(super) fn release_at_end(&mut self) {
+        if !self.attached() || !self.engine.link().is_pooled() {
+            return;
+        }
+        let unread = self.unread();
+        let Some(mut stream) = self.backend.take() else {
+            return;
+        };
+        match self.engine.part_at_end(&self.app, unread) {
+            Some(Parting::Back(lease, lifetime)) => lease.give_back(stream, lifetime),
+            _ => {
+                tokio::spawn(async move {
+                    let _ = stream.write_all(&messages::TERMINATE).await;
+                });
+                self.drop_backend();
+            }
+        }
+    }
+
+    /// Transaction mode, for a client pgcache can log in for: the
+    /// greeting, as the engine has it ([`super::engine::Greeting`]), with
+    /// no connection taken unless it needs one.
+    pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
+        loop {
+            let ctx = super::relay::ctx(&self.app, &self.entry);
+            if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
+                break;
+            }
+            self.check_out(false).await?;
+            self.settle(Upto::Decided).await?;
+        }
+        self.settle(Upto::Link).await
+    }
+
+    /// The backend connection, if this session handed it back clean.
+    pub fn into_server(self, checked_by_pgcache: bool) -> Option<Server> {
+        if self.engine.server().fate == Fate::Tainted {
+            self.app.metrics.pool.closed_tainted.inc();
+        }
+        let unread = self.unread();
+        let (key, addr, book) = self.engine.into_server_book(unread, checked_by_pgcache)?;
+        Some(book.park(self.backend?, &key, addr))
     }
 }
 

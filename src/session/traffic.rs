@@ -1,20 +1,24 @@
-//! The driver's traffic: client frames through the engine to the backend
-//! (or answered by it), the backend's answers through the engine to the
-//! client, and what the engine asked for carried out in between.
+//! The driver's traffic: what arrived from each leg handed to the engine,
+//! and what the engine asks for carried out in its order
+//! ([`Engine::poll_io`](super::engine::Engine::poll_io)): the only awaits
+//! here are writes, reads, and the waits a decision needs met.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, LinkStep, ReadyBatch, ReplicaStep};
+use super::engine::{Action, Held, Io, Need, Parting, ReplicaStep, Taken, Upto};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::backend::BackendStream;
+use crate::invalidation::take_out_for_unlogged;
+use crate::pool::clients::Activity;
+use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
 
@@ -23,7 +27,7 @@ where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
     /// Relays every complete backend frame now buffered to the client,
-    /// as the engine has it.
+    /// as the engine has it, then settles what it left.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
         if self.backend.is_none() {
             return Ok(Flow::Continue);
@@ -38,11 +42,9 @@ where
             backend.shrink_if_empty();
         }
         if self.engine.draining() {
-            return Ok(self.close_if_drained().await);
+            return self.drained();
         }
-        if self.engine.link().is_pooled() {
-            self.detach_if_idle().await?;
-        }
+        self.settle(Upto::Link).await?;
         if answering && !self.engine.answering_login() && !self.client.buffered().is_empty() {
             // What the client sent while pgcache logged in for it.
             return Box::pin(self.on_client_data()).await;
@@ -51,21 +53,15 @@ where
     }
 
     /// Every complete frame buffered from a server leg, through the
-    /// engine: what the server is owed written to it first, then the
-    /// engine's actions, then the client's bytes.
+    /// engine: what the server is owed and the actions first, then the
+    /// client's bytes.
     pub(super) async fn relay_from(&mut self, leg: Leg) -> Result<(), SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
             return Ok(());
         };
         let relayed = self.engine.on_backend(&ctx, stream.buffer_mut())?;
-        if leg == Leg::Primary {
-            // A login's answer, a retry: the server is waiting for it.
-            self.flush_server().await?;
-        }
-        if self.engine.has_actions() {
-            self.carry_out().await;
-        }
+        self.settle(Upto::Answer).await?;
         let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
             return Ok(());
         };
@@ -87,185 +83,230 @@ where
         Ok(())
     }
 
-    /// Does what the engine asked for, in order.
-    pub(super) async fn carry_out(&mut self) {
-        for action in self.engine.take_actions() {
-            match action {
-                // Boxed: a Redis round trip is a large future, and rare.
-                Action::Publish(publication) => Box::pin(publication.send()).await,
-                Action::Mirror(table) => {
-                    Box::pin(self.app.cache.mirror_rows(self.engine.db(), &table)).await
-                }
-                Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
-                Action::Watch => self.app.streams.ensure(self.engine.db()),
-                Action::Fetch => self.app.fetch_catalog(self.engine.db()),
-                Action::Offload(errand, mut capture) => {
-                    let app = Arc::clone(&self.app);
-                    tokio::spawn(async move {
-                        let max_entry = app.cache.local.max_entry_bytes();
-                        let config = app.config();
-                        let on = (&*app.pool.pooled, &*app.upstream, &config.pool);
-                        let sink = |frame: &[u8]| capture.add(frame, max_entry);
-                        let result = errand.run(on, sink).await;
-                        offload::finish(&app, capture, result);
-                    });
-                }
-            }
-        }
-    }
-
-    /// Relays every complete client frame now buffered to the backend.
+    /// Hands the client's buffered frames to the engine, carrying out
+    /// what it leaves after a frame and meeting what a decision waits for,
+    /// then settles what is left.
     pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        let flow = if self.engine.answering_login() {
+        if self.engine.answering_login() {
             // It waits until pgcache has logged in for it.
             return Ok(Flow::Continue);
-        } else if self.engine.relaying_login() || !self.engine.caching() {
-            self.pass_through().await?
-        } else {
-            self.decide_client_frames().await?
-        };
-        self.client.shrink_if_empty();
-        if flow == Flow::Continue && self.engine.link().is_pooled() {
-            // Only pgcache's own queries may have needed a connection.
-            self.detach_if_idle().await?;
         }
-        Ok(flow)
-    }
-
-    /// Caching off, or a login's exchange relayed: the run of frames
-    /// buffered, staged untouched as the engine allows, then written.
-    async fn pass_through(&mut self) -> Result<Flow, SessionError> {
-        let ctx = ctx(&self.app, &self.entry);
-        let max_frame = self.client.max_frame();
-        let run = self
-            .engine
-            .relay_client(&ctx, self.client.buffered(), max_frame)?;
-        self.client.consume(run.taken);
-        // What came before a bad frame still goes out.
-        self.flush_backend().await?;
-        match run.violation {
-            Some(e) => Err(SessionError::ClientFrame(e)),
-            None => Ok(run.flow),
-        }
-    }
-
-    /// Caching on: each frame (or a whole batch at once) decided by the
-    /// engine.
-    async fn decide_client_frames(&mut self) -> Result<Flow, SessionError> {
-        let mut flow = Flow::Continue;
-        // A read on a replica holds the client's next frames until it
-        // is answered.
-        while flow == Flow::Continue && !self.engine.replica_busy() {
+        let result = loop {
             let ctx = ctx(&self.app, &self.entry);
             let max_frame = self.client.max_frame();
-            if let Some(ready) = self
+            match self
                 .engine
-                .whole_batch(&ctx, self.client.buffered(), max_frame)
+                .on_client_data(&ctx, self.client.buffer_mut(), max_frame)
             {
-                self.on_whole_batch(ready).await?;
-                continue;
-            }
-            match self.client.next_frame() {
-                Ok(Some(frame)) => flow = self.on_client_frame(frame.freeze()).await?,
-                Ok(None) => break,
-                Err(e) => {
-                    // What came before the bad frame still goes out.
-                    self.flush_backend().await?;
-                    return Err(e.into());
-                }
-            }
-        }
-        self.flush_backend().await?;
-        self.flush_replica().await?;
-        Ok(flow)
-    }
-
-    /// One complete client frame, with caching on: decided by the engine,
-    /// once it has what it needs.
-    async fn on_client_frame(&mut self, frame: Bytes) -> Result<Flow, SessionError> {
-        let flow = loop {
-            let ctx = ctx(&self.app, &self.entry);
-            match self.engine.on_client_frame(&ctx, &frame) {
-                Ok(flow) => break flow,
-                Err(need) => Box::pin(self.meet(need)).await?,
+                Ok(Taken::Done(flow)) => break Ok(flow),
+                Ok(Taken::Settle) => self.settle(Upto::Decided).await?,
+                Ok(Taken::Need(need)) => Box::pin(self.meet(need)).await?,
+                Err(e) => break Err(e),
             }
         };
-        if self.engine.has_actions() {
-            self.carry_out().await;
-        }
-        self.flush_out().await?;
-        Ok(flow)
+        let upto = match &result {
+            Ok(Flow::Continue) => Upto::Link,
+            // What came before a bad frame still goes out.
+            Ok(Flow::Close) | Err(SessionError::ClientFrame(_)) => Upto::Staged,
+            Err(_) => return result,
+        };
+        self.settle(upto).await?;
+        self.client.shrink_if_empty();
+        result
     }
 
-    /// A batch the engine found whole at the start of the client's buffer.
-    async fn on_whole_batch(&mut self, ready: ReadyBatch) -> Result<(), SessionError> {
-        loop {
-            let ctx = ctx(&self.app, &self.entry);
-            let request = &self.client.buffered()[..ready.len];
-            match self.engine.on_whole_batch(&ctx, &ready, request) {
-                Ok(()) => break,
-                Err(need) => Box::pin(self.meet(need)).await?,
+    /// Gets what the engine needs to decide on a frame, and tells it:
+    /// the cache's waits, pgcache's own queries, catalog facts being
+    /// fetched, and what a statement needs of pgcache before it goes out
+    /// (see [`crate::classify::prerequisites`]): databases pgcache lets go
+    /// of, tables taken out of its publication.
+    async fn meet(&mut self, need: Need) -> Result<(), SessionError> {
+        match need {
+            Need::Prerequisites(needs) => {
+                let db = self.engine.startup().database().to_owned();
+                for name in &needs.free_databases {
+                    if let Some(paused) = self.app.streams.release(name, &db).await {
+                        self.engine.hold_paused(paused);
+                    }
+                }
+                if let Some(publication) = self.app.publication() {
+                    for table in &needs.unpublish {
+                        take_out_for_unlogged(&self.app.upstream, &db, &publication, table).await;
+                    }
+                }
+                self.engine.prerequisites_met();
             }
-        }
-        self.client.consume(ready.len);
-        if self.engine.has_actions() {
-            self.carry_out().await;
-        }
-        self.flush_out().await
-    }
-
-    /// Writes what the server connection is owed as it is.
-    pub(super) async fn flush_server(&mut self) -> Result<(), SessionError> {
-        if let Some(bytes) = self.engine.take_to_server() {
-            let r = self.server()?.write_all(&bytes).await;
-            r.map_err(SessionError::BackendIo)?;
+            Need::Own => self.settle(Upto::Decided).await?,
+            Need::Fetched { rels, funcs } => {
+                let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
+                let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
+                let wait = self.engine.first_read_wait();
+                let db = self.engine.db();
+                // Asked for with the statement's other actions, which run
+                // once it is decided: the fetch must start now.
+                self.app.fetch_catalog(db);
+                let facts = (&rels[..], &funcs[..]);
+                self.app.cache.wait_for_facts(db, facts, wait).await;
+                self.engine.facts_met();
+            }
+            Need::Cache(wait) => self.app.cache.wait(wait, self.engine.lookup_waited()).await,
         }
         Ok(())
     }
 
-    /// Writes what pgcache staged in `out` to the client.
-    pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
-        if self.engine.out().is_empty() {
-            return Ok(());
+    /// Carries out what the engine asks, in its order, up to `upto`.
+    pub(super) async fn settle(&mut self, upto: Upto) -> Result<(), SessionError> {
+        loop {
+            let held = Held {
+                attached: self.attached(),
+                unread: self.unread(),
+            };
+            match self.engine.poll_io(&self.app, held, upto) {
+                Io::Idle => return Ok(()),
+                Io::ToServer(bytes) => {
+                    let r = self.server()?.write_all(&bytes).await;
+                    r.map_err(SessionError::BackendIo)?;
+                }
+                Io::Act(action) => self.act(action).await,
+                Io::CheckOut { queued } => {
+                    // Boxed: taking a connection is a large future, and rare.
+                    if let Err(e) = Box::pin(self.check_out(queued)).await {
+                        let ctx = ctx(&self.app, &self.entry);
+                        self.engine.checkout_failed(&ctx, e)?;
+                    }
+                }
+                Io::Own(request) => Box::pin(self.own(request)).await?,
+                Io::Drop(error) => {
+                    self.drop_backend();
+                    if let Some(e) = error {
+                        return Err(e);
+                    }
+                }
+                Io::ToClient => self.flush_out().await?,
+                Io::Staged => self.write_staged().await?,
+                Io::Replica => Box::pin(self.route_read()).await,
+                Io::Part(parting) => Box::pin(self.let_go(parting)).await,
+            }
         }
+    }
+
+    /// Does one thing the engine asked for.
+    async fn act(&mut self, action: Action) {
+        match action {
+            // Boxed: a Redis round trip is a large future, and rare.
+            Action::Publish(publication) => Box::pin(publication.send()).await,
+            Action::Mirror(table) => {
+                Box::pin(self.app.cache.mirror_rows(self.engine.db(), &table)).await
+            }
+            Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
+            Action::Watch => self.app.streams.ensure(self.engine.db()),
+            Action::Fetch => self.app.fetch_catalog(self.engine.db()),
+            Action::Offload(errand, mut capture) => {
+                let app = Arc::clone(&self.app);
+                tokio::spawn(async move {
+                    let max_entry = app.cache.local.max_entry_bytes();
+                    let config = app.config();
+                    let on = (&*app.pool.pooled, &*app.upstream, &config.pool);
+                    let sink = |frame: &[u8]| capture.add(frame, max_entry);
+                    let result = errand.run(on, sink).await;
+                    offload::finish(&app, capture, result);
+                });
+            }
+        }
+    }
+
+    /// Sends one of pgcache's own queries, if one is to be sent, and reads
+    /// the primary's answer as any other ([`Self::relay_from`]).
+    async fn own(&mut self, request: Option<BytesMut>) -> Result<(), SessionError> {
+        if let Some(request) = request {
+            let r = self.server()?.write_all(&request).await;
+            r.map_err(SessionError::BackendIo)?;
+        }
+        match self.server()?.fill().await {
+            Ok(0) => Err(SessionError::BackendIo(
+                std::io::ErrorKind::UnexpectedEof.into(),
+            )),
+            Ok(_) => self.relay_from(Leg::Primary).await,
+            Err(e) => Err(SessionError::BackendIo(e)),
+        }
+    }
+
+    /// Writes what pgcache staged to the client.
+    pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
         let r = self.client.write_all(self.engine.out()).await;
         self.engine.client_sent();
         r.map_err(SessionError::ClientIo)
     }
 
-    /// Writes the queued client frames to the backend, taking a pooled
-    /// connection first if the session holds none.
-    pub(super) async fn flush_backend(&mut self) -> Result<(), SessionError> {
-        // What the server is owed as it is goes first (a login's frames).
-        self.flush_server().await?;
-        if self.engine.link_step(self.attached(), self.unread()) == Some(LinkStep::CheckOut) {
-            // Boxed: taking a connection is a large future, and the
-            // session waits on its client far more often.
-            if let Err(e) = Box::pin(self.attach(true)).await {
-                self.engine.checkout_failed(e)?;
-                return self.flush_out().await;
-            }
+    /// Writes the requests staged for the primary; the answers pgcache
+    /// gave in its place are read after what the primary sent before.
+    async fn write_staged(&mut self) -> Result<(), SessionError> {
+        let (staged, answers) = self.engine.staged(&self.app);
+        let r = match &mut self.backend {
+            Some(backend) => backend.write_all(staged).await,
+            None => Err(std::io::ErrorKind::NotConnected.into()),
+        };
+        staged.clear();
+        if staged.capacity() > 1 << 20 {
+            *staged = BytesMut::new();
         }
-        if !self.engine.pipeline().to_backend.is_empty() {
-            let (staged, answers) = self.engine.staged(&self.app);
-            let r = match &mut self.backend {
-                Some(backend) => backend.write_all(staged).await,
-                None => Err(std::io::ErrorKind::NotConnected.into()),
-            };
-            staged.clear();
-            if staged.capacity() > 1 << 20 {
-                *staged = BytesMut::new();
-            }
-            r.map_err(SessionError::BackendIo)?;
-            if !answers.is_empty() {
-                let not_connected = || std::io::ErrorKind::NotConnected.into();
-                let backend = self.backend.as_mut().ok_or_else(not_connected);
-                let backend = backend.map_err(SessionError::BackendIo)?;
-                self.engine.splice(backend.buffer_mut(), &answers);
-                Box::pin(self.on_backend_data()).await?;
-            }
+        r.map_err(SessionError::BackendIo)?;
+        if let (false, Some(backend)) = (answers.is_empty(), &mut self.backend) {
+            self.engine.splice(backend.buffer_mut(), &answers);
+            Box::pin(self.on_backend_data()).await?;
         }
         Ok(())
+    }
+
+    /// Transaction mode: takes a connection from the pool, if the session
+    /// holds none (`queued`: for the client's requests, which the pool's
+    /// queue may hold). The engine puts the client's settings on it first.
+    pub(super) async fn check_out(&mut self, queued: bool) -> Result<(), SessionError> {
+        if self.attached() {
+            return Ok(());
+        }
+        let Some((pool, wait)) = self.engine.checkout(&self.app)? else {
+            return Err(SessionError::BackendIo(
+                std::io::ErrorKind::NotConnected.into(),
+            ));
+        };
+        tracing::trace!(status = ?self.engine.tx_status(), "taking a server connection");
+        let client = Arc::clone(&self.entry.client);
+        client.set(Activity::Waiting);
+        let taken = self
+            .app
+            .pool
+            .pooled
+            .checkout(&pool, &self.app.upstream, wait, client.id);
+        let (lease, stream) = match taken.await {
+            Ok(taken) => taken,
+            Err(e) => {
+                client.set(Activity::Idle);
+                return Err(SessionError::Pool(e));
+            }
+        };
+        let server = lease.server();
+        client.hold(server.id, server.key.backend_pid);
+        self.backend = Some(stream);
+        // One address for the whole pool: copied once, not per checkout.
+        self.engine.attach_server(&server.addr, server.key.clone());
+        self.engine.granted(lease, queued);
+        Ok(())
+    }
+
+    /// Transaction mode: the held connection back to its pool, or closed.
+    async fn let_go(&mut self, parting: Parting) {
+        tracing::trace!(status = ?self.engine.tx_status(), "letting the server connection go");
+        let Some(mut stream) = self.backend.take() else {
+            return;
+        };
+        match parting {
+            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
+            Parting::Close => {
+                let _ = stream.write_all(&messages::TERMINATE).await;
+            }
+        }
+        self.detached_now();
     }
 }
 
@@ -277,37 +318,27 @@ where
     /// Writes the read the engine routed to a replica, with what it needs
     /// first ([`ReplicaStep`]). A replica that cannot take it leaves the
     /// read to the primary.
-    pub(super) async fn flush_replica(&mut self) -> Result<(), SessionError> {
-        if !self.engine.replica_chosen() {
-            // Most reads: nothing routed, and no boxed future made for it.
-            return Ok(());
-        }
-        match Box::pin(self.send_replica()).await {
-            Ok(false) => Ok(()),
-            Ok(true) => {
+    async fn route_read(&mut self) {
+        match self.send_replica().await {
+            Ok(()) => {
                 let key = self.replica.as_ref().map(|c| Arc::clone(&c.key));
                 self.engine.cancel_towards(key);
-                Ok(())
             }
             Err(why) => {
                 let name = self.engine.replica().map(|leg| leg.server.name.clone());
                 debug!(replica = ?name, "read sent to the primary: {why}");
                 self.replica = None;
-                if !self.engine.on_replica_lost() {
-                    return self.flush_out().await;
-                }
-                Box::pin(self.flush_backend()).await
+                self.engine.on_replica_lost();
             }
         }
     }
 
-    /// Carries out the steps of a read routed to a replica, to its write:
-    /// true once written, false if none waited.
-    async fn send_replica(&mut self) -> Result<bool, String> {
+    /// Carries out the steps of a read routed to a replica, to its write.
+    async fn send_replica(&mut self) -> Result<(), String> {
         loop {
             let held = self.replica.as_ref().map(|conn| &conn.server);
             let Some(step) = self.engine.replica_step(held, Instant::now()) else {
-                return Ok(false);
+                return Err("no read to send".into());
             };
             match step {
                 ReplicaStep::Fail(why) => return Err(why.into()),
@@ -341,8 +372,11 @@ where
                 ReplicaStep::Write(read) => {
                     let conn = self.replica.as_mut().ok_or("no replica connection")?;
                     conn.set_active(true);
-                    let written = conn.stream.write_all(&read).await;
-                    return written.map(|()| true).map_err(|e| e.to_string());
+                    return conn
+                        .stream
+                        .write_all(&read)
+                        .await
+                        .map_err(|e| e.to_string());
                 }
             }
         }
@@ -378,7 +412,7 @@ where
         }
         self.replica_read_done();
         self.engine.retarget_cancel();
-        self.flush_backend().await?;
+        self.settle(Upto::Link).await?;
         if !self.client.buffered().is_empty() {
             return Box::pin(self.on_client_data()).await;
         }
@@ -394,10 +428,8 @@ where
     ) -> Result<Flow, SessionError> {
         let name = self.replica.take().map(|c| c.server.name.clone());
         info!(replica = ?name, error = ?error, "replica connection lost");
-        match self.engine.on_replica_lost() {
-            true => self.flush_backend().await?,
-            false => self.flush_out().await?,
-        }
+        self.engine.on_replica_lost();
+        self.settle(Upto::Link).await?;
         if !self.client.buffered().is_empty() {
             return Box::pin(self.on_client_data()).await;
         }

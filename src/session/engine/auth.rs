@@ -19,8 +19,8 @@ use crate::pool::marks::Pin;
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{backend as be, frontend as fe, messages, sqlstate};
 use crate::scram::{ClientSecret, MECHANISM};
-use crate::session::Login;
 use crate::session::SessionError;
+use crate::session::admission::Login;
 use crate::session::link::Link;
 use crate::session::reuse::{Source, Trust};
 

@@ -39,8 +39,10 @@ mod auth;
 mod events;
 mod greeting;
 mod hidden;
+mod intake;
 mod life;
 mod lookup;
+mod output;
 mod passthrough;
 mod requests;
 mod routing;
@@ -55,7 +57,9 @@ pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
+pub(super) use intake::Taken;
 use life::{Ending, Exchange, Phase, Shutdown};
+pub(super) use output::{Held, Io, Upto};
 pub(super) use routing::ReplicaStep;
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
@@ -102,6 +106,8 @@ pub(super) struct Engine {
     cancel: Option<CancelGuard>,
     /// What the frame being decided waited for.
     found: Found,
+    /// The decision waiting on what `found` is to hold.
+    waiting: Option<intake::Waiting>,
     /// The session's connection to a replica, once a read went to one.
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
@@ -144,6 +150,7 @@ impl Engine {
             backend_key: None,
             cancel: None,
             found: Found::default(),
+            waiting: None,
             replica: None,
             observed: Observed::default(),
             own: Own::default(),

@@ -18,12 +18,12 @@ use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
+use crate::pool::PoolError;
 use crate::pool::transaction::{Lease, Pool};
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, messages};
 use crate::session::SessionError;
 use crate::session::link::{Link, UNKNOWN_STATE};
-use crate::session::pipeline::Pipeline;
 use crate::session::replica::ReplicaLeg;
 use crate::session::reuse::{Fate, ServerBook};
 use crate::upstream::UpstreamAddr;
@@ -33,11 +33,6 @@ use crate::upstream::UpstreamAddr;
 pub(in crate::session) type Checkout = (Arc<Pool>, Option<Duration>);
 
 impl Engine {
-    /// Cache lookups and fills are on (`cache.enabled`).
-    pub fn caching(&self) -> bool {
-        self.caching
-    }
-
     pub fn startup(&self) -> &Startup {
         &self.startup
     }
@@ -49,10 +44,6 @@ impl Engine {
     /// This database's cache state.
     pub fn db(&self) -> &Arc<DbState> {
         &self.db
-    }
-
-    pub fn pipeline(&self) -> &Pipeline {
-        &self.pipeline
     }
 
     /// What was staged for the backend is gone (the fuzz target sends
@@ -98,16 +89,13 @@ impl Engine {
     }
 
     /// Transaction mode: taking a server connection for what the client
-    /// sent failed with `error`. While the client's requests are whole
+    /// sent failed with `pool`'s error. While the client's requests are whole
     /// (synced), each it is owed an answer for fails with the pool's error
     /// (staged for the client), its statements forgotten, and the session
     /// goes on. Otherwise the session ends with the error.
-    pub fn checkout_failed(&mut self, error: SessionError) -> Result<(), SessionError> {
-        let SessionError::Pool(pool) = &error else {
-            return Err(error);
-        };
+    pub(super) fn fail_unsent(&mut self, pool: PoolError) -> Result<(), SessionError> {
         if self.pipeline.unsynced {
-            return Err(error);
+            return Err(SessionError::Pool(pool));
         }
         tracing::info!(code = pool.sqlstate(), "{pool}");
         for request in self.pipeline.drop_unsent() {
@@ -148,11 +136,6 @@ impl Engine {
 
     pub fn server(&self) -> &ServerBook {
         &self.server
-    }
-
-    /// Work for the driver before the client hears more.
-    pub fn has_actions(&self) -> bool {
-        !self.actions.is_empty()
     }
 
     pub fn take_actions(&mut self) -> Vec<Action> {
@@ -301,16 +284,6 @@ impl Engine {
             return None;
         }
         Some((self.backend_key?, self.backend_addr, self.server))
-    }
-
-    /// Transaction mode: no connection came for the own query in flight
-    /// (`error`): what waited goes on without its answer, and the
-    /// statement fails at once with the same error.
-    pub fn no_connection(&mut self, ctx: &super::Ctx, error: crate::pool::PoolError) {
-        if let Link::Pooled(link) = &mut self.link {
-            link.no_connection = Some(Box::new(error));
-        }
-        self.own_unanswered(ctx);
     }
 
     /// Puts answers pgcache gave in the server's place (`answers`) after

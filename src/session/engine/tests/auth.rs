@@ -252,7 +252,7 @@ fn a_login_pgcache_cannot_answer_or_finish_in_time_fails_as_the_clients_login() 
 
 #[test]
 fn a_login_begins_replayed_greeted_or_with_the_startup_message_owed_to_postgresql() {
-    use crate::session::Login;
+    use crate::session::admission::Login;
     use crate::session::engine::Start;
     use crate::session::reuse::Source;
     let raw = || BytesMut::from(&b"\0\0\0\x08\0\x03\0\0"[..]);
@@ -312,7 +312,7 @@ fn relayed_frames_are_staged_as_they_are_a_logins_for_the_server_others_with_the
         .expect("relayed");
     assert_eq!((run.taken, run.violation.is_none()), (password.len(), true));
     assert_eq!(rig.engine.take_to_server().as_deref(), Some(&password[..]));
-    assert!(rig.engine.pipeline().to_backend.is_empty());
+    assert!(rig.engine.pipeline.to_backend.is_empty());
 
     // Logged in (as with caching off): with the requests, up to a bad
     // frame, which is the run's end.
@@ -328,7 +328,7 @@ fn relayed_frames_are_staged_as_they_are_a_logins_for_the_server_others_with_the
         "a length shorter than its own field"
     );
     assert_eq!(
-        rig.engine.pipeline().to_backend,
+        rig.engine.pipeline.to_backend,
         [query.clone(), query].concat()
     );
     assert_eq!(rig.engine.take_to_server(), None);
@@ -344,7 +344,7 @@ fn relayed_frames_are_staged_as_they_are_a_logins_for_the_server_others_with_the
         let run = run.expect("relayed");
         assert_eq!(run.flow, crate::session::pipeline::Flow::Close);
         assert_eq!(run.taken, if parks { 0 } else { terminate.len() });
-        assert_eq!(rig.engine.pipeline().to_backend.is_empty(), parks);
+        assert_eq!(rig.engine.pipeline.to_backend.is_empty(), parks);
         assert!(rig.engine.close_expected());
     }
 }

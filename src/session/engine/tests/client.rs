@@ -457,8 +457,9 @@ fn transaction_mode_a_failed_checkout_fails_each_request_and_the_session_goes_on
     rig.client(&query("UPDATE items SET v = 1"));
     rig.frames(&[parse("s1", "SELECT 1"), sync()]);
     assert!(rig.engine.known.statements.contains_key(&b"s1"[..]));
+    let now = ctx(&rig.app, &rig.entry);
     rig.engine
-        .checkout_failed(SessionError::Pool(PoolError::WaitTimeout(5)))
+        .checkout_failed(&now, SessionError::Pool(PoolError::WaitTimeout(5)))
         .expect("the session goes on");
     let answers = rig.sent_to_client();
     let e = PoolError::WaitTimeout(5);
@@ -483,15 +484,16 @@ fn transaction_mode_a_failed_checkout_fails_each_request_and_the_session_goes_on
     // or another error: the session ends with it.
     rig.frames(&[frame(fe::CLOSE, b"Ss9\0")]);
     assert!(rig.engine.pipeline.unsynced);
+    let now = ctx(&rig.app, &rig.entry);
     let e = rig
         .engine
-        .checkout_failed(SessionError::Pool(PoolError::Full))
+        .checkout_failed(&now, SessionError::Pool(PoolError::Full))
         .expect_err("unsynced");
     assert_eq!(e.sqlstate(), PoolError::Full.sqlstate());
     let io = std::io::Error::other("reset");
     assert!(
         rig.engine
-            .checkout_failed(SessionError::ClientIo(io))
+            .checkout_failed(&now, SessionError::ClientIo(io))
             .is_err()
     );
 }

@@ -257,7 +257,7 @@ fn a_table_set_unlogged_is_named_as_the_clients_session_resolves_it_before_it_le
             .is_ok()
     );
     assert!(
-        String::from_utf8_lossy(&rig.engine.pipeline().to_backend).contains("SET UNLOGGED"),
+        String::from_utf8_lossy(&rig.engine.pipeline.to_backend).contains("SET UNLOGGED"),
         "then it goes out"
     );
 }

@@ -8,6 +8,7 @@ mod client;
 mod greeting;
 mod hidden;
 pub(crate) mod model;
+mod output;
 mod property;
 mod replica_books;
 mod timeouts;

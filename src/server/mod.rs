@@ -1,6 +1,8 @@
 //! The listener: accepts clients, enforces the connection limit and drives
 //! graceful shutdown.
 
+mod opening;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
@@ -13,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::shutdown::Stage;
-use crate::{App, Config, session};
+use crate::{App, Config};
 
 /// Serves clients on `listener` until `shutdown` completes, then stops
 /// accepting, closes idle sessions, lets busy ones finish their transaction
@@ -63,7 +65,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                             // A session's future is kilobytes; boxed, the
                             // task moves a pointer, not the future, each
                             // time tokio moves its stage.
-                            sessions.spawn(Box::pin(session::serve(
+                            sessions.spawn(Box::pin(opening::serve(
                                 Arc::clone(&app),
                                 socket,
                                 peer,
@@ -73,7 +75,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                         }
                         None => {
                             warn!(%peer, "refused connection: server.max_startups_per_ip reached");
-                            sessions.spawn(session::refuse(socket));
+                            sessions.spawn(opening::refuse(socket));
                         }
                     }
                 }

@@ -1,0 +1,151 @@
+//! The engine's one output surface ([`Engine::poll_io`]): what the driver
+//! does next, asked again after each step until nothing is left. The
+//! order is the engine's: what the server is owed as it is and the
+//! actions; what is staged for the client and pgcache's own queries; the
+//! requests staged for the primary and a replica; last, the pooled
+//! connection let go of.
+
+use bytes::BytesMut;
+
+use super::{Action, Ctx, Engine, LinkStep, Parting, Verdict};
+use crate::App;
+use crate::session::SessionError;
+use crate::session::link::Link;
+
+/// The server connection the driver holds, as a poll asks about it.
+#[derive(Clone, Copy)]
+pub(in crate::session) struct Held {
+    /// A connection to the primary is held.
+    pub attached: bool,
+    /// It sent bytes not read yet.
+    pub unread: bool,
+}
+
+/// How far a poll goes: each stage takes in those before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(in crate::session) enum Upto {
+    /// What the server is owed as it is, and the actions: before a
+    /// server's answer is relayed to the client.
+    Answer,
+    /// What is staged for the client, and pgcache's own queries to their
+    /// last answer: a client frame decided, or a decision waiting on them.
+    Decided,
+    /// The requests staged for the primary and a replica: the client's
+    /// frames decided, or the session ending.
+    Staged,
+    /// The pooled connection let go of once the session is idle.
+    Link,
+}
+
+/// What the driver does next ([`Engine::poll_io`]).
+pub(in crate::session) enum Io {
+    /// Write these bytes to the primary, as they are.
+    ToServer(BytesMut),
+    /// Carry out this action.
+    Act(Action),
+    /// Write [`Engine::out`] to the client, then [`Engine::client_sent`].
+    ToClient,
+    /// Transaction mode: take a connection from the pool (`queued`: for
+    /// the client's requests, which may wait in the pool's queue); if
+    /// none comes, tell [`Engine::checkout_failed`].
+    CheckOut { queued: bool },
+    /// Write this own query (if one is to be sent), then read the
+    /// primary's answer through [`Engine::on_backend`].
+    Own(Option<BytesMut>),
+    /// Close the held connection: an own query's answer left it in doubt;
+    /// the session ends with the error, if there is one.
+    Drop(Option<SessionError>),
+    /// Write the requests staged for the primary ([`Engine::staged`]).
+    Staged,
+    /// Carry out the steps of the read routed to a replica
+    /// ([`Engine::replica_step`]); if it cannot be sent, tell
+    /// [`Engine::on_replica_lost`].
+    Replica,
+    /// Let the held pooled connection go.
+    Part(Parting),
+    /// Nothing more: wait for input.
+    Idle,
+}
+
+impl Engine {
+    /// What the driver does next, up to the stage `upto`, with the
+    /// connections it `held`.
+    pub fn poll_io(&mut self, app: &App, held: Held, upto: Upto) -> Io {
+        if let Some(bytes) = self.take_to_server() {
+            return Io::ToServer(bytes);
+        }
+        if !self.actions.is_empty() {
+            return Io::Act(self.actions.remove(0));
+        }
+        if upto < Upto::Decided {
+            return Io::Idle;
+        }
+        if !self.out.is_empty() {
+            return Io::ToClient;
+        }
+        if self.own_pending() {
+            return match held.attached {
+                false => Io::CheckOut { queued: false },
+                true => Io::Own(self.own_request()),
+            };
+        }
+        match self.take_verdict() {
+            Some(Verdict::Close) => return Io::Drop(None),
+            Some(Verdict::Fail(e)) => return Io::Drop(Some(e)),
+            None => {}
+        }
+        if upto < Upto::Staged {
+            return Io::Idle;
+        }
+        if !self.pipeline.to_backend.is_empty() {
+            return match held.attached || !self.link.is_pooled() {
+                true => Io::Staged,
+                false => Io::CheckOut { queued: true },
+            };
+        }
+        if self.replica_chosen() {
+            return Io::Replica;
+        }
+        if upto < Upto::Link {
+            return Io::Idle;
+        }
+        self.let_go(app, held)
+    }
+
+    /// Transaction mode, the session idle: the held connection given back
+    /// (its settings read back first if they may have changed), or closed.
+    fn let_go(&mut self, app: &App, held: Held) -> Io {
+        let close = match self.link_step(held.attached, held.unread) {
+            Some(LinkStep::ReadBack) => {
+                // Unreadable, the connection is closed, not given back.
+                self.read_back();
+                return Io::Own(self.own_request());
+            }
+            Some(LinkStep::GiveBack) => false,
+            Some(LinkStep::Close) => true,
+            Some(LinkStep::CheckOut) | None => return Io::Idle,
+        };
+        match self.part(app, close) {
+            Some(parting) => Io::Part(parting),
+            None => Io::Idle,
+        }
+    }
+
+    /// No connection came for what waited on one (`error`): an own query
+    /// goes on without its answer, and the statement that waited fails at
+    /// once with the same error; the client's requests fail as
+    /// [`Engine::fail_unsent`] says. Any other error ends the session.
+    pub fn checkout_failed(&mut self, ctx: &Ctx, error: SessionError) -> Result<(), SessionError> {
+        let SessionError::Pool(pool) = error else {
+            return Err(error);
+        };
+        if !self.own_pending() {
+            return self.fail_unsent(pool);
+        }
+        if let Link::Pooled(link) = &mut self.link {
+            link.no_connection = Some(Box::new(pool));
+        }
+        self.own_unanswered(ctx);
+        Ok(())
+    }
+}
