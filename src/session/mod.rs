@@ -9,7 +9,7 @@
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
 //!   client frames  → Query, Parse/Bind/Describe/Execute/Sync  engine/requests.rs
-//!                    (caching off: forwarded)                 engine/passthrough.rs
+//!                    (caching off: forwarded)                 engine/intake.rs
 //!   what the engine asks next, polled in its order            engine/output.rs
 //!                    carried out                              traffic.rs
 //!   drain          → close once idle (57P01)

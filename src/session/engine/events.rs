@@ -32,13 +32,6 @@ pub(in crate::session) struct Ctx<'a> {
     pub draw: fn() -> u64,
 }
 
-impl Ctx<'_> {
-    /// A draw uniform in [0, 1), from [`Ctx::draw`].
-    pub fn roll(&self) -> f64 {
-        ((self.draw)() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// What the engine asks the driver to do, in order, before the client is
 /// sent what the engine staged for it.
 pub(in crate::session) enum Action {

@@ -174,10 +174,16 @@ impl Engine {
         // No draw at all with the sampler off.
         self.tx.status == TxStatus::Idle
             && rate > 0.0
-            && ctx
-                .app
-                .cache
-                .sampler
-                .draw((ctx.roll(), ctx.now), rate, max, &ctx.app.metrics.verify)
+            && ctx.app.cache.sampler.draw(
+                (roll(ctx.draw), ctx.now),
+                rate,
+                max,
+                &ctx.app.metrics.verify,
+            )
     }
+}
+
+/// A draw uniform in [0, 1), from `draw` ([`Ctx::draw`]).
+fn roll(draw: fn() -> u64) -> f64 {
+    (draw() >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -43,7 +43,6 @@ mod intake;
 mod life;
 mod lookup;
 mod output;
-mod passthrough;
 mod requests;
 mod routing;
 mod settings;
