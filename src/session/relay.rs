@@ -127,7 +127,7 @@ where
     ) -> Result<Flow, SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         let flow = match self.engine.start(&ctx, self.attached(), login) {
-            Start::Begun => self.settle(Upto::Answer).await.map(|()| Flow::Continue),
+            Start::Begun => self.settle(Upto::Relayed).await.map(|()| Flow::Continue),
             Start::Greet => self.greet().await.map(|()| Flow::Continue),
             Start::Close => Ok(Flow::Close),
         };
@@ -181,7 +181,18 @@ where
             }
             self.client.release_if_empty();
             self.engine.release_buffers();
-            woke = Some(self.wait(shutdown).await);
+            // Parked: only the client, shutdown and the idle timeout wake
+            // the session, and its wait keeps no room for the legs it
+            // does not hold.
+            let deadline = self.deadline();
+            let parked = tokio::select! {
+                biased;
+                _ = shutdown.wait(Stage::Force) => Woke::Force,
+                r = self.client.fill_lazily() => Woke::Client(r),
+                _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
+                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
+            };
+            woke = Some(self.noted(parked));
         }
     }
 
@@ -226,15 +237,12 @@ where
         }
     }
 
-    /// Waits for what the engine waits on: bytes from a leg it reads, a
-    /// shutdown stage, its next deadline; between reads, a replica leaving
-    /// the rotation takes the session's connection to it along. Parked,
-    /// the session holds no backend to read.
+    /// Waits for what the engine waits on while serving: bytes from a leg
+    /// it reads, a shutdown stage, its next deadline; between reads, a
+    /// replica leaving the rotation takes the session's connection to it
+    /// along.
     async fn wait(&mut self, shutdown: &crate::shutdown::Shutdown) -> Woke {
-        let deadline = self
-            .engine
-            .poll_timeout()
-            .map(tokio::time::Instant::from_std);
+        let deadline = self.deadline();
         let on_replica = self.engine.replica_busy();
         let hold_client = !self.engine.reads_client();
         let woke = tokio::select! {
@@ -246,6 +254,19 @@ where
             _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
             _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
         };
+        self.noted(woke)
+    }
+
+    /// The engine's next deadline, on tokio's clock.
+    fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.engine
+            .poll_timeout()
+            .map(tokio::time::Instant::from_std)
+    }
+
+    /// What woke the session, noted as activity where the engine keeps
+    /// time.
+    fn noted(&mut self, woke: Woke) -> Woke {
         if self.engine.tracks_activity() {
             self.engine.note_activity(std::time::Instant::now());
         }

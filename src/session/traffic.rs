@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, Held, Io, Need, Parting, ReplicaStep, Taken, Upto};
+use super::engine::{Action, Held, Io, Leg, Need, Parting, Relayed, ReplicaStep, Taken, Upto};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
@@ -27,13 +27,13 @@ where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
     /// Relays every complete backend frame now buffered to the client,
-    /// as the engine has it, then settles what it left.
+    /// as the engine has it, and settles what it left.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
         if self.backend.is_none() {
             return Ok(Flow::Continue);
         }
         let answering = self.engine.answering_login();
-        self.relay_from(Leg::Primary).await?;
+        self.relay_from(Leg::Primary, Upto::Link).await?;
         if self.learning.is_some() && !self.engine.relaying_login() {
             // The pool's lesson in how to log in is this login's no more.
             self.learning = None;
@@ -44,7 +44,6 @@ where
         if self.engine.draining() {
             return self.drained();
         }
-        self.settle(Upto::Link).await?;
         if answering && !self.engine.answering_login() && !self.client.buffered().is_empty() {
             // What the client sent while pgcache logged in for it.
             return Box::pin(self.on_client_data()).await;
@@ -53,21 +52,23 @@ where
     }
 
     /// Every complete frame buffered from a server leg, through the
-    /// engine: what the server is owed and the actions first, then the
-    /// client's bytes.
-    pub(super) async fn relay_from(&mut self, leg: Leg) -> Result<(), SessionError> {
+    /// engine, then what the engine asks up to `upto`: what the server is
+    /// owed and the actions first, then the client's bytes.
+    pub(super) async fn relay_from(&mut self, leg: Leg, upto: Upto) -> Result<(), SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
             return Ok(());
         };
-        let relayed = self.engine.on_backend(&ctx, stream.buffer_mut())?;
-        self.settle(Upto::Answer).await?;
+        self.engine.on_server_data(&ctx, leg, stream.buffer_mut())?;
+        self.settle(upto).await
+    }
+
+    /// Writes to the client what it is sent of the bytes the engine
+    /// handled from a server leg, and drops them from the leg's buffer.
+    async fn relay_out(&mut self, leg: Leg, relayed: Relayed) -> Result<(), SessionError> {
         let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
             return Ok(());
         };
-        if relayed.end == 0 {
-            return Ok(());
-        }
         let bytes = self.engine.for_client(stream.buffered(), &relayed);
         self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
         let sent = match bytes.is_empty() {
@@ -168,6 +169,7 @@ where
                     r.map_err(SessionError::BackendIo)?;
                 }
                 Io::Act(action) => self.act(action).await,
+                Io::Relay(leg, relayed) => self.relay_out(leg, relayed).await?,
                 Io::CheckOut { queued } => {
                     // Boxed: taking a connection is a large future, and rare.
                     if let Err(e) = Box::pin(self.check_out(queued)).await {
@@ -226,7 +228,7 @@ where
             Ok(0) => Err(SessionError::BackendIo(
                 std::io::ErrorKind::UnexpectedEof.into(),
             )),
-            Ok(_) => self.relay_from(Leg::Primary).await,
+            Ok(_) => self.relay_from(Leg::Primary, Upto::Relayed).await,
             Err(e) => Err(SessionError::BackendIo(e)),
         }
     }
@@ -406,7 +408,7 @@ where
     /// what waited goes on: a retry to the primary, the client's next
     /// frames.
     pub(super) async fn on_replica_data(&mut self) -> Result<Flow, SessionError> {
-        self.relay_from(Leg::Replica).await?;
+        self.relay_from(Leg::Replica, Upto::Relayed).await?;
         if self.engine.replica_busy() {
             return Ok(Flow::Continue);
         }
@@ -435,13 +437,6 @@ where
         }
         Ok(Flow::Continue)
     }
-}
-
-/// A server leg of the session: the primary's connection, or a replica's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Leg {
-    Primary,
-    Replica,
 }
 
 impl Leg {

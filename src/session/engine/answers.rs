@@ -28,7 +28,7 @@ use crate::session::reuse::Settings;
 use crate::session::row_limit::Cut;
 
 /// What became of the backend's buffered frames ([`Engine::on_backend`]).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 pub(in crate::session) struct Relayed {
     /// The buffer's first `end` bytes were handled.
     pub end: usize,

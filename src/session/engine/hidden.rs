@@ -194,6 +194,12 @@ impl Engine {
         }
     }
 
+    /// Own queries wait, or what becomes of the connection after them is
+    /// still to be said.
+    pub(super) fn own_unsettled(&self) -> bool {
+        !self.own.queue.is_empty() || self.own.verdict.is_some()
+    }
+
     /// What becomes of the connection, once the own queries are over.
     pub fn take_verdict(&mut self) -> Option<Verdict> {
         self.own.verdict.take()

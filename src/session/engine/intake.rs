@@ -60,7 +60,7 @@ impl Engine {
             };
         }
         loop {
-            let decided = match self.waiting.take() {
+            let decided = match self.waiting.take().map(|waiting| *waiting) {
                 Some(Waiting::Batch(ready)) => self.take_batch(ctx, buf, ready),
                 Some(Waiting::Frame(frame)) => self.take_frame(ctx, frame),
                 None if self.replica_busy() => return Ok(Taken::Done(Flow::Continue)),
@@ -97,7 +97,7 @@ impl Engine {
                 Ok(Flow::Continue)
             }
             Err(need) => {
-                self.waiting = Some(Waiting::Batch(ready));
+                self.waiting = Some(Box::new(Waiting::Batch(ready)));
                 Err(need)
             }
         }
@@ -107,7 +107,7 @@ impl Engine {
     fn take_frame(&mut self, ctx: &Ctx, frame: Bytes) -> Result<Flow, Need> {
         let decided = self.on_client_frame(ctx, &frame);
         if decided.is_err() {
-            self.waiting = Some(Waiting::Frame(frame));
+            self.waiting = Some(Box::new(Waiting::Frame(frame)));
         }
         decided
     }

@@ -51,6 +51,7 @@ mod surface;
 mod tests;
 mod timeouts;
 
+pub(super) use answers::Relayed;
 pub(super) use auth::Start;
 pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
@@ -58,7 +59,7 @@ use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
 pub(super) use intake::Taken;
 use life::{Ending, Exchange, Phase, Shutdown};
-pub(super) use output::{Held, Io, Upto};
+pub(super) use output::{Held, Io, Leg, Upto};
 pub(super) use routing::ReplicaStep;
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
@@ -81,6 +82,9 @@ pub(super) struct Engine {
     actions: Vec<Action>,
     /// Staging for client writes that pgcache assembles or rewrites.
     out: BytesMut,
+    /// What a server sent, handled and still to be relayed to the client
+    /// ([`output::Io::Relay`]).
+    relaying: Option<(Leg, answers::Relayed)>,
     /// What the server connection is owed as it is, before any request
     /// staged for it: the StartupMessage, a login's answers, a retried
     /// request.
@@ -105,8 +109,9 @@ pub(super) struct Engine {
     cancel: Option<CancelGuard>,
     /// What the frame being decided waited for.
     found: Found,
-    /// The decision waiting on what `found` is to hold.
-    waiting: Option<intake::Waiting>,
+    /// The decision waiting on what `found` is to hold (boxed: rare, and
+    /// every idle session would keep room for it).
+    waiting: Option<Box<intake::Waiting>>,
     /// The session's connection to a replica, once a read went to one.
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
@@ -140,6 +145,7 @@ impl Engine {
             db: Arc::default(),
             actions: Vec::new(),
             out: BytesMut::new(),
+            relaying: None,
             to_server: BytesMut::new(),
             link,
             server,

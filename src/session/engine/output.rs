@@ -7,6 +7,7 @@
 
 use bytes::BytesMut;
 
+use super::answers::Relayed;
 use super::{Action, Ctx, Engine, LinkStep, Parting, Verdict};
 use crate::App;
 use crate::session::SessionError;
@@ -21,12 +22,20 @@ pub(in crate::session) struct Held {
     pub unread: bool,
 }
 
+/// A server leg of the session: the primary's connection, or a replica's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::session) enum Leg {
+    Primary,
+    Replica,
+}
+
 /// How far a poll goes: each stage takes in those before it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(in crate::session) enum Upto {
-    /// What the server is owed as it is, and the actions: before a
-    /// server's answer is relayed to the client.
-    Answer,
+    /// What the server is owed as it is, the actions, then a server's
+    /// answer relayed to the client: what reading a server's bytes asks
+    /// for, and all a read of pgcache's own answer may.
+    Relayed,
     /// What is staged for the client, and pgcache's own queries to their
     /// last answer: a client frame decided, or a decision waiting on them.
     Decided,
@@ -43,6 +52,9 @@ pub(in crate::session) enum Io {
     ToServer(BytesMut),
     /// Carry out this action.
     Act(Action),
+    /// Write to the client what it is sent of the bytes buffered from
+    /// this leg ([`Engine::for_client`]), then drop them from the buffer.
+    Relay(Leg, Relayed),
     /// Write [`Engine::out`] to the client, then [`Engine::client_sent`].
     ToClient,
     /// Transaction mode: take a connection from the pool (`queued`: for
@@ -69,13 +81,16 @@ pub(in crate::session) enum Io {
 
 impl Engine {
     /// What the driver does next, up to the stage `upto`, with the
-    /// connections it `held`.
+    /// connection it `held`. Most events leave nothing to do: that answer
+    /// is a few field checks, and what carries a payload is built out of
+    /// line.
+    #[inline]
     pub fn poll_io(&mut self, app: &App, held: Held, upto: Upto) -> Io {
-        if let Some(bytes) = self.take_to_server() {
-            return Io::ToServer(bytes);
+        if !self.to_server.is_empty() || !self.actions.is_empty() {
+            return self.owed();
         }
-        if !self.actions.is_empty() {
-            return Io::Act(self.actions.remove(0));
+        if let Some((leg, relayed)) = self.relaying.take() {
+            return Io::Relay(leg, relayed);
         }
         if upto < Upto::Decided {
             return Io::Idle;
@@ -83,16 +98,8 @@ impl Engine {
         if !self.out.is_empty() {
             return Io::ToClient;
         }
-        if self.own_pending() {
-            return match held.attached {
-                false => Io::CheckOut { queued: false },
-                true => Io::Own(self.own_request()),
-            };
-        }
-        match self.take_verdict() {
-            Some(Verdict::Close) => return Io::Drop(None),
-            Some(Verdict::Fail(e)) => return Io::Drop(Some(e)),
-            None => {}
+        if self.own_unsettled() {
+            return self.own_io(held);
         }
         if upto < Upto::Staged {
             return Io::Idle;
@@ -106,14 +113,64 @@ impl Engine {
         if self.replica_chosen() {
             return Io::Replica;
         }
-        if upto < Upto::Link {
+        if upto < Upto::Link || !self.link.is_pooled() {
             return Io::Idle;
         }
         self.let_go(app, held)
     }
 
+    /// Every complete frame buffered from a server `leg` (`buf`), handled
+    /// ([`Engine::on_backend`]): what the client is sent of them waits
+    /// for [`Io::Relay`], after what the server is owed and the actions.
+    pub fn on_server_data(
+        &mut self,
+        ctx: &Ctx,
+        leg: Leg,
+        buf: &mut bytes::BytesMut,
+    ) -> Result<(), SessionError> {
+        let relayed = self.on_backend(ctx, buf)?;
+        if relayed.end > 0 {
+            self.relaying = Some((leg, relayed));
+        }
+        Ok(())
+    }
+
+    /// What the server is owed as it is, then the actions, in order.
+    #[inline(never)]
+    fn owed(&mut self) -> Io {
+        if let Some(bytes) = self.take_to_server() {
+            return Io::ToServer(bytes);
+        }
+        let action = self.actions.remove(0);
+        if self.actions.is_empty() {
+            // Actions are a few a statement, and large: an idle session
+            // keeps no room for them.
+            self.actions = Vec::new();
+        }
+        Io::Act(action)
+    }
+
+    /// pgcache's own queries: the next to send or its answer to read (a
+    /// connection taken first if none is held), then what becomes of the
+    /// connection.
+    #[inline(never)]
+    fn own_io(&mut self, held: Held) -> Io {
+        if self.own_pending() {
+            return match held.attached {
+                false => Io::CheckOut { queued: false },
+                true => Io::Own(self.own_request()),
+            };
+        }
+        match self.take_verdict() {
+            Some(Verdict::Close) => Io::Drop(None),
+            Some(Verdict::Fail(e)) => Io::Drop(Some(e)),
+            None => Io::Idle,
+        }
+    }
+
     /// Transaction mode, the session idle: the held connection given back
     /// (its settings read back first if they may have changed), or closed.
+    #[inline(never)]
     fn let_go(&mut self, app: &App, held: Held) -> Io {
         let close = match self.link_step(held.attached, held.unread) {
             Some(LinkStep::ReadBack) => {

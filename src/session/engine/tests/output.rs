@@ -5,7 +5,7 @@
 use super::*;
 use crate::pool::PoolError;
 use crate::session::SessionError;
-use crate::session::engine::{Held, Io, Taken, Upto};
+use crate::session::engine::{Held, Io, Leg, Relayed, Taken, Upto};
 
 const READ: &str = "SELECT v FROM items WHERE k = 1";
 
@@ -24,6 +24,7 @@ fn drive(rig: &mut Rig, held: Held, upto: Upto) -> Vec<&'static str> {
             Io::Idle => return steps,
             Io::ToServer(_) => "server",
             Io::Act(_) => "action",
+            Io::Relay(..) => "relay",
             Io::ToClient => {
                 rig.engine.client_sent();
                 "client"
@@ -63,6 +64,7 @@ fn the_driver_is_asked_in_the_engines_order_and_each_stage_stops_where_it_should
         let mut rig = Rig::logged_in();
         rig.engine.to_server.extend_from_slice(&query("SELECT 1"));
         rig.engine.actions.push(Action::Watch);
+        rig.engine.relaying = Some((Leg::Primary, Relayed { end: 6, from: 0 }));
         rig.engine.out.extend_from_slice(&rfq(TxStatus::Idle));
         rig.engine
             .pipeline
@@ -78,12 +80,15 @@ fn the_driver_is_asked_in_the_engines_order_and_each_stage_stops_where_it_should
     let mut rig = fill();
     assert_eq!(
         drive(&mut rig, HELD, Upto::Link),
-        ["server", "action", "client", "staged"]
+        ["server", "action", "relay", "client", "staged"]
     );
-    // Before a server's answer is relayed: what the server is owed and
-    // the actions only; the client's bytes go with the answer.
+    // A server's answer read: what the server is owed and the actions go
+    // before the client is sent the answer, and nothing else yet.
     let mut rig = fill();
-    assert_eq!(drive(&mut rig, HELD, Upto::Answer), ["server", "action"]);
+    assert_eq!(
+        drive(&mut rig, HELD, Upto::Relayed),
+        ["server", "action", "relay"]
+    );
     assert_eq!(
         drive(&mut rig, HELD, Upto::Decided),
         ["client"],
