@@ -14,6 +14,11 @@ const HELD: Held = Held {
     unread: false,
 };
 
+const DETACHED: Held = Held {
+    attached: false,
+    unread: false,
+};
+
 /// What the driver would do, polled up to `upto` until the engine asks
 /// nothing, each step done as the driver does it (bytes written, actions
 /// carried out): the steps' names, in order.
@@ -116,12 +121,8 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
     let now = ctx(&rig.app, &rig.entry);
     let asked = rig.engine.on_client_frame(&now, &Bytes::from(query(READ)));
     assert!(matches!(asked, Err(Need::Own)));
-    let detached = Held {
-        attached: false,
-        unread: false,
-    };
     assert_eq!(
-        rig.engine.poll_io(&rig.app, detached, Upto::Decided).name(),
+        rig.engine.poll_io(&rig.app, DETACHED, Upto::Decided).name(),
         "checkout for pgcache"
     );
     // No connection came: the own query goes unanswered, the statement
@@ -133,7 +134,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
         .checkout_failed(&now, e)
         .expect("the session goes on");
     assert!(!rig.engine.own_pending());
-    assert!(drive(&mut rig, detached, Upto::Decided).is_empty());
+    assert!(drive(&mut rig, DETACHED, Upto::Decided).is_empty());
 }
 
 #[test]
@@ -141,12 +142,8 @@ fn a_pooled_session_takes_a_connection_for_its_requests_and_lets_it_go_once_idle
     let mut rig = Rig::pooled();
     rig.knows_table("items");
     rig.client(&query("UPDATE items SET v = 1"));
-    let detached = Held {
-        attached: false,
-        unread: false,
-    };
     assert_eq!(
-        rig.engine.poll_io(&rig.app, detached, Upto::Link).name(),
+        rig.engine.poll_io(&rig.app, DETACHED, Upto::Link).name(),
         "checkout for the client"
     );
     assert_eq!(drive(&mut rig, HELD, Upto::Link), ["staged"], "busy: kept");
