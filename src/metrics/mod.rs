@@ -383,6 +383,25 @@ impl VerifyMetrics {
     }
 }
 
+/// Counts a session's client and backend connections while it lives.
+pub struct SessionGauge(IntGauge, IntGauge);
+
+impl SessionGauge {
+    pub fn new(metrics: &Metrics) -> Self {
+        metrics.client_connections.inc();
+        metrics.backend_connections.inc();
+        let gauges = (&metrics.client_connections, &metrics.backend_connections);
+        Self(gauges.0.clone(), gauges.1.clone())
+    }
+}
+
+impl Drop for SessionGauge {
+    fn drop(&mut self) {
+        self.0.dec();
+        self.1.dec();
+    }
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();

@@ -25,6 +25,7 @@ use super::pipeline::Flow;
 use super::reuse::{Fate, ServerBook};
 use crate::App;
 use crate::backend::BackendStream;
+use crate::metrics::SessionGauge;
 use crate::pool::Server;
 use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
@@ -49,25 +50,7 @@ pub(super) struct Session<C> {
     pub(super) learning: Option<tokio::sync::OwnedMutexGuard<()>>,
     /// The session's line in `SHOW CLIENTS`.
     pub(super) entry: ClientEntry,
-    _gauge: ConnectionGauge,
-}
-
-/// Counts the session's client and backend connections while it lives.
-struct ConnectionGauge(Arc<App>);
-
-impl ConnectionGauge {
-    fn new(app: &Arc<App>) -> Self {
-        app.metrics.client_connections.inc();
-        app.metrics.backend_connections.inc();
-        Self(Arc::clone(app))
-    }
-}
-
-impl Drop for ConnectionGauge {
-    fn drop(&mut self) {
-        self.0.metrics.client_connections.dec();
-        self.0.metrics.backend_connections.dec();
-    }
+    _gauge: SessionGauge,
 }
 
 impl<C> Session<C>
@@ -96,7 +79,7 @@ where
             ),
             learning,
             replica: None,
-            _gauge: ConnectionGauge::new(&app),
+            _gauge: SessionGauge::new(&app.metrics),
             app,
             client,
             backend,

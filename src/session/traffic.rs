@@ -186,7 +186,7 @@ where
                 }
                 Io::ToClient => self.flush_out().await?,
                 Io::Staged => self.write_staged().await?,
-                Io::Replica => Box::pin(self.route_read()).await,
+                Io::Replica => Box::pin(self.replica_step()).await,
                 Io::Part(parting) => Box::pin(self.let_go(parting)).await,
             }
         }
@@ -317,71 +317,60 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Writes the read the engine routed to a replica, with what it needs
-    /// first ([`ReplicaStep`]). A replica that cannot take it leaves the
-    /// read to the primary.
-    async fn route_read(&mut self) {
-        match self.send_replica().await {
-            Ok(()) => {
-                let key = self.replica.as_ref().map(|c| Arc::clone(&c.key));
-                self.engine.cancel_towards(key);
-            }
-            Err(why) => {
-                let name = self.engine.replica().map(|leg| leg.server.name.clone());
-                debug!(replica = ?name, "read sent to the primary: {why}");
-                self.replica = None;
-                self.engine.on_replica_lost();
-            }
+    /// One step of the read the engine routed to a replica
+    /// ([`ReplicaStep`]): the settle loop polls again for the next. A
+    /// replica that cannot take the read leaves it to the primary.
+    async fn replica_step(&mut self) {
+        let held = self.replica.as_ref().map(|conn| &conn.server);
+        let step = self.engine.replica_step(held, Instant::now());
+        if let Err(why) = self.take_replica_step(step).await {
+            let name = self.engine.replica().map(|leg| leg.server.name.clone());
+            debug!(replica = ?name, "read sent to the primary: {why}");
+            self.replica = None;
+            self.engine.on_replica_lost();
         }
     }
 
-    /// Carries out the steps of a read routed to a replica, to its write.
-    async fn send_replica(&mut self) -> Result<(), String> {
-        loop {
-            let held = self.replica.as_ref().map(|conn| &conn.server);
-            let Some(step) = self.engine.replica_step(held, Instant::now()) else {
-                return Err("no read to send".into());
-            };
-            match step {
-                ReplicaStep::Fail(why) => return Err(why.into()),
-                ReplicaStep::Connect {
-                    server,
-                    pool,
-                    pooled,
-                } => {
-                    if let Some(old) = self.replica.take() {
-                        old.close().await;
+    async fn take_replica_step(&mut self, step: Option<ReplicaStep>) -> Result<(), String> {
+        match step.ok_or("no read to send")? {
+            ReplicaStep::Fail(why) => return Err(why.into()),
+            ReplicaStep::Connect {
+                server,
+                pool,
+                pooled,
+            } => {
+                if let Some(old) = self.replica.take() {
+                    old.close().await;
+                }
+                let (client, ids) = (self.entry.client.id, &self.app.pool.pooled);
+                let (conn, applied, prepared) = match pooled {
+                    false => {
+                        let conn = ReplicaConn::open(&pool, &server, ids.server_id(), client);
+                        (conn.await?, 0, Default::default())
                     }
-                    let (client, ids) = (self.entry.client.id, &self.app.pool.pooled);
-                    let (conn, applied, prepared) = match pooled {
-                        false => {
-                            let conn = ReplicaConn::open(&pool, &server, ids.server_id(), client);
-                            (conn.await?, 0, Default::default())
-                        }
-                        true => ReplicaConn::lease(&pool, &server, ids, client)
-                            .await
-                            .map_err(|e| e.to_string())?,
-                    };
-                    self.engine
-                        .replica_connected(applied, prepared, conn.opened);
-                    self.replica = Some(Box::new(conn));
-                }
-                ReplicaStep::Apply(sql) => {
-                    let conn = self.replica.as_mut().ok_or("no replica connection")?;
-                    conn.apply(&sql).await?;
-                    self.engine.replica_settings_applied();
-                }
-                ReplicaStep::Write(read) => {
-                    let conn = self.replica.as_mut().ok_or("no replica connection")?;
-                    conn.set_active(true);
-                    return conn
-                        .stream
-                        .write_all(&read)
+                    true => ReplicaConn::lease(&pool, &server, ids, client)
                         .await
-                        .map_err(|e| e.to_string());
-                }
+                        .map_err(|e| e.to_string())?,
+                };
+                self.engine
+                    .replica_connected(applied, prepared, conn.opened);
+                self.replica = Some(Box::new(conn));
+            }
+            ReplicaStep::Apply(sql) => {
+                let conn = self.replica.as_mut().ok_or("no replica connection")?;
+                conn.apply(&sql).await?;
+                self.engine.replica_settings_applied();
+            }
+            ReplicaStep::Write(read) => {
+                let conn = self.replica.as_mut().ok_or("no replica connection")?;
+                conn.set_active(true);
+                let written = conn.stream.write_all(&read).await;
+                written.map_err(|e| e.to_string())?;
+                // Until the read is answered, a cancel goes to the replica.
+                self.engine.cancel_towards(Some(Arc::clone(&conn.key)));
             }
         }
+        Ok(())
     }
 
     /// A read on the replica is answered: a pooled connection goes back to
