@@ -96,12 +96,7 @@ async fn admit(
         Ok(mode) => mode,
         Err(e) => return Err((client, e)),
     };
-    let checked_by_pgcache = secret.is_some();
-    let first = Box::pin(first_server(app, &mode, checked_by_pgcache)).await;
-    let (backend, addr, book, learning) = match first {
-        Ok(first) => first,
-        Err(e) => return Err((client, e)),
-    };
+    // Listed in `SHOW CLIENTS` while it waits for its first connection.
     let entry = app.clients.register(Arrival {
         user: startup.user(),
         database: startup.database(),
@@ -109,6 +104,12 @@ async fn admit(
         tls: on_tls,
         application_name: startup.param("application_name").unwrap_or_default(),
     });
+    let checked_by_pgcache = secret.is_some();
+    let first = Box::pin(first_server(app, &mode, checked_by_pgcache)).await;
+    let (backend, addr, book, learning) = match first {
+        Ok(first) => first,
+        Err(e) => return Err((client, e)),
+    };
     // The client's secret was taught to a pool, which logs in with it.
     let secret = secret.filter(|_| matches!(mode, Mode::Session { .. }));
     let (link, end) = mode.into_parts(checked_by_pgcache);
