@@ -418,18 +418,26 @@ where
             return;
         }
         let unread = self.unread();
+        if let Some(parting) = self.engine.part_at_end(&self.app, unread) {
+            self.let_go(parting);
+        }
+    }
+
+    /// Transaction mode: the held connection back to its pool, or closed
+    /// with a Terminate written off the session's path.
+    pub(super) fn let_go(&mut self, parting: Parting) {
         let Some(mut stream) = self.backend.take() else {
             return;
         };
-        match self.engine.part_at_end(&self.app, unread) {
-            Some(Parting::Back(lease, lifetime)) => lease.give_back(stream, lifetime),
-            _ => {
+        match parting {
+            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
+            Parting::Close => {
                 tokio::spawn(async move {
                     let _ = stream.write_all(&messages::TERMINATE).await;
                 });
-                self.drop_backend();
             }
         }
+        self.detached_now();
     }
 
     /// Transaction mode, for a client pgcache can log in for: the

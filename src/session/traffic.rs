@@ -11,14 +11,13 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, Held, Io, Leg, Need, Parting, Relayed, ReplicaStep, Taken, Upto};
+use super::engine::{Action, Held, Io, Leg, Need, Relayed, ReplicaStep, Taken, Upto};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::backend::BackendStream;
 use crate::invalidation::take_out_for_unlogged;
 use crate::pool::clients::Activity;
-use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
 
@@ -187,7 +186,7 @@ where
                 Io::ToClient => self.flush_out().await?,
                 Io::Staged => self.write_staged().await?,
                 Io::Replica => Box::pin(self.replica_step()).await,
-                Io::Part(parting) => Box::pin(self.let_go(parting)).await,
+                Io::Part(parting) => self.let_go(parting),
             }
         }
     }
@@ -294,21 +293,6 @@ where
         self.engine.attach_server(&server.addr, server.key.clone());
         self.engine.granted(lease, queued);
         Ok(())
-    }
-
-    /// Transaction mode: the held connection back to its pool, or closed.
-    async fn let_go(&mut self, parting: Parting) {
-        tracing::trace!(status = ?self.engine.tx_status(), "letting the server connection go");
-        let Some(mut stream) = self.backend.take() else {
-            return;
-        };
-        match parting {
-            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
-            Parting::Close => {
-                let _ = stream.write_all(&messages::TERMINATE).await;
-            }
-        }
-        self.detached_now();
     }
 }
 

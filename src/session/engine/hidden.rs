@@ -146,7 +146,7 @@ impl Engine {
     }
 
     /// Own queries wait to be sent or answered.
-    pub fn own_pending(&self) -> bool {
+    pub(super) fn own_pending(&self) -> bool {
         !self.own.queue.is_empty()
     }
 
@@ -201,7 +201,7 @@ impl Engine {
     }
 
     /// What becomes of the connection, once the own queries are over.
-    pub fn take_verdict(&mut self) -> Option<Verdict> {
+    pub(super) fn take_verdict(&mut self) -> Option<Verdict> {
         self.own.verdict.take()
     }
 
@@ -234,7 +234,7 @@ impl Engine {
     /// changed, before the connection goes back ([`LinkStep::ReadBack`]).
     ///
     /// [`LinkStep::ReadBack`]: super::LinkStep::ReadBack
-    pub fn read_back(&mut self) {
+    pub(super) fn read_back(&mut self) {
         self.ask(Purpose::ReadBack, CAPTURE);
     }
 

@@ -130,7 +130,7 @@ impl Engine {
     /// session ends or a bad frame, staged as they are in one copy: a
     /// login's for the server as they are ([`Engine::take_to_server`]),
     /// any other with the requests for the backend.
-    pub fn relay_client(
+    pub(super) fn relay_client(
         &mut self,
         ctx: &Ctx,
         buf: &[u8],

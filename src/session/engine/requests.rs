@@ -52,7 +52,7 @@ type BatchKey = (RequestKey, Arc<Plan>, Arc<Statement>, u32, Option<Reads>);
 
 impl Engine {
     /// One complete client frame, with caching on.
-    pub fn on_client_frame(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
+    pub(super) fn on_client_frame(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
         let flow = match frame[0] {
             fe::QUERY => self.on_query(ctx, frame)?,
             fe::PARSE => {
@@ -435,7 +435,12 @@ impl Engine {
     /// what the session knows (a statement it defined, a read it may
     /// serve). `None` leaves the batch to the frame-by-frame path, which
     /// gives it the same answer (and meets what it needs).
-    pub fn whole_batch(&mut self, ctx: &Ctx, buf: &[u8], max_frame: usize) -> Option<ReadyBatch> {
+    pub(super) fn whole_batch(
+        &mut self,
+        ctx: &Ctx,
+        buf: &[u8],
+        max_frame: usize,
+    ) -> Option<ReadyBatch> {
         if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
             return None;
         }
@@ -497,7 +502,7 @@ impl Engine {
     /// Answers or forwards a batch [`Self::whole_batch`] found (its frames
     /// are `request`): what Bind, Describe, Execute and Sync would each
     /// have done in turn.
-    pub fn on_whole_batch(
+    pub(super) fn on_whole_batch(
         &mut self,
         ctx: &Ctx,
         ready: &ReadyBatch,

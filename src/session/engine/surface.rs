@@ -114,7 +114,7 @@ impl Engine {
     /// `attached`: one is held; `unread`: it sent bytes not read yet.
     /// A pinned session keeps its connection, but its settings are still
     /// read back, as they are what pgcache's own requests for it run in.
-    pub fn link_step(&self, attached: bool, unread: bool) -> Option<LinkStep> {
+    pub(super) fn link_step(&self, attached: bool, unread: bool) -> Option<LinkStep> {
         let Link::Pooled(link) = &self.link else {
             return None;
         };
@@ -167,7 +167,7 @@ impl Engine {
 
     /// What the server connection is owed as it is, before any request
     /// staged for it: the StartupMessage, a login's answers, a retry.
-    pub fn take_to_server(&mut self) -> Option<BytesMut> {
+    pub(super) fn take_to_server(&mut self) -> Option<BytesMut> {
         (!self.to_server.is_empty()).then(|| self.to_server.split())
     }
 
@@ -328,7 +328,7 @@ impl Engine {
 
     /// Transaction mode: the session lets its connection go now (`close`:
     /// see [`super::LinkStep::Close`]). `None` in session mode.
-    pub fn part(&mut self, app: &crate::App, close: bool) -> Option<Parting> {
+    pub(super) fn part(&mut self, app: &crate::App, close: bool) -> Option<Parting> {
         let Link::Pooled(link) = &mut self.link else {
             return None;
         };
