@@ -42,7 +42,7 @@ use crate::protocol::messages::{self, encode, error_response, notice_response};
 use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
 use crate::protocol::{frontend as fe, sqlstate};
-use crate::scram::{ServerBinding, Verifier};
+use crate::scram::Verifier;
 /// Admin commands are short: a larger message is a protocol violation.
 const MAX_ADMIN_MESSAGE: usize = 64 * 1024;
 const DEFAULT_TOP: usize = 20;
@@ -145,12 +145,8 @@ async fn authenticate<C>(
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let no_binding = ServerBinding {
-        offered: false,
-        data: None,
-    };
     let verifier = Verifier::random(password);
-    crate::auth::sasl_server(client, verifier, no_binding)
+    crate::auth::sasl_server(client, verifier, None)
         .await
         .map(|key| key.is_some())
 }

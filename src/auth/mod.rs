@@ -8,6 +8,7 @@
 //! gave away (PostgreSQL must then hold the same verifier, as it does when
 //! the verifier comes from `pg_authid`).
 
+mod exchange;
 mod login;
 
 use std::collections::HashMap;
@@ -16,18 +17,14 @@ use std::sync::{Arc, RwLock};
 use bytes::BytesMut;
 use pgwire::messages::startup::Authentication;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::{debug, warn};
 
 use crate::config::AuthConfig;
-use crate::protocol::codec::{HEADER_LEN, read_cstr, read_i32};
+use crate::protocol::codec::{read_cstr, read_i32};
 use crate::protocol::messages::encode;
 use crate::protocol::stream::{FramedStream, ReadError};
-use crate::protocol::{frontend as fe, sqlstate};
-use crate::scram::{
-    self, ClientSecret, Credentials, MECHANISM, MECHANISM_PLUS, ScramError, ServerBinding,
-    Verifier, credentials,
-};
+use crate::scram::{Credentials, MECHANISM_PLUS, ScramError, Verifier, credentials};
 use crate::upstream::Upstream;
+pub use exchange::{SaslServer, Turn};
 pub use login::{BackendLogin, LoginError, LoginStep, login_backend};
 
 /// Authentication request codes (the `R` message's first field).
@@ -75,9 +72,19 @@ impl Authenticator {
         *self.users.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(users);
     }
 
+    /// A verifier no password matches, salted as a user's own would be:
+    /// an unknown user's exchange runs as any other's, and fails.
+    pub fn stand_in(&self, user: &str) -> Verifier {
+        Verifier::impossible(user, &self.secret)
+    }
+
     /// The user's credentials: `auth.users` first, then `auth.auth_query`.
     /// `Ok(None)`: no such user (or no password).
-    async fn lookup(&self, query: &str, user: &str) -> Result<Option<Credentials>, LookupError> {
+    pub async fn lookup(
+        &self,
+        query: &str,
+        user: &str,
+    ) -> Result<Option<Credentials>, LookupError> {
         if let Some(found) = self
             .users
             .read()
@@ -127,22 +134,6 @@ pub enum LookupError {
     Secret(ScramError),
 }
 
-/// Why a login ended without a session.
-#[derive(Debug)]
-pub struct Refusal {
-    pub code: &'static str,
-    pub message: String,
-}
-
-impl Refusal {
-    fn new(code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
 /// A SASLInitialResponse body: (mechanism, data).
 pub fn initial_response(body: &[u8]) -> Option<(&[u8], &[u8])> {
     let mut pos = 0;
@@ -171,117 +162,41 @@ pub enum ExchangeError {
     Scram(#[from] ScramError),
 }
 
-/// The client's next message, which must be a `p` (here: `what`).
-async fn read_password_frame<C: AsyncRead + Unpin>(
+/// The client's next message during an exchange, no larger than an
+/// authentication message may be.
+pub async fn read_auth_frame<C: AsyncRead + Unpin>(
     client: &mut FramedStream<C>,
-    what: &'static str,
 ) -> Result<BytesMut, ExchangeError> {
     let max = client.max_frame();
     client.set_max_frame(MAX_AUTH_MESSAGE);
     let frame = client.read_frame().await;
     client.set_max_frame(max);
-    let frame = frame?.ok_or(ExchangeError::Gone)?;
-    if frame[0] != fe::PASSWORD {
-        return Err(ExchangeError::Unexpected(what));
-    }
-    Ok(frame)
+    frame?.ok_or(ExchangeError::Gone)
 }
 
-/// Runs SCRAM-SHA-256 as the server. `Ok(Some(client_key))` when the proof
-/// was right, `Ok(None)` when it was not; `Err` for a broken exchange.
+/// Runs SCRAM-SHA-256 as the server on `client` ([`SaslServer`]).
+/// `Ok(Some(client_key))` when the proof was right, `Ok(None)` when it was
+/// not; `Err` for a broken exchange.
 pub async fn sasl_server<C>(
     client: &mut FramedStream<C>,
     verifier: Verifier,
-    binding: ServerBinding<'_>,
+    end_point: Option<Arc<[u8]>>,
 ) -> Result<Option<[u8; 32]>, ExchangeError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
 {
-    let mut mechanisms = vec![MECHANISM.to_owned()];
-    if binding.offered {
-        mechanisms.insert(0, MECHANISM_PLUS.to_owned());
-    }
-    let mut out = BytesMut::new();
-    encode(&mut out, Authentication::SASL(mechanisms));
-    client.write_all(&out).await?;
-    let first = read_password_frame(client, "SASLInitialResponse").await?;
-    let (mechanism, data) = initial_response(&first[HEADER_LEN..])
-        .ok_or(ScramError::Malformed("SASLInitialResponse"))?;
-    let (exchange, server_first) = scram::server_first(
-        verifier,
-        &String::from_utf8_lossy(mechanism),
-        &String::from_utf8_lossy(data),
-        binding,
-    )?;
-    out.clear();
-    encode(
-        &mut out,
-        Authentication::SASLContinue(server_first.into_bytes().into()),
-    );
-    client.write_all(&out).await?;
-    let last = read_password_frame(client, "SASLResponse").await?;
-    match exchange.finish(&String::from_utf8_lossy(&last[HEADER_LEN..])) {
-        Ok(proven) => {
-            out.clear();
-            encode(
-                &mut out,
-                Authentication::SASLFinal(proven.server_final.into_bytes().into()),
-            );
-            client.write_all(&out).await?;
-            Ok(Some(proven.client_key))
+    let (mut exchange, mut out) = SaslServer::start(verifier, end_point);
+    loop {
+        client.write_all(&out).await?;
+        let frame = read_auth_frame(client).await?;
+        match exchange.on_frame(&frame)? {
+            Turn::Continue(next) => out = next,
+            Turn::Proven(last, client_key) => {
+                client.write_all(&last).await?;
+                return Ok(Some(client_key));
+            }
+            Turn::Refused => return Ok(None),
         }
-        Err(e) => {
-            debug!(error = %e, "SCRAM proof refused");
-            Ok(None)
-        }
-    }
-}
-
-/// Terminate mode: authenticates the client as `user`; returns what logs
-/// in to PostgreSQL on its behalf.
-pub async fn authenticate_client<C>(
-    auth: &Authenticator,
-    auth_query: &str,
-    client: &mut FramedStream<C>,
-    user: &str,
-    binding: ServerBinding<'_>,
-) -> Result<ClientSecret, Refusal>
-where
-    C: AsyncRead + AsyncWrite + Unpin,
-{
-    let found = auth.lookup(auth_query, user).await.map_err(|e| {
-        warn!(user, error = %e, "cannot look up a user's password");
-        Refusal::new(
-            sqlstate::INVALID_AUTHORIZATION,
-            format!("pgcache cannot check the password of user \"{user}\" now"),
-        )
-    })?;
-    let verifier = match &found {
-        Some(c) => c.verifier.clone(),
-        None => Verifier::impossible(user, &auth.secret),
-    };
-    let failed = || {
-        Refusal::new(
-            sqlstate::INVALID_PASSWORD,
-            format!("password authentication failed for user \"{user}\""),
-        )
-    };
-    match sasl_server(client, verifier, binding).await {
-        Ok(Some(client_key)) => {
-            let found = found.ok_or_else(failed)?;
-            Ok(match found.password {
-                Some(password) => ClientSecret::Password(password),
-                None => ClientSecret::Key {
-                    client_key,
-                    verifier: found.verifier,
-                },
-            })
-        }
-        Ok(None) => Err(failed()),
-        Err(e) => Err(Refusal::new(
-            sqlstate::PROTOCOL_VIOLATION,
-            format!("authentication: {e}"),
-        )),
     }
 }
 

@@ -6,25 +6,16 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::BytesMut;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, warn};
 
 use super::SessionError;
-use super::admission::{self, Door, End, Login, Mode, Negotiated, Refused};
+use super::admission::{Admission, Admitted, End, Login, Negotiated, Refused, Step};
 use super::relay::Session;
-use super::reuse::ServerBook;
 use crate::App;
 use crate::auth;
-use crate::backend::BackendStream;
-use crate::config::AuthMode;
-use crate::pool::clients::Arrival;
-use crate::protocol::codec::MAX_BACKEND_FRAME;
-use crate::protocol::sqlstate;
-use crate::protocol::stream::{FramedStream, READ_CHUNK};
-use crate::scram::{ClientSecret, ServerBinding};
+use crate::protocol::stream::FramedStream;
 use crate::tls::ClientStream;
-use crate::upstream::UpstreamAddr;
 
 /// Serves a connection whose opening is over, from its StartupMessage
 /// (`negotiated`) to its end: admitted (a place under `limit` taken, the
@@ -65,11 +56,10 @@ pub(crate) async fn refused(
     }
 }
 
-/// From a StartupMessage to a session ready to run, as
-/// [`admission`](super::admission) decides: the checks, the admin console
-/// (served here: `None`), authentication, the session's mode and its
-/// first server connection. An error comes back with the client, to be
-/// told.
+/// From a StartupMessage to a session ready to run, one step of
+/// [`Admission`] at a time: the checks, the admin console (served here:
+/// `None`), authentication, the session's mode and its first server
+/// connection. An error comes back with the client, to be told.
 async fn admit(
     app: &Arc<App>,
     mut client: FramedStream<ClientStream>,
@@ -78,120 +68,71 @@ async fn admit(
     peer: SocketAddr,
 ) -> Result<Option<Ready>, Refused> {
     let permit = Arc::clone(limit).try_acquire_owned().ok();
-    let startup = &negotiated.startup;
-    let on_tls = client.get_ref().is_tls();
-    match admission::door(app, on_tls, permit.is_some(), startup) {
-        Err(e) => return Err((client, e)),
-        Ok(Door::Admin) => {
-            Box::pin(crate::admin::serve(Arc::clone(app), client, startup)).await;
-            return Ok(None);
-        }
-        Ok(Door::Session) => {}
+    let mut admission = Admission::new(negotiated, client.get_ref().is_tls());
+    let deadline = tokio::time::Instant::now() + app.config().startup_timeout();
+    let (mut entry, mut learning) = (None, None);
+    let mut step = admission.begin(app, permit.is_some());
+    loop {
+        step = match step {
+            Step::Refuse(e) => return Err((client, e)),
+            Step::Admin => {
+                Box::pin(crate::admin::serve(
+                    Arc::clone(app),
+                    client,
+                    admission.startup(),
+                ))
+                .await;
+                return Ok(None);
+            }
+            Step::Lookup => {
+                let (query, user) = (&app.config().auth.auth_query, admission.startup().user());
+                match tokio::time::timeout_at(deadline, app.auth.lookup(query, user)).await {
+                    Ok(found) => admission.found(app, found),
+                    Err(_) => Admission::timed_out(),
+                }
+            }
+            Step::Send { out, read } => {
+                let exchange = async {
+                    client.write_all(&out).await?;
+                    match read {
+                        true => auth::read_auth_frame(&mut client).await.map(Some),
+                        false => Ok(None),
+                    }
+                };
+                match tokio::time::timeout_at(deadline, exchange).await {
+                    Ok(read) => admission.answered(app, read),
+                    Err(_) => Admission::timed_out(),
+                }
+            }
+            Step::Register => {
+                entry = Some(app.clients.register(admission.arrival(peer)));
+                admission.registered(app)
+            }
+            Step::Learn(pool) => {
+                learning = Some(Arc::clone(&pool.learning).lock_owned().await);
+                admission.learned()
+            }
+            Step::TakeParked { key, trusted_only } => {
+                let parked = app.pool.take(&app.config().pool, &key, trusted_only).await;
+                admission.parked(app, parked)
+            }
+            Step::Connect => {
+                let connected = crate::backend::connect(&app.upstream).await;
+                admission.connected(app, connected)
+            }
+            Step::Ready => break,
+        };
     }
-    let secret = match Box::pin(authenticate(app, &mut client, startup.user())).await {
-        Ok(secret) => secret,
-        Err(e) => return Err((client, e)),
-    };
-    let mode = match admission::mode(app, startup, secret.as_deref()) {
-        Ok(mode) => mode,
-        Err(e) => return Err((client, e)),
-    };
-    // Listed in `SHOW CLIENTS` while it waits for its first connection.
-    let entry = app.clients.register(Arrival {
-        user: startup.user(),
-        database: startup.database(),
-        addr: peer,
-        tls: on_tls,
-        application_name: startup.param("application_name").unwrap_or_default(),
-    });
-    let checked_by_pgcache = secret.is_some();
-    let first = Box::pin(first_server(app, &mode, checked_by_pgcache)).await;
-    let (backend, addr, book, learning) = match first {
-        Ok(first) => first,
-        Err(e) => return Err((client, e)),
-    };
-    // The client's secret was taught to a pool, which logs in with it.
-    let secret = secret.filter(|_| matches!(mode, Mode::Session { .. }));
-    let (link, end) = mode.into_parts(checked_by_pgcache);
-    let Negotiated { raw, startup } = negotiated;
-    let session = Session::new(
-        Arc::clone(app),
-        client,
-        (backend, addr),
-        book,
-        (link, learning),
-        startup,
-        entry,
-    );
+    let entry = entry.unwrap_or_else(|| app.clients.register(admission.arrival(peer)));
+    let Admitted { login, end, parts } = admission.into_admitted(app);
+    let session = Session::new(Arc::clone(app), client, parts, (learning, entry));
     Ok(Some(Ready {
         session,
-        login: Some(Box::new(Login { raw, secret })),
+        login: Some(login),
         end,
         _permit: permit,
     }))
 }
-
-/// The session's first server connection, as its mode has it: in session
-/// mode, a parked one it may have (one PostgreSQL would have let it open
-/// without a password, unless pgcache checked it), else a new one; in
-/// transaction mode none for a client the pool can log in for, else a new
-/// one to log in on, relayed, holding the pool's lesson in how to log in.
-async fn first_server(
-    app: &App,
-    mode: &Mode,
-    checked_by_pgcache: bool,
-) -> Result<First, SessionError> {
-    let config = &app.config().pool;
-    let learning = match mode {
-        Mode::Pooled { pool, .. } if !pool.can_log_in() => {
-            Some(Arc::clone(&pool.learning).lock_owned().await)
-        }
-        _ => None,
-    };
-    let parked = match mode {
-        Mode::Session { key: Some(key), .. } => {
-            app.pool.take(config, key, !checked_by_pgcache).await
-        }
-        _ => None,
-    };
-    if let Some(server) = parked {
-        let book = ServerBook::reused(&server);
-        let (stream, addr) = server.replay_login();
-        return Ok((Some(stream), addr, book, None));
-    }
-    let parks = match mode {
-        Mode::Pooled { pool, .. } if pool.can_log_in() => {
-            return Ok((
-                None,
-                app.upstream.addrs[0].clone(),
-                ServerBook::new(false),
-                None,
-            ));
-        }
-        Mode::Pooled { .. } => false,
-        Mode::Session { .. } => {
-            app.metrics.pool.fresh.inc();
-            config.max_idle_servers > 0
-        }
-    };
-    let (stream, addr) = crate::backend::connect(&app.upstream).await?;
-    let stream = FramedStream::new(
-        stream,
-        BytesMut::with_capacity(READ_CHUNK),
-        MAX_BACKEND_FRAME,
-    );
-    Ok((Some(stream), addr, ServerBook::new(parks), learning))
-}
-
-/// A session's first server connection ([`first_server`]): the stream,
-/// where it is, what the session keeps of it, and the pool's lesson in how
-/// to log in while this client's login teaches it.
-type First = (
-    Option<FramedStream<BackendStream>>,
-    UpstreamAddr,
-    ServerBook,
-    Option<tokio::sync::OwnedMutexGuard<()>>,
-);
 
 /// A session ready to run, with what its login still needs (the
 /// StartupMessage as the client sent it, and the client's secret when
@@ -232,44 +173,5 @@ impl Ready {
             End::Session { key: None, .. } => {}
             End::Pooled => session.release_at_end(),
         }
-    }
-}
-
-/// Terminate mode: pgcache checks the password before PostgreSQL is asked
-/// for anything, and returns what logs in on the client's behalf.
-async fn authenticate(
-    app: &App,
-    client: &mut FramedStream<ClientStream>,
-    user: &str,
-) -> Result<Option<Box<ClientSecret>>, SessionError> {
-    let config = app.config();
-    if config.auth.mode != AuthMode::Terminate {
-        return Ok(None);
-    }
-    let end_point = client
-        .get_ref()
-        .is_tls()
-        .then(|| app.tls.end_point())
-        .flatten();
-    let binding = ServerBinding {
-        offered: end_point.is_some(),
-        data: end_point.as_deref(),
-    };
-    let checked = tokio::time::timeout(
-        config.startup_timeout(),
-        auth::authenticate_client(&app.auth, &config.auth.auth_query, client, user, binding),
-    )
-    .await;
-    match checked {
-        Ok(Ok(secret)) => Ok(Some(Box::new(secret))),
-        Ok(Err(refusal)) => {
-            app.metrics.auth_failures.client.inc();
-            info!(user, reason = %refusal.message, "authentication failed");
-            Err(SessionError::refused(refusal.code, refusal.message))
-        }
-        Err(_) => Err(SessionError::refused(
-            sqlstate::CONNECTION_EXCEPTION,
-            "timeout expired during authentication",
-        )),
     }
 }

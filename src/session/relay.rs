@@ -17,23 +17,21 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::info;
 
 use super::SessionError;
+use super::admission::Parts;
 use super::engine::IdleTimeouts;
 use super::engine::{Ctx, Engine, Greeting, Parting, Start, Upto};
 use super::known::Known;
-use super::link::Link;
 use super::pipeline::Flow;
-use super::reuse::{Fate, ServerBook};
+use super::reuse::Fate;
 use crate::App;
 use crate::backend::BackendStream;
 use crate::metrics::SessionGauge;
 use crate::pool::Server;
 use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
-use crate::protocol::startup::Startup;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
 use crate::shutdown::Stage;
-use crate::upstream::UpstreamAddr;
 
 pub(super) struct Session<C> {
     pub app: Arc<App>,
@@ -57,32 +55,36 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// A session on `backend` (and its address): a new connection to log
-    /// in, or a parked one whose login frames are in its read buffer
-    /// (`server` says which).
+    /// A session on its first server connection: a new one to log in,
+    /// a parked one whose login frames are in its read buffer, or none
+    /// (transaction mode, the pool logs in), with the pool's lesson in
+    /// how to log in while its login teaches it, and its line in `SHOW
+    /// CLIENTS`.
     pub fn new(
         app: Arc<App>,
         client: FramedStream<C>,
-        (backend, backend_addr): (Option<FramedStream<BackendStream>>, UpstreamAddr),
-        server: ServerBook,
-        (link, learning): (Link, Option<tokio::sync::OwnedMutexGuard<()>>),
-        startup: Startup,
-        entry: ClientEntry,
+        parts: Parts,
+        (learning, entry): (Option<tokio::sync::OwnedMutexGuard<()>>, ClientEntry),
     ) -> Self {
+        let Parts {
+            startup,
+            link,
+            first,
+        } = parts;
         Self {
             engine: Engine::new(
                 app.config().cache.enabled,
                 startup,
                 Known::new(app.policy()),
-                (link, server),
-                backend_addr,
+                (link, first.book),
+                first.addr,
             ),
             learning,
             replica: None,
             _gauge: SessionGauge::new(&app.metrics),
             app,
             client,
-            backend,
+            backend: first.stream,
             entry,
         }
     }
