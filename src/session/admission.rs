@@ -120,23 +120,17 @@ pub(super) fn mode(
 }
 
 impl Mode {
-    /// The session's link to its server connections, and what becomes of
-    /// its connection at its end (`checked_by_pgcache`: pgcache
-    /// authenticated the client itself).
-    pub fn into_parts(self, checked_by_pgcache: bool) -> (Link, End) {
+    /// The session's link to its server connections
+    /// (`checked_by_pgcache`: pgcache authenticated the client itself).
+    pub fn into_link(self, checked_by_pgcache: bool) -> Link {
         match self {
-            Mode::Session { key, checks } => {
-                let link = Link::Session(SessionLink {
-                    checks,
-                    ..SessionLink::default()
-                });
-                let end = End::Session {
-                    key,
-                    checked_by_pgcache,
-                };
-                (link, end)
-            }
-            Mode::Pooled { pool, state } => (Link::pooled(pool, state), End::Pooled),
+            Mode::Session { key, checks } => Link::Session(SessionLink {
+                checks,
+                parks_under: key,
+                checked_by_pgcache,
+                ..SessionLink::default()
+            }),
+            Mode::Pooled { pool, state } => Link::pooled(pool, state),
         }
     }
 }
@@ -191,11 +185,10 @@ pub(super) struct First {
     pub book: ServerBook,
 }
 
-/// An admitted client: what its login needs, what becomes of its
-/// connection at its end, and what its session is built from.
+/// An admitted client: what its login needs, and what its session is
+/// built from.
 pub(super) struct Admitted {
     pub login: Box<Login>,
-    pub end: End,
     pub parts: Parts,
 }
 
@@ -398,7 +391,7 @@ impl Admission {
             checks: None,
         });
         let secret = self.secret.filter(|_| matches!(mode, Mode::Session { .. }));
-        let (link, end) = mode.into_parts(checked_by_pgcache);
+        let link = mode.into_link(checked_by_pgcache);
         let Negotiated { raw, startup } = self.negotiated;
         // None: transaction mode, for a client the pool logs in for.
         let first = self.first.unwrap_or_else(|| First {
@@ -408,7 +401,6 @@ impl Admission {
         });
         Admitted {
             login: Box::new(Login { raw, secret }),
-            end,
             parts: Parts {
                 startup,
                 link,
@@ -429,19 +421,6 @@ impl Admission {
 
 /// A client turned away, with why.
 pub(super) type Refused = (FramedStream<ClientStream>, SessionError);
-
-/// What becomes of a session's connection at its end.
-pub(super) enum End {
-    /// Session mode: parked for the next client under `key`, if the
-    /// session handed it back and may (`checked_by_pgcache`: pgcache
-    /// authenticated the client itself).
-    Session {
-        key: Option<PoolKey>,
-        checked_by_pgcache: bool,
-    },
-    /// Transaction mode: an idle pooled connection goes back to its pool.
-    Pooled,
-}
 
 /// What a session's login to PostgreSQL needs: the StartupMessage as the
 /// client sent it, and the client's secret when pgcache checked it

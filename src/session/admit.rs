@@ -10,7 +10,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, debug, info, warn};
 
 use super::SessionError;
-use super::admission::{Admission, Admitted, End, Login, Negotiated, Refused, Step};
+use super::admission::{Admission, Admitted, Login, Negotiated, Refused, Step};
 use super::relay::Session;
 use crate::App;
 use crate::auth;
@@ -31,7 +31,7 @@ pub async fn serve(
 ) {
     match Box::pin(admit(&app, client, negotiated, &limit, peer)).await {
         Ok(Some(ready)) => {
-            sessions.spawn(Box::new(ready).live(app));
+            sessions.spawn(Box::new(ready).live());
         }
         Ok(None) => {}
         Err((client, e)) => refused(client, e, peer).await,
@@ -124,32 +124,29 @@ async fn admit(
         };
     }
     let entry = entry.unwrap_or_else(|| app.clients.register(admission.arrival(peer)));
-    let Admitted { login, end, parts } = admission.into_admitted(app);
+    let Admitted { login, parts } = admission.into_admitted(app);
     let session = Session::new(Arc::clone(app), client, parts, (learning, entry));
     Ok(Some(Ready {
         session,
         login: Some(login),
-        end,
         _permit: permit,
     }))
 }
 
 /// A session ready to run, with what its login still needs (the
 /// StartupMessage as the client sent it, and the client's secret when
-/// pgcache checked it and logs in with it), and what becomes of its
-/// connection at its end.
+/// pgcache checked it and logs in with it).
 struct Ready {
     session: Session<ClientStream>,
     login: Option<Box<Login>>,
-    end: End,
     /// Its place under `server.max_client_connections`.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Ready {
     /// Runs the session to its end, in a span naming its user and
-    /// database, then settles its connection.
-    async fn live(mut self: Box<Self>, app: Arc<App>) {
+    /// database, then lets its connection go.
+    async fn live(mut self: Box<Self>) {
         let startup = self.session.engine.startup();
         let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
         let login = self.login.take();
@@ -158,20 +155,7 @@ impl Ready {
             Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
             Err(e) => info!(error = %e, "session ended"),
         }
-        let Ready {
-            mut session, end, ..
-        } = *self;
-        match end {
-            End::Session {
-                key: Some(key),
-                checked_by_pgcache,
-            } => {
-                if let Some(server) = session.into_server(checked_by_pgcache) {
-                    app.pool.give_back(&app.config().pool, key, server);
-                }
-            }
-            End::Session { key: None, .. } => {}
-            End::Pooled => session.release_at_end(),
-        }
+        let Ready { mut session, .. } = *self;
+        session.let_go_at_end();
     }
 }

@@ -17,11 +17,11 @@ use std::sync::Arc;
 use bytes::BytesMut;
 
 use crate::invalidation::control::quote_literal;
-use crate::pool::PoolError;
 use crate::pool::listens::Listens;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lease, Pool};
+use crate::pool::{PoolError, PoolKey};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::session::pipeline::{Inflight, Pipeline};
@@ -240,6 +240,12 @@ pub(super) struct SessionLink {
     /// The session's settings as last read with its cache key: what those
     /// requests run in.
     pub state: ClientState,
+    /// The session's connection is parked under this key at its end, if
+    /// it is handed back clean ([`super::engine::Engine::part_at_end`]).
+    pub parks_under: Option<PoolKey>,
+    /// pgcache authenticated the client itself: its connection may be
+    /// parked though PostgreSQL asked a password on it.
+    pub checked_by_pgcache: bool,
 }
 
 /// Transaction mode's link: the pool, the connection held now, and what

@@ -22,11 +22,9 @@ use super::engine::IdleTimeouts;
 use super::engine::{Ctx, Engine, Greeting, Parting, Start, Upto};
 use super::known::Known;
 use super::pipeline::Flow;
-use super::reuse::Fate;
 use crate::App;
 use crate::backend::BackendStream;
 use crate::metrics::SessionGauge;
-use crate::pool::Server;
 use crate::pool::clients::ClientEntry;
 use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
@@ -413,19 +411,16 @@ where
         self.detached_now();
     }
 
-    /// At the session's end: an idle pooled connection goes back to the
-    /// pool; any other is closed.
-    pub(super) fn release_at_end(&mut self) {
-        if !self.attached() || !self.engine.link().is_pooled() {
-            return;
-        }
+    /// At the session's end, its connection goes back to its pool or is
+    /// parked, as the engine says; any other is closed.
+    pub(super) fn let_go_at_end(&mut self) {
         let unread = self.unread();
         if let Some(parting) = self.engine.part_at_end(&self.app, unread) {
             self.let_go(parting);
         }
     }
 
-    /// Transaction mode: the held connection back to its pool, or closed
+    /// The held connection let go of: back to its pool, parked, or closed
     /// with a Terminate written off the session's path.
     pub(super) fn let_go(&mut self, parting: Parting) {
         let Some(mut stream) = self.backend.take() else {
@@ -433,6 +428,11 @@ where
         };
         match parting {
             Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
+            Parting::Park(parked) => {
+                let server = parked.book.park(stream, &parked.target, parked.addr);
+                let config = &self.app.config().pool;
+                self.app.pool.give_back(config, parked.key, server);
+            }
             Parting::Close => {
                 tokio::spawn(async move {
                     let _ = stream.write_all(&messages::TERMINATE).await;
@@ -455,16 +455,6 @@ where
             self.settle(Upto::Decided).await?;
         }
         self.settle(Upto::Link).await
-    }
-
-    /// The backend connection, if this session handed it back clean.
-    pub fn into_server(self, checked_by_pgcache: bool) -> Option<Server> {
-        if self.engine.server().fate == Fate::Tainted {
-            self.app.metrics.pool.closed_tainted.inc();
-        }
-        let unread = self.unread();
-        let (key, addr, book) = self.engine.into_server_book(unread, checked_by_pgcache)?;
-        Some(book.park(self.backend?, &key, addr))
     }
 }
 

@@ -18,8 +18,8 @@ use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
-use crate::pool::PoolError;
 use crate::pool::transaction::{Lease, Pool};
+use crate::pool::{PoolError, PoolKey};
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, messages};
 use crate::session::SessionError;
@@ -57,10 +57,6 @@ impl Engine {
     /// its client.
     pub fn waits_on_client(&self) -> bool {
         self.logged_in() && !self.pipeline.awaits_backend()
-    }
-
-    pub fn link(&self) -> &Link {
-        &self.link
     }
 
     /// Transaction mode: the pool to take a connection from and how long
@@ -132,10 +128,6 @@ impl Engine {
         } else {
             Some(LinkStep::GiveBack)
         }
-    }
-
-    pub fn server(&self) -> &ServerBook {
-        &self.server
     }
 
     pub fn take_actions(&mut self) -> Vec<Action> {
@@ -269,23 +261,6 @@ impl Engine {
         self.replica.as_deref()
     }
 
-    /// The backend connection as the session leaves it, if it may serve
-    /// another client: handed back clean, not ended by FATAL, nothing
-    /// `unread` from it; and PostgreSQL asked no password on it, unless
-    /// pgcache checks its clients' itself (`checked_by_pgcache`). Its
-    /// cancel key and address, and what the session noted of it.
-    pub fn into_server_book(
-        self,
-        unread: bool,
-        checked_by_pgcache: bool,
-    ) -> Option<(Arc<CancelTarget>, UpstreamAddr, ServerBook)> {
-        let trusted = self.server.trusted() || checked_by_pgcache;
-        if unread || self.server.fate != Fate::HandedBack || self.backend_fatal() || !trusted {
-            return None;
-        }
-        Some((self.backend_key?, self.backend_addr, self.server))
-    }
-
     /// Puts answers pgcache gave in the server's place (`answers`) after
     /// the complete frames in the server's buffer `buf`, as if they had
     /// arrived: nothing was owed before them. The next read of the buffer
@@ -347,13 +322,14 @@ impl Engine {
         })
     }
 
-    /// Transaction mode, at the session's end (`unread`: the server sent
-    /// bytes not read): an idle connection goes back to its pool (its
-    /// settings unknown if they may have changed), any other is closed.
+    /// At the session's end (`unread`: the server sent bytes not read).
+    /// In transaction mode an idle connection goes back to its pool (its
+    /// settings unknown if they may have changed), any other is closed; in
+    /// session mode, see [`Self::park_at_end`].
     pub fn part_at_end(&mut self, app: &crate::App, unread: bool) -> Option<Parting> {
         let clean = self.may_give_back(unread);
         let Link::Pooled(link) = &mut self.link else {
-            return None;
+            return self.park_at_end(app, unread);
         };
         Some(match link.lease.take() {
             Some(mut lease)
@@ -367,10 +343,46 @@ impl Engine {
             _ => Parting::Close,
         })
     }
+
+    /// Session mode, at the session's end: the connection is parked for
+    /// the next client if it may serve one: handed back clean, not ended
+    /// by FATAL, nothing `unread` from it; and PostgreSQL asked no
+    /// password on it, unless pgcache checks its clients itself.
+    fn park_at_end(&mut self, app: &crate::App, unread: bool) -> Option<Parting> {
+        let Link::Session(link) = &mut self.link else {
+            return None;
+        };
+        let key = link.parks_under.take()?;
+        if self.server.fate == Fate::Tainted {
+            app.metrics.pool.closed_tainted.inc();
+        }
+        let trusted = self.server.trusted() || link.checked_by_pgcache;
+        if unread || self.server.fate != Fate::HandedBack || self.backend_fatal() || !trusted {
+            return None;
+        }
+        let book = std::mem::replace(&mut self.server, ServerBook::new(false));
+        Some(Parting::Park(Box::new(Parked {
+            key,
+            target: Arc::clone(self.backend_key.as_ref()?),
+            addr: self.backend_addr.clone(),
+            book,
+        })))
+    }
 }
 
-/// What becomes of a pooled server connection the session lets go of.
+/// Session mode: a connection parked at the session's end, under its
+/// key, with its cancel key, its address and what the session noted of it.
+pub(in crate::session) struct Parked {
+    pub key: PoolKey,
+    pub target: Arc<CancelTarget>,
+    pub addr: UpstreamAddr,
+    pub book: ServerBook,
+}
+
+/// What becomes of a server connection the session lets go of.
 pub(in crate::session) enum Parting {
+    /// Session mode: parked for the next client.
+    Park(Box<Parked>),
     /// Back to its pool, to live at most so long.
     Back(Lease, std::time::Duration),
     /// Closed, with a Terminate so that PostgreSQL does not log a lost

@@ -202,8 +202,14 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
             false => crate::session::reuse::Trust::Challenged,
         };
         assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
-        let book = rig.engine.into_server_book(unread, checked_by_pgcache);
-        book.is_some()
+        let key = crate::pool::PoolKey::of(&rig.engine.startup).expect("poolable");
+        rig.engine.link = Link::Session(crate::session::link::SessionLink {
+            parks_under: Some(key),
+            checked_by_pgcache,
+            ..Default::default()
+        });
+        let parting = rig.engine.part_at_end(&rig.app, unread);
+        matches!(parting, Some(crate::session::engine::Parting::Park(_)))
     };
     assert!(parked(true, false, false), "PostgreSQL asked no password");
     assert!(
