@@ -171,12 +171,11 @@ async fn connect_one(
 /// fresh connection, which the server closes without a reply.
 pub async fn send_cancel(
     upstream: &Upstream,
-    addr: &UpstreamAddr,
-    pid: u32,
-    secret: &[u8],
+    target: &crate::cancel::CancelTarget,
 ) -> Result<(), BackendError> {
+    let addr = &target.addr;
     let mut stream = connect_secured(addr, upstream.connect_timeout, &upstream.tls).await?;
-    let packet = encode_cancel(pid, secret);
+    let packet = encode_cancel(target.backend_pid, &target.backend_secret);
     stream
         .write_all(&packet)
         .await

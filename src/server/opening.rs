@@ -137,8 +137,7 @@ async fn forward_cancel(app: &App, pid: u32, secret: &[u8]) {
         debug!(pid, "cancel request with an unknown key ignored");
         return;
     };
-    let (addr, backend_pid, secret) = (&target.addr, target.backend_pid, &target.backend_secret);
-    if let Err(e) = crate::backend::send_cancel(&app.upstream, addr, backend_pid, secret).await {
+    if let Err(e) = crate::backend::send_cancel(&app.upstream, &target).await {
         warn!(error = %e, "could not forward cancel request");
     }
 }

@@ -198,19 +198,10 @@ where
             }
         }
         loop {
-            if let Some(w) = woke.take() {
-                // Bytes from either leg, inline; the rest is rare, boxed.
-                let flow = match w {
-                    Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await?,
-                    Woke::Client(Ok(n)) if n > 0 => {
-                        self.app.metrics.client_bytes_in.inc_by(n as u64);
-                        self.on_client_data().await?
-                    }
-                    other => Box::pin(self.on_woke(other)).await?,
-                };
-                if flow == Flow::Close {
-                    return Ok(Flow::Close);
-                }
+            if let Some(w) = woke.take()
+                && self.on_woke(w).await? == Flow::Close
+            {
+                return Ok(Flow::Close);
             }
             // Waiting on the client: logged in and nothing asked of the backend.
             if self.engine.waits_on_client() && !self.attached() {
@@ -256,32 +247,33 @@ where
         woke
     }
 
-    /// What woke the session, handled: the replica's answer, an end or
-    /// failure of a leg, a shutdown stage, a timeout. An error ends the
-    /// session as [`Self::end`] says.
+    /// What woke the session, handled: bytes from a leg, an end or
+    /// failure of one, a shutdown stage, a timeout. An error ends the
+    /// session as [`Self::end`] says. Bytes from the client or the primary
+    /// are handled inline; the rest is rare, boxed.
     async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
         match woke {
-            Woke::Force => Err(Engine::forced()),
-            Woke::Retired => {
-                if let Some(conn) = self.replica.take() {
-                    info!(replica = %conn.server.name, "out of rotation: the session's connection to it is closed");
-                    conn.close().await;
-                }
-                Ok(Flow::Continue)
-            }
-            Woke::Replica(Ok(n)) if n > 0 => self.on_replica_data().await,
-            Woke::Replica(r) => self.replica_lost(r.err()).await,
-            Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await,
-            Woke::Backend(r) => {
-                self.backend_lost(r.err()).await;
-                Ok(Flow::Close)
-            }
             Woke::Client(Ok(n)) if n > 0 => {
                 self.app.metrics.client_bytes_in.inc_by(n as u64);
                 self.on_client_data().await
             }
+            Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await,
+            Woke::Force => Err(Engine::forced()),
+            Woke::Retired => {
+                if let Some(conn) = self.replica.take() {
+                    info!(replica = %conn.server.name, "out of rotation: the session's connection to it is closed");
+                    Box::pin(conn.close()).await;
+                }
+                Ok(Flow::Continue)
+            }
+            Woke::Replica(Ok(n)) if n > 0 => Box::pin(self.on_replica_data()).await,
+            Woke::Replica(r) => Box::pin(self.replica_lost(r.err())).await,
+            Woke::Backend(r) => {
+                Box::pin(self.backend_lost(r.err())).await;
+                Ok(Flow::Close)
+            }
             Woke::Client(r) => {
-                self.client_gone().await;
+                Box::pin(self.client_gone()).await;
                 r.map(|_| Flow::Close).map_err(SessionError::ClientIo)
             }
             Woke::Drain => {
@@ -341,15 +333,7 @@ where
     pub(super) async fn client_gone(&mut self) {
         if let Some(target) = self.engine.cancel_on_leaving() {
             let app = Arc::clone(&self.app);
-            tokio::spawn(async move {
-                let _ = crate::backend::send_cancel(
-                    &app.upstream,
-                    &target.addr,
-                    target.backend_pid,
-                    &target.backend_secret,
-                )
-                .await;
-            });
+            tokio::spawn(async move { crate::backend::send_cancel(&app.upstream, &target).await });
         }
         self.end_backend().await;
     }
