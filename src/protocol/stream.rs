@@ -183,6 +183,28 @@ impl<S: AsyncWrite + Unpin> FramedStream<S> {
     }
 }
 
+impl<S: AsyncRead + AsyncWrite + Unpin> FramedStream<S> {
+    /// Ends the connection with `last` (the peer's FATAL error): written,
+    /// the write side shut, then what the peer still sends read and
+    /// dropped for at most `linger`. Unread input at close makes the
+    /// kernel send a reset, which can destroy the error before the peer
+    /// reads it.
+    pub async fn close_with(&mut self, last: &[u8], linger: std::time::Duration) {
+        if self.write_all(last).await.is_err() || self.shutdown().await.is_err() {
+            return;
+        }
+        let _ = tokio::time::timeout(linger, async {
+            loop {
+                self.buf.clear();
+                if !matches!(self.fill().await, Ok(n) if n > 0) {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

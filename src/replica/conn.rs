@@ -45,7 +45,7 @@ enum Held {
 impl ReplicaConn {
     /// Session mode: logs in to `server` as the pool's user, with its
     /// credentials, for client `client`; `id` names it in `SHOW SERVERS`.
-    pub async fn open(
+    async fn open(
         pool: &Pool,
         server: &Arc<Replica>,
         id: u64,
@@ -79,7 +79,27 @@ impl ReplicaConn {
     /// of `pool`, without waiting for one (a full pool leaves the read to
     /// the primary), with what it has: the client state applied there and
     /// its statements. `ids` numbers new connections, as the primary's.
-    pub async fn lease(
+    /// A connection for a client's read: leased from the replica's pool
+    /// like `pool` (`pooled`), with the settings it was left in and its
+    /// statements, else opened for the session alone.
+    pub async fn connect(
+        pool: &Pool,
+        server: &Arc<Replica>,
+        pooled: bool,
+        ids: &Pools,
+        client: u64,
+    ) -> Result<(Self, u64, ServerStatements), String> {
+        match pooled {
+            true => Self::lease(pool, server, ids, client)
+                .await
+                .map_err(|e| e.to_string()),
+            false => Self::open(pool, server, ids.server_id(), client)
+                .await
+                .map(|conn| (conn, 0, ServerStatements::default())),
+        }
+    }
+
+    async fn lease(
         pool: &Pool,
         server: &Arc<Replica>,
         ids: &Pools,

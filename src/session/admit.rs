@@ -44,15 +44,13 @@ pub(crate) async fn refused(
     e: SessionError,
     peer: SocketAddr,
 ) {
-    {
-        match &e {
-            SessionError::Refused { message, .. } => info!(%peer, "{message}"),
-            SessionError::Connect(e) => warn!(%peer, error = %e, "backend unreachable"),
-            e => debug!(%peer, error = %e, "startup failed"),
-        }
-        if let Some(msg) = e.to_fatal() {
-            let _ = client.write_all(&msg).await;
-        }
+    match &e {
+        SessionError::Refused { message, .. } => info!(%peer, "{message}"),
+        SessionError::Connect(e) => warn!(%peer, error = %e, "backend unreachable"),
+        e => debug!(%peer, error = %e, "startup failed"),
+    }
+    if let Some(msg) = e.to_fatal() {
+        client.close_with(&msg, super::LINGER).await;
     }
 }
 

@@ -297,23 +297,9 @@ where
     /// reads the error instead of a connection reset.
     async fn close_with(&mut self, error: &SessionError) {
         self.end_backend().await;
-        let Some(msg) = error.to_fatal() else {
-            return;
-        };
-        if self.client.write_all(&msg).await.is_err() || self.client.shutdown().await.is_err() {
-            return;
+        if let Some(msg) = error.to_fatal() {
+            self.client.close_with(&msg, super::LINGER).await;
         }
-        // Unread input at close() makes the kernel send RST, which can
-        // destroy the error before the client reads it: drain briefly.
-        let _ = tokio::time::timeout(super::LINGER, async {
-            loop {
-                self.client.buffer_mut().clear();
-                if !matches!(self.client.fill().await, Ok(n) if n > 0) {
-                    break;
-                }
-            }
-        })
-        .await;
     }
 
     /// The backend closed or failed: tell the client, unless the backend's

@@ -43,11 +43,20 @@ where
         if self.engine.draining() {
             return self.drained();
         }
-        if answering && !self.engine.answering_login() && !self.client.buffered().is_empty() {
+        if answering && !self.engine.answering_login() {
             // What the client sent while pgcache logged in for it.
-            return Box::pin(self.on_client_data()).await;
+            return self.take_waiting_client().await;
         }
         Ok(Flow::Continue)
+    }
+
+    /// The client's frames that waited (on a login pgcache answered, on a
+    /// read a replica answered), taken now.
+    async fn take_waiting_client(&mut self) -> Result<Flow, SessionError> {
+        match self.client.buffered().is_empty() {
+            true => Ok(Flow::Continue),
+            false => Box::pin(self.on_client_data()).await,
+        }
     }
 
     /// Every complete frame buffered from a server leg, through the
@@ -327,15 +336,8 @@ where
                     old.close().await;
                 }
                 let (client, ids) = (self.entry.client.id, &self.app.pool.pooled);
-                let (conn, applied, prepared) = match pooled {
-                    false => {
-                        let conn = ReplicaConn::open(&pool, &server, ids.server_id(), client);
-                        (conn.await?, 0, Default::default())
-                    }
-                    true => ReplicaConn::lease(&pool, &server, ids, client)
-                        .await
-                        .map_err(|e| e.to_string())?,
-                };
+                let connected = ReplicaConn::connect(&pool, &server, pooled, ids, client);
+                let (conn, applied, prepared) = connected.await?;
                 self.engine
                     .replica_connected(applied, prepared, conn.opened);
                 self.replica = Some(Box::new(conn));
@@ -388,10 +390,7 @@ where
         self.replica_read_done();
         self.engine.retarget_cancel();
         self.settle(Upto::Link).await?;
-        if !self.client.buffered().is_empty() {
-            return Box::pin(self.on_client_data()).await;
-        }
-        Ok(Flow::Continue)
+        self.take_waiting_client().await
     }
 
     /// The replica's connection ended or failed while a read was there:
@@ -405,10 +404,7 @@ where
         info!(replica = ?name, error = ?error, "replica connection lost");
         self.engine.on_replica_lost();
         self.settle(Upto::Link).await?;
-        if !self.client.buffered().is_empty() {
-            return Box::pin(self.on_client_data()).await;
-        }
-        Ok(Flow::Continue)
+        self.take_waiting_client().await
     }
 }
 
