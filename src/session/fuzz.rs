@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use bytes::{BufMut, BytesMut};
 
-use super::engine::{Action, Ctx, Engine, Need, Taken};
+use super::engine::{Action, Ctx, Engine, Need};
 use super::known::Known;
 use super::link::Link;
 use super::pipeline::Flow;
@@ -187,12 +187,15 @@ pub struct Fed {
 fn client_data(engine: &mut Engine, ctx: &Ctx, client: &mut BytesMut, control: u8) -> bool {
     // Needs met in a row while nothing more of the buffer was taken.
     let (mut needs, mut left) = (0, client.len());
+    engine.client_arrived();
     loop {
+        if !engine.takes_client(!client.is_empty()) {
+            return engine.flow() == Flow::Close;
+        }
         let need = match engine.on_client_data(ctx, client, 1 << 20) {
-            Ok(Taken::Done(flow)) => return flow == Flow::Close,
             // What the frame left is carried out after the run.
-            Ok(Taken::Settle) => continue,
-            Ok(Taken::Need(need)) => need,
+            Ok(None) => continue,
+            Ok(Some(need)) => need,
             Err(_) => return true,
         };
         needs = if client.len() == left { needs + 1 } else { 1 };

@@ -19,7 +19,7 @@ use tracing::info;
 use super::SessionError;
 use super::admission::Parts;
 use super::engine::IdleTimeouts;
-use super::engine::{Ctx, Engine, Greeting, Parting, Start, Upto};
+use super::engine::{Ctx, Engine, Greeting, Parting, Start};
 use super::known::Known;
 use super::pipeline::Flow;
 use crate::App;
@@ -109,15 +109,11 @@ where
         login: Option<Box<super::admission::Login>>,
     ) -> Result<Flow, SessionError> {
         let ctx = ctx(&self.app, &self.entry);
-        let flow = match self.engine.start(&ctx, self.attached(), login) {
-            Start::Begun => self.settle(Upto::Relayed).await.map(|()| Flow::Continue),
-            Start::Greet => self.greet().await.map(|()| Flow::Continue),
+        match self.engine.start(&ctx, self.attached(), login) {
+            Start::Begun => self.pump().await,
+            Start::Greet => self.greet().await,
             Start::Close => Ok(Flow::Close),
-        };
-        if !self.engine.relaying_login() {
-            self.learning = None;
         }
-        flow
     }
 
     /// The session's end, as its result says: a lost backend or an error
@@ -415,16 +411,15 @@ where
     /// Transaction mode, for a client pgcache can log in for: the
     /// greeting, as the engine has it ([`super::engine::Greeting`]), with
     /// no connection taken unless it needs one.
-    pub(super) async fn greet(&mut self) -> Result<(), SessionError> {
+    pub(super) async fn greet(&mut self) -> Result<Flow, SessionError> {
         loop {
             let ctx = super::relay::ctx(&self.app, &self.entry);
             if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
-                break;
+                return self.pump().await;
             }
             self.check_out(false).await?;
-            self.settle(Upto::Decided).await?;
+            self.pump().await?;
         }
-        self.settle(Upto::Link).await
     }
 }
 

@@ -43,6 +43,9 @@ pub(super) enum ReadState {
     Chosen,
     /// Written to the connection; its answer is awaited.
     Sent,
+    /// Answered (or sent to the primary instead): the driver lets the
+    /// connection go before the session goes on.
+    Answered,
 }
 
 /// The session's leg to a replica, as the engine sees it: the server, the

@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, Held, Io, Leg, Need, Relayed, ReplicaStep, Taken, Upto};
+use super::engine::{Action, Held, Io, Leg, Need, Relayed, ReplicaStep};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
@@ -25,50 +25,35 @@ impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// Relays every complete backend frame now buffered to the client,
-    /// as the engine has it, and settles what it left.
+    /// Hands the engine every complete backend frame now buffered, and
+    /// carries out what it asks; draining, the session ends as soon as the
+    /// engine says it may.
     pub(super) async fn on_backend_data(&mut self) -> Result<Flow, SessionError> {
-        if self.backend.is_none() {
-            return Ok(Flow::Continue);
-        }
-        let answering = self.engine.answering_login();
-        self.relay_from(Leg::Primary, Upto::Link).await?;
-        if self.learning.is_some() && !self.engine.relaying_login() {
-            // The pool's lesson in how to log in is this login's no more.
-            self.learning = None;
-        }
+        self.feed(Leg::Primary)?;
+        let flow = self.pump().await?;
         if let Some(backend) = &mut self.backend {
             backend.shrink_if_empty();
         }
-        if self.engine.draining() {
-            return self.drained();
-        }
-        if answering && !self.engine.answering_login() {
-            // What the client sent while pgcache logged in for it.
-            return self.take_waiting_client().await;
-        }
-        Ok(Flow::Continue)
-    }
-
-    /// The client's frames that waited (on a login pgcache answered, on a
-    /// read a replica answered), taken now.
-    async fn take_waiting_client(&mut self) -> Result<Flow, SessionError> {
-        match self.client.buffered().is_empty() {
-            true => Ok(Flow::Continue),
-            false => Box::pin(self.on_client_data()).await,
+        match self.engine.draining() {
+            true => self.drained(),
+            false => Ok(flow),
         }
     }
 
-    /// Every complete frame buffered from a server leg, through the
-    /// engine, then what the engine asks up to `upto`: what the server is
-    /// owed and the actions first, then the client's bytes.
-    pub(super) async fn relay_from(&mut self, leg: Leg, upto: Upto) -> Result<(), SessionError> {
+    /// The client sent bytes: they are the engine's to take.
+    pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
+        self.engine.client_arrived();
+        self.pump().await
+    }
+
+    /// Hands the engine every complete frame buffered from a server leg:
+    /// what the client is sent of them waits for [`Io::Relay`].
+    fn feed(&mut self, leg: Leg) -> Result<(), SessionError> {
         let ctx = ctx(&self.app, &self.entry);
-        let Some(stream) = leg.of(&mut self.backend, &mut self.replica) else {
-            return Ok(());
-        };
-        self.engine.on_server_data(&ctx, leg, stream.buffer_mut())?;
-        self.settle(upto).await
+        match leg.of(&mut self.backend, &mut self.replica) {
+            Some(stream) => self.engine.on_server_data(&ctx, leg, stream.buffer_mut()),
+            None => Ok(()),
+        }
     }
 
     /// Writes to the client what it is sent of the bytes the engine
@@ -92,38 +77,6 @@ where
         Ok(())
     }
 
-    /// Hands the client's buffered frames to the engine, carrying out
-    /// what it leaves after a frame and meeting what a decision waits for,
-    /// then settles what is left.
-    pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        if self.engine.answering_login() {
-            // It waits until pgcache has logged in for it.
-            return Ok(Flow::Continue);
-        }
-        let result = loop {
-            let ctx = ctx(&self.app, &self.entry);
-            let max_frame = self.client.max_frame();
-            match self
-                .engine
-                .on_client_data(&ctx, self.client.buffer_mut(), max_frame)
-            {
-                Ok(Taken::Done(flow)) => break Ok(flow),
-                Ok(Taken::Settle) => self.settle(Upto::Decided).await?,
-                Ok(Taken::Need(need)) => Box::pin(self.meet(need)).await?,
-                Err(e) => break Err(e),
-            }
-        };
-        let upto = match &result {
-            Ok(Flow::Continue) => Upto::Link,
-            // What came before a bad frame still goes out.
-            Ok(Flow::Close) | Err(SessionError::ClientFrame(_)) => Upto::Staged,
-            Err(_) => return result,
-        };
-        self.settle(upto).await?;
-        self.client.shrink_if_empty();
-        result
-    }
-
     /// Gets what the engine needs to decide on a frame, and tells it:
     /// the cache's waits, pgcache's own queries, catalog facts being
     /// fetched, and what a statement needs of pgcache before it goes out
@@ -145,7 +98,8 @@ where
                 }
                 self.engine.prerequisites_met();
             }
-            Need::Own => self.settle(Upto::Decided).await?,
+            // Asked of the driver next ([`Io::Own`]).
+            Need::Own => {}
             Need::Fetched { rels, funcs } => {
                 let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
                 let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
@@ -163,15 +117,29 @@ where
         Ok(())
     }
 
-    /// Carries out what the engine asks, in its order, up to `upto`.
-    pub(super) async fn settle(&mut self, upto: Upto) -> Result<(), SessionError> {
+    /// Carries out what the engine asks, in its order, until it asks
+    /// nothing: the session's flow then, or the error of a bad frame from
+    /// the client once what came before it is written.
+    pub(super) async fn pump(&mut self) -> Result<Flow, SessionError> {
+        let mut bad_frame = None;
         loop {
             let held = Held {
                 attached: self.attached(),
                 unread: self.unread(),
+                client: !self.client.buffered().is_empty(),
             };
-            match self.engine.poll_io(&self.app, held, upto) {
-                Io::Idle => return Ok(()),
+            match self.engine.poll_io(&self.app, held) {
+                Io::Idle => break,
+                Io::TakeClient => {
+                    let ctx = ctx(&self.app, &self.entry);
+                    let (max_frame, buf) = (self.client.max_frame(), self.client.buffer_mut());
+                    match self.engine.on_client_data(&ctx, buf, max_frame) {
+                        Ok(None) => {}
+                        Ok(Some(need)) => Box::pin(self.meet(need)).await?,
+                        Err(e @ SessionError::ClientFrame(_)) => bad_frame = Some(e),
+                        Err(e) => return Err(e),
+                    }
+                }
                 Io::ToServer(bytes) => {
                     let r = self.server()?.write_all(&bytes).await;
                     r.map_err(SessionError::BackendIo)?;
@@ -195,9 +163,16 @@ where
                 Io::ToClient => self.flush_out().await?,
                 Io::Staged => self.write_staged().await?,
                 Io::Replica => Box::pin(self.replica_step()).await,
+                Io::ReplicaDone => self.replica_read_done(),
                 Io::Part(parting) => self.let_go(parting),
             }
         }
+        if self.learning.is_some() && !self.engine.relaying_login() {
+            // The pool's lesson in how to log in is this login's no more.
+            self.learning = None;
+        }
+        self.client.shrink_if_empty();
+        bad_frame.map_or(Ok(self.engine.flow()), Err)
     }
 
     /// Does one thing the engine asked for.
@@ -236,7 +211,7 @@ where
             Ok(0) => Err(SessionError::BackendIo(
                 std::io::ErrorKind::UnexpectedEof.into(),
             )),
-            Ok(_) => self.relay_from(Leg::Primary, Upto::Relayed).await,
+            Ok(_) => self.feed(Leg::Primary),
             Err(e) => Err(SessionError::BackendIo(e)),
         }
     }
@@ -263,7 +238,7 @@ where
         r.map_err(SessionError::BackendIo)?;
         if let (false, Some(backend)) = (answers.is_empty(), &mut self.backend) {
             self.engine.splice(backend.buffer_mut(), &answers);
-            Box::pin(self.on_backend_data()).await?;
+            self.feed(Leg::Primary)?;
         }
         Ok(())
     }
@@ -379,18 +354,11 @@ where
     }
 
     /// The replica's answer, as the engine has it, to the client; once
-    /// the read is answered, the cancel key is the primary's again and
-    /// what waited goes on: a retry to the primary, the client's next
-    /// frames.
+    /// the read is answered, its connection is let go of and what waited
+    /// goes on: a retry to the primary, the client's next frames.
     pub(super) async fn on_replica_data(&mut self) -> Result<Flow, SessionError> {
-        self.relay_from(Leg::Replica, Upto::Relayed).await?;
-        if self.engine.replica_busy() {
-            return Ok(Flow::Continue);
-        }
-        self.replica_read_done();
-        self.engine.retarget_cancel();
-        self.settle(Upto::Link).await?;
-        self.take_waiting_client().await
+        self.feed(Leg::Replica)?;
+        self.pump().await
     }
 
     /// The replica's connection ended or failed while a read was there:
@@ -403,8 +371,7 @@ where
         let name = self.replica.take().map(|c| c.server.name.clone());
         info!(replica = ?name, error = ?error, "replica connection lost");
         self.engine.on_replica_lost();
-        self.settle(Upto::Link).await?;
-        self.take_waiting_client().await
+        self.pump().await
     }
 }
 

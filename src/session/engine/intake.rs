@@ -19,17 +19,30 @@ use crate::protocol::frontend as fe;
 use crate::session::SessionError;
 use crate::session::pipeline::Flow;
 
+/// Whether the client's buffered bytes are the engine's to take
+/// ([`super::Io::TakeClient`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Intake {
+    /// Bytes came that the engine has not taken all of, or a decision
+    /// waits: the client's requests are decided before the server's go
+    /// out, so that one read's frames go out in one write.
+    Fresh,
+    /// Every complete frame is taken; what is left is part of one.
+    Taken,
+    /// The client ended its session, or sent a frame that ends it:
+    /// nothing more is taken, and the session ends once what came before
+    /// is written.
+    Closed,
+}
+
 /// What the engine made of the client's buffered bytes.
-pub(in crate::session) enum Taken {
+enum Taken {
     /// Every complete frame is taken, or the rest waits (a read on a
     /// replica holds the client's next frames until it is answered).
     Done(Flow),
-    /// A frame was decided and left the driver work (actions, bytes for
-    /// the client): carry it out ([`super::Upto::Decided`]), then hand
-    /// the buffer over again.
+    /// A frame was decided and left the driver work.
     Settle,
-    /// The frame being decided waits for this: meet it, then hand the
-    /// buffer over again.
+    /// The frame being decided waits for this.
     Need(Need),
 }
 
@@ -42,10 +55,48 @@ pub(super) enum Waiting {
 }
 
 impl Engine {
+    /// Bytes came from the client: its buffer is to be taken.
+    pub fn client_arrived(&mut self) {
+        if self.intake != Intake::Closed {
+            self.intake = Intake::Fresh;
+        }
+    }
+
+    /// The client's session ends.
+    pub fn flow(&self) -> Flow {
+        match self.intake {
+            Intake::Closed => Flow::Close,
+            _ => Flow::Continue,
+        }
+    }
+
     /// Takes the complete frames at the start of `buf` (the client's read
     /// buffer; a frame over `max_frame` bytes is an error), as far as the
-    /// driver has to step in.
+    /// driver has to step in: after a frame that left it work (actions,
+    /// bytes for the client), or one that waits for what it needs met.
+    /// The driver is asked again ([`super::Io::TakeClient`]) until every
+    /// frame is taken.
     pub fn on_client_data(
+        &mut self,
+        ctx: &Ctx,
+        buf: &mut BytesMut,
+        max_frame: usize,
+    ) -> Result<Option<Need>, SessionError> {
+        let taken = self.take_client(ctx, buf, max_frame);
+        self.intake = match &taken {
+            // A read on a replica holds the rest until it is answered.
+            Ok(Taken::Done(Flow::Continue)) if self.replica_busy() => self.intake,
+            Ok(Taken::Done(Flow::Continue)) => Intake::Taken,
+            Ok(Taken::Done(Flow::Close)) | Err(_) => Intake::Closed,
+            Ok(Taken::Settle | Taken::Need(_)) => self.intake,
+        };
+        match taken? {
+            Taken::Need(need) => Ok(Some(need)),
+            Taken::Done(_) | Taken::Settle => Ok(None),
+        }
+    }
+
+    fn take_client(
         &mut self,
         ctx: &Ctx,
         buf: &mut BytesMut,

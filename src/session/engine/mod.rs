@@ -57,9 +57,9 @@ pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
-pub(super) use intake::Taken;
+use intake::Intake;
 use life::{Ending, Exchange, Phase, Shutdown};
-pub(super) use output::{Held, Io, Leg, Upto};
+pub(super) use output::{Held, Io, Leg};
 pub(super) use routing::ReplicaStep;
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;
@@ -112,6 +112,8 @@ pub(super) struct Engine {
     /// The decision waiting on what `found` is to hold (boxed: rare, and
     /// every idle session would keep room for it).
     waiting: Option<Box<intake::Waiting>>,
+    /// Whether the client's buffered bytes are to be taken.
+    intake: Intake,
     /// The session's connection to a replica, once a read went to one.
     replica: Option<Box<ReplicaLeg>>,
     /// What the session has seen: it never reads from a replica behind it.
@@ -156,6 +158,7 @@ impl Engine {
             cancel: None,
             found: Found::default(),
             waiting: None,
+            intake: Intake::Taken,
             replica: None,
             observed: Observed::default(),
             own: Own::default(),

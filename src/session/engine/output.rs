@@ -8,18 +8,20 @@
 use bytes::BytesMut;
 
 use super::answers::Relayed;
-use super::{Action, Ctx, Engine, LinkStep, Parting, Verdict};
+use super::{Action, Ctx, Engine, Intake, LinkStep, Parting, Verdict};
 use crate::App;
 use crate::session::SessionError;
 use crate::session::link::Link;
 
-/// The server connection the driver holds, as a poll asks about it.
+/// The connections the driver holds, as a poll asks about them.
 #[derive(Clone, Copy)]
 pub(in crate::session) struct Held {
     /// A connection to the primary is held.
     pub attached: bool,
     /// It sent bytes not read yet.
     pub unread: bool,
+    /// The client's read buffer holds bytes.
+    pub client: bool,
 }
 
 /// A server leg of the session: the primary's connection, or a replica's.
@@ -27,23 +29,6 @@ pub(in crate::session) struct Held {
 pub(in crate::session) enum Leg {
     Primary,
     Replica,
-}
-
-/// How far a poll goes: each stage takes in those before it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(in crate::session) enum Upto {
-    /// What the server is owed as it is, the actions, then a server's
-    /// answer relayed to the client: what reading a server's bytes asks
-    /// for, and all a read of pgcache's own answer may.
-    Relayed,
-    /// What is staged for the client, and pgcache's own queries to their
-    /// last answer: a client frame decided, or a decision waiting on them.
-    Decided,
-    /// The requests staged for the primary and a replica: the client's
-    /// frames decided, or the session ending.
-    Staged,
-    /// The pooled connection let go of once the session is idle.
-    Link,
 }
 
 /// What the driver does next ([`Engine::poll_io`]).
@@ -57,6 +42,12 @@ pub(in crate::session) enum Io {
     Relay(Leg, Relayed),
     /// Write [`Engine::out`] to the client, then [`Engine::client_sent`].
     ToClient,
+    /// The read on a replica is answered: let its connection go (back to
+    /// the replica's pool, with [`Engine::replica_books`]).
+    ReplicaDone,
+    /// Hand the client's read buffer to [`Engine::on_client_data`], and
+    /// meet what it needs, if anything.
+    TakeClient,
     /// Transaction mode: take a connection from the pool (`queued`: for
     /// the client's requests, which may wait in the pool's queue); if
     /// none comes, tell [`Engine::checkout_failed`].
@@ -80,29 +71,30 @@ pub(in crate::session) enum Io {
 }
 
 impl Engine {
-    /// What the driver does next, up to the stage `upto`, with the
-    /// connection it `held`. Most events leave nothing to do: that answer
-    /// is a few field checks, and what carries a payload is built out of
-    /// line.
+    /// What the driver does next, with the connections it `held`. Most
+    /// events leave nothing to do: that answer is a few field checks, and
+    /// what carries a payload is built out of line. The client's bytes are
+    /// all taken before the requests they stage go out; a session whose
+    /// client ended writes what came before and asks nothing more.
     #[inline]
-    pub fn poll_io(&mut self, app: &App, held: Held, upto: Upto) -> Io {
+    pub fn poll_io(&mut self, app: &App, held: Held) -> Io {
         if !self.to_server.is_empty() || !self.actions.is_empty() {
             return self.owed();
         }
         if let Some((leg, relayed)) = self.relaying.take() {
             return Io::Relay(leg, relayed);
         }
-        if upto < Upto::Decided {
-            return Io::Idle;
-        }
         if !self.out.is_empty() {
             return Io::ToClient;
+        }
+        if self.replica.is_some() && self.replica_answered() {
+            return Io::ReplicaDone;
         }
         if self.own_unsettled() {
             return self.own_io(held);
         }
-        if upto < Upto::Staged {
-            return Io::Idle;
+        if self.takes_client(held.client) {
+            return Io::TakeClient;
         }
         if !self.pipeline.to_backend.is_empty() {
             return match held.attached || !self.link.is_pooled() {
@@ -113,10 +105,18 @@ impl Engine {
         if self.replica_chosen() {
             return Io::Replica;
         }
-        if upto < Upto::Link || !self.link.is_pooled() {
+        if self.intake == Intake::Closed || !self.link.is_pooled() {
             return Io::Idle;
         }
         self.let_go(app, held)
+    }
+
+    /// The client's buffered bytes (`buffered`: there are some) are to be
+    /// taken now: bytes came since every frame was taken, and the engine
+    /// reads its client; or a decision waits.
+    #[inline]
+    pub fn takes_client(&self, buffered: bool) -> bool {
+        self.intake == Intake::Fresh && (self.waiting.is_some() || buffered && self.reads_client())
     }
 
     /// Every complete frame buffered from a server `leg` (`buf`), handled

@@ -331,7 +331,7 @@ impl Engine {
             return true;
         };
         let (replayed, asked) = self.replica.as_mut().map_or((None, None), |leg| {
-            leg.read = ReadState::Idle;
+            leg.read = ReadState::Answered;
             if routed.to_primary() {
                 // A statement it should have had may be missing there.
                 leg.prepared.clear();
@@ -363,6 +363,20 @@ impl Engine {
     /// client nor the primary until it is answered.
     pub fn replica_busy(&self) -> bool {
         self.replica.as_ref().is_some_and(|leg| leg.busy())
+    }
+
+    /// The read on the replica is answered: its connection is to be let
+    /// go now ([`super::Io::ReplicaDone`]), and a cancel goes to the
+    /// primary again.
+    pub(super) fn replica_answered(&mut self) -> bool {
+        match &mut self.replica {
+            Some(leg) if leg.read == ReadState::Answered => {
+                leg.read = ReadState::Idle;
+                self.retarget_cancel();
+                true
+            }
+            _ => false,
+        }
     }
 
     /// A read is routed to a replica and waits for the driver to get a

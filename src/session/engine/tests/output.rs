@@ -5,28 +5,33 @@
 use super::*;
 use crate::pool::PoolError;
 use crate::session::SessionError;
-use crate::session::engine::{Held, Io, Leg, Relayed, Taken, Upto};
+use crate::session::engine::{Held, Io, Leg, Relayed};
 
 const READ: &str = "SELECT v FROM items WHERE k = 1";
 
 const HELD: Held = Held {
     attached: true,
     unread: false,
+    client: false,
 };
 
 const DETACHED: Held = Held {
     attached: false,
     unread: false,
+    client: false,
 };
 
-/// What the driver would do, polled up to `upto` until the engine asks
-/// nothing, each step done as the driver does it (bytes written, actions
-/// carried out): the steps' names, in order.
-fn drive(rig: &mut Rig, held: Held, upto: Upto) -> Vec<&'static str> {
+/// What the driver would do, polled until the engine asks nothing (or
+/// for the client's bytes, or an own query's answer), each step done as
+/// the driver does it (bytes written, actions carried out): the steps'
+/// names, in order.
+fn drive(rig: &mut Rig, held: Held) -> Vec<&'static str> {
     let mut steps = Vec::new();
     loop {
-        let step = match rig.engine.poll_io(&rig.app, held, upto) {
+        let step = match rig.engine.poll_io(&rig.app, held) {
             Io::Idle => return steps,
+            Io::TakeClient => "take the client's bytes",
+            Io::ReplicaDone => "replica done",
             Io::ToServer(_) => "server",
             Io::Act(_) => "action",
             Io::Relay(..) => "relay",
@@ -56,14 +61,15 @@ fn drive(rig: &mut Rig, held: Held, upto: Upto) -> Vec<&'static str> {
             steps.len() < 16,
             "the engine asks again and again: {steps:?}"
         );
-        if step == "own answer awaited" {
+        if step == "own answer awaited" || step == "take the client's bytes" {
             return steps;
         }
     }
 }
 
 #[test]
-fn the_driver_is_asked_in_the_engines_order_and_each_stage_stops_where_it_should() {
+fn the_driver_is_asked_in_the_engines_order_and_the_clients_bytes_are_taken_before_the_servers_go_out()
+ {
     let mut rig = Rig::logged_in();
     let fill = || {
         let mut rig = Rig::logged_in();
@@ -77,29 +83,52 @@ fn the_driver_is_asked_in_the_engines_order_and_each_stage_stops_where_it_should
             .extend_from_slice(&query(READ));
         rig
     };
-    assert!(
-        drive(&mut rig, HELD, Upto::Link).is_empty(),
-        "nothing to do"
-    );
+    assert!(drive(&mut rig, HELD).is_empty(), "nothing to do");
 
     let mut rig = fill();
     assert_eq!(
-        drive(&mut rig, HELD, Upto::Link),
+        drive(&mut rig, HELD),
         ["server", "action", "relay", "client", "staged"]
     );
-    // A server's answer read: what the server is owed and the actions go
-    // before the client is sent the answer, and nothing else yet.
+    // Bytes came from the client: they are taken before what is staged
+    // for the server goes out, and only while some are buffered.
     let mut rig = fill();
+    rig.engine.client_arrived();
+    let buffered = Held {
+        client: true,
+        ..HELD
+    };
     assert_eq!(
-        drive(&mut rig, HELD, Upto::Relayed),
-        ["server", "action", "relay"]
+        drive(&mut rig, buffered),
+        [
+            "server",
+            "action",
+            "relay",
+            "client",
+            "take the client's bytes"
+        ]
     );
-    assert_eq!(
-        drive(&mut rig, HELD, Upto::Decided),
-        ["client"],
-        "a frame decided: its bytes for the client, not yet the server's"
+    assert_eq!(drive(&mut rig, HELD), ["staged"], "none buffered");
+}
+
+#[test]
+fn a_client_that_ended_has_what_came_before_written_and_its_connection_kept_until_the_end() {
+    let mut rig = Rig::pooled();
+    rig.knows_table("items");
+    rig.client(&query("UPDATE items SET v = 1"));
+    assert_eq!(drive(&mut rig, HELD), ["staged"]);
+    rig.backend(&[complete("UPDATE 1"), rfq(TxStatus::Idle)]);
+    rig.engine.actions.clear();
+    let mut buf = BytesMut::from(&b"X\0\0\0\x04"[..]);
+    rig.engine.client_arrived();
+    let now = ctx(&rig.app, &rig.entry);
+    let taken = rig.engine.on_client_data(&now, &mut buf, 1 << 20);
+    assert!(matches!(taken, Ok(None)));
+    assert_eq!(rig.engine.flow(), Flow::Close);
+    assert!(
+        drive(&mut rig, HELD).is_empty(),
+        "given back at the session's end, not now"
     );
-    assert_eq!(drive(&mut rig, HELD, Upto::Staged), ["staged"]);
 }
 
 #[test]
@@ -111,10 +140,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
         matches!(asked, Err(Need::Own)),
         "the settings are asked first"
     );
-    assert_eq!(
-        drive(&mut rig, HELD, Upto::Decided),
-        ["own query", "own answer awaited"]
-    );
+    assert_eq!(drive(&mut rig, HELD), ["own query", "own answer awaited"]);
 
     let mut rig = Rig::pooled();
     rig.knows_table("items");
@@ -122,7 +148,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
     let asked = rig.engine.on_client_frame(&now, &Bytes::from(query(READ)));
     assert!(matches!(asked, Err(Need::Own)));
     assert_eq!(
-        rig.engine.poll_io(&rig.app, DETACHED, Upto::Decided).name(),
+        rig.engine.poll_io(&rig.app, DETACHED).name(),
         "checkout for pgcache"
     );
     // No connection came: the own query goes unanswered, the statement
@@ -134,7 +160,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
         .checkout_failed(&now, e)
         .expect("the session goes on");
     assert!(!rig.engine.own_pending());
-    assert!(drive(&mut rig, DETACHED, Upto::Decided).is_empty());
+    assert!(drive(&mut rig, DETACHED).is_empty());
 }
 
 #[test]
@@ -143,22 +169,18 @@ fn a_pooled_session_takes_a_connection_for_its_requests_and_lets_it_go_once_idle
     rig.knows_table("items");
     rig.client(&query("UPDATE items SET v = 1"));
     assert_eq!(
-        rig.engine.poll_io(&rig.app, DETACHED, Upto::Link).name(),
+        rig.engine.poll_io(&rig.app, DETACHED).name(),
         "checkout for the client"
     );
-    assert_eq!(drive(&mut rig, HELD, Upto::Link), ["staged"], "busy: kept");
+    assert_eq!(drive(&mut rig, HELD), ["staged"], "busy: kept");
     rig.backend(&[complete("UPDATE 1"), rfq(TxStatus::Idle)]);
     rig.engine.actions.clear();
     let unread = Held {
-        attached: true,
         unread: true,
+        ..HELD
     };
-    assert!(
-        drive(&mut rig, unread, Upto::Link).is_empty(),
-        "unread: kept"
-    );
-    assert!(drive(&mut rig, HELD, Upto::Staged).is_empty(), "not yet");
-    assert_eq!(drive(&mut rig, HELD, Upto::Link), ["part"]);
+    assert!(drive(&mut rig, unread).is_empty(), "unread: kept");
+    assert_eq!(drive(&mut rig, HELD), ["part"]);
 }
 
 #[test]
@@ -166,14 +188,16 @@ fn the_clients_bytes_are_taken_whole_settled_after_what_a_frame_left_and_a_waiti
     let mut rig = Rig::caching();
     let mut buf = BytesMut::from(&[query(READ), query(READ)].concat()[..]);
     let now = ctx(&rig.app, &rig.entry);
+    rig.engine.client_arrived();
     let taken = rig.engine.on_client_data(&now, &mut buf, 1 << 20);
-    assert!(matches!(taken, Ok(Taken::Need(Need::Own))));
+    assert!(matches!(taken, Ok(Some(Need::Own))));
     assert_eq!(buf.len(), query(READ).len(), "the first frame waits, kept");
     let answer = rig.settings.clone().map(|row| vec![row]);
     crate::session::fuzz::answer_own(&mut rig.engine, &now, answer.as_deref());
     let taken = rig.engine.on_client_data(&now, &mut buf, 1 << 20);
-    assert!(matches!(taken, Ok(Taken::Done(Flow::Continue))));
+    assert!(matches!(taken, Ok(None)));
     assert!(buf.is_empty());
+    assert!(!rig.engine.takes_client(false), "every frame is taken");
     assert_eq!(
         rig.sent_to_backend(),
         [query(READ), query(READ)].concat(),
@@ -195,15 +219,18 @@ fn the_clients_bytes_are_taken_whole_settled_after_what_a_frame_left_and_a_waiti
     rig.sent_to_client();
     let mut buf = BytesMut::from(&[query(READ), query(READ)].concat()[..]);
     let now = ctx(&rig.app, &rig.entry);
+    rig.engine.client_arrived();
     let taken = rig.engine.on_client_data(&now, &mut buf, 1 << 20);
-    assert!(matches!(taken, Ok(Taken::Settle)));
+    assert!(matches!(taken, Ok(None)));
     assert_eq!(buf.len(), query(READ).len(), "one frame at a time");
     assert!(!rig.engine.out.is_empty(), "the hit is staged");
+    assert!(rig.engine.takes_client(true), "the rest is taken next");
 
     // A frame over the limit is the client's error.
     let mut buf = BytesMut::from(&query(READ)[..]);
     let taken = rig.engine.on_client_data(&now, &mut buf, 8);
     assert!(matches!(taken, Err(SessionError::ClientFrame(_))));
+    assert_eq!(rig.engine.flow(), Flow::Close, "nothing more is taken");
 }
 
 #[test]
@@ -214,10 +241,12 @@ fn with_caching_off_the_clients_bytes_are_relayed_untouched() {
     let mut buf = BytesMut::from(&bytes[..]);
     buf.extend_from_slice(&query("SELECT 3")[..3]);
     let now = ctx(&rig.app, &rig.entry);
+    rig.engine.client_arrived();
     let taken = rig.engine.on_client_data(&now, &mut buf, 1 << 20);
-    assert!(matches!(taken, Ok(Taken::Done(Flow::Continue))));
+    assert!(matches!(taken, Ok(None)));
     assert_eq!(rig.sent_to_backend(), bytes);
     assert_eq!(buf.len(), 3, "a partial frame waits for the rest");
+    assert!(!rig.engine.takes_client(true), "and is not taken again");
 }
 
 impl Io {
