@@ -12,8 +12,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::cache::catalog::fetch::Fetcher;
+use crate::cache::hold::Paused;
 use crate::cache::shared::{Background, SharedTier};
 use crate::cache::{Cache, DbState, LocalCache};
+use crate::classify::prerequisites::Prerequisites;
 use crate::config::{self, Config, ConfigError};
 use crate::invalidation::{self, ReplicationError, Streams};
 use crate::metrics::Metrics;
@@ -410,6 +412,39 @@ impl App {
             };
             tokio::spawn(fetcher.run());
         }
+    }
+
+    /// A database's first statements wait a little (`at_most`) for the
+    /// facts of the names they use (`rels`, `funcs`), fetched now.
+    pub async fn wait_for_facts(
+        &self,
+        db: &Arc<DbState>,
+        (rels, funcs): (&[String], &[String]),
+        at_most: Duration,
+    ) {
+        let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
+        let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
+        self.fetch_catalog(db);
+        self.cache
+            .wait_for_facts(db, (&rels[..], &funcs[..]), at_most)
+            .await;
+    }
+
+    /// What a statement of a session on `db` needs of pgcache before it
+    /// goes out ([`crate::classify::prerequisites`]), done: the databases
+    /// it names let go of (held so until it is answered: returned), the
+    /// tables it names taken out of the publication.
+    pub async fn meet_prerequisites(&self, db: &str, needs: &Prerequisites) -> Vec<Paused> {
+        let mut paused = Vec::new();
+        for name in &needs.free_databases {
+            paused.extend(self.streams.release(name, db).await);
+        }
+        if let Some(publication) = self.publication() {
+            for table in &needs.unpublish {
+                invalidation::take_out_for_unlogged(&self.upstream, db, &publication, table).await;
+            }
+        }
+        paused
     }
 
     /// The publication that decides which tables are readable, when

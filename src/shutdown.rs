@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::Poll;
 
 use futures_util::task::AtomicWaker;
+use tokio_util::sync::CancellationToken;
 
 /// How far shutting down has gone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -34,6 +35,16 @@ impl Shutdown {
     pub fn raise(&self, stage: Stage) {
         self.stage.fetch_max(stage as u8, Ordering::AcqRel);
         self.waker.wake();
+    }
+
+    /// A session that registered after shutting down began learns how
+    /// far it is from the instance's tokens.
+    pub fn catch_up(&self, force: &CancellationToken, drain: &CancellationToken) {
+        if force.is_cancelled() {
+            self.raise(Stage::Force);
+        } else if drain.is_cancelled() {
+            self.raise(Stage::Drain);
+        }
     }
 
     pub fn reached(&self, stage: Stage) -> bool {

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::PoolError;
+use super::clients::{Activity, Client};
 use super::transaction::{Lease, Pool, PoolId};
 use crate::backend::BackendStream;
 use crate::config::{PoolConfig, PoolMode};
@@ -71,6 +72,24 @@ impl Pools {
     ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
         pool.checkout(upstream, wait, &self.next_server_id, client)
             .await
+    }
+
+    /// A connection of `pool` for a client's requests: the client is
+    /// shown waiting in `SHOW CLIENTS` until one comes, then holding it.
+    pub async fn checkout_for(
+        &self,
+        pool: &Arc<Pool>,
+        upstream: &Upstream,
+        wait: Option<Duration>,
+        client: &Client,
+    ) -> Result<(Lease, FramedStream<BackendStream>), PoolError> {
+        client.set(Activity::Waiting);
+        let taken = self.checkout(pool, upstream, wait, client.id).await;
+        match &taken {
+            Ok((lease, _)) => client.hold(lease.server().id, lease.server().key.backend_pid),
+            Err(_) => client.set(Activity::Idle),
+        }
+        taken
     }
 
     pub fn all(&self) -> Vec<Arc<Pool>> {

@@ -13,6 +13,8 @@ use bytes::BytesMut;
 use tracing::{info, warn};
 
 use super::SessionError;
+use super::engine::Engine;
+use super::known::Known;
 use super::link::{ClientState, Link, SessionLink};
 use super::reuse::ServerBook;
 use crate::App;
@@ -164,7 +166,7 @@ pub(super) enum Step {
     /// The client is listed in `SHOW CLIENTS` ([`Admission::registered`]).
     Register,
     /// Transaction mode: the pool's lesson in how to log in is held while
-    /// this client's login teaches it ([`Admission::learned`]).
+    /// this client's login teaches it; then [`Step::Connect`].
     Learn(Arc<Pool>),
     /// Session mode: a connection parked under the key, if there is one
     /// (`trusted_only`: one PostgreSQL let log in with a password)
@@ -199,6 +201,20 @@ pub(super) struct Parts {
     pub first: First,
 }
 
+impl Parts {
+    /// The session's engine, and its first server connection.
+    pub fn into_engine(self, app: &App) -> (Engine, Option<FramedStream<BackendStream>>) {
+        let (known, caching) = (Known::new(app.policy()), app.config().cache.enabled);
+        let Parts {
+            startup,
+            link,
+            first,
+        } = self;
+        let engine = Engine::new(caching, startup, known, (link, first.book), first.addr);
+        (engine, first.stream)
+    }
+}
+
 impl Admission {
     pub fn new(negotiated: Negotiated, on_tls: bool) -> Self {
         Self {
@@ -226,13 +242,19 @@ impl Admission {
         }
     }
 
-    /// Terminate mode: what was found of the user. An unknown user's
-    /// exchange runs against a stand-in no password matches.
-    pub fn found(&mut self, app: &App, found: Result<Option<Credentials>, LookupError>) -> Step {
+    /// Terminate mode: what was found of the user (`None`: the lookup
+    /// outlasted the startup timeout). An unknown user's exchange runs
+    /// against a stand-in no password matches.
+    pub fn found(
+        &mut self,
+        app: &App,
+        found: Option<Result<Option<Credentials>, LookupError>>,
+    ) -> Step {
         let user = self.startup().user();
         let found = match found {
-            Ok(found) => found,
-            Err(e) => {
+            None => return Self::timed_out(),
+            Some(Ok(found)) => found,
+            Some(Err(e)) => {
                 warn!(user, error = %e, "cannot look up a user's password");
                 let message = format!("pgcache cannot check the password of user \"{user}\" now");
                 return self.refuse(app, sqlstate::INVALID_AUTHORIZATION, message);
@@ -249,15 +271,21 @@ impl Admission {
     }
 
     /// Terminate mode: the client's message read after a [`Step::Send`]
-    /// (none when nothing was to be read).
-    pub fn answered(&mut self, app: &App, read: Result<Option<BytesMut>, ExchangeError>) -> Step {
+    /// (none when nothing was to be read; `None`: the exchange outlasted
+    /// the startup timeout).
+    pub fn answered(
+        &mut self,
+        app: &App,
+        read: Option<Result<Option<BytesMut>, ExchangeError>>,
+    ) -> Step {
         let turn = match read {
-            Ok(None) => return self.decide_mode(app),
-            Ok(Some(frame)) => match &mut self.exchange {
+            None => return Self::timed_out(),
+            Some(Ok(None)) => return self.decide_mode(app),
+            Some(Ok(Some(frame))) => match &mut self.exchange {
                 Some((exchange, _)) => exchange.on_frame(&frame),
                 None => Err(ExchangeError::Unexpected("no exchange")),
             },
-            Err(e) => Err(e),
+            Some(Err(e)) => Err(e),
         };
         let user = self.startup().user();
         let failed = format!("password authentication failed for user \"{user}\"");
@@ -330,11 +358,6 @@ impl Admission {
             },
             _ => self.fresh(app),
         }
-    }
-
-    /// Transaction mode: the pool's lesson is held.
-    pub fn learned(&mut self) -> Step {
-        Step::Connect
     }
 
     /// Session mode: the parked connection taken, if there was one.
@@ -411,7 +434,7 @@ impl Admission {
 
     /// Terminate mode: the client took longer than `startup_timeout` to
     /// authenticate.
-    pub fn timed_out() -> Step {
+    fn timed_out() -> Step {
         Step::Refuse(SessionError::refused(
             sqlstate::CONNECTION_EXCEPTION,
             "timeout expired during authentication",
@@ -560,17 +583,18 @@ mod tests {
     /// Runs terminate mode's exchange for `password` up to its verdict.
     fn exchange(app: &App, admission: &mut Admission, password: &str) -> Step {
         use crate::scram::ClientExchange;
-        let Step::Send { read: true, .. } = admission.found(app, alice(app)) else {
+        let Step::Send { read: true, .. } = admission.found(app, Some(alice(app))) else {
             panic!("AuthenticationSASL goes out");
         };
         let (mut client, first) = ClientExchange::start(ClientSecret::Password(password.into()));
-        let Step::Send { out, read: true } = admission.answered(app, Ok(Some(sasl(true, first))))
+        let Step::Send { out, read: true } =
+            admission.answered(app, Some(Ok(Some(sasl(true, first)))))
         else {
             panic!("SASLContinue goes out");
         };
         let server_first = String::from_utf8_lossy(&out[9..]).into_owned();
         let last = client.respond(&server_first).expect("server-first");
-        admission.answered(app, Ok(Some(sasl(false, last))))
+        admission.answered(app, Some(Ok(Some(sasl(false, last)))))
     }
 
     #[test]
@@ -581,7 +605,10 @@ mod tests {
         let Step::Send { read: false, .. } = exchange(&app, &mut admission, "pencil") else {
             panic!("SASLFinal goes out, and nothing more is read");
         };
-        assert!(matches!(admission.answered(&app, Ok(None)), Step::Register));
+        assert!(matches!(
+            admission.answered(&app, Some(Ok(None))),
+            Step::Register
+        ));
         assert!(matches!(admission.registered(&app), Step::Connect));
         let admitted = admission.into_admitted(&app);
         assert!(
@@ -603,9 +630,9 @@ mod tests {
         assert_eq!(app.metrics.auth_failures.client.get(), 1);
         let mut admission = Admission::new(negotiated("shop"), false);
         admission.begin(&app, true);
-        admission.found(&app, alice(&app));
+        admission.found(&app, Some(alice(&app)));
         let query = BytesMut::from(&b"Q\0\0\0\x0bSELECT\0"[..]);
-        let broken = match admission.answered(&app, Ok(Some(query))) {
+        let broken = match admission.answered(&app, Some(Ok(Some(query)))) {
             Step::Refuse(e) => e.sqlstate().to_owned(),
             _ => panic!("refused"),
         };
@@ -614,20 +641,30 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_user_runs_the_exchange_and_fails_it() {
+    fn an_unknown_user_fails_the_exchange_and_a_slow_lookup_or_client_is_refused() {
         let app = terminating();
         let mut admission = Admission::new(negotiated("shop"), false);
         admission.begin(&app, true);
-        let Step::Send { read: true, .. } = admission.found(&app, Ok(None)) else {
+        let Step::Send { read: true, .. } = admission.found(&app, Some(Ok(None))) else {
             panic!("the exchange runs against a stand-in");
         };
         let lost = LookupError::Secret(crate::scram::ScramError::BindingType);
         let mut admission = Admission::new(negotiated("shop"), false);
-        let refused = match admission.found(&app, Err(lost)) {
+        let refused = match admission.found(&app, Some(Err(lost))) {
             Step::Refuse(e) => e.sqlstate().to_owned(),
             _ => panic!("refused"),
         };
         assert_eq!(refused, sqlstate::INVALID_AUTHORIZATION);
+        // Past the startup timeout, the lookup or the exchange.
+        for late in [
+            Admission::new(negotiated("shop"), false).found(&app, None),
+            Admission::new(negotiated("shop"), false).answered(&app, None),
+        ] {
+            match late {
+                Step::Refuse(e) => assert_eq!(e.sqlstate(), sqlstate::CONNECTION_EXCEPTION),
+                _ => panic!("refused"),
+            }
+        }
     }
 
     #[test]

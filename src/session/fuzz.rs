@@ -212,7 +212,7 @@ fn client_data(engine: &mut Engine, ctx: &Ctx, client: &mut BytesMut, control: u
                 let answer = (control & 2 == 0).then(|| vec![row]);
                 answer_own(engine, ctx, answer.as_deref());
             }
-            Need::Prerequisites(_) => engine.prerequisites_met(),
+            Need::Prerequisites(_) => engine.prerequisites_met(Vec::new()),
             Need::Fetched { .. } => engine.facts_met(),
             // Only Redis or another session could answer: the driver
             // would wait; this input ends here.

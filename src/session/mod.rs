@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! StartupMessage ──▶ the door (TLS, limits), admin console,   admission.rs
-//!                    terminate-mode auth, the session's mode  (I/O: admit.rs)
+//!                    terminate-mode auth, the session's mode  (I/O: relay.rs)
 //!                ──▶ connect backend, log in                  engine/auth.rs
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
@@ -21,13 +21,12 @@
 //! (`batch.rs`), the transaction's books (`transaction.rs`), what a
 //! statement means for the cache (`plan.rs`), and what the session knows of
 //! itself (`known.rs`, read by pgcache's own queries, `engine/hidden.rs`).
-//! The driver (`admit.rs`, `relay.rs`, `traffic.rs`) does the I/O: it
+//! The driver (`relay.rs`, `traffic.rs`) does the I/O: it
 //! feeds the engine what arrived and carries out what
 //! `Engine::poll_io` asks, until it asks nothing. The cache itself is
 //! behind [`crate::cache::Cache`].
 
 mod admission;
-mod admit;
 mod batch;
 mod capture;
 mod engine;
@@ -50,10 +49,10 @@ mod traffic;
 mod transaction;
 
 pub use admission::Negotiated;
-pub(crate) use admit::{refused, serve};
 pub use error::SessionError;
 pub use logins::SharedLogins;
 pub use plan::SharedPlans;
+pub(crate) use relay::{refused, serve};
 
 /// How long a closing session waits for the client to hang up.
 pub(crate) const LINGER: std::time::Duration = std::time::Duration::from_millis(500);

@@ -1,8 +1,11 @@
-//! The relay loop of a logged-in session: frames from each leg to the
-//! other, as raw bytes in batches (all complete frames of one read go out
-//! in one write); a frame is decoded only when the session needs something
-//! from it. Reads use [`FramedStream::fill`], which is cancel-safe, so the
-//! `select!` never loses bytes.
+//! A client's session, from its StartupMessage to its end: admitted one
+//! step of [`Admission`] at a time (the door, terminate mode's
+//! authentication, its first server connection), then run as a task of
+//! its own: logged in, then relaying frames from each leg to the other as
+//! raw bytes in batches, until it ends. What is decided is admission's
+//! and the [`Engine`]'s; this is their I/O. Reads use
+//! [`FramedStream::fill`], which is cancel-safe, so the `select!` never
+//! loses bytes.
 //!
 //! A session is either serving (a request in flight, or a connection
 //! held) or parked: in transaction mode, between transactions, holding no
@@ -11,18 +14,21 @@
 //! waits on its client, the shutdown word and its idle timeout in a small
 //! future of its own, so an idle client costs its state and little more.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tracing::info;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, debug, info, warn};
 
 use super::SessionError;
-use super::admission::Parts;
+use super::admission::{Admission, Admitted, Login, Negotiated, Refused, Step};
 use super::engine::IdleTimeouts;
-use super::engine::{Ctx, Engine, Greeting, Parting, Start};
-use super::known::Known;
+use super::engine::{Ctx, Engine, Leg, Start};
 use super::pipeline::Flow;
 use crate::App;
+use crate::auth;
 use crate::backend::BackendStream;
 use crate::metrics::SessionGauge;
 use crate::pool::clients::ClientEntry;
@@ -30,6 +36,127 @@ use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
 use crate::shutdown::Stage;
+use crate::tls::ClientStream;
+
+/// Serves a connection whose opening is over, from its StartupMessage
+/// (`negotiated`) to its end: admitted (a place under `limit` taken, the
+/// admin console served, the client authenticated, a session built), the
+/// session runs as a task of its own, whose future is the session's run
+/// alone: an idle client keeps nothing of how it logged in.
+pub async fn serve(
+    app: Arc<App>,
+    client: FramedStream<ClientStream>,
+    negotiated: Negotiated,
+    peer: SocketAddr,
+    (limit, sessions): (Arc<tokio::sync::Semaphore>, TaskTracker),
+) {
+    match Box::pin(admit(&app, client, negotiated, &limit, peer)).await {
+        Ok(Some((session, login))) => {
+            sessions.spawn(Box::new(session).live(login));
+        }
+        Ok(None) => {}
+        Err((client, e)) => refused(client, e, peer).await,
+    }
+}
+
+/// Tells a client it was turned away, and why.
+pub(crate) async fn refused(
+    mut client: FramedStream<ClientStream>,
+    e: SessionError,
+    peer: SocketAddr,
+) {
+    match &e {
+        SessionError::Refused { message, .. } => info!(%peer, "{message}"),
+        SessionError::Connect(e) => warn!(%peer, error = %e, "backend unreachable"),
+        e => debug!(%peer, error = %e, "startup failed"),
+    }
+    if let Some(msg) = e.to_fatal() {
+        client.close_with(&msg, super::LINGER).await;
+    }
+}
+
+/// From a StartupMessage to a session ready to run, one step of
+/// [`Admission`] at a time: the checks, the admin console (served here:
+/// `None`), authentication, the session's mode and its first server
+/// connection. An error comes back with the client, to be told.
+async fn admit(
+    app: &Arc<App>,
+    mut client: FramedStream<ClientStream>,
+    negotiated: Negotiated,
+    limit: &Arc<tokio::sync::Semaphore>,
+    peer: SocketAddr,
+) -> Result<Option<(Session<ClientStream>, Box<Login>)>, Refused> {
+    let permit = Arc::clone(limit).try_acquire_owned().ok();
+    let mut admission = Admission::new(negotiated, client.get_ref().is_tls());
+    let deadline = tokio::time::Instant::now() + app.config().startup_timeout();
+    let (mut entry, mut learning) = (None, None);
+    let mut step = admission.begin(app, permit.is_some());
+    loop {
+        step = match step {
+            Step::Refuse(e) => return Err((client, e)),
+            Step::Admin => {
+                Box::pin(crate::admin::serve(
+                    Arc::clone(app),
+                    client,
+                    admission.startup(),
+                ))
+                .await;
+                return Ok(None);
+            }
+            Step::Lookup => {
+                let (query, user) = (&app.config().auth.auth_query, admission.startup().user());
+                let found = tokio::time::timeout_at(deadline, app.auth.lookup(query, user));
+                admission.found(app, found.await.ok())
+            }
+            Step::Send { out, read } => {
+                let exchange = async {
+                    client.write_all(&out).await?;
+                    match read {
+                        true => auth::read_auth_frame(&mut client).await.map(Some),
+                        false => Ok(None),
+                    }
+                };
+                let read = tokio::time::timeout_at(deadline, exchange).await;
+                admission.answered(app, read.ok())
+            }
+            Step::Register => {
+                entry = Some(app.clients.register(admission.arrival(peer)));
+                admission.registered(app)
+            }
+            Step::Learn(pool) => {
+                learning = Some(Arc::clone(&pool.learning).lock_owned().await);
+                Step::Connect
+            }
+            Step::TakeParked { key, trusted_only } => {
+                let parked = app.pool.take(&app.config().pool, &key, trusted_only).await;
+                admission.parked(app, parked)
+            }
+            Step::Connect => {
+                let connected = crate::backend::connect(&app.upstream).await;
+                admission.connected(app, connected)
+            }
+            Step::Ready => break,
+        };
+    }
+    let entry = entry.unwrap_or_else(|| app.clients.register(admission.arrival(peer)));
+    let Admitted { login, parts } = admission.into_admitted(app);
+    // On its first server connection: a new one to log in, a parked one
+    // whose login frames are in its read buffer, or none (transaction
+    // mode, the pool logs in).
+    let (engine, backend) = parts.into_engine(app);
+    let session = Session {
+        engine,
+        learning,
+        replica: None,
+        _gauge: SessionGauge::new(&app.metrics),
+        app: Arc::clone(app),
+        client,
+        backend,
+        entry,
+        _permit: permit,
+    };
+    Ok(Some((session, login)))
+}
 
 pub(super) struct Session<C> {
     pub app: Arc<App>,
@@ -47,53 +174,35 @@ pub(super) struct Session<C> {
     /// The session's line in `SHOW CLIENTS`.
     pub(super) entry: ClientEntry,
     _gauge: SessionGauge,
+    /// Its place under `server.max_client_connections`.
+    _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl<C> Session<C>
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    /// A session on its first server connection: a new one to log in,
-    /// a parked one whose login frames are in its read buffer, or none
-    /// (transaction mode, the pool logs in), with the pool's lesson in
-    /// how to log in while its login teaches it, and its line in `SHOW
-    /// CLIENTS`.
-    pub fn new(
-        app: Arc<App>,
-        client: FramedStream<C>,
-        parts: Parts,
-        (learning, entry): (Option<tokio::sync::OwnedMutexGuard<()>>, ClientEntry),
-    ) -> Self {
-        let Parts {
-            startup,
-            link,
-            first,
-        } = parts;
-        Self {
-            engine: Engine::new(
-                app.config().cache.enabled,
-                startup,
-                Known::new(app.policy()),
-                (link, first.book),
-                first.addr,
-            ),
-            learning,
-            replica: None,
-            _gauge: SessionGauge::new(&app.metrics),
-            app,
-            client,
-            backend: first.stream,
-            entry,
+    /// Runs the session to its end, in a span naming its user and
+    /// database, then lets its connection go (back to its pool, parked,
+    /// or closed, as the engine says).
+    pub async fn live(mut self: Box<Self>, login: Box<Login>) {
+        let startup = self.engine.startup();
+        let span = tracing::debug_span!("session", user = startup.user(), db = startup.database());
+        match self.run(login).instrument(span).await {
+            Ok(()) => debug!("session closed"),
+            Err(e) if e.is_disconnect() => debug!(error = %e, "client disconnected"),
+            Err(e) => info!(error = %e, "session ended"),
+        }
+        let unread = self.unread();
+        if let Some(parting) = self.engine.part_at_end(&self.app, unread) {
+            self.let_go(parting);
         }
     }
 
     /// The session from its login to its end. Only the relay's future is
     /// kept whole while the session lives: the login and the ending are
     /// boxed, large and live once.
-    pub async fn run(
-        &mut self,
-        login: Option<Box<super::admission::Login>>,
-    ) -> Result<(), SessionError> {
+    async fn run(&mut self, login: Box<Login>) -> Result<(), SessionError> {
         let result = match Box::pin(self.start(login)).await {
             Ok(Flow::Continue) => self.relay().await,
             other => other.map(|_| ()),
@@ -104,12 +213,9 @@ where
     /// Logs the client in, as the engine begins it: greeted by pgcache
     /// on pooled connections, else the StartupMessage sent (a relayed
     /// login goes on in the session's loop).
-    async fn start(
-        &mut self,
-        login: Option<Box<super::admission::Login>>,
-    ) -> Result<Flow, SessionError> {
+    async fn start(&mut self, login: Box<Login>) -> Result<Flow, SessionError> {
         let ctx = ctx(&self.app, &self.entry);
-        match self.engine.start(&ctx, self.attached(), login) {
+        match self.engine.start(&ctx, self.attached(), Some(login)) {
             Start::Begun => self.pump().await,
             Start::Greet => self.greet().await,
             Start::Close => Ok(Flow::Close),
@@ -142,18 +248,14 @@ where
         // the app's tokens here.
         let client = Arc::clone(&self.entry.client);
         let shutdown = &client.shutdown;
-        if self.app.force.is_cancelled() {
-            shutdown.raise(Stage::Force);
-        } else if self.app.drain.is_cancelled() {
-            shutdown.raise(Stage::Drain);
-        }
+        shutdown.catch_up(&self.app.force, &self.app.drain);
         self.engine.set_idle_timeouts(
             IdleTimeouts::new(&self.app.config().server),
             std::time::Instant::now(),
         );
-        let mut woke = None;
+        let mut woke = Woke::Started;
         loop {
-            let serving = self.serve(shutdown, woke.take());
+            let serving = self.serve(shutdown, woke);
             // Boxed: parked, the session keeps none of it.
             if Box::pin(serving).await? == Flow::Close {
                 return Ok(());
@@ -163,47 +265,34 @@ where
             // Parked: only the client, shutdown and the idle timeout wake
             // the session, and its wait keeps no room for the legs it
             // does not hold.
-            let deadline = self.deadline();
             let parked = tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
                 r = self.client.fill_lazily() => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
+                _ = sleep_until_or_never(self.engine.poll_timeout()) => Woke::Timeout,
             };
-            woke = Some(self.noted(parked));
+            woke = self.noted(parked);
         }
     }
 
     /// Serves the session until it parks (`Flow::Continue`: in transaction
     /// mode, waiting on its client and holding no connection) or ends.
-    /// `woke`: what ended the last parked wait.
+    /// `woke`: what ended the last parked wait (or began the loop).
     async fn serve(
         &mut self,
         shutdown: &crate::shutdown::Shutdown,
-        mut woke: Option<Woke>,
+        mut woke: Woke,
     ) -> Result<Flow, SessionError> {
-        if woke.is_none() {
-            // What came with PostgreSQL's AuthenticationOk (and anything
-            // the client sent early) is handled before waiting for more.
-            if self.unread() && self.on_backend_data().await? == Flow::Close {
-                return Ok(Flow::Close);
-            }
-            if !self.client.buffered().is_empty() && self.on_client_data().await? == Flow::Close {
-                return Ok(Flow::Close);
-            }
-        }
         loop {
-            if let Some(w) = woke.take()
-                && self.on_woke(w).await? == Flow::Close
-            {
+            if self.on_woke(woke).await? == Flow::Close {
                 return Ok(Flow::Close);
             }
             // Waiting on the client: logged in and nothing asked of the backend.
             if self.engine.waits_on_client() && !self.attached() {
                 return Ok(Flow::Continue);
             }
-            woke = Some(self.wait(shutdown).await);
+            woke = self.wait(shutdown).await;
         }
     }
 
@@ -212,7 +301,6 @@ where
     /// replica leaving the rotation takes the session's connection to it
     /// along.
     async fn wait(&mut self, shutdown: &crate::shutdown::Shutdown) -> Woke {
-        let deadline = self.deadline();
         let on_replica = self.engine.replica_busy();
         let hold_client = !self.engine.reads_client();
         let woke = tokio::select! {
@@ -222,16 +310,9 @@ where
             r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
             r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
             _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-            _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
+            _ = sleep_until_or_never(self.engine.poll_timeout()) => Woke::Timeout,
         };
         self.noted(woke)
-    }
-
-    /// The engine's next deadline, on tokio's clock.
-    fn deadline(&self) -> Option<tokio::time::Instant> {
-        self.engine
-            .poll_timeout()
-            .map(tokio::time::Instant::from_std)
     }
 
     /// What woke the session, noted as activity where the engine keeps
@@ -249,9 +330,17 @@ where
     /// are handled inline; the rest is rare, boxed.
     async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
         match woke {
+            // What came with PostgreSQL's AuthenticationOk, then anything
+            // the client sent early, before waiting for more.
+            Woke::Started => {
+                self.feed(Leg::Primary)?;
+                self.engine.client_arrived();
+                Box::pin(self.pump()).await
+            }
             Woke::Client(Ok(n)) if n > 0 => {
                 self.app.metrics.client_bytes_in.inc_by(n as u64);
-                self.on_client_data().await
+                self.engine.client_arrived();
+                self.pump().await
             }
             Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await,
             Woke::Force => Err(Engine::forced()),
@@ -262,7 +351,12 @@ where
                 }
                 Ok(Flow::Continue)
             }
-            Woke::Replica(Ok(n)) if n > 0 => Box::pin(self.on_replica_data()).await,
+            // The replica's answer; once the read is answered, its
+            // connection is let go of and what waited goes on.
+            Woke::Replica(Ok(n)) if n > 0 => {
+                self.feed(Leg::Replica)?;
+                Box::pin(self.pump()).await
+            }
             Woke::Replica(r) => Box::pin(self.replica_lost(r.err())).await,
             Woke::Backend(r) => {
                 Box::pin(self.backend_lost(r.err())).await;
@@ -336,95 +430,9 @@ where
     }
 }
 
-/// The server connection held: where it comes from and goes back to. In
-/// transaction mode, a connection taken from the pool when a request has
-/// to go to PostgreSQL and given back once the session is idle; in
-/// session mode, the connection parked for the next client at a clean
-/// Terminate.
-impl<C> Session<C>
-where
-    C: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    pub(super) fn attached(&self) -> bool {
-        self.backend.is_some()
-    }
-
-    /// The held connection; writing to none fails as a closed one would.
-    pub(super) fn server(&mut self) -> Result<&mut FramedStream<BackendStream>, SessionError> {
-        self.backend
-            .as_mut()
-            .ok_or_else(|| SessionError::BackendIo(std::io::ErrorKind::NotConnected.into()))
-    }
-
-    /// The held connection sent bytes not read yet.
-    pub(super) fn unread(&self) -> bool {
-        self.backend
-            .as_ref()
-            .is_some_and(|b| !b.buffered().is_empty())
-    }
-
-    /// The session holds no connection any more.
-    pub(super) fn detached_now(&mut self) {
-        self.engine.detach_server();
-        self.entry.client.hold(0, 0);
-    }
-
-    /// Closes the held connection: it is in a state no other client may
-    /// see.
-    pub(super) fn drop_backend(&mut self) {
-        self.engine.drop_server();
-        self.backend = None;
-        self.detached_now();
-    }
-
-    /// At the session's end, its connection goes back to its pool or is
-    /// parked, as the engine says; any other is closed.
-    pub(super) fn let_go_at_end(&mut self) {
-        let unread = self.unread();
-        if let Some(parting) = self.engine.part_at_end(&self.app, unread) {
-            self.let_go(parting);
-        }
-    }
-
-    /// The held connection let go of: back to its pool, parked, or closed
-    /// with a Terminate written off the session's path.
-    pub(super) fn let_go(&mut self, parting: Parting) {
-        let Some(mut stream) = self.backend.take() else {
-            return;
-        };
-        match parting {
-            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
-            Parting::Park(parked) => {
-                let server = parked.book.park(stream, &parked.target, parked.addr);
-                let config = &self.app.config().pool;
-                self.app.pool.give_back(config, parked.key, server);
-            }
-            Parting::Close => {
-                tokio::spawn(async move {
-                    let _ = stream.write_all(&messages::TERMINATE).await;
-                });
-            }
-        }
-        self.detached_now();
-    }
-
-    /// Transaction mode, for a client pgcache can log in for: the
-    /// greeting, as the engine has it ([`super::engine::Greeting`]), with
-    /// no connection taken unless it needs one.
-    pub(super) async fn greet(&mut self) -> Result<Flow, SessionError> {
-        loop {
-            let ctx = super::relay::ctx(&self.app, &self.entry);
-            if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
-                return self.pump().await;
-            }
-            self.check_out(false).await?;
-            self.pump().await?;
-        }
-    }
-}
-
-/// What ended a wait of the relay loop.
+/// What ended a wait of the relay loop (or began it).
 enum Woke {
+    Started,
     Force,
     Replica(std::io::Result<usize>),
     Retired,
@@ -453,8 +461,8 @@ async fn replica_leg(replica: &mut Option<Box<ReplicaConn>>, busy: bool) -> Woke
             conn.retired().await;
             Woke::Retired
         }
-        None if busy => Woke::Replica(Err(std::io::ErrorKind::NotConnected.into())),
-        None => std::future::pending().await,
+        // Never polled without a connection unless a read is there.
+        None => Woke::Replica(Err(std::io::ErrorKind::NotConnected.into())),
     }
 }
 
@@ -468,11 +476,12 @@ pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     }
 }
 
-/// Ready at `deadline`, never without one. The timer is boxed: the relay
-/// loop's waits keep its room, and most sessions have no deadline.
-async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
+/// Ready at the engine's next deadline (on tokio's clock), never without
+/// one. The timer is boxed: the relay loop's waits keep its room, and most
+/// sessions have no deadline.
+async fn sleep_until_or_never(deadline: Option<std::time::Instant>) {
     match deadline {
-        Some(d) => Box::pin(tokio::time::sleep_until(d)).await,
+        Some(d) => Box::pin(tokio::time::sleep_until(d.into())).await,
         None => std::future::pending().await,
     }
 }

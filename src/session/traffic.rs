@@ -11,13 +11,14 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info};
 
 use super::SessionError;
-use super::engine::{Action, Held, Io, Leg, Need, Relayed, ReplicaStep};
+use super::engine::{
+    Action, Greeting, Held, Io, Leg, Need, Parting, Relayed, ReplicaReturn, ReplicaStep,
+};
 use super::offload;
 use super::pipeline::Flow;
 use super::relay::{Session, ctx};
 use crate::backend::BackendStream;
-use crate::invalidation::take_out_for_unlogged;
-use crate::pool::clients::Activity;
+use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
 
@@ -40,15 +41,9 @@ where
         }
     }
 
-    /// The client sent bytes: they are the engine's to take.
-    pub(super) async fn on_client_data(&mut self) -> Result<Flow, SessionError> {
-        self.engine.client_arrived();
-        self.pump().await
-    }
-
     /// Hands the engine every complete frame buffered from a server leg:
     /// what the client is sent of them waits for [`Io::Relay`].
-    fn feed(&mut self, leg: Leg) -> Result<(), SessionError> {
+    pub(super) fn feed(&mut self, leg: Leg) -> Result<(), SessionError> {
         let ctx = ctx(&self.app, &self.entry);
         match leg.of(&mut self.backend, &mut self.replica) {
             Some(stream) => self.engine.on_server_data(&ctx, leg, stream.buffer_mut()),
@@ -64,10 +59,7 @@ where
         };
         let bytes = self.engine.for_client(stream.buffered(), &relayed);
         self.app.metrics.client_bytes_out.inc_by(bytes.len() as u64);
-        let sent = match bytes.is_empty() {
-            true => Ok(()),
-            false => self.client.write_all(bytes).await,
-        };
+        let sent = self.client.write_all(bytes).await;
         self.engine.client_sent();
         stream.consume(relayed.end);
         if let Err(e) = sent {
@@ -86,30 +78,15 @@ where
         match need {
             Need::Prerequisites(needs) => {
                 let db = self.engine.startup().database().to_owned();
-                for name in &needs.free_databases {
-                    if let Some(paused) = self.app.streams.release(name, &db).await {
-                        self.engine.hold_paused(paused);
-                    }
-                }
-                if let Some(publication) = self.app.publication() {
-                    for table in &needs.unpublish {
-                        take_out_for_unlogged(&self.app.upstream, &db, &publication, table).await;
-                    }
-                }
-                self.engine.prerequisites_met();
+                let paused = self.app.meet_prerequisites(&db, &needs).await;
+                self.engine.prerequisites_met(paused);
             }
             // Asked of the driver next ([`Io::Own`]).
             Need::Own => {}
             Need::Fetched { rels, funcs } => {
-                let rels: Vec<&str> = rels.iter().map(String::as_str).collect();
-                let funcs: Vec<&str> = funcs.iter().map(String::as_str).collect();
                 let wait = self.engine.first_read_wait();
-                let db = self.engine.db();
-                // Asked for with the statement's other actions, which run
-                // once it is decided: the fetch must start now.
-                self.app.fetch_catalog(db);
                 let facts = (&rels[..], &funcs[..]);
-                self.app.cache.wait_for_facts(db, facts, wait).await;
+                self.app.wait_for_facts(self.engine.db(), facts, wait).await;
                 self.engine.facts_met();
             }
             Need::Cache(wait) => self.app.cache.wait(wait, self.engine.lookup_waited()).await,
@@ -153,17 +130,21 @@ where
                         self.engine.checkout_failed(&ctx, e)?;
                     }
                 }
-                Io::Own(request) => Box::pin(self.own(request)).await?,
+                Io::Own => Box::pin(self.own()).await?,
                 Io::Drop(error) => {
                     self.drop_backend();
                     if let Some(e) = error {
                         return Err(e);
                     }
                 }
-                Io::ToClient => self.flush_out().await?,
+                Io::ToClient => {
+                    let r = self.client.write_all(self.engine.out()).await;
+                    self.engine.client_sent();
+                    r.map_err(SessionError::ClientIo)?;
+                }
                 Io::Staged => self.write_staged().await?,
                 Io::Replica => Box::pin(self.replica_step()).await,
-                Io::ReplicaDone => self.replica_read_done(),
+                Io::ReplicaDone(back) => self.replica_read_done(back),
                 Io::Part(parting) => self.let_go(parting),
             }
         }
@@ -200,13 +181,8 @@ where
         }
     }
 
-    /// Sends one of pgcache's own queries, if one is to be sent, and reads
-    /// the primary's answer as any other ([`Self::relay_from`]).
-    async fn own(&mut self, request: Option<BytesMut>) -> Result<(), SessionError> {
-        if let Some(request) = request {
-            let r = self.server()?.write_all(&request).await;
-            r.map_err(SessionError::BackendIo)?;
-        }
+    /// Reads the primary's answer to pgcache's own query, as any other.
+    async fn own(&mut self) -> Result<(), SessionError> {
         match self.server()?.fill().await {
             Ok(0) => Err(SessionError::BackendIo(
                 std::io::ErrorKind::UnexpectedEof.into(),
@@ -214,13 +190,6 @@ where
             Ok(_) => self.feed(Leg::Primary),
             Err(e) => Err(SessionError::BackendIo(e)),
         }
-    }
-
-    /// Writes what pgcache staged to the client.
-    pub(super) async fn flush_out(&mut self) -> Result<(), SessionError> {
-        let r = self.client.write_all(self.engine.out()).await;
-        self.engine.client_sent();
-        r.map_err(SessionError::ClientIo)
     }
 
     /// Writes the requests staged for the primary; the answers pgcache
@@ -255,28 +224,89 @@ where
                 std::io::ErrorKind::NotConnected.into(),
             ));
         };
-        tracing::trace!(status = ?self.engine.tx_status(), "taking a server connection");
-        let client = Arc::clone(&self.entry.client);
-        client.set(Activity::Waiting);
-        let taken = self
-            .app
-            .pool
-            .pooled
-            .checkout(&pool, &self.app.upstream, wait, client.id);
-        let (lease, stream) = match taken.await {
-            Ok(taken) => taken,
-            Err(e) => {
-                client.set(Activity::Idle);
-                return Err(SessionError::Pool(e));
-            }
-        };
+        let (pools, upstream) = (&self.app.pool.pooled, &self.app.upstream);
+        let taken = pools.checkout_for(&pool, upstream, wait, &self.entry.client);
+        let (lease, stream) = taken.await.map_err(SessionError::Pool)?;
         let server = lease.server();
-        client.hold(server.id, server.key.backend_pid);
         self.backend = Some(stream);
         // One address for the whole pool: copied once, not per checkout.
         self.engine.attach_server(&server.addr, server.key.clone());
         self.engine.granted(lease, queued);
         Ok(())
+    }
+}
+
+/// The server connection held: where it comes from and goes back to. In
+/// transaction mode, a connection taken from the pool when a request has
+/// to go to PostgreSQL and given back once the session is idle; in
+/// session mode, the connection parked for the next client at a clean
+/// Terminate.
+impl<C> Session<C>
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    pub(super) fn attached(&self) -> bool {
+        self.backend.is_some()
+    }
+
+    /// The held connection; writing to none fails as a closed one would.
+    pub(super) fn server(&mut self) -> Result<&mut FramedStream<BackendStream>, SessionError> {
+        self.backend
+            .as_mut()
+            .ok_or_else(|| SessionError::BackendIo(std::io::ErrorKind::NotConnected.into()))
+    }
+
+    /// The held connection sent bytes not read yet.
+    pub(super) fn unread(&self) -> bool {
+        self.backend
+            .as_ref()
+            .is_some_and(|b| !b.buffered().is_empty())
+    }
+
+    /// Closes the held connection: it is in a state no other client may
+    /// see.
+    pub(super) fn drop_backend(&mut self) {
+        self.engine.drop_server();
+        self.backend = None;
+        self.engine.detach_server();
+        self.entry.client.hold(0, 0);
+    }
+
+    /// The held connection let go of: back to its pool, parked, or closed
+    /// with a Terminate written off the session's path.
+    pub(super) fn let_go(&mut self, parting: Parting) {
+        let Some(mut stream) = self.backend.take() else {
+            return;
+        };
+        match parting {
+            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
+            Parting::Park(parked) => {
+                let server = parked.book.park(stream, &parked.target, parked.addr);
+                let config = &self.app.config().pool;
+                self.app.pool.give_back(config, parked.key, server);
+            }
+            Parting::Close => {
+                tokio::spawn(async move {
+                    let _ = stream.write_all(&messages::TERMINATE).await;
+                });
+            }
+        }
+        self.engine.detach_server();
+        self.entry.client.hold(0, 0);
+    }
+
+    /// Transaction mode, for a client pgcache can log in for: the
+    /// greeting, as the engine has it ([`super::engine::Greeting`]), with
+    /// no connection taken unless it needs one.
+    pub(super) async fn greet(&mut self) -> Result<Flow, SessionError> {
+        loop {
+            let ctx = super::relay::ctx(&self.app, &self.entry);
+            if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
+                return self.pump().await;
+            }
+            self.check_out(false).await?;
+            self.pump().await?;
+        }
     }
 }
 
@@ -335,30 +365,19 @@ where
     }
 
     /// A read on the replica is answered: a pooled connection goes back to
-    /// the replica's pool with the books the leg kept of it.
-    fn replica_read_done(&mut self) {
+    /// the replica's pool with the books the leg kept of it (`back`); the
+    /// session's own is kept.
+    fn replica_read_done(&mut self, back: Option<ReplicaReturn>) {
         let Some(conn) = self.replica.take() else {
             return;
         };
         conn.set_active(false);
-        if conn.is_own() {
-            self.replica = Some(conn);
-            return;
+        match back {
+            Some((applied, prepared, lifetime)) if !conn.is_own() => {
+                conn.give_back(applied, prepared, lifetime)
+            }
+            _ => self.replica = Some(conn),
         }
-        let Some(lifetime) = self.engine.pooled_lifetime(&self.app) else {
-            return;
-        };
-        if let Some((applied, prepared)) = self.engine.replica_books() {
-            (*conn).give_back(applied, prepared, lifetime);
-        }
-    }
-
-    /// The replica's answer, as the engine has it, to the client; once
-    /// the read is answered, its connection is let go of and what waited
-    /// goes on: a retry to the primary, the client's next frames.
-    pub(super) async fn on_replica_data(&mut self) -> Result<Flow, SessionError> {
-        self.feed(Leg::Replica)?;
-        self.pump().await
     }
 
     /// The replica's connection ended or failed while a read was there:

@@ -59,7 +59,7 @@ use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
 use intake::Intake;
 use life::{Ending, Exchange, Phase, Shutdown};
-pub(super) use output::{Held, Io, Leg};
+pub(super) use output::{Held, Io, Leg, ReplicaReturn};
 pub(super) use routing::ReplicaStep;
 pub(super) use surface::Parting;
 pub(super) use timeouts::IdleTimeouts;

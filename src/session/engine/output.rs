@@ -10,6 +10,7 @@ use bytes::BytesMut;
 use super::answers::Relayed;
 use super::{Action, Ctx, Engine, Intake, LinkStep, Parting, Verdict};
 use crate::App;
+use crate::pool::prepared::ServerStatements;
 use crate::session::SessionError;
 use crate::session::link::Link;
 
@@ -31,6 +32,10 @@ pub(in crate::session) enum Leg {
     Replica,
 }
 
+/// A pooled replica connection going back to its pool: the settings it
+/// is in, its statements, and how long it may live.
+pub(in crate::session) type ReplicaReturn = (u64, ServerStatements, std::time::Duration);
+
 /// What the driver does next ([`Engine::poll_io`]).
 pub(in crate::session) enum Io {
     /// Write these bytes to the primary, as they are.
@@ -42,9 +47,11 @@ pub(in crate::session) enum Io {
     Relay(Leg, Relayed),
     /// Write [`Engine::out`] to the client, then [`Engine::client_sent`].
     ToClient,
-    /// The read on a replica is answered: let its connection go (back to
-    /// the replica's pool, with [`Engine::replica_books`]).
-    ReplicaDone,
+    /// The read on a replica is answered: let its connection go; in
+    /// transaction mode back to the replica's pool, with the books the leg
+    /// kept of it (the settings it is in, its statements) and how long it
+    /// may live.
+    ReplicaDone(Option<ReplicaReturn>),
     /// Hand the client's read buffer to [`Engine::on_client_data`], and
     /// meet what it needs, if anything.
     TakeClient,
@@ -52,9 +59,9 @@ pub(in crate::session) enum Io {
     /// the client's requests, which may wait in the pool's queue); if
     /// none comes, tell [`Engine::checkout_failed`].
     CheckOut { queued: bool },
-    /// Write this own query (if one is to be sent), then read the
-    /// primary's answer through [`Engine::on_backend`].
-    Own(Option<BytesMut>),
+    /// Read the primary's answer to pgcache's own query (written as
+    /// [`Io::ToServer`]) and hand it to [`Engine::on_server_data`].
+    Own,
     /// Close the held connection: an own query's answer left it in doubt;
     /// the session ends with the error, if there is one.
     Drop(Option<SessionError>),
@@ -88,7 +95,7 @@ impl Engine {
             return Io::ToClient;
         }
         if self.replica.is_some() && self.replica_answered() {
-            return Io::ReplicaDone;
+            return self.replica_done(app);
         }
         if self.own_unsettled() {
             return self.own_io(held);
@@ -135,6 +142,16 @@ impl Engine {
         Ok(())
     }
 
+    /// The read on the replica is answered: what becomes of its connection.
+    #[inline(never)]
+    fn replica_done(&mut self, app: &App) -> Io {
+        let Some(lifetime) = self.pooled_lifetime(app) else {
+            return Io::ReplicaDone(None);
+        };
+        let books = self.replica_books();
+        Io::ReplicaDone(books.map(|(applied, prepared)| (applied, prepared, lifetime)))
+    }
+
     /// What the server is owed as it is, then the actions, in order.
     #[inline(never)]
     fn owed(&mut self) -> Io {
@@ -158,7 +175,10 @@ impl Engine {
         if self.own_pending() {
             return match held.attached {
                 false => Io::CheckOut { queued: false },
-                true => Io::Own(self.own_request()),
+                true => match self.own_request() {
+                    Some(request) => Io::ToServer(request),
+                    None => Io::Own,
+                },
             };
         }
         match self.take_verdict() {
@@ -176,7 +196,7 @@ impl Engine {
             Some(LinkStep::ReadBack) => {
                 // Unreadable, the connection is closed, not given back.
                 self.read_back();
-                return Io::Own(self.own_request());
+                return self.own_io(held);
             }
             Some(LinkStep::GiveBack) => false,
             Some(LinkStep::Close) => true,

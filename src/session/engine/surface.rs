@@ -170,10 +170,6 @@ impl Engine {
     }
 
     /// Databases let go of for a statement, until it is answered.
-    pub fn hold_paused(&mut self, paused: Paused) {
-        self.paused.push(paused);
-    }
-
     /// Shutting down: the session closes once idle.
     pub fn drain(&mut self) {
         self.shutdown = Shutdown::Draining;
@@ -236,7 +232,8 @@ impl Engine {
 
     /// The prerequisites of the frame being decided were met
     /// ([`super::Need::Prerequisites`]).
-    pub fn prerequisites_met(&mut self) {
+    pub fn prerequisites_met(&mut self, paused: Vec<Paused>) {
+        self.paused.extend(paused);
         self.found.prerequisites = true;
     }
 

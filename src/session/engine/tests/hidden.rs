@@ -249,7 +249,7 @@ fn a_table_set_unlogged_is_named_as_the_clients_session_resolves_it_before_it_le
         Err(Need::Prerequisites(needs)) => assert_eq!(needs.unpublish, ["s.t"]),
         _ => panic!("the prerequisites, named"),
     }
-    rig.engine.prerequisites_met();
+    rig.engine.prerequisites_met(Vec::new());
     let ctx = super::ctx(&rig.app, &rig.entry);
     assert!(
         rig.engine

@@ -31,7 +31,7 @@ fn drive(rig: &mut Rig, held: Held) -> Vec<&'static str> {
         let step = match rig.engine.poll_io(&rig.app, held) {
             Io::Idle => return steps,
             Io::TakeClient => "take the client's bytes",
-            Io::ReplicaDone => "replica done",
+            Io::ReplicaDone(_) => "replica done",
             Io::ToServer(_) => "server",
             Io::Act(_) => "action",
             Io::Relay(..) => "relay",
@@ -45,8 +45,7 @@ fn drive(rig: &mut Rig, held: Held) -> Vec<&'static str> {
             }
             Io::CheckOut { queued: true } => "checkout for the client",
             Io::CheckOut { queued: false } => "checkout for pgcache",
-            Io::Own(Some(_)) => "own query",
-            Io::Own(None) => "own answer awaited",
+            Io::Own => "own answer awaited",
             Io::Drop(_) => "drop",
             Io::Replica => "replica",
             Io::Part(_) => {
@@ -140,7 +139,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
         matches!(asked, Err(Need::Own)),
         "the settings are asked first"
     );
-    assert_eq!(drive(&mut rig, HELD), ["own query", "own answer awaited"]);
+    assert_eq!(drive(&mut rig, HELD), ["server", "own answer awaited"]);
 
     let mut rig = Rig::pooled();
     rig.knows_table("items");
@@ -258,4 +257,34 @@ impl Io {
             _ => "other",
         }
     }
+}
+
+#[test]
+fn a_replicas_answered_read_lets_its_connection_go_before_the_clients_next_frames_are_taken() {
+    use crate::session::replica::{ReadState, ReplicaLeg};
+    let mut rig = Rig::pooled();
+    let mut leg = ReplicaLeg::new(super::replica_books::server());
+    leg.read = ReadState::Sent;
+    rig.engine.replica = Some(Box::new(leg));
+    rig.engine.client_arrived();
+    let waiting = Held {
+        client: true,
+        ..DETACHED
+    };
+    assert!(
+        drive(&mut rig, waiting).is_empty(),
+        "the read is under way: the client's frames wait"
+    );
+    if let Some(leg) = &mut rig.engine.replica {
+        leg.read = ReadState::Answered;
+    }
+    match rig.engine.poll_io(&rig.app, waiting) {
+        Io::ReplicaDone(Some(_)) => {}
+        _ => panic!("transaction mode: the connection goes back with its books"),
+    }
+    assert_eq!(
+        drive(&mut rig, waiting),
+        ["take the client's bytes"],
+        "let go of once"
+    );
 }

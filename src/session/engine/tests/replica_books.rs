@@ -11,7 +11,7 @@ use crate::session::link::UNKNOWN_STATE;
 use crate::session::replica::ReplicaLeg;
 
 /// A replica of a configuration that lists one.
-fn server() -> Arc<Replica> {
+pub(super) fn server() -> Arc<Replica> {
     let config = crate::Config::from_toml(
         "[upstream]\nreplicas = [\"postgres://a:1\"]\n",
         "t".as_ref(),
