@@ -53,6 +53,17 @@ impl SessionError {
     }
 
     /// Client hang-ups are routine, not worth a warning.
+    /// Logs why a client at `peer` was turned away before its session
+    /// began: a refusal is news, an unreachable backend a warning, the
+    /// rest (a client that went away, a bad packet) detail.
+    pub fn log_refusal(&self, peer: std::net::SocketAddr) {
+        match self {
+            SessionError::Refused { message, .. } => tracing::info!(%peer, "{message}"),
+            SessionError::Connect(e) => tracing::warn!(%peer, error = %e, "backend unreachable"),
+            e => tracing::debug!(%peer, error = %e, "startup failed"),
+        }
+    }
+
     pub fn is_disconnect(&self) -> bool {
         matches!(self, SessionError::ClientIo(e) if matches!(
             e.kind(),

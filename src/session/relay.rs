@@ -20,7 +20,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, debug, info, warn};
+use tracing::{Instrument, debug, info};
 
 use super::SessionError;
 use super::admission::{Admission, Admitted, Login, Negotiated, Refused, Step};
@@ -65,11 +65,7 @@ pub(crate) async fn refused(
     e: SessionError,
     peer: SocketAddr,
 ) {
-    match &e {
-        SessionError::Refused { message, .. } => info!(%peer, "{message}"),
-        SessionError::Connect(e) => warn!(%peer, error = %e, "backend unreachable"),
-        e => debug!(%peer, error = %e, "startup failed"),
-    }
+    e.log_refusal(peer);
     if let Some(msg) = e.to_fatal() {
         client.close_with(&msg, super::LINGER).await;
     }
@@ -265,12 +261,13 @@ where
             // Parked: only the client, shutdown and the idle timeout wake
             // the session, and its wait keeps no room for the legs it
             // does not hold.
+            let deadline = self.engine.poll_timeout();
             let parked = tokio::select! {
                 biased;
                 _ = shutdown.wait(Stage::Force) => Woke::Force,
                 r = self.client.fill_lazily() => Woke::Client(r),
                 _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-                _ = sleep_until_or_never(self.engine.poll_timeout()) => Woke::Timeout,
+                _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
             };
             woke = self.noted(parked);
         }
@@ -301,6 +298,7 @@ where
     /// replica leaving the rotation takes the session's connection to it
     /// along.
     async fn wait(&mut self, shutdown: &crate::shutdown::Shutdown) -> Woke {
+        let deadline = self.engine.poll_timeout();
         let on_replica = self.engine.replica_busy();
         let hold_client = !self.engine.reads_client();
         let woke = tokio::select! {
@@ -310,7 +308,7 @@ where
             r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
             r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
             _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
-            _ = sleep_until_or_never(self.engine.poll_timeout()) => Woke::Timeout,
+            _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
         };
         self.noted(woke)
     }

@@ -110,7 +110,9 @@ where
                 Io::TakeClient => {
                     let ctx = ctx(&self.app, &self.entry);
                     let (max_frame, buf) = (self.client.max_frame(), self.client.buffer_mut());
-                    match self.engine.on_client_data(&ctx, buf, max_frame) {
+                    let taken = self.engine.on_client_data(&ctx, buf, max_frame);
+                    self.client.shrink_if_empty();
+                    match taken {
                         Ok(None) => {}
                         Ok(Some(need)) => Box::pin(self.meet(need)).await?,
                         Err(e @ SessionError::ClientFrame(_)) => bad_frame = Some(e),
@@ -148,11 +150,8 @@ where
                 Io::Part(parting) => self.let_go(parting),
             }
         }
-        if self.learning.is_some() && !self.engine.relaying_login() {
-            // The pool's lesson in how to log in is this login's no more.
-            self.learning = None;
-        }
-        self.client.shrink_if_empty();
+        // The pool's lesson in how to log in is this login's no more.
+        self.learning.take_if(|_| !self.engine.relaying_login());
         bad_frame.map_or(Ok(self.engine.flow()), Err)
     }
 
