@@ -282,7 +282,18 @@ where
         mut woke: Woke,
     ) -> Result<Flow, SessionError> {
         loop {
-            if self.on_woke(woke).await? == Flow::Close {
+            // Bytes from the client or the primary, inline; the rest is
+            // rare, boxed.
+            let flow = match woke {
+                Woke::Client(Ok(n)) if n > 0 => {
+                    self.app.metrics.client_bytes_in.inc_by(n as u64);
+                    self.engine.client_arrived();
+                    self.pump().await?
+                }
+                Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await?,
+                other => Box::pin(self.on_woke(other)).await?,
+            };
+            if flow == Flow::Close {
                 return Ok(Flow::Close);
             }
             // Waiting on the client: logged in and nothing asked of the backend.
@@ -322,10 +333,10 @@ where
         woke
     }
 
-    /// What woke the session, handled: bytes from a leg, an end or
-    /// failure of one, a shutdown stage, a timeout. An error ends the
-    /// session as [`Self::end`] says. Bytes from the client or the primary
-    /// are handled inline; the rest is rare, boxed.
+    /// What woke the session, besides bytes from the client or the
+    /// primary: the loop's start, the replica's answer, an end or failure
+    /// of a leg, a shutdown stage, a timeout. An error ends the session as
+    /// [`Self::end`] says.
     async fn on_woke(&mut self, woke: Woke) -> Result<Flow, SessionError> {
         match woke {
             // What came with PostgreSQL's AuthenticationOk, then anything
@@ -333,19 +344,13 @@ where
             Woke::Started => {
                 self.feed(Leg::Primary)?;
                 self.engine.client_arrived();
-                Box::pin(self.pump()).await
-            }
-            Woke::Client(Ok(n)) if n > 0 => {
-                self.app.metrics.client_bytes_in.inc_by(n as u64);
-                self.engine.client_arrived();
                 self.pump().await
             }
-            Woke::Backend(Ok(n)) if n > 0 => self.on_backend_data().await,
             Woke::Force => Err(Engine::forced()),
             Woke::Retired => {
                 if let Some(conn) = self.replica.take() {
                     info!(replica = %conn.server.name, "out of rotation: the session's connection to it is closed");
-                    Box::pin(conn.close()).await;
+                    conn.close().await;
                 }
                 Ok(Flow::Continue)
             }
@@ -353,15 +358,15 @@ where
             // connection is let go of and what waited goes on.
             Woke::Replica(Ok(n)) if n > 0 => {
                 self.feed(Leg::Replica)?;
-                Box::pin(self.pump()).await
+                self.pump().await
             }
-            Woke::Replica(r) => Box::pin(self.replica_lost(r.err())).await,
+            Woke::Replica(r) => self.replica_lost(r.err()).await,
             Woke::Backend(r) => {
-                Box::pin(self.backend_lost(r.err())).await;
+                self.backend_lost(r.err()).await;
                 Ok(Flow::Close)
             }
             Woke::Client(r) => {
-                Box::pin(self.client_gone()).await;
+                self.client_gone().await;
                 r.map(|_| Flow::Close).map_err(SessionError::ClientIo)
             }
             Woke::Drain => {
