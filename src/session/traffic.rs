@@ -315,7 +315,7 @@ where
     C: AsyncRead + AsyncWrite + Unpin + Send,
 {
     /// One step of the read the engine routed to a replica
-    /// ([`ReplicaStep`]): the settle loop polls again for the next. A
+    /// ([`ReplicaStep`]): `Session::pump` polls again for the next. A
     /// replica that cannot take the read leaves it to the primary.
     async fn replica_step(&mut self) {
         let held = self.replica.as_ref().map(|conn| &conn.server);

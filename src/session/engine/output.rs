@@ -1,9 +1,11 @@
 //! The engine's one output surface ([`Engine::poll_io`]): what the driver
 //! does next, asked again after each step until nothing is left. The
 //! order is the engine's: what the server is owed as it is and the
-//! actions; what is staged for the client and pgcache's own queries; the
-//! requests staged for the primary and a replica; last, the pooled
-//! connection let go of.
+//! actions; a server's answer relayed, what is staged for the client, a
+//! replica's connection let go once its read is answered, and pgcache's
+//! own queries; the client's buffered bytes taken, all of them before
+//! the requests they stage go out; those requests, for the primary and a
+//! replica; last, the pooled connection let go of.
 
 use bytes::BytesMut;
 
