@@ -3,7 +3,7 @@
 //! password in terminate mode, a startup transaction mode cannot carry),
 //! the admin console, or a session, in session or transaction mode, with
 //! its first server connection. [`Admission`] takes the client there one
-//! [`Step`] at a time; the driver ([`super::admit`]) does what each step
+//! [`Step`] at a time; the driver ([`super::relay`]) does what each step
 //! asks and hands back what came of it.
 
 use std::net::SocketAddr;

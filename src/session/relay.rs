@@ -418,7 +418,8 @@ where
     }
 
     /// The session ends: its backend is told, unless it is a pooled
-    /// connection that goes back to its pool ([`Self::release_at_end`]).
+    /// connection that goes back to its pool at the end
+    /// ([`Engine::part_at_end`]).
     async fn end_backend(&mut self) {
         if let Some(replica) = self.replica.take() {
             replica.close().await;
