@@ -76,7 +76,7 @@ pub fn feed(data: &[u8]) -> Fed {
         let (chunk, tail) = tail.split_at(len);
         rest = tail;
         let ctx = Ctx {
-            app,
+            instance: app,
             client: &entry.client,
             now: Instant::now(),
             draw: seeded,

@@ -425,21 +425,6 @@ impl PooledLink {
         let server = statements_of(&mut self.lease, &mut self.own_statements);
         self.translator.on_frame(frame, server)
     }
-
-    /// [`Knobs`], read again after a RELOAD.
-    pub fn knobs(&mut self, app: &crate::App) -> Knobs {
-        let generation = app.policy_generation();
-        if self.knobs.generation != generation {
-            let config = app.config();
-            self.knobs = Knobs {
-                generation,
-                wait: config.pool.query_wait_timeout(),
-                lifetime: config.pool.server_lifetime(),
-                max_prepared: config.pool.max_prepared_statements,
-            };
-        }
-        self.knobs
-    }
 }
 
 /// The statements of the connection a session holds: a field apart from

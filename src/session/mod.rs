@@ -34,6 +34,7 @@ mod error;
 mod explain;
 #[doc(hidden)]
 pub mod fuzz;
+mod instance;
 mod keyed;
 mod known;
 mod link;

@@ -190,7 +190,7 @@ where
             Err(e) => info!(error = %e, "session ended"),
         }
         let unread = self.unread();
-        if let Some(parting) = self.engine.part_at_end(&self.app, unread) {
+        if let Some(parting) = self.engine.part_at_end(&*self.app, unread) {
             self.let_go(parting);
         }
     }
@@ -473,7 +473,7 @@ async fn replica_leg(replica: &mut Option<Box<ReplicaConn>>, busy: bool) -> Woke
 /// What the engine reads with an event, now.
 pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     Ctx {
-        app,
+        instance: app,
         client: &entry.client,
         now: std::time::Instant::now(),
         draw: rand::random,

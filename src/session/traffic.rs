@@ -105,7 +105,7 @@ where
                 unread: self.unread(),
                 client: !self.client.buffered().is_empty(),
             };
-            match self.engine.poll_io(&self.app, held) {
+            match self.engine.poll_io(&*self.app, held) {
                 Io::Idle => break,
                 Io::TakeClient => {
                     let ctx = ctx(&self.app, &self.entry);
@@ -164,6 +164,7 @@ where
                 Box::pin(self.app.cache.mirror_rows(self.engine.db(), &table)).await
             }
             Action::Store(fill, bytes) => self.app.cache.store(*fill, &bytes),
+            Action::Judge(check, answer, done) => check.judge(&self.app.cache, &answer, done),
             Action::Watch => self.app.streams.ensure(self.engine.db()),
             Action::Fetch => self.app.fetch_catalog(self.engine.db()),
             Action::Offload(errand, mut capture) => {
@@ -194,7 +195,7 @@ where
     /// Writes the requests staged for the primary; the answers pgcache
     /// gave in its place are read after what the primary sent before.
     async fn write_staged(&mut self) -> Result<(), SessionError> {
-        let (staged, answers) = self.engine.staged(&self.app);
+        let (staged, answers) = self.engine.staged(&*self.app);
         let r = match &mut self.backend {
             Some(backend) => backend.write_all(staged).await,
             None => Err(std::io::ErrorKind::NotConnected.into()),
@@ -218,7 +219,7 @@ where
         if self.attached() {
             return Ok(());
         }
-        let Some((pool, wait)) = self.engine.checkout(&self.app)? else {
+        let Some((pool, wait)) = self.engine.checkout(&*self.app)? else {
             return Err(SessionError::BackendIo(
                 std::io::ErrorKind::NotConnected.into(),
             ));

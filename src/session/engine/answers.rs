@@ -12,7 +12,7 @@ use super::life::{Ending, Phase};
 use super::{Action, Ctx, Engine, OwnStep};
 use crate::cache::stats::QueryStats;
 use crate::cache::{Bumps, Fill};
-use crate::cancel::{CancelTarget, ClientPid};
+use crate::cancel::CancelTarget;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::Reply;
 use crate::protocol::codec::{
@@ -180,7 +180,7 @@ impl Engine {
         if frame[0] == be::NOTIFICATION && !link.listens.admits(frame) {
             // Another client's LISTEN on this connection: never this
             // client's to see ([`crate::pool::listens`]).
-            ctx.app.metrics.pooled.notifications_withheld.inc();
+            ctx.instance.metrics().pooled.notifications_withheld.inc();
             return true;
         }
         if frame[0] == be::COMMAND_COMPLETE && frame[HEADER_LEN..].starts_with(b"LISTEN\0") {
@@ -213,16 +213,13 @@ impl Engine {
         if let Link::Pooled(_) = self.link {
             // The connection the client logged in on, for now: the client
             // gets a key of pgcache's that follows it to the next one.
-            let (pid, secret, guard) = ctx.app.cancel.register_pooled();
+            let (pid, secret, guard) = ctx.instance.register_cancel();
             guard.retarget(Some(target));
             self.cancel = Some(guard);
             return messages::backend_key_data(pid, &secret);
         }
         ctx.client.own(backend_pid);
-        let (pid, secret, guard) = ctx
-            .app
-            .cancel
-            .register((*target).clone(), ClientPid::Backend);
+        let (pid, secret, guard) = ctx.instance.register_cancel_for(&target);
         self.cancel = Some(guard);
         messages::backend_key_data(pid, &secret)
     }
@@ -251,7 +248,7 @@ impl Engine {
             }
             self.note_status(frame);
         }
-        let max = ctx.app.cache.local.max_entry_bytes();
+        let max = ctx.instance.cache().local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {
             return Cut::Keep;
         };
@@ -322,7 +319,7 @@ impl Engine {
         if end == pos {
             return None;
         }
-        let max = ctx.app.cache.local.max_entry_bytes();
+        let max = ctx.instance.cache().local.max_entry_bytes();
         capture.add_plain(&buf[pos..end], max);
         Some(end)
     }
@@ -333,7 +330,7 @@ impl Engine {
         if !self.logged_in() {
             // Logged in: only now does the database get shared state, so
             // clients naming made-up databases cannot grow the registry.
-            self.db = ctx.app.cache.db(self.startup.database());
+            self.db = ctx.instance.cache().db(self.startup.database());
             if let Link::Pooled(link) = &mut self.link {
                 link.translator.follow(Arc::clone(&self.db.versions.schema));
             }
@@ -413,7 +410,7 @@ impl Engine {
             }
             Some(Captured::Compared { matched }) => would_hit = Some(matched),
             Some(Captured::Verified(check, answer)) => {
-                check.judge(&ctx.app.cache, &answer, ctx.now);
+                self.actions.push(Action::Judge(check, answer, ctx.now));
             }
             None => {}
         }
@@ -423,7 +420,10 @@ impl Engine {
                 Some(matched) => shadow_checked(ctx, stats, took, matched),
                 None => {
                     stats.miss(took);
-                    ctx.app.metrics.latency_miss.observe(took.as_secs_f64());
+                    ctx.instance
+                        .metrics()
+                        .latency_miss
+                        .observe(took.as_secs_f64());
                 }
             }
         }
@@ -435,8 +435,8 @@ impl Engine {
     /// the statement completed ([`Action::Publish`]).
     fn invalidate(&mut self, ctx: &Ctx, mut bumps: Bumps) {
         bumps.watermark = true;
-        let source = &ctx.app.metrics.invalidations.write;
-        let publication = ctx.app.cache.invalidate(&self.db, bumps, source);
+        let source = &ctx.instance.metrics().invalidations.write;
+        let publication = ctx.instance.cache().invalidate(&self.db, bumps, source);
         self.actions.push(Action::Publish(publication));
     }
 }
@@ -445,7 +445,7 @@ impl Engine {
 /// in `took`; `matched` says whether the stored answer was the same.
 fn shadow_checked(ctx: &Ctx, stats: &QueryStats, took: Duration, matched: bool) {
     stats.would_hit(took, matched);
-    let m = &ctx.app.metrics;
+    let m = &ctx.instance.metrics();
     m.shadow_saved.inc_by(took.as_secs_f64());
     if matched {
         m.shadow_match.inc();
@@ -465,7 +465,7 @@ impl Engine {
             return;
         }
         for problem in problems {
-            ctx.app.metrics.hint_problems.inc();
+            ctx.instance.metrics().hint_problems.inc();
             messages::notice_response(
                 &mut self.out,
                 "WARNING",

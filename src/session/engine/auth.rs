@@ -71,7 +71,7 @@ impl Engine {
         let Some(login) = login else {
             return Start::Close;
         };
-        let upstream = &ctx.app.upstream;
+        let upstream = &ctx.instance.upstream();
         match login.secret {
             Some(secret) => self.answer_login(*secret, ctx.now, upstream.connect_timeout),
             None => self.relay_login(),
@@ -153,7 +153,7 @@ impl Engine {
             Err(LoginError::Server(frame)) => {
                 // PostgreSQL's own FATAL (no such database, too many
                 // connections, ...): the client gets it as is.
-                ctx.app.metrics.auth_failures.backend.inc();
+                ctx.instance.metrics().auth_failures.backend.inc();
                 self.end_with(Ending::BackendFatal);
                 self.out.extend_from_slice(&frame);
             }
@@ -165,7 +165,7 @@ impl Engine {
     /// pgcache could not log in for the client, for `reason`: the client
     /// is told its login failed.
     pub(super) fn login_failed(&self, ctx: &Ctx, reason: &str) -> SessionError {
-        ctx.app.metrics.auth_failures.backend.inc();
+        ctx.instance.metrics().auth_failures.backend.inc();
         let user = self.startup.user();
         info!(user, reason, "could not log in to PostgreSQL for a client");
         SessionError::refused(
@@ -247,7 +247,7 @@ impl Engine {
                 mechanism == MECHANISM.as_bytes() && data.first() == Some(&b'y')
             });
         if downgrade {
-            ctx.app.metrics.auth_failures.relay.inc();
+            ctx.instance.metrics().auth_failures.relay.inc();
             info!("refused SCRAM relay with channel binding on both TLS legs");
             return Err(SessionError::refused(
                 sqlstate::INVALID_AUTHORIZATION,

@@ -7,22 +7,28 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 
-use crate::App;
 use crate::cache::key::RequestKey;
+use crate::cache::sampler::Check;
 use crate::cache::versions::Family;
-use crate::cache::{Fill, Publication, Wait, Waited};
+use crate::cache::{Cache, Fill, Publication, Wait, Waited};
+use crate::cancel::{CancelGuard, CancelTarget};
 use crate::classify::prerequisites::Prerequisites;
+use crate::metrics::Metrics;
+use crate::policy::Policy;
 use crate::pool::clients::Client;
 use crate::pool::errand::Errand;
+use crate::replica::Replicas;
 use crate::session::capture::Capture;
 use crate::session::known::Statement;
-use crate::session::logins::Login;
-use crate::session::plan::Plan;
+use crate::session::link::Knobs;
+use crate::session::logins::{Login, SharedLogins};
+use crate::session::plan::{Plan, SharedPlans};
+use crate::upstream::Upstream;
 
 /// What the engine may read with each event: shared state that never
 /// blocks, the time, and randomness.
 pub(in crate::session) struct Ctx<'a> {
-    pub app: &'a App,
+    pub instance: &'a dyn Instance,
     /// The session's line in `SHOW CLIENTS`.
     pub client: &'a Client,
     pub now: Instant,
@@ -30,6 +36,45 @@ pub(in crate::session) struct Ctx<'a> {
     /// sampler checks): the driver's is `rand::random`, a test's is
     /// seeded.
     pub draw: fn() -> u64,
+}
+
+/// The pgcache instance as the engine sees it: the shared state it reads
+/// and the few effects it has on other sessions at once (a cancel key
+/// given, parked connections closed). The driver passes its
+/// [`crate::App`]; the engine reaches nothing else of it: not the
+/// configuration, TLS, the listeners or the shutdown's tokens.
+pub(in crate::session) trait Instance: Sync {
+    /// The cache tiers and each database's versions and catalog.
+    fn cache(&self) -> &Cache;
+    fn metrics(&self) -> &Metrics;
+    fn replicas(&self) -> &Replicas;
+    /// `upstream.url`: how pgcache logs in to the primary.
+    fn upstream(&self) -> &Upstream;
+    /// Plans shared by the sessions of each database.
+    fn plans(&self) -> &SharedPlans;
+    /// What fresh logins start with, shared by the sessions that log in
+    /// alike.
+    fn logins(&self) -> &SharedLogins;
+    /// The caching policy in force.
+    fn policy(&self) -> Arc<Policy>;
+    /// The policy's generation: one atomic load, to notice a RELOAD.
+    fn policy_generation(&self) -> u64;
+    /// The publication pgcache follows, when replication is on.
+    fn publication(&self) -> Option<String>;
+    /// The transaction pool's settings in force: `memo`, read again after
+    /// a RELOAD ([`Self::policy_generation`]).
+    fn pool_knobs(&self, memo: &mut Knobs) -> Knobs;
+    /// A cancel key for a session whose server connection changes: its
+    /// process id, its secret, and the guard that drops it.
+    fn register_cancel(&self) -> (u32, Vec<u8>, CancelGuard);
+    /// A cancel key for a session on one server connection for its whole
+    /// life: the backend's own.
+    fn register_cancel_for(&self, backend: &CancelTarget) -> (u32, Vec<u8>, CancelGuard);
+    /// Closes every parked server connection: a database-level statement
+    /// goes out.
+    fn evict_parked(&self);
+    /// Shutdown was requested: sessions close once idle.
+    fn draining(&self) -> bool;
 }
 
 /// What the engine asks the driver to do, in order, before the client is
@@ -47,6 +92,9 @@ pub(in crate::session) enum Action {
     /// Look up the catalog facts the database's sessions asked for, on
     /// pgcache's own connection, if no fetcher does yet.
     Fetch,
+    /// Judge a sampled hit against PostgreSQL's answer, complete at that
+    /// time.
+    Judge(Box<Check>, BytesMut, Instant),
     /// Run pgcache's own request for a hit served (a refresh, a check) off
     /// the client's path, into the capture.
     Offload(Box<Errand>, Capture),

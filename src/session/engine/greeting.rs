@@ -45,7 +45,7 @@ impl Engine {
             None => {
                 // The first time with the statuses known: pgcache's key,
                 // and what the server's reporting is still to teach.
-                let (pid, secret, guard) = ctx.app.cancel.register_pooled();
+                let (pid, secret, guard) = ctx.instance.register_cancel();
                 self.register_cancel(guard);
                 if self.learn_reported(&statuses) {
                     return Greeting::Connection;

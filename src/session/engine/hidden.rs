@@ -242,7 +242,7 @@ impl Engine {
     fn answered(&mut self, ctx: &Ctx, purpose: Purpose, result: Result<Rows, Option<BytesMut>>) {
         match purpose {
             Purpose::Settings { generation } => {
-                ctx.app.metrics.settings_queries.inc();
+                ctx.instance.metrics().settings_queries.inc();
                 self.on_settings(ctx, generation, result.ok());
             }
             Purpose::Facts(mut lookup) => {

@@ -43,7 +43,7 @@ impl Engine {
         let (key, tables) = match (key, plan.read.as_ref().map_err(|r| *r)) {
             (Ok(key), Ok(tables)) => (key, tables),
             (Err(reason), _) | (_, Err(reason)) => {
-                ctx.app.cache.bypassed(&self.db, reason);
+                ctx.instance.cache().bypassed(&self.db, reason);
                 plan.stats.bypassed(reason);
                 return Ok(Err(reason));
             }
@@ -51,18 +51,18 @@ impl Engine {
         let admission = self.known.policy.admission;
         if admission
             && !ctx
-                .app
-                .cache
+                .instance
+                .cache()
                 .admission
                 .admits(&plan.stats.admission, ctx.now)
         {
             let reason = BypassReason::NotAdmitted;
-            ctx.app.cache.bypassed(&self.db, reason);
+            ctx.instance.cache().bypassed(&self.db, reason);
             plan.stats.bypassed(reason);
             return Ok(Err(reason));
         }
         let reads = by_row.unwrap_or(tables);
-        let shared = ctx.app.cache.shared().is_some();
+        let shared = ctx.instance.cache().shared().is_some();
         let shared_reads = match &plan.keyed {
             Some(keyed) if by_row.is_some() && !keyed.ready(shared) => tables,
             _ => reads,
@@ -82,7 +82,7 @@ impl Engine {
             started: ctx.now,
             shadow: self.known.policy.mode == CacheMode::Shadow,
         };
-        match ctx.app.cache.lookup(&req, &mut self.found.lookup) {
+        match ctx.instance.cache().lookup(&req, &mut self.found.lookup) {
             Ok(lookup) => Ok(Ok(lookup)),
             Err(wait) => Err(Need::Cache(wait)),
         }
@@ -123,7 +123,7 @@ impl Engine {
             }
         };
         // The session saw the rows it read (or the tables) as of now.
-        if ctx.app.replicas.enabled()
+        if ctx.instance.replicas().enabled()
             && let Some(reads) = by_row.or(plan.read.as_ref().ok())
         {
             self.observed_hit(reads, ctx.now);
@@ -174,11 +174,11 @@ impl Engine {
         // No draw at all with the sampler off.
         self.tx.status == TxStatus::Idle
             && rate > 0.0
-            && ctx.app.cache.sampler.draw(
+            && ctx.instance.cache().sampler.draw(
                 (roll(ctx.draw), ctx.now),
                 rate,
                 max,
-                &ctx.app.metrics.verify,
+                &ctx.instance.metrics().verify,
             )
     }
 }

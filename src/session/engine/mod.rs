@@ -13,7 +13,6 @@ use std::sync::Arc;
 use bytes::BytesMut;
 use tracing::debug;
 
-use crate::App;
 use crate::cache::catalog::Facts;
 use crate::cache::catalog::fetch::Lookup;
 use crate::cache::hold::Paused;
@@ -53,7 +52,7 @@ mod timeouts;
 
 pub(super) use answers::Relayed;
 pub(super) use auth::Start;
-pub(super) use events::{Action, Asked, Ctx, Found, LinkStep, Need, ReadyBatch};
+pub(super) use events::{Action, Asked, Ctx, Found, Instance, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};
@@ -181,7 +180,7 @@ impl Engine {
             self.server.taint();
         }
         if marks.evicts {
-            ctx.app.pool.evict_all();
+            ctx.instance.evict_parked();
         }
         if let Link::Pooled(pooled) = &mut self.link {
             pooled.state_dirty |= marks.settings;
@@ -279,7 +278,7 @@ impl Engine {
             reason = why.as_str(),
             "session pinned to its server connection"
         );
-        let pins = &ctx.app.metrics.pooled.pins;
+        let pins = &ctx.instance.metrics().pooled.pins;
         pins.with_label_values(&[why.as_str()]).inc();
         pooled.pinned = Some(why);
         ctx.client.pin(why.as_str());
@@ -321,7 +320,7 @@ impl Engine {
         let handed_back = self.server.fate == Fate::Parkable
             && self.backend_idle()
             && !self.batch.holds()
-            && !ctx.app.drain.is_cancelled();
+            && !ctx.instance.draining();
         if handed_back {
             self.server.fate = Fate::HandedBack;
         }
@@ -341,11 +340,11 @@ impl Engine {
     /// transaction mode the client's statement names are turned into the
     /// held connection's (into `scratch`), and a statement the connection
     /// already has is answered by pgcache.
-    pub fn staged(&mut self, app: &App) -> (&mut BytesMut, BytesMut) {
+    pub fn staged(&mut self, instance: &dyn Instance) -> (&mut BytesMut, BytesMut) {
         let Link::Pooled(pooled) = &mut self.link else {
             return (&mut self.pipeline.to_backend, BytesMut::new());
         };
-        let max = pooled.knobs(app).max_prepared;
+        let max = instance.pool_knobs(&mut pooled.knobs).max_prepared;
         let idle = self.tx.status == TxStatus::Idle;
         // Both buffers keep their memory from one flush to the next.
         let mut out = std::mem::take(&mut pooled.scratch);
@@ -396,7 +395,7 @@ impl Engine {
         if let Err(reason) = &plan.read {
             // With no stream, no table is published yet: say why.
             if *reason == BypassReason::NotPublished
-                && let Err(down) = ctx.app.cache.freshness(&self.db, ctx.now)
+                && let Err(down) = ctx.instance.cache().freshness(&self.db, ctx.now)
             {
                 return Ok(Err(down));
             }
@@ -451,30 +450,30 @@ impl Engine {
     /// its shape, or made now from the facts of the names it uses.
     pub fn plan(&mut self, ctx: &Ctx, hash: u128, sql: &[u8]) -> Result<Arc<Plan>, Need> {
         let generation = self.db.catalog.generation();
-        let policy_generation = ctx.app.policy_generation();
+        let policy_generation = ctx.instance.policy_generation();
         if let Some(plan) = self.known.plan(hash, generation, policy_generation) {
             return Ok(plan);
         }
         if self.known.policy.generation != policy_generation {
-            self.known.policy = ctx.app.policy();
+            self.known.policy = ctx.instance.policy();
         }
-        let scanned = ctx.app.cache.scan(hash, sql);
+        let scanned = ctx.instance.cache().scan(hash, sql);
         if !scanned.scan().hints.problems.is_empty() {
             self.warn_hints(ctx, hash, &scanned.scan().hints.problems);
         }
         // Another text of this shape, planned by a session of the database.
         let plan_key = scanned.plan_key();
         let known = ctx
-            .app
-            .plans
+            .instance
+            .plans()
             .get(&self.db, plan_key, generation, policy_generation);
         if let Some(plan) = known {
             self.known.remember_plan(hash, &plan);
             self.seed_keyed_reads(hash, &plan, scanned.scan(), sql);
             return Ok(plan);
         }
-        let analysis = ctx.app.cache.analyzed(scanned, sql);
-        let every_read = ctx.app.replicas.routing == crate::config::Routing::AllReads;
+        let analysis = ctx.instance.cache().analyzed(scanned, sql);
+        let every_read = ctx.instance.replicas().routing == crate::config::Routing::AllReads;
         let (rels, funcs) = Plan::names(&analysis, every_read);
         let facts = self.facts(ctx, &rels, &funcs)?;
         let plan = Arc::new(Plan::new(
@@ -495,7 +494,7 @@ impl Engine {
         if facts.complete() {
             self.known.remember_plan(hash, &plan);
             self.seed_keyed_reads(hash, &plan, &analysis.scan, sql);
-            ctx.app.plans.put(&self.db, analysis.plan_key, &plan);
+            ctx.instance.plans().put(&self.db, analysis.plan_key, &plan);
         }
         Ok(plan)
     }
@@ -540,7 +539,7 @@ impl Engine {
             if wanted.is_empty() {
                 return Ok(facts);
             }
-            let publication = ctx.app.publication();
+            let publication = ctx.instance.publication();
             let mut lookup = Lookup::new(&wanted, publication.as_deref());
             let Some(sql) = lookup.next_query() else {
                 self.db.catalog.install(&wanted, lookup.finish());
@@ -551,8 +550,8 @@ impl Engine {
         }
         let names = || rels.iter().chain(funcs).copied();
         if ctx
-            .app
-            .cache
+            .instance
+            .cache()
             .may_wait_for_facts(self.known.policy.first_read_wait)
             && !self.db.catalog.made_by_ddl(names())
         {

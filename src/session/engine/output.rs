@@ -10,8 +10,7 @@
 use bytes::BytesMut;
 
 use super::answers::Relayed;
-use super::{Action, Ctx, Engine, Intake, LinkStep, Parting, Verdict};
-use crate::App;
+use super::{Action, Ctx, Engine, Instance, Intake, LinkStep, Parting, Verdict};
 use crate::pool::prepared::ServerStatements;
 use crate::session::SessionError;
 use crate::session::link::Link;
@@ -86,7 +85,7 @@ impl Engine {
     /// all taken before the requests they stage go out; a session whose
     /// client ended writes what came before and asks nothing more.
     #[inline]
-    pub fn poll_io(&mut self, app: &App, held: Held) -> Io {
+    pub fn poll_io(&mut self, instance: &dyn Instance, held: Held) -> Io {
         if !self.to_server.is_empty() || !self.actions.is_empty() {
             return self.owed();
         }
@@ -97,7 +96,7 @@ impl Engine {
             return Io::ToClient;
         }
         if self.replica.is_some() && self.replica_answered() {
-            return self.replica_done(app);
+            return self.replica_done(instance);
         }
         if self.own_unsettled() {
             return self.own_io(held);
@@ -117,7 +116,7 @@ impl Engine {
         if self.intake == Intake::Closed || !self.link.is_pooled() {
             return Io::Idle;
         }
-        self.let_go(app, held)
+        self.let_go(instance, held)
     }
 
     /// The client's buffered bytes (`buffered`: there are some) are to be
@@ -146,8 +145,8 @@ impl Engine {
 
     /// The read on the replica is answered: what becomes of its connection.
     #[inline(never)]
-    fn replica_done(&mut self, app: &App) -> Io {
-        let Some(lifetime) = self.pooled_lifetime(app) else {
+    fn replica_done(&mut self, instance: &dyn Instance) -> Io {
+        let Some(lifetime) = self.pooled_lifetime(instance) else {
             return Io::ReplicaDone(None);
         };
         let books = self.replica_books();
@@ -193,7 +192,7 @@ impl Engine {
     /// Transaction mode, the session idle: the held connection given back
     /// (its settings read back first if they may have changed), or closed.
     #[inline(never)]
-    fn let_go(&mut self, app: &App, held: Held) -> Io {
+    fn let_go(&mut self, instance: &dyn Instance, held: Held) -> Io {
         let close = match self.link_step(held.attached, held.unread) {
             Some(LinkStep::ReadBack) => {
                 // Unreadable, the connection is closed, not given back.
@@ -204,7 +203,7 @@ impl Engine {
             Some(LinkStep::Close) => true,
             Some(LinkStep::CheckOut) | None => return Io::Idle,
         };
-        match self.part(app, close) {
+        match self.part(instance, close) {
             Some(parting) => Io::Part(parting),
             None => Io::Idle,
         }

@@ -114,7 +114,7 @@ impl Engine {
         }
         if (marks.evicts || marks.unlogged)
             && !self.found.prerequisites
-            && ctx.app.cache.replication_on()
+            && ctx.instance.cache().replication_on()
         {
             return Err(self.needs_of(frame));
         }
@@ -155,7 +155,7 @@ impl Engine {
         let generation = self.db.catalog.generation();
         let (mut memo, known_marks) =
             self.known
-                .text(hash, generation, ctx.app.policy_generation());
+                .text(hash, generation, ctx.instance.policy_generation());
         let marks = known_marks.unwrap_or_else(|| marks(sql));
         self.prerequisites(ctx, marks, frame)?;
         if self.found.prerequisites {
@@ -369,7 +369,7 @@ impl Engine {
                     }
                 }
                 Err(reason) => {
-                    ctx.app.cache.bypassed(&self.db, reason);
+                    ctx.instance.cache().bypassed(&self.db, reason);
                     if self.route_held(ctx, reason, frame, &mut inflight) {
                         (inflight.effects, inflight.parsed) = self.batch.reset();
                         self.pipeline.push_sync(inflight);
@@ -404,7 +404,7 @@ impl Engine {
             Some(false) => {}
         }
         let current = query.plan.generation == self.db.catalog.generation()
-            && query.plan.policy_generation == ctx.app.policy_generation();
+            && query.plan.policy_generation == ctx.instance.policy_generation();
         let plan = match current {
             true => Arc::clone(&query.plan),
             // The catalog or the policy changed since the Execute.

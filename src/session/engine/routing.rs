@@ -96,7 +96,7 @@ impl Engine {
         request: &[u8],
         statement: Option<&Arc<Statement>>,
     ) -> bool {
-        let replicas = &ctx.app.replicas;
+        let replicas = &ctx.instance.replicas();
         let read = plan.read_or_why();
         if !replicas.routes(read, plan.replica_safe) {
             return false;
@@ -106,7 +106,7 @@ impl Engine {
             && self.known.prefix.is_some()
             // Other instances' writes are known from Redis, asked once
             // the read began.
-            && (!ctx.app.cache.read_your_writes() || self.found.lookup.confirmed())
+            && (!ctx.instance.cache().read_your_writes() || self.found.lookup.confirmed())
             && self.tx.status == TxStatus::Idle
             && self.pipeline.is_quiet()
             && inflight.row_cut.is_none()
@@ -225,7 +225,10 @@ impl Engine {
         if let Err(reason) = plan.read
             && self.known.prefix.is_none()
             && self.tx.status == TxStatus::Idle
-            && ctx.app.replicas.routes(Err(reason), plan.replica_safe)
+            && ctx
+                .instance
+                .replicas()
+                .routes(Err(reason), plan.replica_safe)
         {
             let _known = self.session_prefix(ctx)?;
         }
@@ -244,7 +247,7 @@ impl Engine {
         inflight: &mut Inflight,
         request: &[u8],
     ) -> bool {
-        if !ctx.app.replicas.enabled() {
+        if !ctx.instance.replicas().enabled() {
             return false;
         }
         let (rest, parsed) = without_parse(request);
@@ -266,7 +269,7 @@ impl Engine {
         if read.is_ok() {
             return Ok(true);
         }
-        if !ctx.app.replicas.routes(read, plan.replica_safe) {
+        if !ctx.instance.replicas().routes(read, plan.replica_safe) {
             return Ok(false);
         }
         self.settings_for_replica(ctx, plan)?;
@@ -292,7 +295,12 @@ impl Engine {
             BypassReason::TimeLiteral => Err(reason),
             _ => query.plan.read_or_why(),
         };
-        if query.row_limit > 0 || !ctx.app.replicas.routes(read, query.plan.replica_safe) {
+        if query.row_limit > 0
+            || !ctx
+                .instance
+                .replicas()
+                .routes(read, query.plan.replica_safe)
+        {
             return false;
         }
         let statement = extended::bind_names(query.bind_body())

@@ -28,7 +28,7 @@ impl Engine {
                     && login.matches(&rows)
                 {
                     self.found.settings = true;
-                    ctx.app.metrics.settings_reused.inc();
+                    ctx.instance.metrics().settings_reused.inc();
                     self.adopt_settings(&login.row, generation);
                     self.server.login_settings = Some(LoginSettings {
                         generation,
@@ -37,7 +37,7 @@ impl Engine {
                 } else {
                     // Something outside the session changed: everything
                     // is read again, and kept anew.
-                    ctx.app.logins.forget(&self.db, &self.startup);
+                    ctx.instance.logins().forget(&self.db, &self.startup);
                     self.found.probe_missed = true;
                 }
                 return;
@@ -67,8 +67,8 @@ impl Engine {
             && self.server.source == Source::Fresh
         {
             let row = Arc::clone(&row);
-            ctx.app
-                .logins
+            ctx.instance
+                .logins()
                 .put(&self.db, &self.startup, generation, row, fingerprint);
         }
         if let Link::Pooled(p) = &mut self.link {
@@ -168,7 +168,7 @@ impl Engine {
             && self.server.source == Source::Fresh
             && self.server.settings == Settings::AsLoggedIn
             && !self.found.probe_missed
-            && let Some(login) = ctx.app.logins.get(&self.db, &self.startup)
+            && let Some(login) = ctx.instance.logins().get(&self.db, &self.startup)
             && login.generation == generation
         {
             self.found.asked = Some(Asked::Probe(login));

@@ -12,8 +12,7 @@ use bytes::BytesMut;
 
 use super::answers::Relayed;
 use super::life::Shutdown;
-use super::{Action, Engine, LinkStep};
-use crate::App;
+use super::{Action, Engine, Instance, LinkStep};
 use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
@@ -62,14 +61,17 @@ impl Engine {
     /// Transaction mode: the pool to take a connection from and how long
     /// to wait for one; `None` in session mode. The error of a checkout
     /// that failed for an own query fails the statement that waited on it.
-    pub fn checkout(&mut self, app: &App) -> Result<Option<Checkout>, SessionError> {
+    pub fn checkout(&mut self, instance: &dyn Instance) -> Result<Option<Checkout>, SessionError> {
         let Link::Pooled(link) = &mut self.link else {
             return Ok(None);
         };
         if let Some(e) = link.no_connection.take() {
             return Err(SessionError::Pool(*e));
         }
-        Ok(Some((Arc::clone(&link.pool), link.knobs(app).wait)))
+        Ok(Some((
+            Arc::clone(&link.pool),
+            instance.pool_knobs(&mut link.knobs).wait,
+        )))
     }
 
     /// Transaction mode: the pool granted the session a server connection
@@ -274,9 +276,9 @@ impl Engine {
 
     /// Transaction mode: how long a pooled connection may live, as the
     /// policy now says (`None` in session mode).
-    pub fn pooled_lifetime(&mut self, app: &crate::App) -> Option<std::time::Duration> {
+    pub fn pooled_lifetime(&mut self, instance: &dyn Instance) -> Option<std::time::Duration> {
         match &mut self.link {
-            Link::Pooled(link) => Some(link.knobs(app).lifetime),
+            Link::Pooled(link) => Some(instance.pool_knobs(&mut link.knobs).lifetime),
             Link::Session(_) => None,
         }
     }
@@ -300,11 +302,11 @@ impl Engine {
 
     /// Transaction mode: the session lets its connection go now (`close`:
     /// see [`super::LinkStep::Close`]). `None` in session mode.
-    pub(super) fn part(&mut self, app: &crate::App, close: bool) -> Option<Parting> {
+    pub(super) fn part(&mut self, instance: &dyn Instance, close: bool) -> Option<Parting> {
         let Link::Pooled(link) = &mut self.link else {
             return None;
         };
-        let lifetime = link.knobs(app).lifetime;
+        let lifetime = instance.pool_knobs(&mut link.knobs).lifetime;
         Some(match link.lease.take() {
             Some(lease) if !close => Parting::Back(lease, lifetime),
             lease => {
@@ -323,10 +325,10 @@ impl Engine {
     /// In transaction mode an idle connection goes back to its pool (its
     /// settings unknown if they may have changed), any other is closed; in
     /// session mode, see [`Self::park_at_end`].
-    pub fn part_at_end(&mut self, app: &crate::App, unread: bool) -> Option<Parting> {
+    pub fn part_at_end(&mut self, instance: &dyn Instance, unread: bool) -> Option<Parting> {
         let clean = self.may_give_back(unread);
         let Link::Pooled(link) = &mut self.link else {
-            return self.park_at_end(app, unread);
+            return self.park_at_end(instance, unread);
         };
         Some(match link.lease.take() {
             Some(mut lease)
@@ -335,7 +337,7 @@ impl Engine {
                 if link.state_dirty {
                     lease.server_mut().state = UNKNOWN_STATE;
                 }
-                Parting::Back(lease, link.knobs(app).lifetime)
+                Parting::Back(lease, instance.pool_knobs(&mut link.knobs).lifetime)
             }
             _ => Parting::Close,
         })
@@ -345,13 +347,13 @@ impl Engine {
     /// the next client if it may serve one: handed back clean, not ended
     /// by FATAL, nothing `unread` from it; and PostgreSQL asked no
     /// password on it, unless pgcache checks its clients itself.
-    fn park_at_end(&mut self, app: &crate::App, unread: bool) -> Option<Parting> {
+    fn park_at_end(&mut self, instance: &dyn Instance, unread: bool) -> Option<Parting> {
         let Link::Session(link) = &mut self.link else {
             return None;
         };
         let key = link.parks_under.take()?;
         if self.server.fate == Fate::Tainted {
-            app.metrics.pool.closed_tainted.inc();
+            instance.metrics().pool.closed_tainted.inc();
         }
         let trusted = self.server.trusted() || link.checked_by_pgcache;
         if unread || self.server.fate != Fate::HandedBack || self.backend_fatal() || !trusted {

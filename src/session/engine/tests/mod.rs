@@ -222,7 +222,7 @@ impl Rig {
 /// client, the clock now, and a seeded draw.
 fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     Ctx {
-        app,
+        instance: app,
         client: &entry.client,
         now: Instant::now(),
         draw: crate::session::fuzz::seeded,
