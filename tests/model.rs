@@ -4,7 +4,8 @@
 //! throwaway PostgreSQL, directly, and checks that the same messages come
 //! back (types, rows, command tags, SQLSTATEs, transaction status). A
 //! cancel is a real CancelRequest, sent once the statement runs; another
-//! session's write is made on a connection of its own.
+//! session's write is made on a connection of its own, and so are the
+//! second session's statements, compared as the first's.
 
 mod common;
 #[path = "../src/session/engine/tests/model/mod.rs"]
@@ -45,12 +46,26 @@ async fn the_model_answers_as_postgresql_does() {
             .await
             .unwrap();
         read_answer(&mut socket, 1).await;
+        let (mut second, _) = raw_login(addr, &db).await;
         let mut backend = Backend::default();
         for (i, step) in program.0.iter().flatten().enumerate() {
             if let Step::Direct(k) = step {
                 // Another session's write, made when the model makes it.
                 if backend.direct_write(*k).is_some() {
                     admin.batch_execute(&Step::direct_sql(*k)).await.unwrap();
+                }
+                continue;
+            }
+            if let Step::Other(sql) = step {
+                // The second session's statement, when the model runs it.
+                if let Some(mut theirs) = backend.other() {
+                    let query = Step::Query(*sql).frames().remove(0);
+                    let expected = model::seen(&theirs.receive(&query));
+                    second.write_all(&query).await.unwrap();
+                    let got = read_answer(&mut second, 1).await;
+                    assert_eq!(got, expected, "program {n}, step {i} ({step:?})");
+                    messages += got.len();
+                    backend.rejoin(theirs);
                 }
                 continue;
             }

@@ -32,14 +32,20 @@ fn app() -> &'static (App, ClientEntry) {
 pub(super) fn unstarted_app(user: &str, database: &str) -> (App, ClientEntry) {
     let config = Config::from_toml("", Path::new(database)).expect("the default config");
     let app = App::new(config).expect("app");
-    let entry = app.clients.register(Arrival {
+    let entry = arrived(&app, user, database);
+    (app, entry)
+}
+
+/// A client of `user` on `database` arrived at `app`: its line in `SHOW
+/// CLIENTS`.
+pub(super) fn arrived(app: &App, user: &str, database: &str) -> ClientEntry {
+    app.clients.register(Arrival {
         user,
         database,
         addr: "127.0.0.1:1".parse().expect("address"),
         tls: false,
         application_name: "",
-    });
-    (app, entry)
+    })
 }
 
 thread_local! {

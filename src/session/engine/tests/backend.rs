@@ -208,7 +208,7 @@ fn a_connection_is_parked_only_handed_back_clean_and_trusted_or_checked() {
             checked_by_pgcache,
             ..Default::default()
         });
-        let parting = rig.engine.part_at_end(&rig.app, unread);
+        let parting = rig.engine.part_at_end(&*rig.app, unread);
         matches!(parting, Some(crate::session::engine::Parting::Park(_)))
     };
     assert!(parked(true, false, false), "PostgreSQL asked no password");

@@ -345,7 +345,7 @@ fn transaction_mode_a_clients_statement_goes_out_under_a_name_of_pgcaches() {
         execute(0),
         sync(),
     ]);
-    let (staged, answers) = rig.engine.staged(&rig.app);
+    let (staged, answers) = rig.engine.staged(&*rig.app);
     assert!(answers.is_empty(), "the connection lacks the statement");
     let sent = std::mem::take(staged);
     let frames: Vec<&[u8]> = crate::protocol::codec::frames(&sent).collect();
@@ -503,22 +503,22 @@ fn transaction_mode_the_engine_names_the_pool_and_a_failed_checkout_fails_what_w
     use crate::pool::PoolError;
     let mut rig = Rig::caching();
     assert!(
-        matches!(rig.engine.checkout(&rig.app), Ok(None)),
+        matches!(rig.engine.checkout(&*rig.app), Ok(None)),
         "session mode"
     );
     let mut rig = Rig::pooled();
-    let (pool, wait) = rig.engine.checkout(&rig.app).expect("ok").expect("pooled");
+    let (pool, wait) = rig.engine.checkout(&*rig.app).expect("ok").expect("pooled");
     assert_eq!((&*pool.id.database, &*pool.id.user), ("shop", "alice"));
     assert_eq!(wait, rig.app.config().pool.query_wait_timeout());
     let Link::Pooled(link) = &mut rig.engine.link else {
         panic!("transaction mode");
     };
     link.no_connection = Some(Box::new(PoolError::WaitTimeout(5)));
-    let Err(e) = rig.engine.checkout(&rig.app) else {
+    let Err(e) = rig.engine.checkout(&*rig.app) else {
         panic!("what waited fails");
     };
     assert_eq!(e.sqlstate(), PoolError::WaitTimeout(5).sqlstate());
-    assert!(rig.engine.checkout(&rig.app).is_ok(), "once");
+    assert!(rig.engine.checkout(&*rig.app).is_ok(), "once");
 }
 
 #[test]

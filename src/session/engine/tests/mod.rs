@@ -13,6 +13,7 @@ mod property;
 mod replica_books;
 mod timeouts;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -31,7 +32,7 @@ use crate::session::row_limit::{PORTAL_SUSPENDED, RowCut};
 
 /// An engine and what it reads: a pgcache of its own, never started.
 struct Rig {
-    app: App,
+    app: Arc<App>,
     entry: ClientEntry,
     engine: Engine,
     /// What the session's settings query answers (`None`: it fails).
@@ -48,12 +49,32 @@ impl Rig {
             .map(|v| Some(v.to_owned()))
             .to_vec();
         Self {
-            app,
+            app: Arc::new(app),
             entry,
             engine,
             settings: Some(settings),
             settings_reads: 0,
         }
+    }
+
+    /// Another session of the same user and database on the rig's
+    /// instance, logged in: it shares the rig's cache, versions and
+    /// catalog.
+    fn beside(&self) -> Self {
+        let app = Arc::clone(&self.app);
+        let entry = crate::session::fuzz::arrived(&app, "alice", "shop");
+        let engine = crate::session::fuzz::session_engine(&app, "alice", "shop");
+        let mut rig = Self {
+            app,
+            entry,
+            engine,
+            settings: self.settings.clone(),
+            settings_reads: 0,
+        };
+        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        assert_eq!(sent, rfq(TxStatus::Idle));
+        rig.engine.actions.clear();
+        rig
     }
 
     /// Transaction mode: a pool of the rig's database and user, holding no

@@ -28,7 +28,7 @@ const DETACHED: Held = Held {
 fn drive(rig: &mut Rig, held: Held) -> Vec<&'static str> {
     let mut steps = Vec::new();
     loop {
-        let step = match rig.engine.poll_io(&rig.app, held) {
+        let step = match rig.engine.poll_io(&*rig.app, held) {
             Io::Idle => return steps,
             Io::TakeClient => "take the client's bytes",
             Io::ReplicaDone(_) => "replica done",
@@ -40,7 +40,7 @@ fn drive(rig: &mut Rig, held: Held) -> Vec<&'static str> {
                 "client"
             }
             Io::Staged => {
-                rig.engine.staged(&rig.app).0.clear();
+                rig.engine.staged(&*rig.app).0.clear();
                 "staged"
             }
             Io::CheckOut { queued: true } => "checkout for the client",
@@ -147,7 +147,7 @@ fn own_queries_go_first_on_the_held_connection_and_a_pooled_session_takes_one_fo
     let asked = rig.engine.on_client_frame(&now, &Bytes::from(query(READ)));
     assert!(matches!(asked, Err(Need::Own)));
     assert_eq!(
-        rig.engine.poll_io(&rig.app, DETACHED).name(),
+        rig.engine.poll_io(&*rig.app, DETACHED).name(),
         "checkout for pgcache"
     );
     // No connection came: the own query goes unanswered, the statement
@@ -168,7 +168,7 @@ fn a_pooled_session_takes_a_connection_for_its_requests_and_lets_it_go_once_idle
     rig.knows_table("items");
     rig.client(&query("UPDATE items SET v = 1"));
     assert_eq!(
-        rig.engine.poll_io(&rig.app, DETACHED).name(),
+        rig.engine.poll_io(&*rig.app, DETACHED).name(),
         "checkout for the client"
     );
     assert_eq!(drive(&mut rig, HELD), ["staged"], "busy: kept");
@@ -278,7 +278,7 @@ fn a_replicas_answered_read_lets_its_connection_go_before_the_clients_next_frame
     if let Some(leg) = &mut rig.engine.replica {
         leg.read = ReadState::Answered;
     }
-    match rig.engine.poll_io(&rig.app, waiting) {
+    match rig.engine.poll_io(&*rig.app, waiting) {
         Io::ReplicaDone(Some(_)) => {}
         _ => panic!("transaction mode: the connection goes back with its books"),
     }

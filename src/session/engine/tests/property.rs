@@ -5,7 +5,10 @@
 //! hit follows a write in its transaction; nothing panics. The table read
 //! and written is keyed by row: reads by key stay cached past writes of
 //! other keys, through pgcache, by a trigger and by another session (the
-//! last two known through the replication stream).
+//! last two known through the replication stream). A second session
+//! through pgcache, on the same instance, reads and writes between the
+//! first one's requests: what it is served must be what the model answers
+//! it, and what it writes must not be served stale to the first.
 //! `tests/model.rs` checks the model against PostgreSQL.
 
 use std::cell::RefCell;
@@ -35,6 +38,10 @@ struct Counts {
     hits_past_other_writes: usize,
     /// Rows another session changed, known from the replication stream.
     direct_writes: usize,
+    /// Reads of the second session through pgcache served from the cache.
+    other_hits: usize,
+    /// Writes of the second session through pgcache.
+    other_writes: usize,
 }
 
 /// Per key of `items`: whether another key was written since it was last
@@ -51,6 +58,7 @@ impl Writes {
             Step::Batch(execs) => execs.iter().map(|e| e.sql).collect(),
             // Another session's write of a key, as this one's.
             Step::Direct(k) => vec![Sql::Write(*k)],
+            Step::Other(sql @ (Sql::Write(_) | Sql::Touch(_))) => vec![*sql],
             _ => Vec::new(),
         };
         let mut survived = false;
@@ -84,6 +92,12 @@ fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
         if let Step::Direct(k) = step {
             backend.direct_write(*k);
         }
+        if let Step::Other(sql) = step
+            && let Some(mut theirs) = backend.other()
+        {
+            theirs.receive(&Step::Query(*sql).frames()[0]);
+            backend.rejoin(theirs);
+        }
         let mut answer = Vec::new();
         for frame in step.frames() {
             answer.extend(backend.receive(&frame));
@@ -101,6 +115,7 @@ fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCase
     let mut rig = Rig::keyed();
     rig.knows_table("log");
     rig.knows_table("other");
+    let mut beside = rig.beside();
     let mut backend = Backend::default();
     let mut seen = Vec::new();
     let mut steps = answers.iter();
@@ -114,6 +129,13 @@ fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCase
                 if backend.direct_write(*k) == Some(true) {
                     replicate(&mut rig, *k);
                     counts.direct_writes += 1;
+                    writes.step(step, false);
+                }
+                continue;
+            }
+            if let Step::Other(sql) = step {
+                if let Some(theirs) = backend.other() {
+                    backend.rejoin(other_session(&mut beside, theirs, *sql, counts)?);
                     writes.step(step, false);
                 }
                 continue;
@@ -202,6 +224,32 @@ fn answer_forwarded(
             }
         }
     }
+}
+
+/// [`Step::Other`]: the second session sends `sql` through its engine, in
+/// front of its own model session (`theirs`), and must see what that
+/// session answers directly. Returns it, for the first to see what it
+/// committed.
+fn other_session(
+    rig: &mut Rig,
+    mut theirs: Backend,
+    sql: Sql,
+    counts: &mut Counts,
+) -> Result<Backend, TestCaseError> {
+    let query = Step::Query(sql).frames().remove(0);
+    let expected = theirs.clone().receive(&query);
+    prop_assert_eq!(rig.client(&query), Flow::Continue);
+    let mut seen = rig.sent_to_client();
+    counts.other_hits += usize::from(!seen.is_empty());
+    counts.other_writes += usize::from(!sql.is_read());
+    answer_forwarded(rig, &mut theirs, &mut seen, counts)?;
+    prop_assert_eq!(
+        model::seen(&seen),
+        model::seen(&expected),
+        "the second session's {:?}",
+        sql
+    );
+    Ok(theirs)
 }
 
 /// What the replication stream reports of a committed change of row `k`
@@ -312,6 +360,8 @@ fn the_engine_answers_as_the_model_backend_does() {
             c.hits_past_other_writes,
         ),
         ("rows another session changed", c.direct_writes),
+        ("hits of the second session", c.other_hits),
+        ("writes of the second session", c.other_writes),
     ] {
         assert!(n >= 20, "only {n} {what} in 600 programs: {c:?}");
     }

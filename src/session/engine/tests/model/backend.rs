@@ -5,7 +5,7 @@ use super::*;
 use std::collections::BTreeSet;
 
 /// The model: one PostgreSQL session, fed the client's bytes.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Backend {
     items: BTreeMap<u8, String>,
     tx: Option<Tx>,
@@ -295,6 +295,27 @@ impl Backend {
             v.push('z');
         }
         Some(changed)
+    }
+
+    /// [`Step::Other`]: another session of the same database, if this one
+    /// has no transaction open (`None`: it has, and the other session
+    /// runs nothing). It sees what is committed; what it commits, this one
+    /// sees once it is given back ([`Self::rejoin`]).
+    pub fn other(&self) -> Option<Backend> {
+        if self.tx.is_some() || self.implicit.is_some() {
+            return None;
+        }
+        Some(Backend {
+            items: self.items.clone(),
+            ..Backend::default()
+        })
+    }
+
+    /// What the other session of [`Self::other`] committed, and the rows
+    /// its triggers changed.
+    pub fn rejoin(&mut self, other: Backend) {
+        self.items = other.items;
+        self.touched.extend(other.touched);
     }
 
     /// The transaction block under way wrote: no hit may follow in it.

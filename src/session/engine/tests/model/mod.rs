@@ -1,7 +1,8 @@
 //! A model of PostgreSQL for the engine's property test: programs of
 //! client messages (simple, extended and pipelined requests, COPY, errors,
 //! cancels, Terminate) on two tables, between which another session
-//! writes directly, and what PostgreSQL answers them.
+//! writes directly and a third one, through pgcache, reads and writes, and
+//! what PostgreSQL answers them.
 //!
 //! It uses nothing of pgcache's, so `tests/model.rs` replays the same
 //! programs against a real PostgreSQL and checks the model against it.
@@ -118,6 +119,11 @@ pub enum Step {
     /// transaction open: a write pgcache learns of from its replication
     /// stream only. The client sends nothing.
     Direct(u8),
+    /// Another session of the same user, through pgcache, runs `sql` on
+    /// its own, between this session's requests, when this one has no
+    /// transaction open: it shares this one's cache, and its writes are
+    /// pgcache's to see. This session sends nothing.
+    Other(Sql),
 }
 
 impl Step {
@@ -157,13 +163,16 @@ impl Step {
             }
             Step::Sync => vec![frame(b'S', &[])],
             Step::Terminate => vec![frame(b'X', &[])],
-            Step::Direct(_) => Vec::new(),
+            Step::Direct(_) | Step::Other(_) => Vec::new(),
         }
     }
 
     /// How many ReadyForQuery messages answer it.
     pub fn readies(&self) -> usize {
-        usize::from(!matches!(self, Step::Terminate | Step::Direct(_)))
+        usize::from(!matches!(
+            self,
+            Step::Terminate | Step::Direct(_) | Step::Other(_)
+        ))
     }
 
     /// What the other session runs for [`Step::Direct`].
@@ -210,6 +219,16 @@ fn statement() -> impl Strategy<Value = Sql> {
     ]
 }
 
+/// What the other session through pgcache runs: reads, and writes of
+/// one key, seen by pgcache or through a trigger.
+fn others() -> impl Strategy<Value = Sql> {
+    prop_oneof![
+        3 => read(),
+        2 => (1u8..=4).prop_map(Sql::Write),
+        1 => (1u8..=3).prop_map(Sql::Touch),
+    ]
+}
+
 fn exec() -> impl Strategy<Value = Exec> {
     let max_rows = prop_oneof![1 => Just(0u8), 1 => 1u8..=3];
     (statement(), any::<bool>(), max_rows).prop_map(|(sql, describe, max_rows)| Exec {
@@ -245,6 +264,7 @@ pub fn program() -> impl Strategy<Value = Program> {
         12 => proptest::collection::vec(step(), 1..2),
         4 => proptest::collection::vec(step(), 2..4),
         1 => (1u8..=4).prop_map(|k| vec![Step::Direct(k)]),
+        2 => others().prop_map(|sql| vec![Step::Other(sql)]),
     ];
     let groups = proptest::collection::vec(group, 1..20);
     (groups, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(|(mut groups, end)| {
