@@ -159,6 +159,15 @@ pub struct Pool {
     pub reported: super::reported::Reported,
 }
 
+/// The books of a pooled connection a session holds ([`Lease::lend`]),
+/// as in [`Pooled`]: plain data, kept in the session's own state.
+#[derive(Default)]
+pub struct Lent {
+    pub state: u64,
+    pub generation: u64,
+    pub prepared: super::prepared::ServerStatements,
+}
+
 /// A server connection held by a session; back with [`Lease::give_back`],
 /// closed if dropped.
 pub struct Lease {
@@ -174,6 +183,31 @@ impl Lease {
 
     pub fn server_mut(&mut self) -> &mut Pooled {
         self.server.as_mut().expect("present until given back")
+    }
+
+    /// Lends the connection's books to the session holding it, which
+    /// keeps them with the rest of its state while the lease (and its
+    /// place in the pool) stays with the session's driver.
+    pub fn lend(&mut self) -> Lent {
+        let server = self.server_mut();
+        Lent {
+            state: server.state,
+            generation: server.generation,
+            prepared: std::mem::take(&mut server.prepared),
+        }
+    }
+
+    /// [`Self::give_back`], with the books it lent (`lent`).
+    pub fn give_back_lent(
+        mut self,
+        lent: Lent,
+        stream: FramedStream<BackendStream>,
+        lifetime: Duration,
+    ) {
+        let server = self.server_mut();
+        server.state = lent.state;
+        server.prepared = lent.prepared;
+        self.give_back(stream, lifetime);
     }
 
     /// Returns the connection, idle and clean, to its pool; one past its

@@ -118,9 +118,17 @@ impl<S: AsyncRead + Unpin> FramedStream<S> {
         std::future::poll_fn(|cx| self.poll_fill(cx)).await
     }
 
-    /// [`Self::fill`], polled: for a driver that waits on a stream it may
-    /// not hold, with no future of its own in between.
-    pub fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+    /// [`Self::fill`] of a stream the caller may not hold (`held`), never
+    /// ready while it holds none: for a driver that waits on a connection
+    /// that comes and goes, with no future of its own in between.
+    pub fn fill_held(held: &mut Option<Self>) -> impl Future<Output = std::io::Result<usize>> + '_ {
+        std::future::poll_fn(move |cx| match held {
+            Some(stream) => stream.poll_fill(cx),
+            None => Poll::Pending,
+        })
+    }
+
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
         let missing = codec::missing_bytes(&self.buf).min(self.max_frame);
         self.buf.reserve(missing.max(READ_CHUNK));
         tokio_util::io::poll_read_buf(std::pin::Pin::new(&mut self.io), cx, &mut self.buf)

@@ -1,9 +1,9 @@
 //! The running pgcache as its sessions' engines see it: [`App`] behind
-//! the narrow [`Instance`].
+//! the narrow [`Instance`], and the [`Ctx`] of an event.
 
 use std::sync::Arc;
 
-use super::engine::Instance;
+use super::engine::{Ctx, Instance};
 use super::link::Knobs;
 use super::{SharedLogins, SharedPlans};
 use crate::App;
@@ -11,6 +11,7 @@ use crate::cache::Cache;
 use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
+use crate::pool::clients::ClientEntry;
 use crate::replica::Replicas;
 use crate::upstream::Upstream;
 
@@ -79,5 +80,16 @@ impl Instance for App {
 
     fn draining(&self) -> bool {
         self.drain.is_cancelled()
+    }
+}
+
+/// What the engine reads with an event of the client's (`entry`): the
+/// instance, the time now and the process's randomness.
+pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
+    Ctx {
+        instance: app,
+        client: &entry.client,
+        now: std::time::Instant::now(),
+        draw: rand::random,
     }
 }

@@ -20,7 +20,7 @@ use crate::invalidation::control::quote_literal;
 use crate::pool::listens::Listens;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
-use crate::pool::transaction::{Lease, Pool};
+use crate::pool::transaction::{Lent, Pool};
 use crate::pool::{PoolError, PoolKey};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
@@ -253,10 +253,11 @@ pub(super) struct SessionLink {
 pub(super) struct PooledLink {
     /// The pool of the session's database and user.
     pub pool: Arc<Pool>,
-    /// The pooled connection held now; its stream is the session's
-    /// backend. `None` while attached means the connection the client
-    /// logged in on, which no pool owns (passthrough authentication).
-    pub(super) lease: Option<Lease>,
+    /// The books of the pooled connection held now (its lease and stream
+    /// are the driver's). `None` while attached means the connection the
+    /// client logged in on, which no pool owns (passthrough
+    /// authentication).
+    pub(super) lent: Option<Lent>,
     /// Why the session keeps its connection for good.
     pub pinned: Option<Pin>,
     pub state: ClientState,
@@ -303,7 +304,7 @@ impl Link {
     pub fn pooled(pool: Arc<Pool>, state: ClientState) -> Self {
         Link::Pooled(Box::new(PooledLink {
             pool,
-            lease: None,
+            lent: None,
             pinned: None,
             startup: state.settings.clone(),
             state,
@@ -355,8 +356,8 @@ impl Link {
 }
 
 impl PooledLink {
-    pub fn lease(&self) -> Option<&Lease> {
-        self.lease.as_ref()
+    pub fn lent(&self) -> Option<&Lent> {
+        self.lent.as_ref()
     }
 
     /// A connection granted by the pool is the session's. Returns the
@@ -367,13 +368,13 @@ impl PooledLink {
     /// PostgreSQL reports a bad startup parameter).
     pub(super) fn granted(
         &mut self,
-        mut lease: Lease,
+        mut lent: Lent,
         queued: bool,
         pipeline: &mut Pipeline,
     ) -> Option<BytesMut> {
-        let differs = lease.server().state != self.state.id;
-        lease.server_mut().state = self.state.id;
-        self.lease = Some(lease);
+        let differs = lent.state != self.state.id;
+        lent.state = self.state.id;
+        self.lent = Some(lent);
         if !differs {
             return None;
         }
@@ -395,13 +396,13 @@ impl PooledLink {
     pub(super) fn settled(&mut self, state: ClientState) {
         self.state = state;
         self.state_dirty = false;
-        if let Some(lease) = &mut self.lease {
-            lease.server_mut().state = self.state.id;
+        if let Some(lent) = &mut self.lent {
+            lent.state = self.state.id;
         }
     }
 
     pub(super) fn server_statements(&mut self) -> &mut ServerStatements {
-        statements_of(&mut self.lease, &mut self.own_statements)
+        statements_of(&mut self.lent, &mut self.own_statements)
     }
 
     /// The client's frames for the connection it holds, into `out`; returns
@@ -414,7 +415,7 @@ impl PooledLink {
         idle: bool,
         out: &mut BytesMut,
     ) -> BytesMut {
-        let server = statements_of(&mut self.lease, &mut self.own_statements);
+        let server = statements_of(&mut self.lent, &mut self.own_statements);
         self.translator
             .translate(frames, server, max_prepared, idle, out)
     }
@@ -422,7 +423,7 @@ impl PooledLink {
     /// One server frame: whether the client gets it, pgcache's answers to
     /// insert after it, and what to send the server again.
     pub fn on_server_frame(&mut self, frame: &[u8]) -> Answer {
-        let server = statements_of(&mut self.lease, &mut self.own_statements);
+        let server = statements_of(&mut self.lent, &mut self.own_statements);
         self.translator.on_frame(frame, server)
     }
 }
@@ -431,11 +432,11 @@ impl PooledLink {
 /// its translator, so both are borrowed at once (every frame goes through
 /// the two).
 fn statements_of<'a>(
-    lease: &'a mut Option<Lease>,
+    lent: &'a mut Option<Lent>,
     own: &'a mut Option<Box<ServerStatements>>,
 ) -> &'a mut ServerStatements {
-    match lease {
-        Some(lease) => &mut lease.server_mut().prepared,
+    match lent {
+        Some(lent) => &mut lent.prepared,
         None => own.get_or_insert_with(Box::default),
     }
 }

@@ -25,13 +25,15 @@ use tracing::{Instrument, debug, info};
 use super::SessionError;
 use super::admission::{Admission, Admitted, Login, Negotiated, Refused, Step};
 use super::engine::IdleTimeouts;
-use super::engine::{Ctx, Engine, Leg, Start};
+use super::engine::{Engine, Leg, Start};
+use super::instance::ctx;
 use super::pipeline::Flow;
 use crate::App;
 use crate::auth;
 use crate::backend::BackendStream;
 use crate::metrics::SessionGauge;
 use crate::pool::clients::ClientEntry;
+use crate::pool::transaction::Lease;
 use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
 use crate::replica::ReplicaConn;
@@ -148,6 +150,7 @@ async fn admit(
         app: Arc::clone(app),
         client,
         backend,
+        lease: None,
         entry,
         _permit: permit,
     };
@@ -160,6 +163,9 @@ pub(super) struct Session<C> {
     /// The server connection held now: in transaction mode, none between
     /// transactions.
     pub backend: Option<FramedStream<BackendStream>>,
+    /// Transaction mode: the held connection's place in its pool (its
+    /// books are lent to the engine, [`Lease::lend`]).
+    pub(super) lease: Option<Lease>,
     /// The connection to a replica, once a read was routed to one.
     pub(super) replica: Option<Box<ReplicaConn>>,
     /// Everything the session knows and decides.
@@ -316,7 +322,7 @@ where
             biased;
             _ = shutdown.wait(Stage::Force) => Woke::Force,
             w = replica_leg(&mut self.replica, on_replica), if on_replica || self.replica.is_some() => w,
-            r = fill(&mut self.backend), if !on_replica => Woke::Backend(r),
+            r = FramedStream::fill_held(&mut self.backend), if !on_replica => Woke::Backend(r),
             r = self.client.fill_lazily(), if !hold_client => Woke::Client(r),
             _ = shutdown.wait(Stage::Drain), if !self.engine.draining() => Woke::Drain,
             _ = sleep_until_or_never(deadline), if deadline.is_some() => Woke::Timeout,
@@ -446,16 +452,6 @@ enum Woke {
     Timeout,
 }
 
-/// Reads more of the held connection; never ready while none is held.
-pub(super) fn fill(
-    backend: &mut Option<FramedStream<BackendStream>>,
-) -> impl Future<Output = std::io::Result<usize>> + '_ {
-    std::future::poll_fn(move |cx| match backend {
-        Some(backend) => backend.poll_fill(cx),
-        None => std::task::Poll::Pending,
-    })
-}
-
 /// The replica connection: its answer while a read is there (an error
 /// without a connection), else the moment its server leaves the rotation.
 async fn replica_leg(replica: &mut Option<Box<ReplicaConn>>, busy: bool) -> Woke {
@@ -467,16 +463,6 @@ async fn replica_leg(replica: &mut Option<Box<ReplicaConn>>, busy: bool) -> Woke
         }
         // Never polled without a connection unless a read is there.
         None => Woke::Replica(Err(std::io::ErrorKind::NotConnected.into())),
-    }
-}
-
-/// What the engine reads with an event, now.
-pub(super) fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
-    Ctx {
-        instance: app,
-        client: &entry.client,
-        now: std::time::Instant::now(),
-        draw: rand::random,
     }
 }
 

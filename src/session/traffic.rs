@@ -14,9 +14,10 @@ use super::SessionError;
 use super::engine::{
     Action, Greeting, Held, Io, Leg, Need, Parting, Relayed, ReplicaReturn, ReplicaStep,
 };
+use super::instance::ctx;
 use super::offload;
 use super::pipeline::Flow;
-use super::relay::{Session, ctx};
+use super::relay::Session;
 use crate::backend::BackendStream;
 use crate::protocol::messages;
 use crate::protocol::stream::FramedStream;
@@ -226,12 +227,13 @@ where
         };
         let (pools, upstream) = (&self.app.pool.pooled, &self.app.upstream);
         let taken = pools.checkout_for(&pool, upstream, wait, &self.entry.client);
-        let (lease, stream) = taken.await.map_err(SessionError::Pool)?;
+        let (mut lease, stream) = taken.await.map_err(SessionError::Pool)?;
         let server = lease.server();
         self.backend = Some(stream);
         // One address for the whole pool: copied once, not per checkout.
         self.engine.attach_server(&server.addr, server.key.clone());
-        self.engine.granted(lease, queued);
+        self.engine.granted(lease.lend(), queued);
+        self.lease = Some(lease);
         Ok(())
     }
 }
@@ -267,7 +269,7 @@ where
     /// see.
     pub(super) fn drop_backend(&mut self) {
         self.engine.drop_server();
-        self.backend = None;
+        (self.backend, self.lease) = (None, None);
         self.engine.detach_server();
         self.entry.client.hold(0, 0);
     }
@@ -278,14 +280,20 @@ where
         let Some(mut stream) = self.backend.take() else {
             return;
         };
-        match parting {
-            Parting::Back(lease, lifetime) => lease.give_back(stream, lifetime),
-            Parting::Park(parked) => {
+        match (parting, self.lease.take()) {
+            (Parting::Back(lent, lifetime), Some(lease)) => {
+                lease.give_back_lent(lent, stream, lifetime)
+            }
+            (Parting::Park(parked), _) => {
                 let server = parked.book.park(stream, &parked.target, parked.addr);
                 let config = &self.app.config().pool;
                 self.app.pool.give_back(config, parked.key, server);
             }
-            Parting::Close => {
+            (parting, lease) => {
+                // A lease dropped is a connection closed, counted as broken.
+                if let (Parting::Close { listening: true }, Some(lease)) = (parting, lease) {
+                    lease.close_listening();
+                }
                 tokio::spawn(async move {
                     let _ = stream.write_all(&messages::TERMINATE).await;
                 });
@@ -300,7 +308,7 @@ where
     /// no connection taken unless it needs one.
     pub(super) async fn greet(&mut self) -> Result<Flow, SessionError> {
         loop {
-            let ctx = super::relay::ctx(&self.app, &self.entry);
+            let ctx = ctx(&self.app, &self.entry);
             if self.engine.greet(&ctx, self.attached()) == Greeting::Greeted {
                 return self.pump().await;
             }

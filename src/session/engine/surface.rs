@@ -17,7 +17,7 @@ use crate::cache::DbState;
 use crate::cache::Waited;
 use crate::cache::hold::Paused;
 use crate::cancel::{CancelGuard, CancelTarget};
-use crate::pool::transaction::{Lease, Pool};
+use crate::pool::transaction::{Lent, Pool};
 use crate::pool::{PoolError, PoolKey};
 use crate::protocol::startup::Startup;
 use crate::protocol::{TxStatus, messages};
@@ -77,11 +77,11 @@ impl Engine {
     /// Transaction mode: the pool granted the session a server connection
     /// (`queued`: after a wait): the client's settings go on it first, if
     /// it has others ([`super::Purpose::Apply`]).
-    pub fn granted(&mut self, lease: Lease, queued: bool) {
+    pub fn granted(&mut self, lent: Lent, queued: bool) {
         let Link::Pooled(link) = &mut self.link else {
             return;
         };
-        if let Some(apply) = link.granted(lease, queued, &mut self.pipeline) {
+        if let Some(apply) = link.granted(lent, queued, &mut self.pipeline) {
             self.apply_first(apply);
         }
     }
@@ -206,7 +206,7 @@ impl Engine {
     /// see: its lease ends, and nothing is owed to it.
     pub fn drop_server(&mut self) {
         if let Link::Pooled(link) = &mut self.link {
-            link.lease = None;
+            link.lent = None;
             link.translator.clear_owed();
         }
     }
@@ -296,7 +296,7 @@ impl Engine {
     /// ends ([`Engine::part_at_end`]): it is not told to end. A pooled
     /// lease, idle, not pinned.
     pub fn backend_outlives_session(&self) -> bool {
-        matches!(&self.link, Link::Pooled(link) if link.lease().is_some() && link.pinned.is_none())
+        matches!(&self.link, Link::Pooled(link) if link.lent.is_some() && link.pinned.is_none())
             && self.backend_idle()
     }
 
@@ -307,16 +307,15 @@ impl Engine {
             return None;
         };
         let lifetime = instance.pool_knobs(&mut link.knobs).lifetime;
-        Some(match link.lease.take() {
-            Some(lease) if !close => Parting::Back(lease, lifetime),
-            lease => {
+        Some(match link.lent.take() {
+            Some(lent) if !close => Parting::Back(lent, lifetime),
+            lent => {
                 // The connection the client logged in on, which is not the
                 // pool's, or one that listens for another client.
-                if let Some(lease) = lease {
-                    lease.close_listening();
-                }
                 link.own_statements = None;
-                Parting::Close
+                Parting::Close {
+                    listening: lent.is_some(),
+                }
             }
         })
     }
@@ -330,16 +329,14 @@ impl Engine {
         let Link::Pooled(link) = &mut self.link else {
             return self.park_at_end(instance, unread);
         };
-        Some(match link.lease.take() {
-            Some(mut lease)
-                if clean && link.pinned.is_none() && !link.listens.carries_foreign() =>
-            {
+        Some(match link.lent.take() {
+            Some(mut lent) if clean && link.pinned.is_none() && !link.listens.carries_foreign() => {
                 if link.state_dirty {
-                    lease.server_mut().state = UNKNOWN_STATE;
+                    lent.state = UNKNOWN_STATE;
                 }
-                Parting::Back(lease, instance.pool_knobs(&mut link.knobs).lifetime)
+                Parting::Back(lent, instance.pool_knobs(&mut link.knobs).lifetime)
             }
-            _ => Parting::Close,
+            _ => Parting::Close { listening: false },
         })
     }
 
@@ -382,9 +379,10 @@ pub(in crate::session) struct Parked {
 pub(in crate::session) enum Parting {
     /// Session mode: parked for the next client.
     Park(Box<Parked>),
-    /// Back to its pool, to live at most so long.
-    Back(Lease, std::time::Duration),
+    /// Back to its pool with the books it lent, to live at most so long.
+    Back(Lent, std::time::Duration),
     /// Closed, with a Terminate so that PostgreSQL does not log a lost
-    /// client: no pool's, or in a state no other client may see.
-    Close,
+    /// client: no pool's, or in a state no other client may see
+    /// (`listening`: a pool's that listens for a client that let it go).
+    Close { listening: bool },
 }
