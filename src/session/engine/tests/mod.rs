@@ -9,6 +9,7 @@ mod greeting;
 mod hidden;
 pub(crate) mod model;
 mod output;
+mod pooled;
 mod property;
 mod replica_books;
 mod timeouts;
@@ -64,39 +65,48 @@ impl Rig {
         let app = Arc::clone(&self.app);
         let entry = crate::session::fuzz::arrived(&app, "alice", "shop");
         let engine = crate::session::fuzz::session_engine(&app, "alice", "shop");
-        let mut rig = Self {
+        let rig = Self {
             app,
             entry,
             engine,
             settings: self.settings.clone(),
             settings_reads: 0,
         };
-        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        if self.engine.link.is_pooled() {
+            return rig.in_transaction_mode();
+        }
+        rig.logged_in_now()
+    }
+
+    /// The login's ReadyForQuery seen.
+    fn logged_in_now(mut self) -> Self {
+        let sent = self.backend(&[rfq(TxStatus::Idle)]);
         assert_eq!(sent, rfq(TxStatus::Idle));
-        rig.engine.actions.clear();
-        rig
+        self.engine.actions.clear();
+        self
     }
 
     /// Transaction mode: a pool of the rig's database and user, holding no
     /// connection yet.
     fn pooled() -> Self {
-        let mut rig = Self::new();
-        let pool = rig.app.pool.pooled.pool("shop", "alice");
-        let state = ClientState::from_startup(&rig.engine.startup).expect("startup");
-        rig.engine.link = Link::pooled(pool, state);
-        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
+        Self::new().in_transaction_mode()
+    }
+
+    /// Logged in in transaction mode: a pool of the rig's database and
+    /// user, holding no connection yet.
+    fn in_transaction_mode(mut self) -> Self {
+        let pool = self.app.pool.pooled.pool("shop", "alice");
+        let state = ClientState::from_startup(&self.engine.startup).expect("startup");
+        self.engine.link = Link::pooled(pool, state);
+        let sent = self.backend(&[rfq(TxStatus::Idle)]);
         assert_eq!(sent, rfq(TxStatus::Idle));
-        rig.engine.actions.clear();
-        rig
+        self.engine.actions.clear();
+        self
     }
 
     /// Logged in: the login's ReadyForQuery was seen.
     fn logged_in() -> Self {
-        let mut rig = Self::new();
-        let sent = rig.backend(&[rfq(TxStatus::Idle)]);
-        assert_eq!(sent, rfq(TxStatus::Idle));
-        rig.engine.actions.clear();
-        rig
+        Self::new().logged_in_now()
     }
 
     /// Feeds the backend's frames; returns the bytes the client is sent.
@@ -117,12 +127,20 @@ impl Rig {
     /// met (the settings from [`settings`], prerequisites as done) and the
     /// frame fed again. Returns the flow.
     fn client(&mut self, frame: &[u8]) -> Flow {
+        self.client_then(frame, |_| {})
+    }
+
+    /// [`Self::client`], with `before_own` done to the engine before
+    /// each own query is answered (in transaction mode, a connection
+    /// taken for it).
+    fn client_then(&mut self, frame: &[u8], mut before_own: impl FnMut(&mut Engine)) -> Flow {
         let frame = Bytes::copy_from_slice(frame);
         loop {
             let ctx = ctx(&self.app, &self.entry);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
                 Err(Need::Own) => {
+                    before_own(&mut self.engine);
                     let answer = self.settings.clone().map(|row| vec![row]);
                     self.settings_reads +=
                         crate::session::fuzz::answer_own(&mut self.engine, &ctx, answer.as_deref());
@@ -208,14 +226,13 @@ impl Rig {
         rig
     }
 
-    /// Logged in, with table `items` known by its key `k` (an int4), and
-    /// the database's stream up: reads and writes of `items` by key are
-    /// kept by row.
-    fn keyed() -> Self {
-        let mut rig = Self::logged_in();
-        rig.learns_table("items", Some("k\u{1f}23"));
-        rig.engine.db.stream.set_streaming(true);
-        rig
+    /// With table `items` known by its key `k` (an int4), and the
+    /// database's stream up: reads and writes of `items` by key are kept
+    /// by row.
+    fn keying(mut self) -> Self {
+        self.learns_table("items", Some("k\u{1f}23"));
+        self.engine.db.stream.set_streaming(true);
+        self
     }
 
     /// A forwarded read whose answer is to be stored under `key`.

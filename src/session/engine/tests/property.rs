@@ -18,6 +18,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 
 use super::model::{self, Backend, Exec, Program, Seen, Sql, Step};
+use super::pooled::{PoolConn, client, pump};
 use super::{Action, Flow, Rig};
 use crate::cache::{Bumps, rowkey};
 
@@ -42,6 +43,19 @@ struct Counts {
     other_hits: usize,
     /// Writes of the second session through pgcache.
     other_writes: usize,
+    /// Transaction mode: connections taken from the pool and given back.
+    checkouts: usize,
+    give_backs: usize,
+    read_backs: usize,
+}
+
+/// Where the sessions' server connections come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Each its own, for its whole life.
+    Session,
+    /// The pool's one, which they take in turns.
+    Transaction,
 }
 
 /// Per key of `items`: whether another key was written since it was last
@@ -110,13 +124,20 @@ fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
 }
 
 /// Runs `program` through an engine in front of the model backend.
-fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCaseError> {
+fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<(), TestCaseError> {
     let answers = direct(program);
-    let mut rig = Rig::keyed();
+    let mut rig = match mode {
+        Mode::Session => Rig::logged_in(),
+        Mode::Transaction => Rig::new().in_transaction_mode(),
+    }
+    .keying();
     rig.knows_table("log");
     rig.knows_table("other");
     let mut beside = rig.beside();
+    // The first session's server session; in transaction mode, the pool's
+    // one connection's, which both sessions take in turns.
     let mut backend = Backend::default();
+    let mut conn = PoolConn::default();
     let mut seen = Vec::new();
     let mut steps = answers.iter();
     let mut writes = Writes::default();
@@ -135,14 +156,26 @@ fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCase
             }
             if let Step::Other(sql) = step {
                 if let Some(theirs) = backend.other() {
-                    backend.rejoin(other_session(&mut beside, theirs, *sql, counts)?);
+                    match mode {
+                        Mode::Session => {
+                            backend.rejoin(other_session(&mut beside, theirs, *sql, counts)?)
+                        }
+                        Mode::Transaction => {
+                            let server = (&mut conn, &mut backend);
+                            other_pooled(&mut beside, server, theirs, *sql, counts)?
+                        }
+                    }
                     writes.step(step, false);
                 }
                 continue;
             }
             let mut staged = Vec::new();
             for frame in step.frames() {
-                closed = rig.client(&frame) == Flow::Close;
+                let flow = match mode {
+                    Mode::Session => rig.client(&frame),
+                    Mode::Transaction => client(&mut rig, 0, &mut conn, &frame)?,
+                };
+                closed = flow == Flow::Close;
                 staged.extend(rig.sent_to_client());
                 if closed {
                     break;
@@ -168,11 +201,27 @@ fn through_engine(program: &Program, counts: &mut Counts) -> Result<(), TestCase
                 break;
             }
         }
-        answer_forwarded(&mut rig, &mut backend, &mut seen, counts)?;
+        match mode {
+            Mode::Session => answer_forwarded(&mut rig, &mut backend, &mut seen, counts)?,
+            Mode::Transaction => {
+                pump(
+                    &mut rig,
+                    0,
+                    &mut conn,
+                    &mut backend,
+                    &mut seen,
+                    &mut counts.fills,
+                )?;
+                replicate_touched(&mut rig, &mut backend);
+            }
+        }
         if closed {
             break;
         }
     }
+    counts.checkouts += conn.checkouts;
+    counts.give_backs += conn.give_backs;
+    counts.read_backs += conn.read_backs;
     let expected: Vec<u8> = answers.iter().flat_map(|(a, _)| a.clone()).collect();
     if seen != expected {
         let (seen, expected) = (model::seen(&seen), model::seen(&expected));
@@ -206,11 +255,7 @@ fn answer_forwarded(
         }
         let answer = backend.receive(&sent);
         seen.extend(rig.backend(&[answer]));
-        // What the replication stream reports of the trigger's committed
-        // writes: the rows of `items` they changed.
-        for k in std::mem::take(&mut backend.touched) {
-            replicate(rig, k);
-        }
+        replicate_touched(rig, backend);
         for action in rig.engine.actions.drain(..) {
             if let Action::Store(fill, bytes) = action {
                 let stored = model::seen(&bytes);
@@ -250,6 +295,40 @@ fn other_session(
         sql
     );
     Ok(theirs)
+}
+
+/// Transaction mode's [`other_session`]: the second session takes the
+/// pool's connection (`server`) in its turn.
+fn other_pooled(
+    rig: &mut Rig,
+    (conn, backend): (&mut PoolConn, &mut Backend),
+    mut theirs: Backend,
+    sql: Sql,
+    counts: &mut Counts,
+) -> Result<(), TestCaseError> {
+    let query = Step::Query(sql).frames().remove(0);
+    let expected = theirs.receive(&query);
+    prop_assert_eq!(client(rig, 1, conn, &query)?, Flow::Continue);
+    let mut seen = rig.sent_to_client();
+    counts.other_hits += usize::from(!seen.is_empty());
+    counts.other_writes += usize::from(!sql.is_read());
+    pump(rig, 1, conn, backend, &mut seen, &mut counts.fills)?;
+    replicate_touched(rig, backend);
+    prop_assert_eq!(
+        model::seen(&seen),
+        model::seen(&expected),
+        "the second session's {:?}",
+        sql
+    );
+    Ok(())
+}
+
+/// What the replication stream reports of the trigger's committed writes:
+/// the rows of `items` they changed.
+fn replicate_touched(rig: &mut Rig, backend: &mut Backend) {
+    for k in std::mem::take(&mut backend.touched) {
+        replicate(rig, k);
+    }
 }
 
 /// What the replication stream reports of a committed change of row `k`
@@ -319,17 +398,18 @@ fn the_programs_once_failed_on_pass() {
     ];
     for program in programs {
         let program = Program(program);
-        let result = through_engine(&program, &mut Counts::default());
-        assert!(result.is_ok(), "{program:?}: {result:?}");
+        for mode in [Mode::Session, Mode::Transaction] {
+            let result = through_engine(&program, &mut Counts::default(), mode);
+            assert!(result.is_ok(), "{mode:?}: {program:?}: {result:?}");
+        }
     }
 }
 
-#[test]
-fn the_engine_answers_as_the_model_backend_does() {
-    // The same programs every run: the counts below hold, and a failure
-    // comes back.
+/// Runs `cases` generated programs in `mode`: the same programs every run,
+/// so that the counts hold and a failure comes back.
+fn run(mode: Mode, cases: u32) -> Counts {
     let config = Config {
-        cases: 600,
+        cases,
         failure_persistence: None,
         ..Config::default()
     };
@@ -337,16 +417,20 @@ fn the_engine_answers_as_the_model_backend_does() {
     let mut runner = TestRunner::new_with_rng(config, rng);
     let counts = RefCell::new(Counts::default());
     let result = runner.run(&model::program(), |program| {
-        through_engine(&program, &mut counts.borrow_mut())
+        through_engine(&program, &mut counts.borrow_mut(), mode)
     });
     if let Err(e) = result {
-        panic!("{e}");
+        panic!("{mode:?}: {e}");
     }
-    // Not vacuous: every kind of event the invariants are about happened,
-    // many times.
     let c = counts.into_inner();
-    eprintln!("{c:?}");
-    for (what, n) in [
+    eprintln!("{mode:?}: {c:?}");
+    c
+}
+
+/// Not vacuous: every kind of event the invariants are about happened,
+/// many times.
+fn often(c: &Counts, also: &[(&str, usize)]) {
+    let every = [
         ("fills", c.fills),
         ("hits", c.hits),
         ("hits of a row-limited Execute", c.limited_hits),
@@ -362,7 +446,24 @@ fn the_engine_answers_as_the_model_backend_does() {
         ("rows another session changed", c.direct_writes),
         ("hits of the second session", c.other_hits),
         ("writes of the second session", c.other_writes),
-    ] {
-        assert!(n >= 20, "only {n} {what} in 600 programs: {c:?}");
+    ];
+    for (what, n) in every.iter().chain(also) {
+        assert!(*n >= 20, "only {n} {what}: {c:?}");
     }
+}
+
+#[test]
+fn the_engine_answers_as_the_model_backend_does() {
+    often(&run(Mode::Session, 600), &[]);
+}
+
+#[test]
+fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
+    let c = run(Mode::Transaction, 600);
+    let pool = [
+        ("checkouts", c.checkouts),
+        ("give-backs", c.give_backs),
+        ("settings read back", c.read_backs),
+    ];
+    often(&c, &pool);
 }

@@ -212,7 +212,7 @@ impl Backend {
                 let tag = self.write(sql);
                 out.extend(complete(&tag));
             }
-            Sql::ReadOne(_) | Sql::ReadAll => {
+            Sql::ReadOne(_) | Sql::ReadAll | Sql::Settings => {
                 let rows = self.rows(sql);
                 out.extend(description(sql));
                 for row in &rows {
@@ -235,6 +235,9 @@ impl Backend {
     fn rows(&self, sql: Sql) -> Vec<Vec<String>> {
         let items = self.visible();
         match sql {
+            Sql::Settings => [("session_authorization", "alice"), ("role", "none")]
+                .map(|(name, value)| vec![name.to_owned(), value.to_owned()])
+                .to_vec(),
             Sql::ReadOne(k) => items.get(&k).map(|v| vec![v.clone()]).into_iter().collect(),
             _ => items
                 .iter()
@@ -309,6 +312,16 @@ impl Backend {
             items: self.items.clone(),
             ..Backend::default()
         })
+    }
+
+    /// The same database on a new connection: what is committed, and no
+    /// session state (a closed connection's transaction rolled back).
+    pub fn reconnected(&self) -> Backend {
+        Backend {
+            items: self.items.clone(),
+            touched: self.touched.clone(),
+            ..Backend::default()
+        }
     }
 
     /// What the other session of [`Self::other`] committed, and the rows
@@ -410,6 +423,7 @@ pub(super) fn notice_like(tag: u8, severity: &str, code: &str) -> Vec<u8> {
 pub(super) fn description(sql: Sql) -> Vec<u8> {
     let columns: &[(&str, u32)] = match sql {
         Sql::ReadOne(_) => &[("v", 25)],
+        Sql::Settings => &[("?column?", 25), ("current_setting", 25)],
         Sql::Sleep => &[("pg_sleep", 2278)],
         _ => &[("k", 23), ("v", 25)],
     };

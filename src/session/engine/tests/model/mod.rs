@@ -52,7 +52,14 @@ pub enum Sql {
     Sleep,
     /// COPY-in, followed by its data in [`Step::Copy`].
     Copy,
+    /// What pgcache asks a pooled connection of a client's settings before
+    /// it goes back to the pool: never in a program. The model's session
+    /// user is `alice`, with no role and no setting of its own.
+    Settings,
 }
+
+/// How pgcache's query of a session's settings begins.
+const SETTINGS: &str = "SELECT 'session_authorization', ";
 
 impl Sql {
     pub fn text(self) -> String {
@@ -67,10 +74,14 @@ impl Sql {
             Sql::Bad => "SELECT nosuch FROM items".into(),
             Sql::Sleep => "SELECT pg_sleep(60)".into(),
             Sql::Copy => "COPY log FROM STDIN".into(),
+            Sql::Settings => SETTINGS.into(),
         }
     }
 
     fn of(text: &str) -> Option<Sql> {
+        if text.starts_with(SETTINGS) {
+            return Some(Sql::Settings);
+        }
         let all = [
             Sql::ReadAll,
             Sql::Begin,
@@ -85,7 +96,7 @@ impl Sql {
     }
 
     pub fn is_read(self) -> bool {
-        matches!(self, Sql::ReadOne(_) | Sql::ReadAll)
+        matches!(self, Sql::ReadOne(_) | Sql::ReadAll | Sql::Settings)
     }
 }
 
