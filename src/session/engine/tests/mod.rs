@@ -30,6 +30,8 @@ use crate::session::link::{ClientState, Link};
 use crate::session::pipeline::Flow;
 use crate::session::pipeline::Inflight;
 use crate::session::row_limit::{PORTAL_SUSPENDED, RowCut};
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 
 /// An engine and what it reads: a pgcache of its own, never started.
 struct Rig {
@@ -254,6 +256,18 @@ impl Rig {
             })
             .collect()
     }
+}
+
+/// Carries out a store the engine asked for, as the driver does, once it
+/// is checked whole: nothing failed, cut short or incomplete is stored.
+fn store_whole(rig: &Rig, fill: Fill, bytes: &[u8]) -> Result<(), TestCaseError> {
+    let stored = model::seen(bytes);
+    prop_assert!(
+        stored.iter().all(|m| !matches!(m.tag, 'E' | 's')) && stored.iter().any(|m| m.tag == 'C'),
+        "stored an answer that failed, was cut short or is incomplete: {stored:?}"
+    );
+    rig.app.cache.store(fill, bytes);
+    Ok(())
 }
 
 /// What the driver passes with each event: the rig's instance and

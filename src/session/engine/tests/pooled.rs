@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 use super::model::Backend;
-use super::{Action, Engine, Flow, Rig, ctx};
+use super::{Action, Engine, Flow, Rig, ctx, store_whole};
 use crate::cancel::CancelTarget;
 use crate::pool::transaction::Lent;
 use crate::session::engine::{Held, Io, Parting};
@@ -88,18 +88,7 @@ pub(super) fn pump(
                 return Ok(());
             }
             Io::CheckOut { queued } => check_out(&mut rig.engine, who, conn, queued)?,
-            Io::Staged => {
-                let (staged, answers) = rig.engine.staged(&*rig.app);
-                let request = staged.split();
-                // pgcache's answers in the server's place come after what
-                // the server sent before; its answer to the request later.
-                if !answers.is_empty() {
-                    rig.engine.splice(&mut conn.buf, &answers);
-                    feed(rig, conn)?;
-                }
-                conn.buf.extend_from_slice(&backend.receive(&request));
-                feed(rig, conn)?;
-            }
+            Io::Staged => write_staged(rig, conn, backend)?,
             Io::ToServer(bytes) => {
                 conn.read_backs += 1;
                 conn.owed.extend(backend.receive(&bytes));
@@ -118,26 +107,11 @@ pub(super) fn pump(
                 rig.engine.client_sent();
             }
             Io::Act(Action::Store(fill, bytes)) => {
-                rig.app.cache.store(*fill, &bytes);
+                store_whole(rig, *fill, &bytes)?;
                 *stored += 1;
             }
             Io::Act(_) => {}
-            Io::Part(parting) => {
-                prop_assert!(conn.buf.is_empty(), "let go with bytes unread");
-                conn.books = Some(match parting {
-                    Parting::Back(books, _) => {
-                        conn.give_backs += 1;
-                        books
-                    }
-                    // Closed: the pool's next connection is a new one.
-                    _ => {
-                        *backend = backend.reconnected();
-                        Lent::default()
-                    }
-                });
-                conn.holder = None;
-                rig.engine.detach_server();
-            }
+            Io::Part(parting) => let_go(rig, conn, backend, parting)?,
             Io::Drop(error) => {
                 return Err(TestCaseError::fail(format!(
                     "the connection was dropped: {error:?}"
@@ -185,6 +159,48 @@ fn check_out(
     conn.checkouts += 1;
     engine.attach_server(&conn.addr, Arc::clone(&conn.key));
     engine.granted(books, queued);
+    Ok(())
+}
+
+/// The requests staged go to the connection; pgcache's answers in the
+/// server's place come after what the server sent before, its answer to
+/// the requests later.
+fn write_staged(
+    rig: &mut Rig,
+    conn: &mut PoolConn,
+    backend: &mut Backend,
+) -> Result<(), TestCaseError> {
+    let (staged, answers) = rig.engine.staged(&*rig.app);
+    let request = staged.split();
+    if !answers.is_empty() {
+        rig.engine.splice(&mut conn.buf, &answers);
+        feed(rig, conn)?;
+    }
+    conn.buf.extend_from_slice(&backend.receive(&request));
+    feed(rig, conn)
+}
+
+/// The session lets the connection go: back to the pool with its books,
+/// or closed (the pool's next is a new one).
+fn let_go(
+    rig: &mut Rig,
+    conn: &mut PoolConn,
+    backend: &mut Backend,
+    parting: Parting,
+) -> Result<(), TestCaseError> {
+    prop_assert!(conn.buf.is_empty(), "let go with bytes unread");
+    conn.books = Some(match parting {
+        Parting::Back(books, _) => {
+            conn.give_backs += 1;
+            books
+        }
+        _ => {
+            *backend = backend.reconnected();
+            Lent::default()
+        }
+    });
+    conn.holder = None;
+    rig.engine.detach_server();
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRu
 
 use super::model::{self, Backend, Exec, Program, Seen, Sql, Step};
 use super::pooled::{PoolConn, client, pump};
-use super::{Action, Flow, Rig};
+use super::{Action, Flow, Rig, store_whole};
 use crate::cache::{Bumps, rowkey};
 
 /// How often a run met what the invariants are about.
@@ -126,102 +126,24 @@ fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
 /// Runs `program` through an engine in front of the model backend.
 fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<(), TestCaseError> {
     let answers = direct(program);
-    let mut rig = match mode {
-        Mode::Session => Rig::logged_in(),
-        Mode::Transaction => Rig::new().in_transaction_mode(),
-    }
-    .keying();
-    rig.knows_table("log");
-    rig.knows_table("other");
-    let mut beside = rig.beside();
-    // The first session's server session; in transaction mode, the pool's
-    // one connection's, which both sessions take in turns.
-    let mut backend = Backend::default();
-    let mut conn = PoolConn::default();
-    let mut seen = Vec::new();
+    let mut run = Run::new(mode, counts);
     let mut steps = answers.iter();
-    let mut writes = Writes::default();
     for group in &program.0 {
-        counts.pipelines += usize::from(group.len() > 1);
+        run.counts.pipelines += usize::from(group.len() > 1);
         let mut closed = false;
         for step in group {
             let (_, wrote) = steps.next().expect("an answer per step");
-            if let Step::Direct(k) = step {
-                if backend.direct_write(*k) == Some(true) {
-                    replicate(&mut rig, *k);
-                    counts.direct_writes += 1;
-                    writes.step(step, false);
-                }
-                continue;
-            }
-            if let Step::Other(sql) = step {
-                if let Some(theirs) = backend.other() {
-                    match mode {
-                        Mode::Session => {
-                            backend.rejoin(other_session(&mut beside, theirs, *sql, counts)?)
-                        }
-                        Mode::Transaction => {
-                            let server = (&mut conn, &mut backend);
-                            other_pooled(&mut beside, server, theirs, *sql, counts)?
-                        }
-                    }
-                    writes.step(step, false);
-                }
-                continue;
-            }
-            let mut staged = Vec::new();
-            for frame in step.frames() {
-                let flow = match mode {
-                    Mode::Session => rig.client(&frame),
-                    Mode::Transaction => client(&mut rig, 0, &mut conn, &frame)?,
-                };
-                closed = flow == Flow::Close;
-                staged.extend(rig.sent_to_client());
-                if closed {
-                    break;
-                }
-            }
-            let served = model::seen(&staged);
-            let hit = served.iter().any(|m| m.tag == 'D' || m.tag == 'C');
-            counts.hits_past_other_writes += usize::from(writes.step(step, hit));
-            if hit {
-                counts.hits += 1;
-                if let Step::Batch(execs) = step
-                    && execs.iter().any(|e| e.max_rows > 0)
-                {
-                    counts.limited_hits += 1;
-                }
-                prop_assert!(
-                    !wrote && !writes_then_reads(step),
-                    "{step:?} was served from the cache after a write in its transaction"
-                );
-            }
-            seen.extend(staged);
+            closed = run.step(step, *wrote)?;
             if closed {
                 break;
             }
         }
-        match mode {
-            Mode::Session => answer_forwarded(&mut rig, &mut backend, &mut seen, counts)?,
-            Mode::Transaction => {
-                pump(
-                    &mut rig,
-                    0,
-                    &mut conn,
-                    &mut backend,
-                    &mut seen,
-                    &mut counts.fills,
-                )?;
-                replicate_touched(&mut rig, &mut backend);
-            }
-        }
+        run.forward()?;
         if closed {
             break;
         }
     }
-    counts.checkouts += conn.checkouts;
-    counts.give_backs += conn.give_backs;
-    counts.read_backs += conn.read_backs;
+    let seen = run.finish();
     let expected: Vec<u8> = answers.iter().flat_map(|(a, _)| a.clone()).collect();
     if seen != expected {
         let (seen, expected) = (model::seen(&seen), model::seen(&expected));
@@ -240,6 +162,170 @@ fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<
     Ok(())
 }
 
+/// One program's run: the two sessions through pgcache, their server
+/// side, and what the first session's client was sent.
+struct Run<'c> {
+    mode: Mode,
+    rig: Rig,
+    /// The second session, on the same instance.
+    beside: Rig,
+    /// The first session's server session; in transaction mode, the
+    /// pool's one connection's, which both sessions take in turns.
+    backend: Backend,
+    conn: PoolConn,
+    seen: Vec<u8>,
+    writes: Writes,
+    counts: &'c mut Counts,
+}
+
+impl<'c> Run<'c> {
+    fn new(mode: Mode, counts: &'c mut Counts) -> Self {
+        let mut rig = match mode {
+            Mode::Session => Rig::logged_in(),
+            Mode::Transaction => Rig::new().in_transaction_mode(),
+        }
+        .keying();
+        rig.knows_table("log");
+        rig.knows_table("other");
+        let beside = rig.beside();
+        Self {
+            mode,
+            rig,
+            beside,
+            backend: Backend::default(),
+            conn: PoolConn::default(),
+            seen: Vec::new(),
+            writes: Writes::default(),
+            counts,
+        }
+    }
+
+    /// One step of the program (`wrote`: the first session's transaction
+    /// block wrote before it); returns whether its client ended the
+    /// session.
+    fn step(&mut self, step: &Step, wrote: bool) -> Result<bool, TestCaseError> {
+        match step {
+            Step::Direct(k) => {
+                if self.backend.direct_write(*k) == Some(true) {
+                    replicate(&mut self.rig, *k);
+                    self.counts.direct_writes += 1;
+                    self.writes.step(step, false);
+                }
+                Ok(false)
+            }
+            Step::Other(sql) => {
+                if let Some(theirs) = self.backend.other() {
+                    self.other(theirs, *sql)?;
+                    self.writes.step(step, false);
+                }
+                Ok(false)
+            }
+            _ => self.client(step, wrote),
+        }
+    }
+
+    /// The first session's client sends `step`: what is served from the
+    /// cache is checked against the transaction's writes.
+    fn client(&mut self, step: &Step, wrote: bool) -> Result<bool, TestCaseError> {
+        let mut closed = false;
+        let mut staged = Vec::new();
+        for frame in step.frames() {
+            let flow = match self.mode {
+                Mode::Session => self.rig.client(&frame),
+                Mode::Transaction => client(&mut self.rig, 0, &mut self.conn, &frame)?,
+            };
+            closed = flow == Flow::Close;
+            staged.extend(self.rig.sent_to_client());
+            if closed {
+                break;
+            }
+        }
+        let served = model::seen(&staged);
+        let hit = served.iter().any(|m| m.tag == 'D' || m.tag == 'C');
+        self.counts.hits_past_other_writes += usize::from(self.writes.step(step, hit));
+        if hit {
+            self.counts.hits += 1;
+            if let Step::Batch(execs) = step
+                && execs.iter().any(|e| e.max_rows > 0)
+            {
+                self.counts.limited_hits += 1;
+            }
+            prop_assert!(
+                !wrote && !writes_then_reads(step),
+                "{step:?} was served from the cache after a write in its transaction"
+            );
+        }
+        self.seen.extend(staged);
+        Ok(closed)
+    }
+
+    /// [`Step::Other`]: the second session sends `sql` through its
+    /// engine, and must see what a session of its own (`theirs`) is
+    /// answered directly. In session mode it runs on that session, whose
+    /// commits the first then sees; in transaction mode on the pool's
+    /// connection, in its turn.
+    fn other(&mut self, mut theirs: Backend, sql: Sql) -> Result<(), TestCaseError> {
+        let query = Step::Query(sql).frames().remove(0);
+        let expected = theirs.clone().receive(&query);
+        let flow = match self.mode {
+            Mode::Session => self.beside.client(&query),
+            Mode::Transaction => client(&mut self.beside, 1, &mut self.conn, &query)?,
+        };
+        prop_assert_eq!(flow, Flow::Continue);
+        let mut seen = self.beside.sent_to_client();
+        self.counts.other_hits += usize::from(!seen.is_empty());
+        self.counts.other_writes += usize::from(!sql.is_read());
+        match self.mode {
+            Mode::Session => {
+                answer_forwarded(&mut self.beside, &mut theirs, &mut seen, self.counts)?;
+                self.backend.rejoin(theirs);
+            }
+            Mode::Transaction => {
+                let (conn, backend) = (&mut self.conn, &mut self.backend);
+                let fills = &mut self.counts.fills;
+                pump(&mut self.beside, 1, conn, backend, &mut seen, fills)?;
+                replicate_touched(&mut self.beside, &mut self.backend);
+            }
+        }
+        prop_assert_eq!(
+            model::seen(&seen),
+            model::seen(&expected),
+            "the second session's {:?}",
+            sql
+        );
+        Ok(())
+    }
+
+    /// The server answers what the first session forwarded.
+    fn forward(&mut self) -> Result<(), TestCaseError> {
+        let (rig, backend, seen) = (&mut self.rig, &mut self.backend, &mut self.seen);
+        match self.mode {
+            Mode::Session => answer_forwarded(rig, backend, seen, self.counts),
+            Mode::Transaction => {
+                pump(
+                    rig,
+                    0,
+                    &mut self.conn,
+                    backend,
+                    seen,
+                    &mut self.counts.fills,
+                )?;
+                replicate_touched(rig, backend);
+                Ok(())
+            }
+        }
+    }
+
+    /// What the first session's client was sent, with the pool's counts
+    /// added.
+    fn finish(self) -> Vec<u8> {
+        self.counts.checkouts += self.conn.checkouts;
+        self.counts.give_backs += self.conn.give_backs;
+        self.counts.read_backs += self.conn.read_backs;
+        self.seen
+    }
+}
+
 /// The backend answers whatever the engine forwarded, until nothing is;
 /// the stores the engine asks for are checked and carried out.
 fn answer_forwarded(
@@ -256,71 +342,13 @@ fn answer_forwarded(
         let answer = backend.receive(&sent);
         seen.extend(rig.backend(&[answer]));
         replicate_touched(rig, backend);
-        for action in rig.engine.actions.drain(..) {
+        for action in std::mem::take(&mut rig.engine.actions) {
             if let Action::Store(fill, bytes) = action {
-                let stored = model::seen(&bytes);
-                prop_assert!(
-                    stored.iter().all(|m| !matches!(m.tag, 'E' | 's'))
-                        && stored.iter().any(|m| m.tag == 'C'),
-                    "stored an answer that failed, was cut short or is incomplete: {stored:?}"
-                );
-                rig.app.cache.store(*fill, &bytes);
+                store_whole(rig, *fill, &bytes)?;
                 counts.fills += 1;
             }
         }
     }
-}
-
-/// [`Step::Other`]: the second session sends `sql` through its engine, in
-/// front of its own model session (`theirs`), and must see what that
-/// session answers directly. Returns it, for the first to see what it
-/// committed.
-fn other_session(
-    rig: &mut Rig,
-    mut theirs: Backend,
-    sql: Sql,
-    counts: &mut Counts,
-) -> Result<Backend, TestCaseError> {
-    let query = Step::Query(sql).frames().remove(0);
-    let expected = theirs.clone().receive(&query);
-    prop_assert_eq!(rig.client(&query), Flow::Continue);
-    let mut seen = rig.sent_to_client();
-    counts.other_hits += usize::from(!seen.is_empty());
-    counts.other_writes += usize::from(!sql.is_read());
-    answer_forwarded(rig, &mut theirs, &mut seen, counts)?;
-    prop_assert_eq!(
-        model::seen(&seen),
-        model::seen(&expected),
-        "the second session's {:?}",
-        sql
-    );
-    Ok(theirs)
-}
-
-/// Transaction mode's [`other_session`]: the second session takes the
-/// pool's connection (`server`) in its turn.
-fn other_pooled(
-    rig: &mut Rig,
-    (conn, backend): (&mut PoolConn, &mut Backend),
-    mut theirs: Backend,
-    sql: Sql,
-    counts: &mut Counts,
-) -> Result<(), TestCaseError> {
-    let query = Step::Query(sql).frames().remove(0);
-    let expected = theirs.receive(&query);
-    prop_assert_eq!(client(rig, 1, conn, &query)?, Flow::Continue);
-    let mut seen = rig.sent_to_client();
-    counts.other_hits += usize::from(!seen.is_empty());
-    counts.other_writes += usize::from(!sql.is_read());
-    pump(rig, 1, conn, backend, &mut seen, &mut counts.fills)?;
-    replicate_touched(rig, backend);
-    prop_assert_eq!(
-        model::seen(&seen),
-        model::seen(&expected),
-        "the second session's {:?}",
-        sql
-    );
-    Ok(())
 }
 
 /// What the replication stream reports of the trigger's committed writes:
