@@ -277,10 +277,10 @@ where
     /// The held connection let go of: back to its pool, parked, or closed
     /// with a Terminate written off the session's path.
     pub(super) fn let_go(&mut self, parting: Parting) {
-        let Some(mut stream) = self.backend.take() else {
+        let (Some(mut stream), lease) = (self.backend.take(), self.lease.take()) else {
             return;
         };
-        match (parting, self.lease.take()) {
+        match (parting, lease) {
             (Parting::Back(lent, lifetime), Some(lease)) => {
                 lease.give_back_lent(lent, stream, lifetime)
             }
