@@ -1372,3 +1372,46 @@ async fn sql_execute_and_deallocate_sent_as_named_statements_find_the_protocol_s
         Ok(Some("7".into()))
     );
 }
+
+/// The ParameterStatus messages of one simple query's answer.
+async fn statuses_of(s: &mut tokio::net::TcpStream, sql: &str) -> Vec<String> {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(&wire::query(sql)).await.unwrap();
+    let answer = wire::read_until_ready(s).await;
+    assert!(!answer.iter().any(|(t, _)| *t == b'E'), "{sql}: {answer:?}");
+    answer
+        .iter()
+        .filter(|(tag, _)| *tag == b'S')
+        .map(|(_, body)| {
+            String::from_utf8_lossy(body)
+                .replace('\0', " ")
+                .trim()
+                .to_owned()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_connection_taking_a_clients_settings_tells_it_only_what_changed_for_it() {
+    use tokio::io::AsyncWriteExt;
+    let pg = pg();
+    let db = pg.create_db("tx_told");
+    // One connection: the two clients take it in turns.
+    let proxy = Proxy::start(config(pg, 1)).await;
+    let (mut a, _) = wire::raw_login(proxy.addr, &db).await;
+    let (mut b, _) = wire::raw_login(proxy.addr, &db).await;
+    // A's own SET is reported to it, as PostgreSQL reports it directly.
+    let set = statuses_of(&mut a, "SET application_name = 'told'").await;
+    assert_eq!(set, ["application_name told"]);
+    // B takes the connection A left: pgcache puts B's settings back on it,
+    // which the server reports; B's application_name never changed.
+    assert_eq!(statuses_of(&mut b, "SELECT 1").await, Vec::<String>::new());
+    // A again: its settings put back on the connection, nothing new to it.
+    assert_eq!(statuses_of(&mut a, "SELECT 1").await, Vec::<String>::new());
+    a.write_all(&wire::query("SHOW application_name"))
+        .await
+        .unwrap();
+    let answer = wire::read_until_ready(&mut a).await;
+    let (_, row) = answer.iter().find(|(t, _)| *t == b'D').expect("a row");
+    assert_eq!(&row[6..], b"told", "A's setting is on the connection");
+}

@@ -113,6 +113,18 @@ impl PoolKey {
 pub struct Statuses(Vec<(Bytes, Bytes)>);
 
 impl Statuses {
+    /// Notes a ParameterStatus frame (header included); whether it told
+    /// anything new: a parameter not noted yet, or another value.
+    pub fn note_new(&mut self, frame: &[u8]) -> bool {
+        let body = &frame[HEADER_LEN.min(frame.len())..];
+        let name = body.split(|b| *b == 0).next().unwrap_or_default();
+        let same = self.0.iter().any(|(n, f)| **n == *name && **f == *frame);
+        if !same {
+            self.note(frame);
+        }
+        !same
+    }
+
     /// Notes a ParameterStatus frame (header included).
     pub fn note(&mut self, frame: &[u8]) {
         let body = &frame[HEADER_LEN.min(frame.len())..];

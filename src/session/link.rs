@@ -21,7 +21,7 @@ use crate::pool::listens::Listens;
 use crate::pool::marks::Pin;
 use crate::pool::prepared::{Answer, ServerStatements, Translator};
 use crate::pool::transaction::{Lent, Pool};
-use crate::pool::{PoolError, PoolKey};
+use crate::pool::{PoolError, PoolKey, Statuses};
 use crate::protocol::messages;
 use crate::protocol::startup::Startup;
 use crate::session::pipeline::{Inflight, Pipeline};
@@ -292,6 +292,10 @@ pub(super) struct PooledLink {
     /// The channels the client listens on, and whether its connection
     /// sent a notification for another.
     pub listens: Listens,
+    /// What the client was last told of each parameter: a connection
+    /// taking the client's settings reports the values the client has
+    /// already, which it is not told again.
+    pub told: Statuses,
     pub(super) knobs: Knobs,
 }
 
@@ -318,6 +322,7 @@ impl Link {
             spliced: 0..0,
             schema_changes: false,
             listens: Listens::default(),
+            told: Statuses::default(),
             knobs: Knobs::default(),
         }))
     }

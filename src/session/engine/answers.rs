@@ -224,6 +224,16 @@ impl Engine {
         messages::backend_key_data(pid, &secret)
     }
 
+    /// Whether a ParameterStatus tells the client something: always in
+    /// session mode; in transaction mode, a value it was not told last
+    /// (noted as told).
+    pub(super) fn tells_client(&mut self, frame: &[u8]) -> bool {
+        match &mut self.link {
+            Link::Pooled(link) => link.told.note_new(frame),
+            Link::Session(_) => true,
+        }
+    }
+
     /// A ParameterStatus the backend sent, kept for a connection handed
     /// back whole: session mode only (a pooled connection never is).
     pub fn note_status(&mut self, frame: &[u8]) {
@@ -248,6 +258,9 @@ impl Engine {
             }
             self.note_status(frame);
         }
+        // The client is told a parameter as its own requests report it,
+        // and as pgcache's do only when it changed for the client.
+        let tells = tag == be::PARAMETER_STATUS && self.tells_client(frame);
         let max = ctx.instance.cache().local.max_entry_bytes();
         let Some(front) = self.pipeline.front_mut() else {
             return Cut::Keep;
@@ -275,10 +288,10 @@ impl Engine {
             if let Some(cap) = &mut front.capture {
                 cap.add(frame, max);
             }
-            return if matches!(tag, be::NOTIFICATION | be::PARAMETER_STATUS) {
-                Cut::Keep
-            } else {
-                Cut::Drop
+            return match tag {
+                be::NOTIFICATION => Cut::Keep,
+                be::PARAMETER_STATUS if tells => Cut::Keep,
+                _ => Cut::Drop,
             };
         }
         match tag {

@@ -79,9 +79,12 @@ impl Engine {
                 shown.set(name, said.as_deref().unwrap_or(value));
             }
         }
-        // Not kept: a pooled session's connection is never handed back
-        // whole, which is what the statuses are kept for.
         let out = shown.login_frames(&[&pid.to_be_bytes(), secret]);
+        // What the client is told: a connection taking its settings later
+        // reports the same values, which it is not told again.
+        if let Link::Pooled(link) = &mut self.link {
+            link.told = shown;
+        }
         self.on_ready_for_query(ctx, TxStatus::Idle);
         out
     }

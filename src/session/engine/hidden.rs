@@ -116,6 +116,7 @@ impl Engine {
             Read::Aside(frame) => frame,
         };
         match frame[0] {
+            be::PARAMETER_STATUS if !self.tells_client(&frame) => return HiddenStep::More,
             be::PARAMETER_STATUS => self.note_status(&frame),
             be::NOTIFICATION => {
                 if let Link::Pooled(link) = &mut self.link
@@ -154,6 +155,15 @@ impl Engine {
     /// flight is not answered, or none waits.
     pub fn own_request(&mut self) -> Option<BytesMut> {
         self.own.queue.front_mut()?.request.take()
+    }
+
+    /// The next own query puts the client's settings on the connection
+    /// ([`Purpose::Apply`]): the server's to answer, in a test whatever
+    /// answers the rest.
+    #[cfg(test)]
+    pub(super) fn own_applies(&self) -> bool {
+        let next = self.own.queue.front();
+        next.is_some_and(|asked| matches!(asked.purpose, Purpose::Apply) && asked.request.is_some())
     }
 
     /// An own query was sent and its answer is still to come: the

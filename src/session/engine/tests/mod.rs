@@ -95,11 +95,15 @@ impl Rig {
     }
 
     /// Logged in in transaction mode: a pool of the rig's database and
-    /// user, holding no connection yet.
+    /// user, holding no connection yet; the client told, as PostgreSQL
+    /// tells one that gave none, that its `application_name` is empty.
     fn in_transaction_mode(mut self) -> Self {
         let pool = self.app.pool.pooled.pool("shop", "alice");
         let state = ClientState::from_startup(&self.engine.startup).expect("startup");
         self.engine.link = Link::pooled(pool, state);
+        if let Link::Pooled(link) = &mut self.engine.link {
+            link.told.set("application_name", "");
+        }
         let sent = self.backend(&[rfq(TxStatus::Idle)]);
         assert_eq!(sent, rfq(TxStatus::Idle));
         self.engine.actions.clear();
@@ -129,20 +133,20 @@ impl Rig {
     /// met (the settings from [`settings`], prerequisites as done) and the
     /// frame fed again. Returns the flow.
     fn client(&mut self, frame: &[u8]) -> Flow {
-        self.client_then(frame, |_| {})
+        self.client_then(frame, |_, _| {})
     }
 
     /// [`Self::client`], with `before_own` done to the engine before
     /// each own query is answered (in transaction mode, a connection
     /// taken for it).
-    fn client_then(&mut self, frame: &[u8], mut before_own: impl FnMut(&mut Engine)) -> Flow {
+    fn client_then(&mut self, frame: &[u8], mut before_own: impl FnMut(&mut Engine, &Ctx)) -> Flow {
         let frame = Bytes::copy_from_slice(frame);
         loop {
             let ctx = ctx(&self.app, &self.entry);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
                 Err(Need::Own) => {
-                    before_own(&mut self.engine);
+                    before_own(&mut self.engine, &ctx);
                     let answer = self.settings.clone().map(|row| vec![row]);
                     self.settings_reads +=
                         crate::session::fuzz::answer_own(&mut self.engine, &ctx, answer.as_deref());

@@ -129,17 +129,24 @@ pub(super) fn pump(
 
 /// Feeds session `who`'s client frame as [`Rig::client`] does, but as in
 /// transaction mode: pgcache's own query takes the pool's connection
-/// first, if the session holds none.
+/// first, if the session holds none, and the client's settings put on it
+/// go to its server session (`backend`); the rig answers the rest.
 pub(super) fn client(
     rig: &mut Rig,
     who: usize,
-    conn: &mut PoolConn,
+    (conn, backend): (&mut PoolConn, &mut Backend),
     frame: &[u8],
 ) -> Result<Flow, TestCaseError> {
     let mut taken = Ok(());
-    let flow = rig.client_then(frame, |engine| {
+    let flow = rig.client_then(frame, |engine, ctx| {
         if conn.holder != Some(who) && taken.is_ok() {
             taken = check_out(engine, who, conn, false);
+        }
+        while engine.own_applies() {
+            let request = engine.own_request().expect("the settings to put");
+            let mut answer = BytesMut::from(&backend.receive(&request)[..]);
+            let relayed = engine.on_backend(ctx, &mut answer);
+            assert!(relayed.is_ok_and(|r| r.end == answer.len()), "read whole");
         }
     });
     taken.map(|()| flow)

@@ -47,6 +47,10 @@ struct Counts {
     checkouts: usize,
     give_backs: usize,
     read_backs: usize,
+    /// Client settings put on the pool's connection.
+    applies: usize,
+    /// `application_name` shown as the first session set it.
+    names_shown: usize,
 }
 
 /// Where the sessions' server connections come from.
@@ -232,7 +236,10 @@ impl<'c> Run<'c> {
         for frame in step.frames() {
             let flow = match self.mode {
                 Mode::Session => self.rig.client(&frame),
-                Mode::Transaction => client(&mut self.rig, 0, &mut self.conn, &frame)?,
+                Mode::Transaction => {
+                    let server = (&mut self.conn, &mut self.backend);
+                    client(&mut self.rig, 0, server, &frame)?
+                }
             };
             closed = flow == Flow::Close;
             staged.extend(self.rig.sent_to_client());
@@ -269,7 +276,10 @@ impl<'c> Run<'c> {
         let expected = theirs.clone().receive(&query);
         let flow = match self.mode {
             Mode::Session => self.beside.client(&query),
-            Mode::Transaction => client(&mut self.beside, 1, &mut self.conn, &query)?,
+            Mode::Transaction => {
+                let server = (&mut self.conn, &mut self.backend);
+                client(&mut self.beside, 1, server, &query)?
+            }
         };
         prop_assert_eq!(flow, Flow::Continue);
         let mut seen = self.beside.sent_to_client();
@@ -322,6 +332,7 @@ impl<'c> Run<'c> {
         self.counts.checkouts += self.conn.checkouts;
         self.counts.give_backs += self.conn.give_backs;
         self.counts.read_backs += self.conn.read_backs;
+        self.counts.applies += self.backend.applied;
         self.seen
     }
 }
@@ -397,6 +408,10 @@ fn count(answers: &[(Vec<u8>, bool)], program: &Program, counts: &mut Counts) {
         counts.copies += usize::from(has('G', ""));
         match step {
             Step::Query(Sql::Sleep) => counts.cancels += usize::from(has('E', "57014")),
+            Step::Query(Sql::ShowName) => {
+                counts.names_shown +=
+                    usize::from(answer.iter().any(|m| m.tag == 'D' && !m.what.is_empty()))
+            }
             Step::Batch(_) => {
                 let error = answer.iter().position(|m| m.tag == 'E');
                 counts.errors_mid_batch += usize::from(error.is_some_and(|at| at > 0));
@@ -474,6 +489,7 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
         ("rows another session changed", c.direct_writes),
         ("hits of the second session", c.other_hits),
         ("writes of the second session", c.other_writes),
+        ("settings shown as set", c.names_shown),
     ];
     for (what, n) in every.iter().chain(also) {
         assert!(*n >= 20, "only {n} {what}: {c:?}");
@@ -482,16 +498,17 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
 
 #[test]
 fn the_engine_answers_as_the_model_backend_does() {
-    often(&run(Mode::Session, 600), &[]);
+    often(&run(Mode::Session, 800), &[]);
 }
 
 #[test]
 fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
-    let c = run(Mode::Transaction, 600);
+    let c = run(Mode::Transaction, 800);
     let pool = [
         ("checkouts", c.checkouts),
         ("give-backs", c.give_backs),
         ("settings read back", c.read_backs),
+        ("settings put on the connection", c.applies),
     ];
     often(&c, &pool);
 }

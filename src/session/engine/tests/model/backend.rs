@@ -23,11 +23,19 @@ pub struct Backend {
     /// The keys of `items` committed changes through `other`'s trigger
     /// wrote: what pgcache learns of from its replication stream only.
     pub touched: BTreeSet<u8>,
+    /// The session's `application_name` ("": the default), and as it was
+    /// last reported to the client.
+    name: String,
+    reported: String,
+    /// How many times pgcache put a client's settings on this session,
+    /// over its connections ([`Self::reconnected`]).
+    pub applied: usize,
 }
 
 #[derive(Debug, Clone)]
 struct Tx {
     items: BTreeMap<u8, String>,
+    name: String,
     failed: bool,
     wrote: bool,
     touched: BTreeSet<u8>,
@@ -46,6 +54,9 @@ impl Default for Backend {
             portal: None,
             ended: false,
             touched: BTreeSet::new(),
+            name: String::new(),
+            reported: String::new(),
+            applied: 0,
         }
     }
 }
@@ -92,8 +103,7 @@ impl Backend {
                 if let Some(tx) = self.implicit.take()
                     && !tx.failed
                 {
-                    self.items = tx.items;
-                    self.touched.extend(tx.touched);
+                    self.commit(tx);
                 }
                 out.extend(self.ready());
             }
@@ -161,6 +171,10 @@ impl Backend {
     }
 
     fn query(&mut self, text: &str, out: &mut Vec<u8>) {
+        if let Some(name) = applied_name(text) {
+            self.apply(name, out);
+            return;
+        }
         let sql = Sql::of(text).expect("a program's statement");
         self.portal = None;
         self.statement = None;
@@ -174,7 +188,7 @@ impl Backend {
                 if self.tx.is_some() {
                     out.extend(notice("25001"));
                 } else {
-                    self.tx = Some(Tx::of(&self.items));
+                    self.tx = Some(self.snapshot());
                 }
                 out.extend(complete("BEGIN"));
             }
@@ -190,8 +204,7 @@ impl Backend {
                     }
                     Some(tx) if tx.failed || sql == Sql::Rollback => "ROLLBACK",
                     Some(tx) => {
-                        self.items = tx.items;
-                        self.touched.extend(tx.touched);
+                        self.commit(tx);
                         "COMMIT"
                     }
                 };
@@ -211,6 +224,15 @@ impl Backend {
             Sql::Write(_) | Sql::Touch(_) => {
                 let tag = self.write(sql);
                 out.extend(complete(&tag));
+            }
+            Sql::Set(n) => {
+                *self.name_mut() = format!("a{n}");
+                out.extend(complete("SET"));
+            }
+            Sql::ShowName => {
+                out.extend(description(sql));
+                out.extend(data_row(&[self.visible_name().to_owned()]));
+                out.extend(complete("SHOW"));
             }
             Sql::ReadOne(_) | Sql::ReadAll | Sql::Settings => {
                 let rows = self.rows(sql);
@@ -235,9 +257,15 @@ impl Backend {
     fn rows(&self, sql: Sql) -> Vec<Vec<String>> {
         let items = self.visible();
         match sql {
-            Sql::Settings => [("session_authorization", "alice"), ("role", "none")]
-                .map(|(name, value)| vec![name.to_owned(), value.to_owned()])
-                .to_vec(),
+            Sql::Settings => {
+                let name = self.visible_name();
+                let set = (!name.is_empty()).then_some(("application_name", name));
+                [("session_authorization", "alice"), ("role", "none")]
+                    .into_iter()
+                    .chain(set)
+                    .map(|(name, value)| vec![name.to_owned(), value.to_owned()])
+                    .collect()
+            }
             Sql::ReadOne(k) => items.get(&k).map(|v| vec![v.clone()]).into_iter().collect(),
             _ => items
                 .iter()
@@ -281,8 +309,59 @@ impl Backend {
 
     fn begin_implicit(&mut self) {
         if self.tx.is_none() && self.implicit.is_none() {
-            self.implicit = Some(Tx::of(&self.items));
+            self.implicit = Some(self.snapshot());
         }
+    }
+
+    /// A transaction's start: what it sees of the items and the
+    /// settings.
+    fn snapshot(&self) -> Tx {
+        Tx {
+            items: self.items.clone(),
+            name: self.name.clone(),
+            failed: false,
+            wrote: false,
+            touched: BTreeSet::new(),
+        }
+    }
+
+    fn commit(&mut self, tx: Tx) {
+        self.items = tx.items;
+        self.name = tx.name;
+        self.touched.extend(tx.touched);
+    }
+
+    /// `application_name` as the session sees it now: a failed
+    /// transaction's settings are undone at once.
+    fn visible_name(&self) -> &str {
+        match (&self.implicit, &self.tx) {
+            (Some(tx), _) | (None, Some(tx)) if !tx.failed => &tx.name,
+            _ => &self.name,
+        }
+    }
+
+    fn name_mut(&mut self) -> &mut String {
+        match (&mut self.implicit, &mut self.tx) {
+            (Some(tx), _) | (None, Some(tx)) => &mut tx.name,
+            (None, None) => &mut self.name,
+        }
+    }
+
+    /// pgcache puts a client's settings on the session: back to its login
+    /// state (`RESET ALL`), then `name` as its `application_name`.
+    fn apply(&mut self, name: Option<String>, out: &mut Vec<u8>) {
+        self.applied += 1;
+        for tag in ["SET", "RESET", "RESET"] {
+            out.extend(complete(tag));
+        }
+        self.name = String::new();
+        if let Some(name) = name {
+            self.name = name;
+            out.extend(frame(b'T', &[0, 0]));
+            out.extend(frame(b'D', &[0, 0]));
+            out.extend(complete("SELECT 1"));
+        }
+        out.extend(self.ready());
     }
 
     /// [`Step::Direct`]: another session writes key `k` and commits, if
@@ -320,6 +399,7 @@ impl Backend {
         Backend {
             items: self.items.clone(),
             touched: self.touched.clone(),
+            applied: self.applied,
             ..Backend::default()
         }
     }
@@ -357,155 +437,40 @@ impl Backend {
         notice_like(b'E', "ERROR", code)
     }
 
-    fn ready(&self) -> Vec<u8> {
+    /// ReadyForQuery, after a ParameterStatus if `application_name`
+    /// changed since it was last reported (as PostgreSQL reports it, even
+    /// inside a transaction block that may roll it back).
+    fn ready(&mut self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let name = self.visible_name().to_owned();
+        if name != self.reported {
+            let mut body = cstr("application_name");
+            body.extend(cstr(&name));
+            out.extend(frame(b'S', &body));
+            self.reported = name;
+        }
         let status = match &self.tx {
             None => b'I',
             Some(tx) if tx.failed => b'E',
             Some(_) => b'T',
         };
-        frame(b'Z', &[status])
+        out.extend(frame(b'Z', &[status]));
+        out
     }
 }
 
-impl Tx {
-    fn of(items: &BTreeMap<u8, String>) -> Self {
-        Tx {
-            items: items.clone(),
-            failed: false,
-            wrote: false,
-            touched: BTreeSet::new(),
-        }
+/// How pgcache's query that puts a client's settings on a connection
+/// begins ([`Backend::apply`]).
+const APPLY: &str = "SET SESSION AUTHORIZATION DEFAULT; RESET ROLE; RESET ALL";
+
+/// The `application_name` pgcache's settings query sets, if `text` is one
+/// (`Some(None)`: it only resets).
+fn applied_name(text: &str) -> Option<Option<String>> {
+    let rest = text.strip_prefix(APPLY)?;
+    if rest.is_empty() {
+        return Some(None);
     }
-}
-
-pub fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
-    let mut f = BytesMut::with_capacity(5 + body.len());
-    f.put_u8(tag);
-    f.put_i32(4 + body.len() as i32);
-    f.put_slice(body);
-    f.to_vec()
-}
-
-pub(super) fn cstr(s: &str) -> Vec<u8> {
-    let mut v = s.as_bytes().to_vec();
-    v.push(0);
-    v
-}
-
-pub(super) fn text(body: &[u8]) -> String {
-    let end = body.iter().position(|b| *b == 0).unwrap_or(body.len());
-    String::from_utf8_lossy(&body[..end]).into_owned()
-}
-
-pub(super) fn complete(tag: &str) -> Vec<u8> {
-    frame(b'C', &cstr(tag))
-}
-
-pub(super) fn notice(code: &str) -> Vec<u8> {
-    notice_like(b'N', "WARNING", code)
-}
-
-pub(super) fn notice_like(tag: u8, severity: &str, code: &str) -> Vec<u8> {
-    let mut body = Vec::new();
-    for (field, value) in [
-        (b'S', severity),
-        (b'V', severity),
-        (b'C', code),
-        (b'M', code),
-    ] {
-        body.push(field);
-        body.extend(cstr(value));
-    }
-    body.push(0);
-    frame(tag, &body)
-}
-
-pub(super) fn description(sql: Sql) -> Vec<u8> {
-    let columns: &[(&str, u32)] = match sql {
-        Sql::ReadOne(_) => &[("v", 25)],
-        Sql::Settings => &[("?column?", 25), ("current_setting", 25)],
-        Sql::Sleep => &[("pg_sleep", 2278)],
-        _ => &[("k", 23), ("v", 25)],
-    };
-    let mut body = BytesMut::new();
-    body.put_i16(columns.len() as i16);
-    for (name, oid) in columns {
-        body.put_slice(&cstr(name));
-        body.put_u32(0);
-        body.put_i16(0);
-        body.put_u32(*oid);
-        body.put_i16(-1);
-        body.put_i32(-1);
-        body.put_i16(0);
-    }
-    frame(b'T', &body)
-}
-
-pub(super) fn data_row(values: &[String]) -> Vec<u8> {
-    let mut body = BytesMut::new();
-    body.put_i16(values.len() as i16);
-    for v in values {
-        body.put_i32(v.len() as i32);
-        body.put_slice(v.as_bytes());
-    }
-    frame(b'D', &body)
-}
-
-/// A message as compared with PostgreSQL's: its type, and what must be
-/// the same (a row's values, a command's tag, an error's SQLSTATE).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Seen {
-    pub tag: char,
-    pub what: String,
-}
-
-/// The messages of `bytes`, as [`Seen`].
-pub fn seen(bytes: &[u8]) -> Vec<Seen> {
-    let mut out = Vec::new();
-    let mut rest = bytes;
-    while rest.len() >= 5 {
-        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
-        let (frame, tail) = rest.split_at(1 + len);
-        rest = tail;
-        let body = &frame[5..];
-        let what = match frame[0] {
-            b'D' => {
-                let mut values = Vec::new();
-                let mut at = 2;
-                while at + 4 <= body.len() {
-                    let n = i32::from_be_bytes(body[at..at + 4].try_into().expect("length"));
-                    at += 4;
-                    let n = n.max(0) as usize;
-                    values.push(String::from_utf8_lossy(&body[at..at + n]).into_owned());
-                    at += n;
-                }
-                values.join(",")
-            }
-            b'C' => text(body),
-            b'E' | b'N' => field(body, b'C'),
-            b'Z' => (body[0] as char).to_string(),
-            _ => String::new(),
-        };
-        out.push(Seen {
-            tag: frame[0] as char,
-            what,
-        });
-    }
-    out
-}
-
-/// A field of an ErrorResponse or NoticeResponse.
-pub(super) fn field(body: &[u8], wanted: u8) -> String {
-    let mut rest = body;
-    while let [code, tail @ ..] = rest {
-        if *code == 0 {
-            break;
-        }
-        let end = tail.iter().position(|b| *b == 0).unwrap_or(tail.len());
-        if *code == wanted {
-            return String::from_utf8_lossy(&tail[..end]).into_owned();
-        }
-        rest = &tail[(end + 1).min(tail.len())..];
-    }
-    String::new()
+    let values = rest.split_once("VALUES ('application_name', '")?.1;
+    let (name, _) = values.split_once('\'')?;
+    Some(Some(name.to_owned()))
 }

@@ -16,8 +16,10 @@ use bytes::{BufMut, BytesMut};
 use proptest::prelude::*;
 
 mod backend;
+mod wire;
 
 pub use backend::*;
+pub use wire::*;
 
 /// What a program sets up before it runs, on a fresh session (of a real
 /// PostgreSQL: the model starts so).
@@ -52,9 +54,15 @@ pub enum Sql {
     Sleep,
     /// COPY-in, followed by its data in [`Step::Copy`].
     Copy,
+    /// Sets `application_name` to `a{n}` for the session (transactional,
+    /// as every SET is).
+    Set(u8),
+    /// `application_name` as the session has it: what shows whose
+    /// settings a pooled connection carries.
+    ShowName,
     /// What pgcache asks a pooled connection of a client's settings before
     /// it goes back to the pool: never in a program. The model's session
-    /// user is `alice`, with no role and no setting of its own.
+    /// user is `alice`, with no role, and the one setting a program makes.
     Settings,
 }
 
@@ -74,6 +82,8 @@ impl Sql {
             Sql::Bad => "SELECT nosuch FROM items".into(),
             Sql::Sleep => "SELECT pg_sleep(60)".into(),
             Sql::Copy => "COPY log FROM STDIN".into(),
+            Sql::Set(n) => format!("SET application_name = 'a{n}'"),
+            Sql::ShowName => "SHOW application_name".into(),
             Sql::Settings => SETTINGS.into(),
         }
     }
@@ -90,6 +100,9 @@ impl Sql {
             Sql::Bad,
             Sql::Sleep,
             Sql::Copy,
+            Sql::ShowName,
+            Sql::Set(1),
+            Sql::Set(2),
         ];
         let keyed = (1..=4).flat_map(|k| [Sql::ReadOne(k), Sql::Write(k), Sql::Touch(k)]);
         all.into_iter().chain(keyed).find(|sql| sql.text() == text)
@@ -230,13 +243,15 @@ fn statement() -> impl Strategy<Value = Sql> {
     ]
 }
 
-/// What the other session through pgcache runs: reads, and writes of
-/// one key, seen by pgcache or through a trigger.
+/// What the other session through pgcache runs: reads, writes of one
+/// key (seen by pgcache or through a trigger), and a look at its
+/// settings, which it never changes.
 fn others() -> impl Strategy<Value = Sql> {
     prop_oneof![
         3 => read(),
         2 => (1u8..=4).prop_map(Sql::Write),
         1 => (1u8..=3).prop_map(Sql::Touch),
+        1 => Just(Sql::ShowName),
     ]
 }
 
@@ -255,6 +270,10 @@ fn step() -> impl Strategy<Value = Step> {
         2 => prop_oneof![Just(Sql::Begin), Just(Sql::Commit), Just(Sql::Rollback)]
             .prop_map(Step::Query),
         1 => Just(Step::Query(Sql::Sleep)),
+        // Settings as simple queries only: they change what a pooled
+        // connection carries, and show which it carries.
+        1 => prop_oneof![(1u8..=2).prop_map(Sql::Set), Just(Sql::ShowName)]
+            .prop_map(Step::Query),
         1 => (0u8..3, any::<bool>()).prop_map(|(lines, fail)| Step::Copy { lines, fail }),
         // One statement a batch is what the cache answers whole.
         8 => prop_oneof![
