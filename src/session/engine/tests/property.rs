@@ -438,6 +438,10 @@ fn the_programs_once_failed_on_pass() {
             vec![Query(ReadOne(1)), Query(Begin), Query(Write(1))],
             vec![Query(ReadOne(1))],
         ],
+        // Transaction mode: the second session took the connection the
+        // first had set `application_name` on, and was told the value its
+        // own settings put back, which it had all along.
+        vec![vec![Query(Set(1))], vec![Step::Other(ReadOne(1))]],
     ];
     for program in programs {
         let program = Program(program);
