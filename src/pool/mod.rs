@@ -113,16 +113,18 @@ impl PoolKey {
 pub struct Statuses(Vec<(Bytes, Bytes)>);
 
 impl Statuses {
-    /// Notes a ParameterStatus frame (header included); whether it told
-    /// anything new: a parameter not noted yet, or another value.
-    pub fn note_new(&mut self, frame: &[u8]) -> bool {
+    /// Whether this very ParameterStatus frame (header included) is
+    /// noted: the parameter, with this value.
+    pub fn has_frame(&self, frame: &[u8]) -> bool {
+        self.0.iter().any(|(_, f)| **f == *frame)
+    }
+
+    /// Whether a parameter is noted, by the name a ParameterStatus frame
+    /// (header included) gives.
+    pub fn names(&self, frame: &[u8]) -> bool {
         let body = &frame[HEADER_LEN.min(frame.len())..];
         let name = body.split(|b| *b == 0).next().unwrap_or_default();
-        let same = self.0.iter().any(|(n, f)| **n == *name && **f == *frame);
-        if !same {
-            self.note(frame);
-        }
-        !same
+        self.0.iter().any(|(n, _)| **n == *name)
     }
 
     /// Notes a ParameterStatus frame (header included).

@@ -112,7 +112,7 @@ struct Books {
     credentials: Credentials,
     /// The ParameterStatus frames of the latest login: what a client
     /// admitted without a login of its own is told.
-    statuses: Option<Statuses>,
+    statuses: Option<Arc<Statuses>>,
     /// The answer of [`super::CHECK`] (role and database settings, the
     /// configuration's load time) at the latest login, and how many
     /// times it changed: connections that logged in under another answer
@@ -320,7 +320,7 @@ impl Pool {
     }
 
     /// The parameters of the latest login, if any connection logged in.
-    pub fn statuses(&self) -> Option<Statuses> {
+    pub fn statuses(&self) -> Option<Arc<Statuses>> {
         self.lock().statuses.clone()
     }
 
@@ -525,7 +525,7 @@ impl Pool {
             }
         };
         let generation = self.saw(answer);
-        self.lock().statuses = Some(statuses);
+        self.lock().statuses = Some(Arc::new(statuses));
         let now = Instant::now();
         let server = Box::new(Pooled {
             id: next_id.fetch_add(1, Ordering::Relaxed) + 1,

@@ -292,9 +292,10 @@ pub(super) struct PooledLink {
     /// The channels the client listens on, and whether its connection
     /// sent a notification for another.
     pub listens: Listens,
-    /// What the client was last told of each parameter: a connection
-    /// taking the client's settings reports the values the client has
-    /// already, which it is not told again.
+    /// What the client was last told of each parameter, where it differs
+    /// from the pool's login (kept small: most clients are told nothing
+    /// beyond it). A connection taking the client's settings reports the
+    /// values the client has already, which it is not told again.
     pub told: Statuses,
     pub(super) knobs: Knobs,
 }

@@ -226,12 +226,20 @@ impl Engine {
 
     /// Whether a ParameterStatus tells the client something: always in
     /// session mode; in transaction mode, a value it was not told last
-    /// (noted as told).
+    /// (noted as told): what it was told beyond the pool's login, else
+    /// the login's own values, which its greeting gave.
     pub(super) fn tells_client(&mut self, frame: &[u8]) -> bool {
-        match &mut self.link {
-            Link::Pooled(link) => link.told.note_new(frame),
-            Link::Session(_) => true,
+        let Link::Pooled(link) = &mut self.link else {
+            return true;
+        };
+        let told = match link.told.names(frame) {
+            true => link.told.has_frame(frame),
+            false => link.pool.statuses().is_some_and(|s| s.has_frame(frame)),
+        };
+        if !told {
+            link.told.note(frame);
         }
+        !told
     }
 
     /// A ParameterStatus the backend sent, kept for a connection handed

@@ -37,7 +37,8 @@ impl Engine {
             return Greeting::Greeted;
         };
         let pool = Arc::clone(&link.pool);
-        let Some(statuses) = pool.statuses().or_else(|| attached.then(Statuses::default)) else {
+        let login = pool.statuses().map(Arc::unwrap_or_clone);
+        let Some(statuses) = login.or_else(|| attached.then(Statuses::default)) else {
             return Greeting::Connection;
         };
         let (pid, secret) = match &self.cancel {
@@ -70,6 +71,10 @@ impl Engine {
         reported: &Reported,
         (pid, secret): (u32, &[u8]),
     ) -> BytesMut {
+        // What the client is told beyond the pool's login: a connection
+        // taking its settings later reports the same values, which it is
+        // not told again ([`Engine::tells_client`]).
+        let mut told = Statuses::default();
         for (name, value) in &self.startup.params {
             if shown.has(name) {
                 let said = match name.as_str() {
@@ -77,13 +82,12 @@ impl Engine {
                     _ => reported.get(name, value),
                 };
                 shown.set(name, said.as_deref().unwrap_or(value));
+                told.set(name, said.as_deref().unwrap_or(value));
             }
         }
         let out = shown.login_frames(&[&pid.to_be_bytes(), secret]);
-        // What the client is told: a connection taking its settings later
-        // reports the same values, which it is not told again.
         if let Link::Pooled(link) = &mut self.link {
-            link.told = shown;
+            link.told = told;
         }
         self.on_ready_for_query(ctx, TxStatus::Idle);
         out
