@@ -362,10 +362,6 @@ impl Link {
 }
 
 impl PooledLink {
-    pub fn lent(&self) -> Option<&Lent> {
-        self.lent.as_ref()
-    }
-
     /// A connection granted by the pool is the session's. Returns the
     /// query that gives it the client's settings, to run at once, if they
     /// differ from its own; or queues that query ahead of `to_backend`'s

@@ -73,7 +73,7 @@ impl Engine {
         }
         if let Link::Pooled(p) = &mut self.link {
             // The generation of the connection the settings were read on.
-            let read_in = p.lent().map(|l| l.generation);
+            let read_in = p.lent.as_ref().map(|l| l.generation);
             p.prefix_generation = read_in;
             if let Some(read_in) = read_in
                 && !p.state_dirty
