@@ -1,8 +1,10 @@
 //! Extended-protocol messages held until Sync, so that a batch of the shape
 //! drivers send for one query can be answered from the cache, Sync and all.
-//! The decision is made once, at Sync ([`Batch::single_query`]); a batch
-//! that cannot be held any longer is forwarded and the rest of it goes
-//! straight through.
+//! The query is read out of the held frames at Sync
+//! ([`Batch::single_query`]), or out of the read buffer where a whole batch
+//! came in one read ([`WholeBatch`]), and decided the same way from the
+//! one view of it ([`OneQuery`]); a batch that cannot be held any longer is
+//! forwarded and the rest of it goes straight through.
 
 use std::sync::Arc;
 
@@ -57,17 +59,69 @@ struct Held {
     execute_at: Option<std::ops::Range<usize>>,
 }
 
-/// The one query of a held batch: its Bind, plan and row limit.
+/// The one query of a batch of the shape drivers send for one, `[Parse]
+/// Bind [Describe] Execute` on the unnamed portal, read where its frames
+/// are: held ([`Batch::single_query`]) or whole in the client's read
+/// buffer ([`WholeBatch::query`]). Either way it is decided by the one
+/// function that makes its key.
+pub(super) struct OneQuery<'a> {
+    pub bind_body: &'a [u8],
+    /// The Describe's kind and name, if the batch has one.
+    pub describe: Option<(u8, &'a [u8])>,
+    /// The Execute's portal and row limit.
+    pub execute: (&'a [u8], i32),
+    /// The tags (and Describe kind) of the batch's frames, for the key.
+    pub shape: &'a [u8],
+}
+
+impl<'a> OneQuery<'a> {
+    /// The statement the Bind names, if the frames run one query: the
+    /// unnamed portal bound and run, a Describe of what the Bind made.
+    pub fn statement(&self) -> Result<&'a [u8], BypassReason> {
+        let (portal, statement) =
+            extended::bind_names(self.bind_body).ok_or(BypassReason::UnsupportedShape)?;
+        let describe_ok = self
+            .describe
+            .is_none_or(|(kind, name)| describes_the_bound(kind, name, portal, statement));
+        match portal.is_empty() && self.execute.0 == portal && describe_ok {
+            true => Ok(statement),
+            false => Err(BypassReason::UnsupportedShape),
+        }
+    }
+
+    /// The Execute's row limit; 0: none (PostgreSQL takes zero or less as
+    /// no limit).
+    pub fn row_limit(&self) -> u32 {
+        self.execute.1.max(0) as u32
+    }
+}
+
+/// The most tags (and Describe kinds) a batch holds.
+const MAX_SHAPE: usize = MAX_HELD_MESSAGES + 1;
+
+/// A held batch's one query, its frames' parts taken out of the batch (so
+/// that the engine may decide while the batch stays held), with the plan
+/// its Execute found.
 pub(super) struct SingleQuery {
     bind_frame: Bytes,
+    describe: Option<(u8, Bytes)>,
+    portal: Bytes,
+    max_rows: i32,
+    shape: ([u8; MAX_SHAPE], usize),
     pub plan: Arc<Plan>,
-    /// The Execute's row limit; 0: none.
-    pub row_limit: u32,
 }
 
 impl SingleQuery {
-    pub fn bind_body(&self) -> &[u8] {
-        &self.bind_frame[HEADER_LEN..]
+    pub fn view(&self) -> OneQuery<'_> {
+        OneQuery {
+            bind_body: &self.bind_frame[HEADER_LEN..],
+            describe: self
+                .describe
+                .as_ref()
+                .map(|(kind, name)| (*kind, &name[..])),
+            execute: (&self.portal, self.max_rows),
+            shape: &self.shape.0[..self.shape.1],
+        }
     }
 }
 
@@ -83,7 +137,7 @@ pub(super) fn describes_the_bound(kind: u8, name: &[u8], portal: &[u8], statemen
 /// A driver's one-query batch found whole at the start of the client's
 /// read buffer: `Bind [Describe] Execute Sync`, what every run of a
 /// prepared statement sends. The read buffer itself holds it while the
-/// cache decides ([`Session::whole_batch`](super::relay::Session::whole_batch)): no
+/// cache decides ([`Engine::whole_batch`](super::engine::Engine::whole_batch)): no
 /// frame is split off, dispatched or copied into [`Batch`] one by one.
 pub(super) struct WholeBatch {
     /// Where each frame ends: Bind, Describe (if any), Execute, Sync.
@@ -131,18 +185,33 @@ impl WholeBatch {
         })
     }
 
-    pub fn bind_body<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
-        &buf[HEADER_LEN..self.bind_end]
-    }
-
-    pub fn describe_body<'a>(&self, buf: &'a [u8]) -> Option<&'a [u8]> {
-        self.describe_end
-            .map(|end| &buf[self.bind_end + HEADER_LEN..end])
-    }
-
-    pub fn execute_body<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
-        let start = self.describe_end.unwrap_or(self.bind_end);
-        &buf[start + HEADER_LEN..self.execute_end]
+    /// The batch's one query, read in `buf` (`tags` holds its shape);
+    /// `None` if a frame is malformed, for the frame-by-frame path to
+    /// report.
+    pub fn query<'a>(&self, buf: &'a [u8], tags: &'a mut [u8; 4]) -> Option<OneQuery<'a>> {
+        let describe = match self.describe_end {
+            Some(end) => Some(extended::target(&buf[self.bind_end + HEADER_LEN..end])?),
+            None => None,
+        };
+        let execute_start = self.describe_end.unwrap_or(self.bind_end);
+        let execute = extended::execute(&buf[execute_start + HEADER_LEN..self.execute_end])?;
+        *tags = [fe::BIND, fe::DESCRIBE, 0, fe::EXECUTE];
+        let shape: &'a [u8] = match describe {
+            Some((kind, _)) => {
+                tags[2] = kind;
+                &tags[..]
+            }
+            None => {
+                tags[1] = fe::EXECUTE;
+                &tags[..2]
+            }
+        };
+        Some(OneQuery {
+            bind_body: &buf[HEADER_LEN..self.bind_end],
+            describe,
+            execute,
+            shape,
+        })
     }
 }
 
@@ -215,11 +284,6 @@ impl Batch {
         self.shape.push(frame[0]);
     }
 
-    /// The tags (and Describe kinds) of what is held.
-    pub fn shape(&self) -> &[u8] {
-        &self.shape
-    }
-
     /// Takes the held frames out, to forward them: from now on the batch
     /// holds nothing more. The buffer comes back with [`Batch::give_back`].
     pub fn release(&mut self) -> Option<BytesMut> {
@@ -269,10 +333,8 @@ impl Batch {
         )
     }
 
-    /// The batch's query, if the batch has the shape drivers send for one:
-    /// `[Parse] Bind [Describe] Execute` on the unnamed portal, with the
-    /// Describe naming what the Bind names. A row limit is kept for the
-    /// lookup ([`crate::cache::Request::row_limit`]).
+    /// The batch's query, if it holds a Bind and an Execute: whether they
+    /// run one query is [`OneQuery::statement`]'s to say.
     pub fn single_query(&self) -> Result<SingleQuery, BypassReason> {
         let Some(held) = &self.held else {
             return Err(BypassReason::UnsupportedShape);
@@ -280,20 +342,15 @@ impl Batch {
         let (Some(bind_frame), Some((portal, max_rows, plan))) = (&held.bind, &held.execute) else {
             return Err(BypassReason::UnsupportedShape);
         };
-        let (bound_portal, statement) = extended::bind_names(&bind_frame[HEADER_LEN..])
-            .ok_or(BypassReason::UnsupportedShape)?;
-        let describe_ok = held
-            .describe
-            .as_ref()
-            .is_none_or(|(kind, name)| describes_the_bound(*kind, name, bound_portal, statement));
-        if !bound_portal.is_empty() || portal.as_ref() != bound_portal || !describe_ok {
-            return Err(BypassReason::UnsupportedShape);
-        }
+        let mut shape = [0; MAX_SHAPE];
+        shape[..self.shape.len()].copy_from_slice(&self.shape);
         Ok(SingleQuery {
             bind_frame: bind_frame.clone(),
+            describe: held.describe.clone(),
+            portal: portal.clone(),
+            max_rows: *max_rows,
+            shape: (shape, self.shape.len()),
             plan: Arc::clone(plan),
-            // PostgreSQL takes zero or less as no limit.
-            row_limit: (*max_rows).max(0) as u32,
         })
     }
 }
@@ -413,20 +470,18 @@ mod tests {
     #[test]
     fn the_drivers_shape_is_one_query() {
         let b = held("", Some((fe::TARGET_PORTAL, "")), 0);
+        let q = b.single_query().unwrap();
         assert_eq!(
-            b.shape(),
+            q.view().shape,
             [fe::BIND, fe::DESCRIBE, fe::TARGET_PORTAL, fe::EXECUTE]
         );
-        let q = b.single_query().unwrap();
-        assert_eq!(extended::bind_names(q.bind_body()).unwrap().1, b"s1");
-        assert!(
-            held("", Some((fe::TARGET_STATEMENT, "s1")), 0)
-                .single_query()
-                .is_ok()
-        );
-        assert!(held("", None, 0).single_query().is_ok());
-        assert_eq!(held("", None, 1).single_query().unwrap().row_limit, 1);
-        assert_eq!(held("", None, -1).single_query().unwrap().row_limit, 0);
+        assert_eq!(q.view().statement(), Ok(&b"s1"[..]));
+        let one = |b: Batch| b.single_query().unwrap().view().statement().is_ok();
+        assert!(one(held("", Some((fe::TARGET_STATEMENT, "s1")), 0)));
+        assert!(one(held("", None, 0)));
+        let limit = |b: Batch| b.single_query().unwrap().view().row_limit();
+        assert_eq!(limit(held("", None, 1)), 1);
+        assert_eq!(limit(held("", None, -1)), 0);
     }
 
     #[test]
@@ -434,7 +489,8 @@ mod tests {
         let named_portal = held("p1", None, 0);
         let wrong_describe = held("", Some((fe::TARGET_STATEMENT, "other")), 0);
         for b in [named_portal, wrong_describe] {
-            assert_eq!(b.single_query().err(), Some(BypassReason::UnsupportedShape));
+            let q = b.single_query().unwrap();
+            assert_eq!(q.view().statement(), Err(BypassReason::UnsupportedShape));
         }
         assert_eq!(
             Batch::default().single_query().err(),
@@ -451,9 +507,16 @@ mod tests {
         let whole = [&bind[..], &describe, &execute, &sync].concat();
         let at = WholeBatch::at_start(&whole, 1 << 20).expect("found");
         assert_eq!(at.len, whole.len());
-        assert_eq!(at.bind_body(&whole), &bind[HEADER_LEN..]);
-        assert_eq!(at.describe_body(&whole), Some(&b"P\0"[..]));
-        assert_eq!(at.execute_body(&whole), &[0, 0, 0, 0, 0]);
+        let mut tags = [0; 4];
+        let q = at.query(&whole, &mut tags).expect("well formed");
+        assert_eq!(q.bind_body, &bind[HEADER_LEN..]);
+        assert_eq!(q.describe, Some((fe::TARGET_PORTAL, &b""[..])));
+        assert_eq!(q.execute, (&b""[..], 0));
+        assert_eq!(
+            q.shape,
+            [fe::BIND, fe::DESCRIBE, fe::TARGET_PORTAL, fe::EXECUTE]
+        );
+        assert_eq!(q.statement(), Ok(&b"s1"[..]));
         // What follows the Sync is left for later.
         let more = [&whole[..], &bind].concat();
         assert_eq!(
@@ -462,8 +525,10 @@ mod tests {
         );
         let bare = [&bind[..], &execute, &sync].concat();
         let at = WholeBatch::at_start(&bare, 1 << 20).expect("no Describe");
-        assert_eq!(at.describe_body(&bare), None);
-        assert_eq!(at.execute_body(&bare), &[0, 0, 0, 0, 0]);
+        let mut tags = [0; 4];
+        let q = at.query(&bare, &mut tags).expect("well formed");
+        assert_eq!((q.describe, q.execute), (None, (&b""[..], 0)));
+        assert_eq!(q.shape, [fe::BIND, fe::EXECUTE]);
 
         let parse = frame(fe::PARSE, b"s1\0SELECT 1\0\0\0");
         for (case, buf) in [

@@ -41,14 +41,19 @@ use crate::classify::prerequisites::prerequisites;
 use crate::pool::marks::{Marks, marks};
 use crate::protocol::codec::HEADER_LEN;
 use crate::protocol::{TxStatus, extended, frontend as fe};
-use crate::session::batch::{WholeBatch, binds_time_literal, describes_the_bound, extended_key};
+use crate::session::batch::{OneQuery, WholeBatch, binds_time_literal, extended_key};
 use crate::session::known::Statement;
 use crate::session::pipeline::{Flow, Inflight};
 use crate::session::plan::Plan;
 use crate::session::row_limit::{RowCut, set_row_limit};
 
-/// A held batch's cache key, plan, statement and row limit.
-type BatchKey = (RequestKey, Arc<Plan>, Arc<Statement>, u32, Option<Reads>);
+/// A batch's one query decided: its cache key, plan, statement and the
+/// rows it reads by key.
+type QueryKey = (RequestKey, Arc<Plan>, Arc<Statement>, Option<Reads>);
+
+/// Why the cache may not serve a batch's query, and the plan that said so
+/// if it was its plan.
+type Refusal = (BypassReason, Option<Arc<Plan>>);
 
 impl Engine {
     /// One complete client frame, with caching on.
@@ -328,7 +333,7 @@ impl Engine {
         let mut inflight = Inflight::default();
         if self.batch.holds() && !self.batch.forwarded {
             match self.batch_key(ctx)? {
-                Ok((key, plan, stmt, row_limit, by_row)) => {
+                Ok(((key, plan, stmt, by_row), row_limit)) => {
                     let looked = self.look_up(ctx, Ok(key), &plan, by_row.as_ref())?;
                     // The held frames and this Sync: what a refresh sends.
                     let execute_at = self.batch.execute_at();
@@ -385,56 +390,83 @@ impl Engine {
         Ok(Flow::Continue)
     }
 
-    /// The key of a held batch of the shape drivers send for one query:
-    /// `[Parse] Bind [Describe] Execute Sync` on the unnamed portal.
-    fn batch_key(&mut self, ctx: &Ctx) -> Result<Result<BatchKey, BypassReason>, Need> {
+    /// The key of a held batch's one query ([`Self::query_key`]), with its
+    /// row limit; a refusal under its plan is counted in its statement's
+    /// stats.
+    fn batch_key(&mut self, ctx: &Ctx) -> Result<Result<(QueryKey, u32), BypassReason>, Need> {
         let query = match self.batch.single_query() {
             Ok(q) => q,
             Err(reason) => return Ok(Err(reason)),
         };
-        let Some((_, statement)) = extended::bind_names(query.bind_body()) else {
-            return Ok(Err(BypassReason::UnsupportedShape));
+        let view = query.view();
+        Ok(match self.query_key(ctx, &view, Some(&query.plan))? {
+            Ok(key) => Ok((key, view.row_limit())),
+            Err((reason, plan)) => {
+                if let Some(plan) = plan {
+                    plan.stats.bypassed(reason);
+                }
+                Err(reason)
+            }
+        })
+    }
+
+    /// The key of a batch's one query, made in this one place whether its
+    /// frames were held until Sync or found whole in the read buffer: the
+    /// statement its Bind names, no time literal in its parameters, its
+    /// plan (`planned`, the one its Execute found, if still current),
+    /// whether the session may be served it now, and its parameters
+    /// hashed. A refusal carries the plan when the plan refused.
+    fn query_key(
+        &mut self,
+        ctx: &Ctx,
+        query: &OneQuery,
+        planned: Option<&Arc<Plan>>,
+    ) -> Result<Result<QueryKey, Refusal>, Need> {
+        let refused = |reason| Ok(Err((reason, None)));
+        let stmt = match query
+            .statement()
+            .map(|name| self.known.statements.get(name))
+        {
+            Ok(Some(stmt)) => Arc::clone(stmt),
+            Ok(None) | Err(_) => return refused(BypassReason::UnsupportedShape),
         };
-        let Some(stmt) = self.known.statements.get(statement).cloned() else {
-            return Ok(Err(BypassReason::UnsupportedShape));
-        };
-        match binds_time_literal(query.bind_body()) {
-            None => return Ok(Err(BypassReason::UnsupportedShape)),
-            Some(true) => return Ok(Err(BypassReason::TimeLiteral)),
+        match binds_time_literal(query.bind_body) {
+            None => return refused(BypassReason::UnsupportedShape),
+            Some(true) => return refused(BypassReason::TimeLiteral),
             Some(false) => {}
         }
-        let current = query.plan.generation == self.db.catalog.generation()
-            && query.plan.policy_generation == ctx.instance.policy_generation();
-        let plan = match current {
-            true => Arc::clone(&query.plan),
-            // The catalog or the policy changed since the Execute.
-            false => self.plan(ctx, stmt.hash, &stmt.sql)?,
-        };
+        let (generation, policy) = (
+            self.db.catalog.generation(),
+            ctx.instance.policy_generation(),
+        );
+        // The catalog or the policy may have changed since the Execute.
+        let plan =
+            match planned.filter(|p| p.generation == generation && p.policy_generation == policy) {
+                Some(plan) => Arc::clone(plan),
+                None => self.plan(ctx, stmt.hash, &stmt.sql)?,
+            };
         let prefix = match self.may_serve(ctx, &plan, false)? {
             Ok(prefix) => prefix,
-            Err(reason) => {
-                plan.stats.bypassed(reason);
-                return Ok(Err(reason));
-            }
+            Err(reason) => return Ok(Err((reason, Some(plan)))),
         };
         let (key, bound) = match extended_key(
             (prefix, key_text(&plan, stmt.hash, &stmt.sql)),
             &stmt,
-            self.batch.shape(),
-            (query.bind_body(), plan.keyed.is_some()),
+            query.shape,
+            (query.bind_body, plan.keyed.is_some()),
         ) {
             Ok(found) => found,
-            Err(reason) => return Ok(Err(reason)),
+            Err(reason) => return refused(reason),
         };
         let by_row = self.bound_reads(&plan, &stmt, &bound);
-        Ok(Ok((key, plan, stmt, query.row_limit, by_row)))
+        Ok(Ok((key, plan, stmt, by_row)))
     }
 
     /// A whole one-query batch at the start of the client's buffer `buf`,
-    /// if the engine can decide on it now from what its frames say and
-    /// what the session knows (a statement it defined, a read it may
-    /// serve). `None` leaves the batch to the frame-by-frame path, which
-    /// gives it the same answer (and meets what it needs).
+    /// if the engine can decide on it now ([`Self::query_key`], as at a
+    /// held batch's Sync) and the cache may serve it. `None` leaves the
+    /// batch to the frame-by-frame path, which makes the same decision
+    /// (and meets what it needs, and counts a refusal).
     pub(super) fn whole_batch(
         &mut self,
         ctx: &Ctx,
@@ -444,59 +476,24 @@ impl Engine {
         if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
             return None;
         }
-        let asked = self.asked();
-        let ready = self.decide_whole(ctx, buf, max_frame);
-        if ready.is_none() {
-            self.withdraw_asked(asked);
-        }
-        ready
-    }
-
-    fn decide_whole(&mut self, ctx: &Ctx, buf: &[u8], max_frame: usize) -> Option<ReadyBatch> {
         let at = WholeBatch::at_start(buf, max_frame)?;
-        // What the session knows first: a write or a read it may not serve
-        // now (every run of such a statement) costs no decoding.
-        let (portal, statement) = extended::bind_names(at.bind_body(buf))?;
-        let stmt = Arc::clone(self.known.statements.get(statement)?);
-        let plan = self.plan(ctx, stmt.hash, &stmt.sql).ok()?;
-        if plan.begins.is_some() {
-            return None;
-        }
-        let prefix = self.may_serve(ctx, &plan, false).ok()?.ok()?;
-        if !portal.is_empty() {
-            return None;
-        }
-        let mut tags = [fe::BIND, fe::DESCRIBE, 0, fe::EXECUTE];
-        let shape = match at.describe_body(buf) {
-            Some(body) => {
-                let (kind, name) = extended::target(body)?;
-                if !describes_the_bound(kind, name, portal, statement) {
-                    return None;
-                }
-                tags[2] = kind;
-                &tags[..]
+        let mut tags = [0; 4];
+        // A row limit needs the Execute rewritten ([`Self::on_sync`]).
+        let query = at.query(buf, &mut tags).filter(|q| q.execute.1 <= 0)?;
+        let asked = self.asked();
+        match self.query_key(ctx, &query, None) {
+            Ok(Ok((key, plan, statement, by_row))) => Some(ReadyBatch {
+                len: at.len,
+                key,
+                by_row,
+                statement,
+                plan,
+            }),
+            Ok(Err(_)) | Err(_) => {
+                self.withdraw_asked(asked);
+                None
             }
-            None => &[fe::BIND, fe::EXECUTE][..],
-        };
-        // A row limit needs the frame rewritten ([`Self::on_sync`]).
-        let (portal, max_rows) = extended::execute(at.execute_body(buf))?;
-        if !portal.is_empty() || max_rows > 0 {
-            return None;
         }
-        let (key, bound) = extended_key(
-            (prefix, key_text(&plan, stmt.hash, &stmt.sql)),
-            &stmt,
-            shape,
-            (at.bind_body(buf), plan.keyed.is_some()),
-        )
-        .ok()?;
-        Some(ReadyBatch {
-            len: at.len,
-            key,
-            by_row: self.bound_reads(&plan, &stmt, &bound),
-            statement: stmt,
-            plan,
-        })
     }
 
     /// Answers or forwards a batch [`Self::whole_batch`] found (its frames

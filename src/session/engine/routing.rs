@@ -15,7 +15,6 @@ use crate::cache::versions::Family;
 use crate::classify::BypassReason;
 use crate::pool::prepared::ServerStatements;
 use crate::pool::transaction::Pool;
-use crate::protocol::extended;
 use crate::protocol::{TxStatus, messages, sqlstate};
 use crate::replica::Replica;
 use crate::session::known::Statement;
@@ -290,12 +289,16 @@ impl Engine {
         let Ok(query) = self.batch.single_query() else {
             return false;
         };
+        let view = query.view();
+        let Ok(name) = view.statement() else {
+            return false;
+        };
         // A time literal is found in the Bind, not in the plan.
         let read = match reason {
             BypassReason::TimeLiteral => Err(reason),
             _ => query.plan.read_or_why(),
         };
-        if query.row_limit > 0
+        if view.row_limit() > 0
             || !ctx
                 .instance
                 .replicas()
@@ -303,9 +306,7 @@ impl Engine {
         {
             return false;
         }
-        let statement = extended::bind_names(query.bind_body())
-            .and_then(|(_, name)| self.known.statements.get(name).cloned());
-        let Some(statement) = statement else {
+        let Some(statement) = self.known.statements.get(name).cloned() else {
             return false;
         };
         let mut request = self.batch.release().unwrap_or_default();
