@@ -24,6 +24,19 @@ pub fn sql_hash(sql: &[u8]) -> u128 {
     xxh3_128(sql)
 }
 
+/// The hash of the text a statement's key is made of (`hash`, its text's):
+/// an explained statement (`explained`) reads the entry of the same text
+/// without its hint.
+pub fn keyed_text(explained: bool, hash: u128, sql: &[u8]) -> u128 {
+    if !explained {
+        return hash;
+    }
+    std::str::from_utf8(sql)
+        .ok()
+        .and_then(crate::hints::unexplained)
+        .map_or(hash, |text| sql_hash(text.as_bytes()))
+}
+
 /// Digests a session's settings as the server reported them. Taken once
 /// per answer and kept with it: the answer spells out every setting, and
 /// hashing it was most of what a new session's first key cost.

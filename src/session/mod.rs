@@ -8,7 +8,8 @@
 //!                ──▶ connect backend, log in                  engine/auth.rs
 //! loop select!:                                               relay.rs
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
-//!   client frames  → Query, Parse/Bind/Describe/Execute/Sync  engine/requests.rs
+//!   client frames  → Query, function call                    engine/requests.rs
+//!                    Parse/Bind/Describe/Execute/Sync         engine/batches.rs
 //!                    (caching off: forwarded)                 engine/intake.rs
 //!   what the engine asks next, polled in its order            engine/output.rs
 //!                    carried out                              traffic.rs

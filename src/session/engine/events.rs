@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 
-use crate::cache::key::RequestKey;
 use crate::cache::sampler::Check;
 use crate::cache::versions::Family;
 use crate::cache::{Cache, Fill, Publication, Wait, Waited};
@@ -19,10 +18,9 @@ use crate::pool::clients::Client;
 use crate::pool::errand::Errand;
 use crate::replica::Replicas;
 use crate::session::capture::Capture;
-use crate::session::known::Statement;
 use crate::session::link::Knobs;
 use crate::session::logins::{Login, SharedLogins};
-use crate::session::plan::{Plan, SharedPlans};
+use crate::session::plan::SharedPlans;
 use crate::upstream::Upstream;
 
 /// What the engine may read with each event: shared state that never
@@ -181,10 +179,7 @@ impl Found {
 /// A whole one-query batch at the start of the client's buffer that the
 /// engine can decide on at once ([`Engine::whole_batch`]).
 pub(in crate::session) struct ReadyBatch {
+    /// Its bytes at the start of the buffer.
     pub len: usize,
-    pub key: RequestKey,
-    pub statement: Arc<Statement>,
-    pub plan: Arc<Plan>,
-    /// A keyed read's rows' versions ([`crate::session::keyed`]).
-    pub by_row: Option<crate::cache::Reads>,
+    pub query: super::batches::DecidedQuery,
 }

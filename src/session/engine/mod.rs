@@ -35,6 +35,7 @@ use crate::upstream::UpstreamAddr;
 
 mod answers;
 mod auth;
+mod batches;
 mod events;
 mod greeting;
 mod hidden;

@@ -4,6 +4,7 @@
 
 mod auth;
 mod backend;
+mod batches;
 mod client;
 mod greeting;
 mod hidden;
