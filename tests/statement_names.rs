@@ -285,3 +285,81 @@ async fn sql_on_protocol_statements_in_transaction_mode_answers_as_directly() {
 async fn sql_on_protocol_statements_in_session_mode_answers_as_directly() {
     same_as_directly(PoolMode::Session).await;
 }
+
+/// Parses PostgreSQL refuses, each followed by what shows the
+/// transaction failed: a name the client prepared already (inside a
+/// transaction block and in a batch's implicit transaction), a Parse in a
+/// failed transaction (on its own, and pipelined behind the statement that
+/// fails it), and a run of the statement refused.
+fn refused_parses(table: &str) -> Vec<Vec<u8>> {
+    let q = |sql: &str| wire::query(sql);
+    let prepare = |name: &str, sql: &str| [wire::parse(name, sql), wire::sync()].concat();
+    let insert = format!("INSERT INTO {table} VALUES (1)");
+    vec![
+        prepare("s1", "select 1"),
+        q("BEGIN"),
+        q(&insert),
+        prepare("s1", "select 2"),
+        q("COMMIT"),
+        q(&format!("SELECT count(*) FROM {table}")),
+        // The batch's insert is undone with it.
+        [
+            wire::parse("", &insert),
+            wire::bind(""),
+            wire::execute(),
+            wire::parse("s1", "select 3"),
+            wire::sync(),
+        ]
+        .concat(),
+        q(&format!("SELECT count(*) FROM {table}")),
+        q("BEGIN"),
+        q("SELECT 1/0"),
+        prepare("s2", "select 1"),
+        q("ROLLBACK"),
+        [wire::bind("s2"), wire::execute(), wire::sync()].concat(),
+        q("BEGIN"),
+        // Sent together: the Parse is decided before the division fails.
+        [q("SELECT 1/0"), prepare("s3", "select 1")].concat(),
+        Vec::new(),
+        q("ROLLBACK"),
+        [wire::bind("s1"), wire::execute(), wire::sync()].concat(),
+    ]
+}
+
+async fn refused_transcript(addr: std::net::SocketAddr, db: &str, table: &str) -> Vec<Vec<String>> {
+    let (mut a, _) = wire::raw_login(addr, db).await;
+    let mut seen = Vec::new();
+    for bytes in refused_parses(table) {
+        seen.push(exchange(&mut a, &bytes).await);
+    }
+    seen
+}
+
+#[tokio::test]
+async fn in_transaction_mode_a_refused_parse_fails_the_transaction_as_directly() {
+    let pg = pg();
+    let db = pg.create_db("refused_parses");
+    pg.direct(&db)
+        .await
+        .batch_execute("CREATE TABLE t_direct(a int); CREATE TABLE t_through(a int)")
+        .await
+        .unwrap();
+    let direct_addr = format!("127.0.0.1:{}", pg.port).parse().unwrap();
+    let direct = refused_transcript(direct_addr, &db, "t_direct").await;
+    let mut config = pg.proxy_config();
+    config.pool.mode = PoolMode::Transaction;
+    config.pool.default_pool_size = 1;
+    let proxy = Proxy::start(config).await;
+    let through = refused_transcript(proxy.addr, &db, "t_through").await;
+    for (i, (d, t)) in direct.iter().zip(&through).enumerate() {
+        assert_eq!(t, d, "step {i}: through pgcache, then directly");
+    }
+    assert_eq!(direct.len(), through.len());
+    let all: Vec<&String> = direct.iter().flatten().collect();
+    for wanted in ["E 42P05", "E 25P02", "E 26000", "C ROLLBACK", "D 0", "D 1"] {
+        assert!(
+            all.iter().any(|s| s.as_str() == wanted),
+            "{wanted} in {all:?}"
+        );
+    }
+}

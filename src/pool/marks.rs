@@ -268,6 +268,51 @@ fn is_advisory_lock(word: &[u8]) -> bool {
     .any(|f| is(word, f))
 }
 
+/// Whether `sql` ends a transaction as PostgreSQL allows in a failed one
+/// (`COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION`): its
+/// first two words, past white space and comments.
+pub fn ends_transaction(sql: &[u8]) -> bool {
+    let mut words = Words {
+        sql: without_leading_comments(sql),
+        pos: 0,
+    };
+    let mut word = || words.next().map(|(start, end)| &words.sql[start..end]);
+    match word() {
+        Some(w) if is(w, b"prepare") => word().is_some_and(|w| is(w, b"transaction")),
+        Some(w) => [&b"commit"[..], b"end", b"rollback", b"abort"]
+            .iter()
+            .any(|k| is(w, k)),
+        None => false,
+    }
+}
+
+/// `sql` from its first byte that is neither white space nor in a comment
+/// (`--` to the end of the line, `/* */`, nested as PostgreSQL nests them).
+fn without_leading_comments(mut sql: &[u8]) -> &[u8] {
+    loop {
+        sql = sql.trim_ascii_start();
+        if let Some(rest) = sql.strip_prefix(b"--") {
+            let end = rest.iter().position(|b| *b == b'\n').unwrap_or(rest.len());
+            sql = &rest[end..];
+        } else if sql.starts_with(b"/*") {
+            let (mut depth, mut at) = (0usize, 0);
+            while at < sql.len() {
+                match &sql[at..] {
+                    [b'/', b'*', ..] => (depth, at) = (depth + 1, at + 2),
+                    [b'*', b'/', ..] => (depth, at) = (depth - 1, at + 2),
+                    _ => at += 1,
+                }
+                if depth == 0 {
+                    break;
+                }
+            }
+            sql = &sql[at..];
+        } else {
+            return sql;
+        }
+    }
+}
+
 /// The first byte after `pos` that is not white space.
 fn next_byte(sql: &[u8], pos: usize) -> Option<u8> {
     sql[pos..]
@@ -338,6 +383,31 @@ const WORD_BYTE: [bool; 256] = {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_transaction_ends_with_its_first_words_past_comments() {
+        for sql in [
+            "COMMIT",
+            "  end work",
+            "rollback to savepoint a",
+            "ABORT",
+            "PREPARE TRANSACTION 'x'",
+            "-- why\nCOMMIT",
+            "/* a /* nested */ comment */ ROLLBACK",
+        ] {
+            assert!(super::ends_transaction(sql.as_bytes()), "{sql}");
+        }
+        for sql in [
+            "SELECT 1",
+            "PREPARE p AS SELECT 1",
+            "/* COMMIT */ SELECT 1",
+            "-- ROLLBACK",
+            "",
+            "/* unclosed COMMIT",
+        ] {
+            assert!(!super::ends_transaction(sql.as_bytes()), "{sql}");
+        }
+    }
+
     use super::*;
 
     fn m(sql: &str) -> (bool, bool) {

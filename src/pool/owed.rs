@@ -48,8 +48,11 @@ pub(super) struct Expect {
     /// PostgreSQL ignores it if that Execute starts COPY FROM STDIN.
     pub(super) may_be_ignored: bool,
     /// A Parse sent under pgcache's name: the statement it prepares on
-    /// the server, and the client's name for it (forgotten if it fails).
-    pub(super) prepares: Option<(u128, Option<Bytes>)>,
+    /// the server (forgotten if it fails).
+    pub(super) prepares: Option<u128>,
+    /// A client's Parse: the client's name of the statement it defines
+    /// (forgotten if it fails).
+    pub(super) defines: Option<Bytes>,
     /// A client's Bind of a named statement: its server name's hash.
     pub(super) binds: Option<u128>,
     /// SQL naming a client's statement (`EXECUTE s`), sent under the
@@ -71,6 +74,7 @@ impl Expect {
             origin,
             may_be_ignored: false,
             prepares: None,
+            defines: None,
             binds: None,
             named: None,
             answered: false,

@@ -205,7 +205,8 @@ fn server_hash(content: u128, generation: u64) -> u128 {
     key.finish().0
 }
 
-/// A client's statement that SQL text names, sent under its server name.
+/// A client's statement named in what is sent (SQL text, a Bind, a
+/// Describe, a Parse refused), sent under its server name.
 #[derive(Debug, Clone)]
 pub(super) struct Named {
     /// Its server name's hash.
@@ -214,6 +215,22 @@ pub(super) struct Named {
     pub(super) name: Bytes,
     /// The SQL is a `DEALLOCATE`: both names are freed once it is done.
     pub(super) frees: bool,
+}
+
+impl Named {
+    /// Whether a server's `frame` names the statement by its server name.
+    pub(super) fn named_in(&self, frame: &[u8]) -> bool {
+        memchr::memmem::find(frame, server_name(self.hash).as_bytes()).is_some()
+    }
+
+    /// The client's statement `name`, prepared on the server as `hash`.
+    pub(super) fn of(hash: u128, name: &[u8]) -> Self {
+        Self {
+            hash,
+            name: Bytes::copy_from_slice(name),
+            frees: false,
+        }
+    }
 }
 
 /// An ErrorResponse about the statement `named` (`prepared statement

@@ -240,6 +240,7 @@ impl Translator {
                 self.owe(Kind::One(be::BIND_COMPLETE));
                 if let Some(bind) = self.expect.back_mut() {
                     bind.binds = binds;
+                    bind.named = binds.map(|hash| Named::of(hash, statement));
                 }
             }
             None => self.send(out, frame, Kind::One(be::BIND_COMPLETE), None),
@@ -253,7 +254,7 @@ impl Translator {
         match extended::target(body) {
             Some((fe::TARGET_STATEMENT, name)) => {
                 self.resolve(name, server, max, out);
-                self.with_statement(name, server, max, out, |server_name, out| {
+                let hash = self.with_statement(name, server, max, out, |server_name, out| {
                     frame_of(
                         out,
                         fe::DESCRIBE,
@@ -261,6 +262,9 @@ impl Translator {
                     );
                 });
                 self.owe(Kind::DescribeStatement);
+                if let Some(describe) = self.expect.back_mut() {
+                    describe.named = hash.map(|hash| Named::of(hash, name));
+                }
             }
             _ => self.send(out, frame, Kind::DescribePortal, None),
         }
@@ -300,23 +304,10 @@ impl Translator {
         if p.name.is_empty() {
             return self.parse_unnamed(frame, &p, server, max, out);
         }
-        let name = Bytes::copy_from_slice(p.name);
-        if self.statements.contains_key(&name) {
-            let mut error = BytesMut::new();
-            let message = format!(
-                "prepared statement \"{}\" already exists",
-                String::from_utf8_lossy(p.name)
-            );
-            messages::error_response(
-                &mut error,
-                "ERROR",
-                sqlstate::DUPLICATE_PSTATEMENT,
-                &message,
-            );
-            self.answer(&error);
-            self.skipping = true;
+        if self.refuses_parse(&p, server, max, out) {
             return;
         }
+        let name = Bytes::copy_from_slice(p.name);
         let statement = match self.reference(p.query) {
             Some(r) => {
                 let refers = Refers {
@@ -339,11 +330,17 @@ impl Translator {
         let hash = statement.hash;
         // Most Parses find their statement on the connection already.
         let parse = (!server.touch(hash)).then(|| statement.parse());
-        self.statements.insert(name.clone(), statement);
         let Some(parse) = parse else {
+            if !self.expect.is_empty() {
+                // PostgreSQL's answer hangs on those owed (a transaction
+                // failing meanwhile refuses it): the server's is asked.
+                return self.parse_as_unnamed(statement, name, server, out);
+            }
+            self.statements.insert(name, statement);
             self.answer(&[be::PARSE_COMPLETE, 0, 0, 0, 4]);
             return;
         };
+        self.statements.insert(name.clone(), statement);
         self.close_over(server, max, out);
         server.insert(hash);
         self.send(
@@ -568,7 +565,7 @@ impl Translator {
     fn inject(&mut self, out: &mut BytesMut, parse: &[u8], hash: Option<u128>) {
         out.extend_from_slice(parse);
         self.expect.push_back(Expect {
-            prepares: hash.map(|h| (h, None)),
+            prepares: hash,
             ..Expect::new(Kind::One(be::PARSE_COMPLETE), Origin::Injected)
         });
     }
@@ -581,8 +578,10 @@ impl Translator {
         prepares: Option<(u128, Option<Bytes>)>,
     ) {
         out.extend_from_slice(frame);
+        let (prepares, defines) = prepares.map_or((None, None), |(h, name)| (Some(h), name));
         self.expect.push_back(Expect {
             prepares,
+            defines,
             ..Expect::new(kind, Origin::Client)
         });
     }
@@ -928,7 +927,7 @@ mod tests {
         let answer = t.on_frame(&refused, &mut server);
         assert_eq!(
             (answer.reply, &answer.to_client[..]),
-            (Reply::Drop, &refused[..])
+            (Reply::Pass, &[][..])
         );
         assert_eq!(t.on_frame(&ready(b'E'), &mut server).reply, Reply::Pass);
         assert!(t.statements.contains_key("s".as_bytes()) && server.contains(hash));

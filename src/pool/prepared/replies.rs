@@ -9,9 +9,10 @@ use bytes::{Bytes, BytesMut};
 
 use super::{Answer, Reply, Translator};
 use crate::pool::owed::{Expect, Kind, Origin, stale_statement};
-use crate::pool::statement::{ServerStatements, renamed};
-use crate::protocol::codec::HEADER_LEN;
-use crate::protocol::{TxStatus, backend as be, messages, sqlstate};
+use crate::pool::statement::{Named, ServerStatements, Statement, renamed};
+use crate::protocol::codec::{HEADER_LEN, frame_of};
+use crate::protocol::extended::Parse;
+use crate::protocol::{TxStatus, backend as be, frontend as fe, messages, sqlstate};
 
 /// PostgreSQL's words for a statement refused in a failed transaction.
 pub(super) const FAILED: &str =
@@ -29,6 +30,110 @@ impl Translator {
             Kind::One(0),
             Origin::Synthetic(Bytes::copy_from_slice(frames)),
         ));
+    }
+
+    /// pgcache refuses the client's Parse in the server's place with
+    /// `code` and `message`, and skips the rest of its batch to the Sync,
+    /// as PostgreSQL would. The server is sent a Parse it refuses in turn
+    /// (its error is not the client's), so that it fails what PostgreSQL
+    /// would have failed: the transaction block, or the batch's implicit
+    /// transaction with what ran in it before.
+    fn refuse_parse(&mut self, code: &'static str, message: &str, out: &mut BytesMut) {
+        let mut error = BytesMut::new();
+        messages::error_response(&mut error, "ERROR", code, message);
+        self.answer(&error);
+        frame_of(
+            out,
+            fe::PARSE,
+            &[b"__pgcache_refused\0pgcache refuses\0", &[0, 0]],
+        );
+        let mut refused = Expect::new(Kind::One(be::PARSE_COMPLETE), Origin::Injected);
+        refused.answered = true;
+        self.expect.push_back(refused);
+        self.skipping = true;
+    }
+
+    /// A client's named Parse PostgreSQL would refuse, refused as it would
+    /// be (true): in a failed transaction, or of a name the client has
+    /// prepared.
+    pub(super) fn refuses_parse(
+        &mut self,
+        p: &Parse<'_>,
+        server: &mut ServerStatements,
+        max: usize,
+        out: &mut BytesMut,
+    ) -> bool {
+        let failed = self.status == TxStatus::Failed && self.expect.is_empty();
+        if failed && !crate::pool::marks::ends_transaction(p.query) {
+            // Not a name the server has: it refuses the Parse itself. (With
+            // answers owed, the status may be stale: the server decides.)
+            self.refused_by_server(b"__pgcache_refused", p, None, out);
+            return true;
+        }
+        let name = Bytes::copy_from_slice(p.name);
+        if self.statements.contains_key(&name) && self.parse_owed(&name) {
+            // Whether it exists is the answer still owed: as if it does.
+            let message = format!(
+                "prepared statement \"{}\" already exists",
+                String::from_utf8_lossy(p.name)
+            );
+            self.refuse_parse(sqlstate::DUPLICATE_PSTATEMENT, &message, out);
+            return true;
+        }
+        if self.statements.contains_key(&name) {
+            // The server is asked to prepare that statement's server name
+            // again, and refuses it.
+            let mut server_name = Vec::new();
+            let hash =
+                self.with_statement(&name, server, max, out, |n, _| server_name = n.to_vec());
+            let named = hash.map(|hash| Named::of(hash, &name));
+            self.refused_by_server(&server_name, p, named, out);
+            return true;
+        }
+        false
+    }
+
+    /// A client's Parse of a statement the server has under its name,
+    /// with answers owed: the server parses its text as the unnamed
+    /// statement, and its answer is the client's (the one it has under
+    /// its name stays; the unnamed one is prepared again when needed).
+    pub(super) fn parse_as_unnamed(
+        &mut self,
+        statement: Statement,
+        name: Bytes,
+        server: &mut ServerStatements,
+        out: &mut BytesMut,
+    ) {
+        let body = [&[0][..], &statement.query, &[0], &statement.param_types];
+        frame_of(out, fe::PARSE, &body);
+        server.unnamed = None;
+        self.statements.insert(name.clone(), statement);
+        self.expect.push_back(Expect {
+            defines: Some(name),
+            ..Expect::new(Kind::One(be::PARSE_COMPLETE), Origin::Client)
+        });
+    }
+
+    /// A client's Parse PostgreSQL would refuse (in a failed transaction,
+    /// or of a name the client has prepared) goes to the server under
+    /// `name`, which the server cannot store: the server refuses it in its
+    /// own words and order (a text it cannot parse first), fails its
+    /// transaction as PostgreSQL's fails, and skips the rest of the batch.
+    /// `named`: the statement `name` is, whose server name the error gives
+    /// under the client's.
+    fn refused_by_server(
+        &mut self,
+        name: &[u8],
+        p: &Parse<'_>,
+        named: Option<Named>,
+        out: &mut BytesMut,
+    ) {
+        let body = [name, &[0], p.query, &[0], p.param_types];
+        frame_of(out, fe::PARSE, &body);
+        self.owe(Kind::One(be::PARSE_COMPLETE));
+        if let Some(parse) = self.expect.back_mut() {
+            parse.named = named;
+        }
     }
 
     /// The answers pgcache gives that nothing sent before them holds up.
@@ -112,7 +217,9 @@ impl Translator {
             _ if error && front.answered => (Reply::Drop, BytesMut::new()),
             // The server's error names the statement as the server knows
             // it: the client gets it under its own name.
-            _ if error && let Some(named) = &front.named => (Reply::Drop, renamed(frame, named)),
+            _ if error && let Some(named) = front.named.as_ref().filter(|n| n.named_in(frame)) => {
+                (Reply::Drop, renamed(frame, named))
+            }
             _ => (Reply::Pass, BytesMut::new()),
         };
         if !ends {
@@ -216,12 +323,23 @@ impl Translator {
 
     /// A Parse that failed (or was skipped) prepared nothing.
     fn failed(&mut self, expect: &Expect, server: &mut ServerStatements) {
-        if let Some((hash, name)) = &expect.prepares {
-            server.remove(*hash);
-            if let Some(name) = name {
-                self.statements.remove(name);
-            }
+        if let Some(hash) = expect.prepares {
+            server.remove(hash);
         }
+        if let Some(name) = &expect.defines
+            && expect
+                .prepares
+                .is_none_or(|hash| self.statements.get(name).is_some_and(|s| s.hash == hash))
+        {
+            self.statements.remove(name);
+        }
+    }
+
+    /// Whether the Parse that prepared the client's statement `name` is
+    /// still to be answered.
+    pub(super) fn parse_owed(&self, name: &[u8]) -> bool {
+        let preparing = |e: &Expect| e.defines.as_deref() == Some(name);
+        self.expect.iter().any(preparing)
     }
 
     /// The connection is gone or changed with answers still owed (it was

@@ -159,6 +159,36 @@ impl Rig {
         }
     }
 
+    /// Feeds `bytes` as one read of the client's, as the driver hands its
+    /// buffer over ([`Engine::on_client_data`]): a whole batch may be
+    /// decided at once, the rest frame by frame; what the engine needs is
+    /// met as [`Self::client_then`] meets it, and the buffer handed over
+    /// again until every frame is taken. Returns the flow.
+    fn client_data_then(
+        &mut self,
+        bytes: &[u8],
+        mut before_own: impl FnMut(&mut Engine, &Ctx),
+    ) -> Flow {
+        let mut buf = BytesMut::from(bytes);
+        self.engine.client_arrived();
+        while self.engine.intake == super::intake::Intake::Fresh {
+            let ctx = ctx(&self.app, &self.entry);
+            match self.engine.on_client_data(&ctx, &mut buf, 1 << 20) {
+                Ok(None) => {}
+                Ok(Some(Need::Own)) => {
+                    before_own(&mut self.engine, &ctx);
+                    let answer = self.settings.clone().map(|row| vec![row]);
+                    self.settings_reads +=
+                        crate::session::fuzz::answer_own(&mut self.engine, &ctx, answer.as_deref());
+                }
+                Ok(Some(Need::Prerequisites(_))) => self.engine.found.prerequisites = true,
+                Ok(Some(_)) => panic!("facts are known, and no shared tier"),
+                Err(e) => panic!("the client's bytes are well formed: {e}"),
+            }
+        }
+        self.engine.flow()
+    }
+
     /// Feeds a client frame relayed untouched, as with caching off.
     fn relayed(&mut self, frame: &[u8]) -> Option<Flow> {
         let ctx = ctx(&self.app, &self.entry);
@@ -209,21 +239,23 @@ impl Rig {
         let wanted = catalog.take_wanted();
         let mut lookup = Lookup::new(&wanted, None);
         while lookup.next_query().is_some() {
-            let cell = |v: &str| Some(v.to_owned());
-            lookup.add(&vec![vec![
-                cell("r"),
-                cell(name),
-                cell("true"),
-                cell("false"),
-                None,
-                cell("true"),
-                cell("true"),
-                None,
-                identity.map(str::to_owned),
-            ]]);
+            lookup.add(&vec![table_row(name, identity)]);
         }
         catalog.install(&wanted, lookup.finish());
         assert!(catalog.knows(&[name], &[]));
+    }
+
+    /// Carries out [`Action::Fetch`] as the driver does, from what the
+    /// model's database holds: `items` keyed by `k`, `log` and `other`.
+    fn fetched(&mut self) {
+        let catalog = &self.engine.db.catalog;
+        let wanted = catalog.take_wanted();
+        let mut lookup = Lookup::new(&wanted, None);
+        while lookup.next_query().is_some() {
+            let tables = [("items", Some(ITEMS_KEY)), ("log", None), ("other", None)];
+            lookup.add(&tables.map(|(name, key)| table_row(name, key)).to_vec());
+        }
+        catalog.install(&wanted, lookup.finish());
     }
 
     /// Logged in, with table `items` known.
@@ -237,7 +269,7 @@ impl Rig {
     /// database's stream up: reads and writes of `items` by key are kept
     /// by row.
     fn keying(mut self) -> Self {
-        self.learns_table("items", Some("k\u{1f}23"));
+        self.learns_table("items", Some(ITEMS_KEY));
         self.engine.db.stream.set_streaming(true);
         self
     }
@@ -277,6 +309,26 @@ fn store_whole(rig: &Rig, fill: Fill, bytes: &[u8]) -> Result<(), TestCaseError>
 
 /// What the driver passes with each event: the rig's instance and
 /// client, the clock now, and a seeded draw.
+/// `items`' replica identity as the catalog gives it: `k`, an int4.
+const ITEMS_KEY: &str = "k\u{1f}23";
+
+/// The catalog's row of facts of table `name`, readable, with its replica
+/// identity (`None`: none).
+fn table_row(name: &str, identity: Option<&str>) -> Vec<Option<String>> {
+    let cell = |v: &str| Some(v.to_owned());
+    vec![
+        cell("r"),
+        cell(name),
+        cell("true"),
+        cell("false"),
+        None,
+        cell("true"),
+        cell("true"),
+        None,
+        identity.map(str::to_owned),
+    ]
+}
+
 fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     Ctx {
         instance: app,

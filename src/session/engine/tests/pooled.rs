@@ -25,6 +25,10 @@ pub(super) struct PoolConn {
     holder: Option<usize>,
     books: Option<Lent>,
     buf: BytesMut,
+    /// The server's answer on its way: it is read once what was read
+    /// before it is relayed (pgcache's answers in the server's place
+    /// among it), as a driver reads the socket only then.
+    incoming: Vec<u8>,
     /// The answer to pgcache's own query, read at [`Io::Own`].
     owed: Vec<u8>,
     addr: UpstreamAddr,
@@ -46,6 +50,7 @@ impl Default for PoolConn {
             holder: None,
             books: Some(Lent::default()),
             buf: BytesMut::new(),
+            incoming: Vec::new(),
             owed: Vec::new(),
             key: Arc::new(CancelTarget {
                 addr: addr.clone(),
@@ -73,6 +78,11 @@ pub(super) fn pump(
     stored: &mut usize,
 ) -> Result<(), TestCaseError> {
     for _ in 0..1_000 {
+        if conn.buf.is_empty() && !conn.incoming.is_empty() {
+            conn.buf
+                .extend_from_slice(&std::mem::take(&mut conn.incoming));
+            feed(rig, conn)?;
+        }
         let attached = conn.holder == Some(who);
         let held = Held {
             attached,
@@ -80,6 +90,11 @@ pub(super) fn pump(
             client: false,
         };
         match rig.engine.poll_io(&*rig.app, held) {
+            Io::Idle if !conn.incoming.is_empty() => {
+                conn.buf
+                    .extend_from_slice(&std::mem::take(&mut conn.incoming));
+                feed(rig, conn)?;
+            }
             Io::Idle => {
                 prop_assert!(
                     !attached || rig.engine.link_step(true, false).is_none(),
@@ -110,6 +125,7 @@ pub(super) fn pump(
                 store_whole(rig, *fill, &bytes)?;
                 *stored += 1;
             }
+            Io::Act(Action::Fetch) => rig.fetched(),
             Io::Act(_) => {}
             Io::Part(parting) => let_go(rig, conn, backend, parting)?,
             Io::Drop(error) => {
@@ -127,18 +143,18 @@ pub(super) fn pump(
     Err(TestCaseError::fail("the engine asks again and again"))
 }
 
-/// Feeds session `who`'s client frame as [`Rig::client`] does, but as in
-/// transaction mode: pgcache's own query takes the pool's connection
+/// Feeds session `who`'s client bytes, one read's, as
+/// [`Rig::client_data_then`] does, but as in transaction mode: pgcache's own query takes the pool's connection
 /// first, if the session holds none, and the client's settings put on it
 /// go to its server session (`backend`); the rig answers the rest.
 pub(super) fn client(
     rig: &mut Rig,
     who: usize,
     (conn, backend): (&mut PoolConn, &mut Backend),
-    frame: &[u8],
+    bytes: &[u8],
 ) -> Result<Flow, TestCaseError> {
     let mut taken = Ok(());
-    let flow = rig.client_then(frame, |engine, ctx| {
+    let flow = rig.client_data_then(bytes, |engine, ctx| {
         if conn.holder != Some(who) && taken.is_ok() {
             taken = check_out(engine, who, conn, false);
         }
@@ -183,8 +199,8 @@ fn write_staged(
         rig.engine.splice(&mut conn.buf, &answers);
         feed(rig, conn)?;
     }
-    conn.buf.extend_from_slice(&backend.receive(&request));
-    feed(rig, conn)
+    conn.incoming.extend(backend.receive(&request));
+    Ok(())
 }
 
 /// The session lets the connection go: back to the pool with its books,

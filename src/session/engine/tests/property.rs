@@ -8,7 +8,10 @@
 //! last two known through the replication stream). A second session
 //! through pgcache, on the same instance, reads and writes between the
 //! first one's requests: what it is served must be what the model answers
-//! it, and what it writes must not be served stale to the first.
+//! it, and what it writes must not be served stale to the first. Each
+//! step's frames come in one read, as the driver hands its buffer over:
+//! a run of a named statement may be decided whole
+//! ([`Engine::whole_batch`](crate::session::engine::Engine)).
 //! `tests/model.rs` checks the model against PostgreSQL.
 
 use std::cell::RefCell;
@@ -29,6 +32,12 @@ struct Counts {
     hits: usize,
     /// Hits of a row-limited Execute.
     limited_hits: usize,
+    /// Hits of a run of a named statement (Bind first, no Parse): what the
+    /// engine may decide whole, in the read buffer.
+    prepared_hits: usize,
+    /// Parses and Binds refused for their name: prepared already (42P05),
+    /// or not prepared (26000).
+    name_refusals: usize,
     suspended: usize,
     errors_mid_batch: usize,
     copies: usize,
@@ -101,19 +110,22 @@ impl Writes {
     }
 }
 
-/// The model backend's answers to each step of `program`, sent directly.
-fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
+/// The model backend's answers to each step of `program`, sent directly:
+/// the answer, whether the transaction block wrote before it, and the
+/// step with what its runs of named statements run ([`Backend::resolve`]).
+fn direct(program: &Program) -> Vec<(Vec<u8>, bool, Step)> {
     let mut backend = Backend::default();
     let mut answers = Vec::new();
     for step in program.0.iter().flatten() {
+        let step = backend.resolve(step);
         let wrote = backend.block_wrote();
         if let Step::Direct(k) = step {
-            backend.direct_write(*k);
+            backend.direct_write(k);
         }
         if let Step::Other(sql) = step
             && let Some(mut theirs) = backend.other()
         {
-            theirs.receive(&Step::Query(*sql).frames()[0]);
+            theirs.receive(&Step::Query(sql).frames()[0]);
             backend.rejoin(theirs);
         }
         let mut answer = Vec::new();
@@ -122,7 +134,7 @@ fn direct(program: &Program) -> Vec<(Vec<u8>, bool)> {
         }
         let readies = model::seen(&answer).iter().filter(|m| m.tag == 'Z').count();
         assert_eq!(readies, step.readies(), "{step:?}");
-        answers.push((answer, wrote));
+        answers.push((answer, wrote, step));
     }
     answers
 }
@@ -135,8 +147,8 @@ fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<
     for group in &program.0 {
         run.counts.pipelines += usize::from(group.len() > 1);
         let mut closed = false;
-        for step in group {
-            let (_, wrote) = steps.next().expect("an answer per step");
+        for _ in group {
+            let (_, wrote, step) = steps.next().expect("an answer per step");
             closed = run.step(step, *wrote)?;
             if closed {
                 break;
@@ -148,7 +160,7 @@ fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<
         }
     }
     let seen = run.finish();
-    let expected: Vec<u8> = answers.iter().flat_map(|(a, _)| a.clone()).collect();
+    let expected: Vec<u8> = answers.iter().flat_map(|(a, ..)| a.clone()).collect();
     if seen != expected {
         let (seen, expected) = (model::seen(&seen), model::seen(&expected));
         let at = seen
@@ -162,7 +174,7 @@ fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<
             &expected[at.min(expected.len())..],
         )));
     }
-    count(&answers, program, counts);
+    count(&answers, counts);
     Ok(())
 }
 
@@ -231,31 +243,25 @@ impl<'c> Run<'c> {
     /// The first session's client sends `step`: what is served from the
     /// cache is checked against the transaction's writes.
     fn client(&mut self, step: &Step, wrote: bool) -> Result<bool, TestCaseError> {
-        let mut closed = false;
-        let mut staged = Vec::new();
-        for frame in step.frames() {
-            let flow = match self.mode {
-                Mode::Session => self.rig.client(&frame),
-                Mode::Transaction => {
-                    let server = (&mut self.conn, &mut self.backend);
-                    client(&mut self.rig, 0, server, &frame)?
-                }
-            };
-            closed = flow == Flow::Close;
-            staged.extend(self.rig.sent_to_client());
-            if closed {
-                break;
+        // The step's frames come in one read.
+        let bytes = step.frames().concat();
+        let flow = match self.mode {
+            Mode::Session => self.rig.client_data_then(&bytes, |_, _| {}),
+            Mode::Transaction => {
+                let server = (&mut self.conn, &mut self.backend);
+                client(&mut self.rig, 0, server, &bytes)?
             }
-        }
+        };
+        let closed = flow == Flow::Close;
+        let staged = self.rig.sent_to_client();
         let served = model::seen(&staged);
         let hit = served.iter().any(|m| m.tag == 'D' || m.tag == 'C');
         self.counts.hits_past_other_writes += usize::from(self.writes.step(step, hit));
         if hit {
             self.counts.hits += 1;
-            if let Step::Batch(execs) = step
-                && execs.iter().any(|e| e.max_rows > 0)
-            {
-                self.counts.limited_hits += 1;
+            if let Step::Batch(execs) = step {
+                self.counts.limited_hits += usize::from(execs.iter().any(|e| e.max_rows > 0));
+                self.counts.prepared_hits += usize::from(execs[0].named.is_some());
             }
             prop_assert!(
                 !wrote && !writes_then_reads(step),
@@ -354,9 +360,13 @@ fn answer_forwarded(
         seen.extend(rig.backend(&[answer]));
         replicate_touched(rig, backend);
         for action in std::mem::take(&mut rig.engine.actions) {
-            if let Action::Store(fill, bytes) = action {
-                store_whole(rig, *fill, &bytes)?;
-                counts.fills += 1;
+            match action {
+                Action::Store(fill, bytes) => {
+                    store_whole(rig, *fill, &bytes)?;
+                    counts.fills += 1;
+                }
+                Action::Fetch => rig.fetched(),
+                _ => {}
             }
         }
     }
@@ -372,16 +382,23 @@ fn replicate_touched(rig: &mut Rig, backend: &mut Backend) {
 
 /// What the replication stream reports of a committed change of row `k`
 /// of `items` pgcache did not see go out, applied as the stream applies it.
+/// With the table's facts forgotten (a statement pgcache cannot know the
+/// effects of), the change is the whole table's.
 fn replicate(rig: &mut Rig, k: u8) {
     let db = &rig.engine.db;
     let identity = db
         .catalog
         .relation("items")
-        .and_then(|facts| facts.identity)
-        .expect("items is keyed");
-    let stripe = rowkey::stripe(identity.signature, &[rowkey::Canonical::Int(k.into())]);
+        .and_then(|facts| facts.identity);
+    let stripe = identity.map(|id| {
+        let key = [rowkey::Canonical::Int(k.into())];
+        (id.signature, [rowkey::stripe(id.signature, &key)])
+    });
     let mut bumps = Bumps::default();
-    db.relation_changed("items", Some((identity.signature, &[stripe])), &mut bumps);
+    let row = stripe
+        .as_ref()
+        .map(|(signature, stripes)| (*signature, &stripes[..]));
+    db.relation_changed("items", row, &mut bumps);
     db.apply_local(&bumps);
 }
 
@@ -396,8 +413,8 @@ fn writes_then_reads(step: &Step) -> bool {
     first_write.is_some_and(|w| execs[w..].iter().any(|e: &Exec| e.sql.is_read()))
 }
 
-fn count(answers: &[(Vec<u8>, bool)], program: &Program, counts: &mut Counts) {
-    for (step, (answer, _)) in program.0.iter().flatten().zip(answers) {
+fn count(answers: &[(Vec<u8>, bool, Step)], counts: &mut Counts) {
+    for (answer, _, step) in answers {
         let answer: Vec<Seen> = model::seen(answer);
         let has = |tag: char, what: &str| {
             answer
@@ -405,6 +422,10 @@ fn count(answers: &[(Vec<u8>, bool)], program: &Program, counts: &mut Counts) {
                 .any(|m| m.tag == tag && (what.is_empty() || m.what == what))
         };
         counts.suspended += answer.iter().filter(|m| m.tag == 's').count();
+        counts.name_refusals += answer
+            .iter()
+            .filter(|m| m.tag == 'E' && (m.what == "42P05" || m.what == "26000"))
+            .count();
         counts.copies += usize::from(has('G', ""));
         match step {
             Step::Query(Sql::Sleep) => counts.cancels += usize::from(has('E', "57014")),
@@ -442,6 +463,31 @@ fn the_programs_once_failed_on_pass() {
         // first had set `application_name` on, and was told the value its
         // own settings put back, which it had all along.
         vec![vec![Query(Set(1))], vec![Step::Other(ReadOne(1))]],
+        vec![
+            vec![Step::Batch(vec![Exec {
+                sql: ReadOne(1),
+                describe: false,
+                max_rows: 0,
+                named: Some(1),
+            }])],
+            vec![Query(Sleep)],
+        ],
+        // Transaction mode: a Parse of a name the client had prepared was
+        // refused by pgcache in the server's place, and the server's
+        // transaction went on where PostgreSQL's fails.
+        vec![
+            vec![Step::Prepare {
+                name: 2,
+                sql: ReadOne(1),
+            }],
+            vec![
+                Step::Prepare {
+                    name: 2,
+                    sql: ReadOne(1),
+                },
+                Query(ReadOne(1)),
+            ],
+        ],
     ];
     for program in programs {
         let program = Program(program);
@@ -481,6 +527,8 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
         ("fills", c.fills),
         ("hits", c.hits),
         ("hits of a row-limited Execute", c.limited_hits),
+        ("hits of a prepared statement's run", c.prepared_hits),
+        ("statement names refused", c.name_refusals),
         ("suspended portals", c.suspended),
         ("errors mid-batch", c.errors_mid_batch),
         ("COPYs", c.copies),
@@ -502,12 +550,12 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
 
 #[test]
 fn the_engine_answers_as_the_model_backend_does() {
-    often(&run(Mode::Session, 800), &[]);
+    often(&run(Mode::Session, 1_000), &[]);
 }
 
 #[test]
 fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
-    let c = run(Mode::Transaction, 800);
+    let c = run(Mode::Transaction, 1_000);
     let pool = [
         ("checkouts", c.checkouts),
         ("give-backs", c.give_backs),

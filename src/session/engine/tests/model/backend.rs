@@ -16,7 +16,9 @@ pub struct Backend {
     skipping: bool,
     /// COPY-in under way: the lines received.
     copying: Option<u32>,
+    /// The unnamed statement, and the named ones.
     statement: Option<Sql>,
+    statements: BTreeMap<Vec<u8>, Sql>,
     /// The bound portal: its statement, and the rows it has left.
     portal: Option<(Sql, Vec<Vec<String>>)>,
     pub ended: bool,
@@ -51,6 +53,7 @@ impl Default for Backend {
             skipping: false,
             copying: None,
             statement: None,
+            statements: BTreeMap::new(),
             portal: None,
             ended: false,
             touched: BTreeSet::new(),
@@ -109,21 +112,33 @@ impl Backend {
             }
             b'X' => self.ended = true,
             _ if self.skipping => {}
-            b'P' => {
-                let body = &body[body.iter().position(|b| *b == 0).unwrap_or(0) + 1..];
-                let sql = Sql::of(&text(body)).expect("a program's statement");
+            _ => self.on_extended(tag, body, out),
+        }
+    }
+
+    /// Parse, Bind, Close, Describe or Execute, not skipped.
+    fn on_extended(&mut self, tag: u8, body: &[u8], out: &mut Vec<u8>) {
+        match tag {
+            b'P' => self.parse(body, out),
+            b'B' => {
+                let (_portal, body) = split_cstr(body);
+                let (name, _) = split_cstr(body);
+                let Some(sql) = self.prepared(name) else {
+                    let message = match name.is_empty() {
+                        true => "unnamed prepared statement does not exist".to_owned(),
+                        false => format!(
+                            "prepared statement \"{}\" does not exist",
+                            String::from_utf8_lossy(name)
+                        ),
+                    };
+                    self.fail_saying("26000", &message, out);
+                    return;
+                };
                 if self.failed() {
                     self.fail("25P02", out);
-                } else if sql == Sql::Bad {
-                    self.fail("42703", out);
-                } else {
-                    self.begin_implicit();
-                    self.statement = Some(sql);
-                    out.extend(frame(b'1', &[]));
+                    return;
                 }
-            }
-            b'B' => {
-                let sql = self.statement.expect("a statement to bind");
+                self.begin_implicit();
                 let rows = if sql.is_read() {
                     self.rows(sql)
                 } else {
@@ -131,6 +146,17 @@ impl Backend {
                 };
                 self.portal = Some((sql, rows));
                 out.extend(frame(b'2', &[]));
+            }
+            b'C' => {
+                let (name, _) = split_cstr(&body[1..]);
+                match (body[0], name.is_empty()) {
+                    (b'S', true) => self.statement = None,
+                    (b'S', false) => _ = self.statements.remove(name),
+                    (_, true) => self.portal = None,
+                    // Only the unnamed portal is ever bound.
+                    (_, false) => {}
+                }
+                out.extend(frame(b'3', &[]));
             }
             b'D' => {
                 let (sql, _) = self.portal.as_ref().expect("a portal");
@@ -144,6 +170,35 @@ impl Backend {
                 self.execute(max, out);
             }
             _ => {}
+        }
+    }
+
+    /// A Parse: the statement stored under its name, or refused.
+    fn parse(&mut self, body: &[u8], out: &mut Vec<u8>) {
+        let (name, body) = split_cstr(body);
+        if name.is_empty() {
+            // PostgreSQL drops the unnamed statement first.
+            self.statement = None;
+        }
+        // Not a program's: what pgcache sends to be refused.
+        let Some(sql) = Sql::of(&text(body)) else {
+            return self.fail("42601", out);
+        };
+        if self.failed() {
+            self.fail("25P02", out);
+        } else if sql == Sql::Bad {
+            self.fail("42703", out);
+        } else if self.statements.contains_key(name) {
+            let name = String::from_utf8_lossy(name);
+            let message = format!("prepared statement \"{name}\" already exists");
+            self.fail_saying("42P05", &message, out);
+        } else {
+            self.begin_implicit();
+            match name.is_empty() {
+                true => self.statement = Some(sql),
+                false => _ = self.statements.insert(name.to_vec(), sql),
+            }
+            out.extend(frame(b'1', &[]));
         }
     }
 
@@ -411,6 +466,31 @@ impl Backend {
         self.touched.extend(other.touched);
     }
 
+    /// The statement prepared under `name` ("": the unnamed one).
+    pub fn prepared(&self, name: &[u8]) -> Option<Sql> {
+        match name.is_empty() {
+            true => self.statement,
+            false => self.statements.get(name).copied(),
+        }
+    }
+
+    /// `step` with each run of a named statement given the statement
+    /// prepared under that name now ([`Sql::Bad`] if none is: its Bind
+    /// fails), so that what it runs is known.
+    pub fn resolve(&self, step: &Step) -> Step {
+        let Step::Batch(execs) = step else {
+            return step.clone();
+        };
+        let resolved = execs.iter().map(|exec| match exec.named {
+            Some(n) => Exec {
+                sql: self.prepared(&statement_name(n)).unwrap_or(Sql::Bad),
+                ..*exec
+            },
+            None => *exec,
+        });
+        Step::Batch(resolved.collect())
+    }
+
     /// The transaction block under way wrote: no hit may follow in it.
     pub fn block_wrote(&self) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.wrote)
@@ -422,19 +502,43 @@ impl Backend {
 
     /// An error in an extended batch: the rest is skipped until Sync.
     fn fail(&mut self, code: &str, out: &mut Vec<u8>) {
-        out.extend(self.error(code));
+        let error = self.error(code);
+        self.failed_with(error, out);
+    }
+
+    /// [`Self::fail`], with PostgreSQL's `message`: for what pgcache may
+    /// answer in the server's place, in the server's words.
+    fn fail_saying(&mut self, code: &str, message: &str, out: &mut Vec<u8>) {
+        let error = self.error_saying(code, message);
+        self.failed_with(error, out);
+    }
+
+    fn failed_with(&mut self, error: Vec<u8>, out: &mut Vec<u8>) {
+        out.extend(error);
         self.skipping = true;
         if let Some(tx) = &mut self.implicit {
             tx.failed = true;
         }
     }
 
-    /// An ErrorResponse; the transaction block, if any, fails.
+    /// An ErrorResponse; the transaction block, if any, fails. Its
+    /// message is its code, but where pgcache may answer in the server's
+    /// place.
     fn error(&mut self, code: &str) -> Vec<u8> {
+        let message = match code {
+            "25P02" => {
+                "current transaction is aborted, commands ignored until end of transaction block"
+            }
+            _ => code,
+        };
+        self.error_saying(code, message)
+    }
+
+    fn error_saying(&mut self, code: &str, message: &str) -> Vec<u8> {
         if let Some(tx) = &mut self.tx {
             tx.failed = true;
         }
-        notice_like(b'E', "ERROR", code)
+        saying(b'E', "ERROR", code, message)
     }
 
     /// ReadyForQuery, after a ParameterStatus if `application_name`
@@ -473,4 +577,10 @@ fn applied_name(text: &str) -> Option<Option<String>> {
     let values = rest.split_once("VALUES ('application_name', '")?.1;
     let (name, _) = values.split_once('\'')?;
     Some(Some(name.to_owned()))
+}
+
+/// A C string at the start of `body`, and what follows it.
+fn split_cstr(body: &[u8]) -> (&[u8], &[u8]) {
+    let end = body.iter().position(|b| *b == 0).unwrap_or(body.len());
+    (&body[..end], body.get(end + 1..).unwrap_or_default())
 }

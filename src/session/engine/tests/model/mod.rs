@@ -1,8 +1,8 @@
 //! A model of PostgreSQL for the engine's property test: programs of
-//! client messages (simple, extended and pipelined requests, COPY, errors,
-//! cancels, Terminate) on two tables, between which another session
-//! writes directly and a third one, through pgcache, reads and writes, and
-//! what PostgreSQL answers them.
+//! client messages (simple, extended and pipelined requests, statements
+//! prepared by name and run, COPY, errors, cancels, Terminate) on two
+//! tables, between which another session writes directly and a third one,
+//! through pgcache, reads and writes, and what PostgreSQL answers them.
 //!
 //! It uses nothing of pgcache's, so `tests/model.rs` replays the same
 //! programs against a real PostgreSQL and checks the model against it.
@@ -115,11 +115,21 @@ impl Sql {
 
 /// One statement of an extended batch: Parse, Bind, a Describe of the
 /// portal if `describe`, and an Execute of at most `max_rows` (0: all).
+/// With `named`, a run of the statement prepared as `s{n}`
+/// ([`Step::Prepare`]), with no Parse: what a driver sends for each run of
+/// a prepared statement, and what pgcache may decide whole. Its `sql` is
+/// then what that statement is ([`Backend::resolve`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Exec {
     pub sql: Sql,
     pub describe: bool,
     pub max_rows: u8,
+    pub named: Option<u8>,
+}
+
+/// The name of prepared statement `n`.
+pub fn statement_name(n: u8) -> Vec<u8> {
+    format!("s{n}").into_bytes()
 }
 
 /// One request of a program.
@@ -135,6 +145,12 @@ pub enum Step {
     },
     /// Extended statements, then one Sync.
     Batch(Vec<Exec>),
+    /// `sql` prepared as statement `s{name}` (Parse, Sync); a name
+    /// prepared already is refused (42P05).
+    Prepare {
+        name: u8,
+        sql: Sql,
+    },
     /// A Sync on its own.
     Sync,
     Terminate,
@@ -169,12 +185,15 @@ impl Step {
             Step::Batch(execs) => {
                 let mut out = Vec::new();
                 for exec in execs {
-                    let mut parse = cstr("");
-                    parse.extend(cstr(&exec.sql.text()));
-                    parse.extend([0, 0]);
-                    out.push(frame(b'P', &parse));
-                    // Unnamed portal and statement, no parameters, text.
-                    out.push(frame(b'B', &[0, 0, 0, 0, 0, 0, 0, 0]));
+                    let name = exec.named.map(statement_name).unwrap_or_default();
+                    if exec.named.is_none() {
+                        out.push(parse(&name, exec.sql));
+                    }
+                    // The unnamed portal, no parameters, text.
+                    let mut bind = vec![0];
+                    bind.extend(&name);
+                    bind.extend([0, 0, 0, 0, 0, 0, 0]);
+                    out.push(frame(b'B', &bind));
                     if exec.describe {
                         out.push(frame(b'D', b"P\0"));
                     }
@@ -184,6 +203,9 @@ impl Step {
                 }
                 out.push(frame(b'S', &[]));
                 out
+            }
+            Step::Prepare { name, sql } => {
+                vec![parse(&statement_name(*name), *sql), frame(b'S', &[])]
             }
             Step::Sync => vec![frame(b'S', &[])],
             Step::Terminate => vec![frame(b'X', &[])],
@@ -204,6 +226,16 @@ impl Step {
     pub fn direct_sql(k: u8) -> String {
         format!("UPDATE items SET v = v || 'z' WHERE k = {k}")
     }
+}
+
+/// A Parse of `sql` as statement `name` ("": the unnamed one), with no
+/// parameter types.
+fn parse(name: &[u8], sql: Sql) -> Vec<u8> {
+    let mut body = name.to_vec();
+    body.push(0);
+    body.extend(cstr(&sql.text()));
+    body.extend([0, 0]);
+    frame(b'P', &body)
 }
 
 /// Groups of steps; a group's steps are sent together, before any answer
@@ -257,10 +289,20 @@ fn others() -> impl Strategy<Value = Sql> {
 
 fn exec() -> impl Strategy<Value = Exec> {
     let max_rows = prop_oneof![1 => Just(0u8), 1 => 1u8..=3];
-    (statement(), any::<bool>(), max_rows).prop_map(|(sql, describe, max_rows)| Exec {
-        sql,
-        describe,
-        max_rows,
+    // Statements 1 and 2 are prepared first, most often; 3 by a
+    // program's Prepare, if any.
+    let named = prop_oneof![
+        4 => Just(None),
+        4 => (1u8..=2).prop_map(Some),
+        1 => Just(Some(3)),
+    ];
+    (statement(), any::<bool>(), max_rows, named).prop_map(|(sql, describe, max_rows, named)| {
+        Exec {
+            sql,
+            describe,
+            max_rows,
+            named,
+        }
     })
 }
 
@@ -282,6 +324,10 @@ fn step() -> impl Strategy<Value = Step> {
         ]
         .prop_map(Step::Batch),
         1 => Just(Step::Sync),
+        // Mostly of reads, and of a name not prepared first: most runs
+        // find their statement, some Parses a refusal.
+        1 => (prop_oneof![3 => Just(3), 1 => 1u8..=2], prop_oneof![3 => read(), 1 => statement()])
+            .prop_map(|(name, sql)| Step::Prepare { name, sql }),
     ]
 }
 
@@ -289,15 +335,33 @@ fn step() -> impl Strategy<Value = Step> {
 /// one time in four. Reads repeat often, so the cache has work.
 pub fn program() -> impl Strategy<Value = Program> {
     // Most requests wait for their answer; one group in four is a
-    // pipeline.
+    // pipeline. pgcache answers a second Parse of a name, sent before the first is
+    // answered, as if the first succeeded (docs/pooling.md): no pipeline
+    // prepares a name twice.
+    let pipeline = proptest::collection::vec(step(), 2..4).prop_filter("a name once", |steps| {
+        let mut names = steps.iter().filter_map(|s| match s {
+            Step::Prepare { name, .. } => Some(*name),
+            _ => None,
+        });
+        let (first, second) = (names.next(), names.next());
+        first.is_none() || first != second && names.next().is_none()
+    });
     let group = prop_oneof![
         12 => proptest::collection::vec(step(), 1..2),
-        4 => proptest::collection::vec(step(), 2..4),
+        4 => pipeline,
         1 => (1u8..=4).prop_map(|k| vec![Step::Direct(k)]),
         2 => others().prop_map(|sql| vec![Step::Other(sql)]),
     ];
     let groups = proptest::collection::vec(group, 1..20);
-    (groups, prop_oneof![3 => Just(false), 1 => Just(true)]).prop_map(|(mut groups, end)| {
+    // Most sessions prepare their statements first, as drivers do: most
+    // runs of a named statement find it.
+    let prepared = proptest::option::weighted(0.75, (read(), read()));
+    let end = prop_oneof![3 => Just(false), 1 => Just(true)];
+    (prepared, groups, end).prop_map(|(prepared, mut groups, end)| {
+        if let Some((first, second)) = prepared {
+            let prepare = |name, sql| vec![Step::Prepare { name, sql }];
+            groups.splice(0..0, [prepare(1, first), prepare(2, second)]);
+        }
         if end {
             groups.push(vec![Step::Terminate]);
         }

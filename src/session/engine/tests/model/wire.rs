@@ -31,12 +31,17 @@ pub(crate) fn notice(code: &str) -> Vec<u8> {
 }
 
 pub(crate) fn notice_like(tag: u8, severity: &str, code: &str) -> Vec<u8> {
+    saying(tag, severity, code, code)
+}
+
+/// [`notice_like`], saying `message`.
+pub(crate) fn saying(tag: u8, severity: &str, code: &str, message: &str) -> Vec<u8> {
     let mut body = Vec::new();
     for (field, value) in [
         (b'S', severity),
         (b'V', severity),
         (b'C', code),
-        (b'M', code),
+        (b'M', message),
     ] {
         body.push(field);
         body.extend(cstr(value));
