@@ -177,14 +177,15 @@ impl Engine {
                     request.extend_from_slice(frame);
                     // A row-limited Execute goes out with one row more, so
                     // that a result that fits is whole and can be stored.
+                    let mut row_cut = None;
                     if let Some(at) =
                         execute_at.filter(|_| row_limit > 0 && row_limit < i32::MAX as u32)
                     {
                         set_row_limit(&mut request[at], row_limit + 1);
-                        inflight.row_cut = Some(RowCut::new(row_limit));
+                        row_cut = Some(RowCut::new(row_limit));
                     }
-                    let forwarded =
-                        self.answer_query(ctx, looked, &query, &request, row_limit, inflight);
+                    let limit = (row_limit, row_cut);
+                    let forwarded = self.answer_query(ctx, looked, &query, &request, limit);
                     self.batch.give_back(request);
                     let (effects, parsed) = self.batch.reset();
                     if let Some(mut inflight) = forwarded {
@@ -232,10 +233,10 @@ impl Engine {
 
     /// The key of a batch's one query, made in this one place whether its
     /// frames were held until Sync or found whole in the read buffer: the
-    /// statement its Bind names, no time literal in its parameters, its
-    /// plan (`planned`, the one its Execute found, if still current),
-    /// whether the session may be served it now, and its parameters
-    /// hashed. A refusal carries the plan when the plan refused.
+    /// statement its Bind names, its plan (`planned`, the one its Execute
+    /// found, if still current), whether the session may be served it now,
+    /// and its parameters hashed, where a time literal refuses it. A
+    /// refusal carries the plan when the plan refused.
     fn query_key(
         &mut self,
         ctx: &Ctx,
@@ -250,11 +251,6 @@ impl Engine {
             Ok(Some(stmt)) => Arc::clone(stmt),
             Ok(None) | Err(_) => return refused(BypassReason::UnsupportedShape),
         };
-        match binds_time_literal(query.bind_body) {
-            None => return refused(BypassReason::UnsupportedShape),
-            Some(true) => return refused(BypassReason::TimeLiteral),
-            Some(false) => {}
-        }
         let (generation, policy) = (
             self.db.catalog.generation(),
             ctx.instance.policy_generation(),
@@ -267,7 +263,12 @@ impl Engine {
             };
         let prefix = match self.may_serve(ctx, &plan, false)? {
             Ok(prefix) => prefix,
-            Err(reason) => return Ok(Err((reason, Some(plan)))),
+            // A parameter's reason comes first (the key finds it too).
+            Err(reason) => match binds_time_literal(query.bind_body) {
+                Some(false) => return Ok(Err((reason, Some(plan)))),
+                Some(true) => return refused(BypassReason::TimeLiteral),
+                None => return refused(BypassReason::UnsupportedShape),
+            },
         };
         let (key, bound) = match extended_key(
             (prefix, key::keyed_text(plan.explain, stmt.hash, &stmt.sql)),
@@ -330,8 +331,7 @@ impl Engine {
         self.pipeline.executed();
         query.plan.stats.call();
         self.note_effects(&query.plan);
-        let fresh = Inflight::default();
-        if let Some(mut inflight) = self.answer_query(ctx, looked, query, request, 0, fresh) {
+        if let Some(mut inflight) = self.answer_query(ctx, looked, query, request, (0, None)) {
             inflight.effects = query.plan.effects.clone();
             self.pipeline.push_sync(inflight);
         }
@@ -344,15 +344,15 @@ impl Engine {
     /// held kept for the primary, unless a refresh just sent it), or
     /// `request` (its frames to Sync) forwarded, to a replica when routing
     /// takes it. What goes in flight if it was forwarded, for the batch's
-    /// effects to be added.
+    /// effects to be added. `row_limit`: the Execute's, and the cut of an
+    /// answer the request asks one row more of.
     fn answer_query(
         &mut self,
         ctx: &Ctx,
         looked: Result<Lookup, BypassReason>,
         query: &DecidedQuery,
         request: &[u8],
-        row_limit: u32,
-        mut inflight: Inflight,
+        (row_limit, row_cut): (u32, Option<RowCut>),
     ) -> Option<Inflight> {
         let (plan, by_row) = (&query.plan, query.by_row.as_ref());
         match self.answer(ctx, looked, by_row, plan, request, row_limit) {
@@ -361,11 +361,15 @@ impl Engine {
                 None
             }
             Answer::Forward(capture, explain) => {
+                let mut inflight = Inflight {
+                    row_cut,
+                    explain,
+                    ..Inflight::default()
+                };
                 if capture.is_some() {
                     inflight.timing = Some((Arc::clone(&plan.stats), ctx.now));
                 }
                 inflight.capture = capture;
-                inflight.explain = explain;
                 if !self.route_batch(ctx, plan, &query.statement, &mut inflight, request) {
                     self.forward(request);
                 }
