@@ -238,9 +238,19 @@ impl Translator {
                     frame_of(out, fe::BIND, &[portal, &[0], name, &[0], rest]);
                 });
                 self.owe(Kind::One(be::BIND_COMPLETE));
+                // The client's name, for an error that names the server's
+                // (the name's own bytes: no copy).
+                let named = binds.and_then(|hash| {
+                    let (name, _) = self.statements.get_key_value(statement)?;
+                    Some(Named {
+                        hash,
+                        name: name.clone(),
+                        frees: false,
+                    })
+                });
                 if let Some(bind) = self.expect.back_mut() {
                     bind.binds = binds;
-                    bind.named = binds.map(|hash| Named::of(hash, statement));
+                    bind.named = named;
                 }
             }
             None => self.send(out, frame, Kind::One(be::BIND_COMPLETE), None),

@@ -212,12 +212,13 @@ impl Translator {
             return answer(Reply::Pass, BytesMut::new());
         };
         let ends = front.ended_by(tag);
+        let named = front.named.as_ref();
         let (reply, renamed) = match &front.origin {
             Origin::Injected if !error => (Reply::Drop, BytesMut::new()),
             _ if error && front.answered => (Reply::Drop, BytesMut::new()),
             // The server's error names the statement as the server knows
             // it: the client gets it under its own name.
-            _ if error && let Some(named) = front.named.as_ref().filter(|n| n.named_in(frame)) => {
+            _ if error && let Some(named) = named.filter(|n| n.named_in(frame)) => {
                 (Reply::Drop, renamed(frame, named))
             }
             _ => (Reply::Pass, BytesMut::new()),
