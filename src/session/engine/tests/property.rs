@@ -550,12 +550,12 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
 
 #[test]
 fn the_engine_answers_as_the_model_backend_does() {
-    often(&run(Mode::Session, 1_000), &[]);
+    often(&run(Mode::Session, 1_200), &[]);
 }
 
 #[test]
 fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
-    let c = run(Mode::Transaction, 1_000);
+    let c = run(Mode::Transaction, 1_200);
     let pool = [
         ("checkouts", c.checkouts),
         ("give-backs", c.give_backs),

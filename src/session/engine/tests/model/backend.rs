@@ -4,6 +4,10 @@
 use super::*;
 use std::collections::BTreeSet;
 
+mod statements;
+
+use statements::split_cstr;
+
 /// The model: one PostgreSQL session, fed the client's bytes.
 #[derive(Debug, Clone)]
 pub struct Backend {
@@ -158,6 +162,7 @@ impl Backend {
                 }
                 out.extend(frame(b'3', &[]));
             }
+            b'D' if body[0] == b'S' => self.describe_statement(&body[1..], out),
             b'D' => {
                 let (sql, _) = self.portal.as_ref().expect("a portal");
                 out.extend(match sql.is_read() {
@@ -170,35 +175,6 @@ impl Backend {
                 self.execute(max, out);
             }
             _ => {}
-        }
-    }
-
-    /// A Parse: the statement stored under its name, or refused.
-    fn parse(&mut self, body: &[u8], out: &mut Vec<u8>) {
-        let (name, body) = split_cstr(body);
-        if name.is_empty() {
-            // PostgreSQL drops the unnamed statement first.
-            self.statement = None;
-        }
-        // Not a program's: what pgcache sends to be refused.
-        let Some(sql) = Sql::of(&text(body)) else {
-            return self.fail("42601", out);
-        };
-        if self.failed() {
-            self.fail("25P02", out);
-        } else if sql == Sql::Bad {
-            self.fail("42703", out);
-        } else if self.statements.contains_key(name) {
-            let name = String::from_utf8_lossy(name);
-            let message = format!("prepared statement \"{name}\" already exists");
-            self.fail_saying("42P05", &message, out);
-        } else {
-            self.begin_implicit();
-            match name.is_empty() {
-                true => self.statement = Some(sql),
-                false => _ = self.statements.insert(name.to_vec(), sql),
-            }
-            out.extend(frame(b'1', &[]));
         }
     }
 
@@ -466,31 +442,6 @@ impl Backend {
         self.touched.extend(other.touched);
     }
 
-    /// The statement prepared under `name` ("": the unnamed one).
-    pub fn prepared(&self, name: &[u8]) -> Option<Sql> {
-        match name.is_empty() {
-            true => self.statement,
-            false => self.statements.get(name).copied(),
-        }
-    }
-
-    /// `step` with each run of a named statement given the statement
-    /// prepared under that name now ([`Sql::Bad`] if none is: its Bind
-    /// fails), so that what it runs is known.
-    pub fn resolve(&self, step: &Step) -> Step {
-        let Step::Batch(execs) = step else {
-            return step.clone();
-        };
-        let resolved = execs.iter().map(|exec| match exec.named {
-            Some(n) => Exec {
-                sql: self.prepared(&statement_name(n)).unwrap_or(Sql::Bad),
-                ..*exec
-            },
-            None => *exec,
-        });
-        Step::Batch(resolved.collect())
-    }
-
     /// The transaction block under way wrote: no hit may follow in it.
     pub fn block_wrote(&self) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.wrote)
@@ -577,10 +528,4 @@ fn applied_name(text: &str) -> Option<Option<String>> {
     let values = rest.split_once("VALUES ('application_name', '")?.1;
     let (name, _) = values.split_once('\'')?;
     Some(Some(name.to_owned()))
-}
-
-/// A C string at the start of `body`, and what follows it.
-fn split_cstr(body: &[u8]) -> (&[u8], &[u8]) {
-    let end = body.iter().position(|b| *b == 0).unwrap_or(body.len());
-    (&body[..end], body.get(end + 1..).unwrap_or_default())
 }

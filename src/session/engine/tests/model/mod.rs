@@ -151,6 +151,11 @@ pub enum Step {
         name: u8,
         sql: Sql,
     },
+    /// Statement `s{n}` described (Describe, Sync): refused if it is not
+    /// prepared (26000).
+    Describe(u8),
+    /// Statement `s{n}` closed (Close, Sync), prepared or not.
+    Close(u8),
     /// A Sync on its own.
     Sync,
     Terminate,
@@ -206,6 +211,17 @@ impl Step {
             }
             Step::Prepare { name, sql } => {
                 vec![parse(&statement_name(*name), *sql), frame(b'S', &[])]
+            }
+            Step::Describe(n) | Step::Close(n) => {
+                let tag = if matches!(self, Step::Describe(_)) {
+                    b'D'
+                } else {
+                    b'C'
+                };
+                let mut body = vec![b'S'];
+                body.extend(statement_name(*n));
+                body.push(0);
+                vec![frame(tag, &body), frame(b'S', &[])]
             }
             Step::Sync => vec![frame(b'S', &[])],
             Step::Terminate => vec![frame(b'X', &[])],
@@ -324,6 +340,12 @@ fn step() -> impl Strategy<Value = Step> {
         ]
         .prop_map(Step::Batch),
         1 => Just(Step::Sync),
+        // A statement described, or closed: mostly the one not prepared
+        // first, so that most runs still find theirs.
+        1 => prop_oneof![
+            2 => (1u8..=3).prop_map(Step::Describe),
+            1 => prop_oneof![3 => Just(3), 1 => 1u8..=2].prop_map(Step::Close),
+        ],
         // Mostly of reads, and of a name not prepared first: most runs
         // find their statement, some Parses a refusal.
         1 => (prop_oneof![3 => Just(3), 1 => 1u8..=2], prop_oneof![3 => read(), 1 => statement()])
