@@ -128,15 +128,7 @@ impl Backend {
                 let (_portal, body) = split_cstr(body);
                 let (name, _) = split_cstr(body);
                 let Some(sql) = self.prepared(name) else {
-                    let message = match name.is_empty() {
-                        true => "unnamed prepared statement does not exist".to_owned(),
-                        false => format!(
-                            "prepared statement \"{}\" does not exist",
-                            String::from_utf8_lossy(name)
-                        ),
-                    };
-                    self.fail_saying("26000", &message, out);
-                    return;
+                    return self.fail_missing(name, out);
                 };
                 if self.failed() {
                     self.fail("25P02", out);

@@ -33,20 +33,25 @@ impl Backend {
         }
     }
 
+    /// Statement `name` is not prepared: refused as PostgreSQL refuses it.
+    pub(super) fn fail_missing(&mut self, name: &[u8], out: &mut Vec<u8>) {
+        let message = match name.is_empty() {
+            true => "unnamed prepared statement does not exist".to_owned(),
+            false => format!(
+                "prepared statement \"{}\" does not exist",
+                String::from_utf8_lossy(name)
+            ),
+        };
+        self.fail_saying("26000", &message, out);
+    }
+
     /// A Describe of statement `body` names: its parameters (none) and
     /// its rows. A statement that returns rows is refused in a failed
     /// transaction, as PostgreSQL refuses it.
     pub(super) fn describe_statement(&mut self, body: &[u8], out: &mut Vec<u8>) {
         let (name, _) = split_cstr(body);
         let Some(sql) = self.prepared(name) else {
-            let message = match name.is_empty() {
-                true => "unnamed prepared statement does not exist".to_owned(),
-                false => format!(
-                    "prepared statement \"{}\" does not exist",
-                    String::from_utf8_lossy(name)
-                ),
-            };
-            return self.fail_saying("26000", &message, out);
+            return self.fail_missing(name, out);
         };
         if self.failed() && sql.is_read() {
             return self.fail("25P02", out);
