@@ -307,8 +307,6 @@ fn store_whole(rig: &Rig, fill: Fill, bytes: &[u8]) -> Result<(), TestCaseError>
     Ok(())
 }
 
-/// What the driver passes with each event: the rig's instance and
-/// client, the clock now, and a seeded draw.
 /// `items`' replica identity as the catalog gives it: `k`, an int4.
 const ITEMS_KEY: &str = "k\u{1f}23";
 
@@ -329,6 +327,8 @@ fn table_row(name: &str, identity: Option<&str>) -> Vec<Option<String>> {
     ]
 }
 
+/// What the driver passes with each event: the rig's instance and
+/// client, the clock now, and a seeded draw.
 fn ctx<'a>(app: &'a App, entry: &'a ClientEntry) -> Ctx<'a> {
     Ctx {
         instance: app,
