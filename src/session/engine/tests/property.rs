@@ -463,6 +463,10 @@ fn the_programs_once_failed_on_pass() {
         // first had set `application_name` on, and was told the value its
         // own settings put back, which it had all along.
         vec![vec![Query(Set(1))], vec![Step::Other(ReadOne(1))]],
+        // Transaction mode: a run of a statement never prepared (its
+        // effects unknown, the settings read back) then a cancel; it
+        // failed for the model, which had no Close for pgcache's own
+        // statement of the read-back.
         vec![
             vec![Step::Batch(vec![Exec {
                 sql: ReadOne(1),
