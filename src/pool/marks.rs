@@ -383,31 +383,6 @@ const WORD_BYTE: [bool; 256] = {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_transaction_ends_with_its_first_words_past_comments() {
-        for sql in [
-            "COMMIT",
-            "  end work",
-            "rollback to savepoint a",
-            "ABORT",
-            "PREPARE TRANSACTION 'x'",
-            "-- why\nCOMMIT",
-            "/* a /* nested */ comment */ ROLLBACK",
-        ] {
-            assert!(super::ends_transaction(sql.as_bytes()), "{sql}");
-        }
-        for sql in [
-            "SELECT 1",
-            "PREPARE p AS SELECT 1",
-            "/* COMMIT */ SELECT 1",
-            "-- ROLLBACK",
-            "",
-            "/* unclosed COMMIT",
-        ] {
-            assert!(!super::ends_transaction(sql.as_bytes()), "{sql}");
-        }
-    }
-
     use super::*;
 
     fn m(sql: &str) -> (bool, bool) {
@@ -689,6 +664,31 @@ mod tests {
         }
         for sql in ["SELECT 1", "SELECT 'd'", "UPDATE t SET d = 1", "discar", ""] {
             assert!(!marks(sql.as_bytes()).frees, "{sql}");
+        }
+    }
+
+    #[test]
+    fn a_transaction_ends_with_its_first_words_past_comments() {
+        for sql in [
+            "COMMIT",
+            "  end work",
+            "rollback to savepoint a",
+            "ABORT",
+            "PREPARE TRANSACTION 'x'",
+            "-- why\nCOMMIT",
+            "/* a /* nested */ comment */ ROLLBACK",
+        ] {
+            assert!(ends_transaction(sql.as_bytes()), "{sql}");
+        }
+        for sql in [
+            "SELECT 1",
+            "PREPARE p AS SELECT 1",
+            "/* COMMIT */ SELECT 1",
+            "-- ROLLBACK",
+            "",
+            "/* unclosed COMMIT",
+        ] {
+            assert!(!ends_transaction(sql.as_bytes()), "{sql}");
         }
     }
 }

@@ -70,8 +70,10 @@ impl Translator {
             self.refused_by_server(b"__pgcache_refused", p, None, out);
             return true;
         }
-        let name = Bytes::copy_from_slice(p.name);
-        if self.statements.contains_key(&name) && self.parse_owed(&name) {
+        if !self.statements.contains_key(p.name) {
+            return false;
+        }
+        if self.parse_owed(p.name) {
             // Whether it exists is the answer still owed: as if it does.
             let message = format!(
                 "prepared statement \"{}\" already exists",
@@ -80,17 +82,13 @@ impl Translator {
             self.refuse_parse(sqlstate::DUPLICATE_PSTATEMENT, &message, out);
             return true;
         }
-        if self.statements.contains_key(&name) {
-            // The server is asked to prepare that statement's server name
-            // again, and refuses it.
-            let mut server_name = Vec::new();
-            let hash =
-                self.with_statement(&name, server, max, out, |n, _| server_name = n.to_vec());
-            let named = hash.map(|hash| Named::of(hash, &name));
-            self.refused_by_server(&server_name, p, named, out);
-            return true;
-        }
-        false
+        // The server is asked to prepare that statement's server name
+        // again, and refuses it.
+        let mut server_name = Vec::new();
+        let hash = self.with_statement(p.name, server, max, out, |n, _| server_name = n.to_vec());
+        let named = hash.map(|hash| Named::of(hash, p.name));
+        self.refused_by_server(&server_name, p, named, out);
+        true
     }
 
     /// A client's Parse of a statement the server has under its name,
