@@ -10,7 +10,7 @@
 //!   backend frames → note Z/K/E/G, tee captures → client      engine/answers.rs
 //!   client frames  → Query, function call                    engine/requests.rs
 //!                    Parse/Bind/Describe/Execute/Sync         engine/batches.rs
-//!                    (caching off: forwarded)                 engine/intake.rs
+//!                    (caching off: forwarded)                 engine/requests.rs
 //!   what the engine asks next, polled in its order            engine/output.rs
 //!                    carried out                              traffic.rs
 //!   drain          → close once idle (57P01)

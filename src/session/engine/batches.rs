@@ -298,7 +298,11 @@ impl Engine {
         buf: &[u8],
         max_frame: usize,
     ) -> Option<ReadyBatch> {
-        if !(self.pipeline.is_quiet() && self.tx.status == TxStatus::Idle && !self.batch.holds()) {
+        if !(self.caching
+            && self.pipeline.is_quiet()
+            && self.tx.status == TxStatus::Idle
+            && !self.batch.holds())
+        {
             return None;
         }
         let at = WholeBatch::at_start(buf, max_frame)?;

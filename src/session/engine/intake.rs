@@ -1,21 +1,17 @@
 //! The client's buffered bytes, as the engine takes them
 //! ([`Engine::on_client_data`]): a whole extended batch at once when the
-//! engine can decide on it, and frame by frame otherwise; or relayed
-//! untouched, with caching off (pass-through is a policy whose answer is
-//! "forward") and while a login's exchange is relayed. A relayed frame is
-//! still read for what it tells of the session (a statement that taints
-//! its connection or pins it, a Terminate that hands the connection back);
-//! the run is staged in one copy. The driver hands over its read buffer
-//! and does what the answer says; a decision that waits keeps its frame
-//! here until it is met.
+//! engine can decide on it, and frame by frame otherwise (with caching
+//! off too: pass-through is the policy whose answer is "forward"); or,
+//! while a login's exchange is relayed, staged for the server as they
+//! are, in one copy. The driver hands over its read buffer and does what
+//! the answer says; a decision that waits keeps its frame here until it is
+//! met.
 
 use bytes::{Buf, Bytes, BytesMut};
 
-use super::life::Ending;
 use super::{Ctx, Engine, Need, ReadyBatch};
 use crate::protocol::codec::FrameError;
 use crate::protocol::codec::split_frame;
-use crate::protocol::frontend as fe;
 use crate::session::SessionError;
 use crate::session::pipeline::Flow;
 
@@ -102,12 +98,12 @@ impl Engine {
         buf: &mut BytesMut,
         max_frame: usize,
     ) -> Result<Taken, SessionError> {
-        if self.relaying_login() || !self.caching {
-            let run = self.relay_client(ctx, buf, max_frame)?;
+        if self.relaying_login() {
+            let run = self.relay_login_frames(ctx, buf, max_frame)?;
             buf.advance(run.taken);
             return match run.violation {
                 Some(e) => Err(SessionError::ClientFrame(e)),
-                None => Ok(Taken::Done(run.flow)),
+                None => Ok(Taken::Done(Flow::Continue)),
             };
         }
         loop {
@@ -164,24 +160,22 @@ impl Engine {
     }
 }
 
-/// What became of a run of client frames relayed untouched
-/// ([`Engine::relay_client`]).
+/// What became of a run of a login's client frames relayed untouched
+/// ([`Engine::relay_login_frames`]).
 pub(in crate::session) struct RelayedRun {
     /// How many of the buffer's bytes were taken.
     pub taken: usize,
-    pub flow: Flow,
     /// The bad frame that ended the run, if one did.
     pub violation: Option<FrameError>,
 }
 
 impl Engine {
-    /// Client frames relayed untouched (caching off, or a login's exchange
-    /// relayed): the complete frames at the start of `buf` (each checked
-    /// against `max_frame`), each noted ([`Engine::on_relayed`]) until the
-    /// session ends or a bad frame, staged as they are in one copy: a
-    /// login's for the server as they are ([`Engine::take_to_server`]),
-    /// any other with the requests for the backend.
-    pub(super) fn relay_client(
+    /// A login's client frames, relayed: the complete frames at the start
+    /// of `buf` (each checked against `max_frame`) up to a bad one, each
+    /// read for what it tells ([`Engine::on_auth_client_frame`]) and
+    /// staged for the server as it is ([`Engine::take_to_server`]), in one
+    /// copy. A frame the engine refuses ends the session with the error.
+    pub(super) fn relay_login_frames(
         &mut self,
         ctx: &Ctx,
         buf: &[u8],
@@ -189,7 +183,6 @@ impl Engine {
     ) -> Result<RelayedRun, SessionError> {
         let mut run = RelayedRun {
             taken: 0,
-            flow: Flow::Continue,
             violation: None,
         };
         for frame in crate::protocol::codec::checked_frames(buf, max_frame) {
@@ -200,52 +193,10 @@ impl Engine {
                     break;
                 }
             };
-            let login = self.relaying_login();
-            let Some(flow) = self.on_relayed(ctx, frame)? else {
-                // A Terminate not forwarded: the session ends here.
-                run.flow = Flow::Close;
-                break;
-            };
+            self.on_auth_client_frame(ctx, frame)?;
             run.taken += frame.len();
-            match login {
-                true => self.to_server.extend_from_slice(frame),
-                false => self.pipeline.to_backend.extend_from_slice(frame),
-            }
-            run.flow = flow;
-            if run.flow == Flow::Close {
-                break;
-            }
+            self.to_server.extend_from_slice(frame);
         }
         Ok(run)
-    }
-
-    /// A client frame relayed untouched (caching off, or a login's
-    /// exchange relayed): what it tells of the session. `None` for a
-    /// Terminate that is not forwarded (the connection is handed back, or
-    /// held for a pool): the session ends. A login's frame the engine
-    /// refuses ends the session with the error.
-    pub(super) fn on_relayed(
-        &mut self,
-        ctx: &Ctx,
-        frame: &[u8],
-    ) -> Result<Option<Flow>, SessionError> {
-        if self.relaying_login() {
-            self.on_auth_client_frame(ctx, frame)?;
-            return Ok(Some(Flow::Continue));
-        }
-        let tag = frame[0];
-        let pooled = self.link.is_pooled();
-        if (self.server.parks() || pooled) && (tag == fe::QUERY || tag == fe::PARSE) {
-            let marks = self.known.frame_marks(frame);
-            self.note_marks(ctx, marks, frame);
-        } else if tag == fe::FUNCTION_CALL {
-            self.link.settings_may_have_changed();
-        } else if tag == fe::TERMINATE {
-            self.end_with(Ending::ClientEnded);
-            if self.hand_back(ctx) || pooled {
-                return Ok(None);
-            }
-        }
-        Ok(Some(self.pipeline.note_client_frame(tag)))
     }
 }

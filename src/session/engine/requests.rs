@@ -1,5 +1,6 @@
-//! The client's requests, with caching on: each frame dispatched to what
-//! decides it in one synchronous pass. A simple query is decided here; a
+//! The client's requests: each frame dispatched to what decides it in one
+//! synchronous pass. With caching off, pass-through is the policy: every
+//! request is forwarded as it is. A simple query is decided here; a
 //! function call is forwarded; the extended protocol's frames are
 //! [`batches`](super::batches)'.
 //!
@@ -40,17 +41,20 @@ use crate::protocol::{extended, frontend as fe};
 use crate::session::pipeline::{Flow, Inflight};
 
 impl Engine {
-    /// One complete client frame, with caching on.
+    /// One complete client frame. With caching off, pass-through is the
+    /// policy: every request is forwarded as it is ([`Self::pass`]).
     pub(super) fn on_client_frame(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
         let flow = match frame[0] {
-            fe::QUERY => self.on_query(ctx, frame)?,
-            fe::PARSE => {
+            fe::QUERY if self.caching => self.on_query(ctx, frame)?,
+            fe::PARSE if self.caching => {
                 let marks = self.known.frame_marks(frame);
                 self.prerequisites(ctx, marks, frame)?;
                 self.on_extended(ctx, frame)?
             }
-            fe::BIND | fe::DESCRIBE | fe::CLOSE | fe::EXECUTE => self.on_extended(ctx, frame)?,
-            fe::SYNC => {
+            fe::BIND | fe::DESCRIBE | fe::CLOSE | fe::EXECUTE if self.caching => {
+                self.on_extended(ctx, frame)?
+            }
+            fe::SYNC if self.caching => {
                 self.db.hold.touch_at(ctx.now);
                 self.on_sync(ctx, frame)?
             }
@@ -65,31 +69,37 @@ impl Engine {
                 });
                 Flow::Continue
             }
-            fe::TERMINATE if self.hand_back(ctx) => Flow::Close,
-            fe::TERMINATE if self.link.is_pooled() => {
-                // The connection, if any, goes back to the pool.
+            fe::TERMINATE => {
                 self.end_with(Ending::ClientEnded);
+                // A connection handed back to be parked, or one of the
+                // pool's, outlives the client: its Terminate stays here.
+                if !self.hand_back(ctx) && !self.link.is_pooled() {
+                    self.forward(frame);
+                }
                 Flow::Close
             }
-            tag => {
-                if tag == fe::FLUSH {
-                    self.release_batch();
-                    self.pipeline.unsynced = true;
-                }
-                if tag == fe::COPY_DONE || tag == fe::COPY_FAIL {
-                    self.pipeline.copy_ended();
-                }
-                self.forward(frame);
-                if tag == fe::TERMINATE {
-                    self.end_with(Ending::ClientEnded);
-                    Flow::Close
-                } else {
-                    Flow::Continue
-                }
-            }
+            _ => self.pass(ctx, frame),
         };
         self.found.clear();
         Ok(flow)
+    }
+
+    /// A frame forwarded as it is: one no cache decision is made on
+    /// (Flush, COPY's data), or any request with caching off. It is still
+    /// read for what it tells of the session: a statement that taints its
+    /// connection or pins it, the requests PostgreSQL will answer.
+    fn pass(&mut self, ctx: &Ctx, frame: &Bytes) -> Flow {
+        let tag = frame[0];
+        if tag == fe::FLUSH {
+            self.release_batch();
+        }
+        if (tag == fe::QUERY || tag == fe::PARSE) && (self.server.parks() || self.link.is_pooled())
+        {
+            let marks = self.known.frame_marks(frame);
+            self.note_marks(ctx, marks, frame);
+        }
+        self.forward(frame);
+        self.pipeline.note_client_frame(tag)
     }
 
     /// Notes a Query's or Parse's marks; asks for its prerequisites (a

@@ -31,7 +31,9 @@ fn initial_response(mechanism: &str, data: &[u8]) -> Vec<u8> {
 /// A client frame of the relayed login, fed as the driver feeds it.
 fn client(rig: &mut Rig, frame: &[u8]) -> Result<(), SessionError> {
     let ctx = ctx(&rig.app, &rig.entry);
-    rig.engine.on_relayed(&ctx, frame).map(|_| ())
+    let run = rig.engine.relay_login_frames(&ctx, frame, 1 << 20)?;
+    assert_eq!(run.taken, frame.len(), "one whole frame");
+    Ok(())
 }
 
 #[test]
@@ -299,52 +301,38 @@ fn a_login_begins_replayed_greeted_or_with_the_startup_message_owed_to_postgresq
 }
 
 #[test]
-fn relayed_frames_are_staged_as_they_are_a_logins_for_the_server_others_with_the_requests() {
+fn a_logins_relayed_frames_are_staged_for_the_server_as_they_are_up_to_a_bad_one() {
     let max = 1 << 20;
-    // A login's exchange: owed to the server as it is.
     let mut rig = Rig::new();
     rig.engine.relay_login();
     let password = frame(fe::PASSWORD, b"hunter2\0");
+    let mut buf = [password.clone(), password.clone()].concat();
+    buf.extend_from_slice(&[fe::PASSWORD, 0, 0, 0, 1]);
     let now = ctx(&rig.app, &rig.entry);
     let run = rig
         .engine
-        .relay_client(&now, &password, max)
+        .relay_login_frames(&now, &buf, max)
         .expect("relayed");
-    assert_eq!((run.taken, run.violation.is_none()), (password.len(), true));
-    assert_eq!(rig.engine.take_to_server().as_deref(), Some(&password[..]));
-    assert!(rig.engine.pipeline.to_backend.is_empty());
-
-    // Logged in (as with caching off): with the requests, up to a bad
-    // frame, which is the run's end.
-    let mut rig = Rig::logged_in();
-    let query = super::query("SELECT 1");
-    let mut buf = [query.clone(), query.clone()].concat();
-    buf.extend_from_slice(&[b'Q', 0, 0, 0, 1]);
-    let now = ctx(&rig.app, &rig.entry);
-    let run = rig.engine.relay_client(&now, &buf, max).expect("relayed");
-    assert_eq!(run.taken, 2 * query.len());
+    assert_eq!(run.taken, 2 * password.len());
     assert!(
         run.violation.is_some(),
         "a length shorter than its own field"
     );
     assert_eq!(
-        rig.engine.pipeline.to_backend,
-        [query.clone(), query].concat()
+        rig.engine.take_to_server().as_deref(),
+        Some(&[password.clone(), password][..].concat()[..])
     );
-    assert_eq!(rig.engine.take_to_server(), None);
+    assert!(rig.engine.pipeline.to_backend.is_empty());
 
-    // A Terminate ends the run; one that hands the connection back to be
-    // parked is not sent.
-    let terminate = frame(fe::TERMINATE, b"");
-    for parks in [false, true] {
-        let mut rig = Rig::logged_in();
-        rig.engine.server = crate::session::reuse::ServerBook::new(parks);
-        let now = ctx(&rig.app, &rig.entry);
-        let run = rig.engine.relay_client(&now, &terminate, max);
-        let run = run.expect("relayed");
-        assert_eq!(run.flow, crate::session::pipeline::Flow::Close);
-        assert_eq!(run.taken, if parks { 0 } else { terminate.len() });
-        assert_eq!(rig.engine.pipeline.to_backend.is_empty(), parks);
-        assert!(rig.engine.close_expected());
-    }
+    // Fed as the driver feeds it, the bad frame ends the session.
+    let mut rig = Rig::new();
+    rig.engine.relay_login();
+    rig.engine.client_arrived();
+    let mut bytes = BytesMut::from(&[fe::PASSWORD, 0, 0, 0, 1][..]);
+    let now = ctx(&rig.app, &rig.entry);
+    assert!(matches!(
+        rig.engine.on_client_data(&now, &mut bytes, max),
+        Err(SessionError::ClientFrame(_))
+    ));
+    assert_eq!(rig.engine.flow(), crate::session::pipeline::Flow::Close);
 }

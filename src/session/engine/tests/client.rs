@@ -174,22 +174,39 @@ fn transaction_mode_a_feature_that_lives_in_one_backend_pins_the_session() {
 }
 
 #[test]
-fn relayed_frames_still_pin_the_session_and_end_it() {
+fn with_caching_off_requests_go_out_as_they_are_and_still_pin_the_session_and_end_it() {
     let mut rig = Rig::pooled();
     rig.engine.caching = false;
-    assert_eq!(rig.relayed(&query("LISTEN jobs")), Some(Flow::Continue));
+    let batch = [
+        parse("", "SELECT v FROM items WHERE k = $1"),
+        bind("", &["1"]),
+        execute(0),
+        sync(),
+    ];
+    rig.frames(&batch);
+    assert_eq!(rig.sent_to_backend(), batch.concat(), "nothing held");
+    assert_eq!(rig.engine.pipeline.len(), 1, "PostgreSQL answers the Sync");
+    assert_eq!(rig.client(&query("LISTEN jobs")), Flow::Continue);
+    assert_eq!(rig.sent_to_backend(), query("LISTEN jobs"));
     let Link::Pooled(link) = &rig.engine.link else {
         panic!("transaction mode");
     };
     assert_eq!(link.pinned, Some(Pin::Listen));
     // The pool's connection outlives the client: its Terminate stays here.
-    assert_eq!(rig.relayed(&frame(fe::TERMINATE, &[])), None);
+    assert_eq!(rig.client(&frame(fe::TERMINATE, &[])), Flow::Close);
+    assert!(rig.sent_to_backend().is_empty());
     assert!(rig.engine.ending == Some(Ending::ClientEnded));
-    // Session mode without reuse: PostgreSQL hears the Terminate.
-    let mut rig = Rig::logged_in();
-    rig.engine.caching = false;
+    // Session mode: PostgreSQL hears the Terminate, unless the connection
+    // is handed back to be parked.
     let terminate = frame(fe::TERMINATE, &[]);
-    assert_eq!(rig.relayed(&terminate), Some(Flow::Close));
+    for parks in [false, true] {
+        let mut rig = Rig::logged_in();
+        rig.engine.caching = false;
+        rig.engine.server = crate::session::reuse::ServerBook::new(parks);
+        assert_eq!(rig.client(&terminate), Flow::Close);
+        assert_eq!(rig.sent_to_backend().is_empty(), parks);
+        assert!(rig.engine.close_expected());
+    }
 }
 
 #[test]

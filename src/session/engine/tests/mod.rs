@@ -189,12 +189,6 @@ impl Rig {
         self.engine.flow()
     }
 
-    /// Feeds a client frame relayed untouched, as with caching off.
-    fn relayed(&mut self, frame: &[u8]) -> Option<Flow> {
-        let ctx = ctx(&self.app, &self.entry);
-        self.engine.on_relayed(&ctx, frame).expect("not a login")
-    }
-
     /// Feeds several client frames in turn.
     fn frames(&mut self, frames: &[Vec<u8>]) {
         for f in frames {

@@ -11,7 +11,8 @@
 //! it, and what it writes must not be served stale to the first. Each
 //! step's frames come in one read, as the driver hands its buffer over:
 //! a run of a named statement may be decided whole
-//! ([`Engine::whole_batch`](crate::session::engine::Engine)).
+//! ([`Engine::whole_batch`](crate::session::engine::Engine)). With
+//! caching off the same programs run, and nothing may be served.
 //! `tests/model.rs` checks the model against PostgreSQL.
 
 use std::cell::RefCell;
@@ -69,6 +70,14 @@ enum Mode {
     Session,
     /// The pool's one, which they take in turns.
     Transaction,
+}
+
+/// Whether the sessions cache: with caching off, pass-through is the
+/// policy, and every request must go to the backend as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Caching {
+    On,
+    Off,
 }
 
 /// Per key of `items`: whether another key was written since it was last
@@ -140,9 +149,14 @@ fn direct(program: &Program) -> Vec<(Vec<u8>, bool, Step)> {
 }
 
 /// Runs `program` through an engine in front of the model backend.
-fn through_engine(program: &Program, counts: &mut Counts, mode: Mode) -> Result<(), TestCaseError> {
+fn through_engine(
+    program: &Program,
+    counts: &mut Counts,
+    mode: Mode,
+    caching: Caching,
+) -> Result<(), TestCaseError> {
     let answers = direct(program);
-    let mut run = Run::new(mode, counts);
+    let mut run = Run::new(mode, caching, counts);
     let mut steps = answers.iter();
     for group in &program.0 {
         run.counts.pipelines += usize::from(group.len() > 1);
@@ -195,7 +209,7 @@ struct Run<'c> {
 }
 
 impl<'c> Run<'c> {
-    fn new(mode: Mode, counts: &'c mut Counts) -> Self {
+    fn new(mode: Mode, caching: Caching, counts: &'c mut Counts) -> Self {
         let mut rig = match mode {
             Mode::Session => Rig::logged_in(),
             Mode::Transaction => Rig::new().in_transaction_mode(),
@@ -203,7 +217,10 @@ impl<'c> Run<'c> {
         .keying();
         rig.knows_table("log");
         rig.knows_table("other");
-        let beside = rig.beside();
+        rig.engine.caching = caching == Caching::On;
+        let mut beside = rig.beside();
+        // Caching is the instance's: on or off for every session.
+        beside.engine.caching = rig.engine.caching;
         Self {
             mode,
             rig,
@@ -496,15 +513,20 @@ fn the_programs_once_failed_on_pass() {
     for program in programs {
         let program = Program(program);
         for mode in [Mode::Session, Mode::Transaction] {
-            let result = through_engine(&program, &mut Counts::default(), mode);
-            assert!(result.is_ok(), "{mode:?}: {program:?}: {result:?}");
+            for caching in [Caching::On, Caching::Off] {
+                let result = through_engine(&program, &mut Counts::default(), mode, caching);
+                assert!(
+                    result.is_ok(),
+                    "{mode:?}, {caching:?}: {program:?}: {result:?}"
+                );
+            }
         }
     }
 }
 
 /// Runs `cases` generated programs in `mode`: the same programs every run,
 /// so that the counts hold and a failure comes back.
-fn run(mode: Mode, cases: u32) -> Counts {
+fn run(mode: Mode, caching: Caching, cases: u32) -> Counts {
     let config = Config {
         cases,
         failure_persistence: None,
@@ -514,13 +536,13 @@ fn run(mode: Mode, cases: u32) -> Counts {
     let mut runner = TestRunner::new_with_rng(config, rng);
     let counts = RefCell::new(Counts::default());
     let result = runner.run(&model::program(), |program| {
-        through_engine(&program, &mut counts.borrow_mut(), mode)
+        through_engine(&program, &mut counts.borrow_mut(), mode, caching)
     });
     if let Err(e) = result {
-        panic!("{mode:?}: {e}");
+        panic!("{mode:?}, {caching:?}: {e}");
     }
     let c = counts.into_inner();
-    eprintln!("{mode:?}: {c:?}");
+    eprintln!("{mode:?}, {caching:?}: {c:?}");
     c
 }
 
@@ -554,12 +576,12 @@ fn often(c: &Counts, also: &[(&str, usize)]) {
 
 #[test]
 fn the_engine_answers_as_the_model_backend_does() {
-    often(&run(Mode::Session, 1_200), &[]);
+    often(&run(Mode::Session, Caching::On, 1_200), &[]);
 }
 
 #[test]
 fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
-    let c = run(Mode::Transaction, 1_200);
+    let c = run(Mode::Transaction, Caching::On, 1_200);
     let pool = [
         ("checkouts", c.checkouts),
         ("give-backs", c.give_backs),
@@ -567,4 +589,31 @@ fn in_transaction_mode_the_engine_answers_as_the_model_backend_does() {
         ("settings put on the connection", c.applies),
     ];
     often(&c, &pool);
+}
+
+#[test]
+fn with_caching_off_every_request_is_answered_by_the_model_backend() {
+    for mode in [Mode::Session, Mode::Transaction] {
+        let c = run(mode, Caching::Off, 300);
+        assert_eq!(
+            (c.hits, c.other_hits, c.fills),
+            (0, 0, 0),
+            "{mode:?}: {c:?}"
+        );
+        let every = [
+            ("statement names refused", c.name_refusals),
+            ("suspended portals", c.suspended),
+            ("errors mid-batch", c.errors_mid_batch),
+            ("COPYs", c.copies),
+            ("cancels", c.cancels),
+            ("pipelines", c.pipelines),
+            ("writes of the second session", c.other_writes),
+        ];
+        for (what, n) in every {
+            assert!(n >= 10, "{mode:?}: only {n} {what}: {c:?}");
+        }
+        if mode == Mode::Transaction {
+            assert!(c.checkouts >= 10 && c.give_backs >= 10, "{c:?}");
+        }
+    }
 }
