@@ -12,6 +12,7 @@ pub(crate) mod model;
 mod output;
 mod pooled;
 mod property;
+mod regressions;
 mod replica_books;
 mod timeouts;
 
