@@ -1,11 +1,11 @@
 //! The client's buffered bytes, as the engine takes them
 //! ([`Engine::on_client_data`]): a whole extended batch at once when the
-//! engine can decide on it, and frame by frame otherwise (with caching
-//! off too: pass-through is the policy whose answer is "forward"); or,
-//! while a login's exchange is relayed, staged for the server as they
-//! are, in one copy. The driver hands over its read buffer and does what
-//! the answer says; a decision that waits keeps its frame here until it is
-//! met.
+//! engine can decide on it, and frame by frame otherwise. With caching
+//! off (pass-through is the policy whose answer is "forward") and while a
+//! login's exchange is relayed, no decision waits: the frames are taken in
+//! place, without being split off the buffer one by one. The driver hands
+//! over its read buffer and does what the answer says; a decision that
+//! waits keeps its frame here until it is met.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -98,12 +98,12 @@ impl Engine {
         buf: &mut BytesMut,
         max_frame: usize,
     ) -> Result<Taken, SessionError> {
-        if self.relaying_login() {
-            let run = self.relay_login_frames(ctx, buf, max_frame)?;
+        if self.relaying_login() || !self.caching {
+            let run = self.forward_run(ctx, buf, max_frame)?;
             buf.advance(run.taken);
             return match run.violation {
                 Some(e) => Err(SessionError::ClientFrame(e)),
-                None => Ok(Taken::Done(Flow::Continue)),
+                None => Ok(Taken::Done(run.flow)),
             };
         }
         loop {
@@ -160,22 +160,27 @@ impl Engine {
     }
 }
 
-/// What became of a run of a login's client frames relayed untouched
-/// ([`Engine::relay_login_frames`]).
+/// What became of a run of client frames forwarded as they are
+/// ([`Engine::forward_run`]).
 pub(in crate::session) struct RelayedRun {
     /// How many of the buffer's bytes were taken.
     pub taken: usize,
+    pub flow: Flow,
     /// The bad frame that ended the run, if one did.
     pub violation: Option<FrameError>,
 }
 
 impl Engine {
-    /// A login's client frames, relayed: the complete frames at the start
-    /// of `buf` (each checked against `max_frame`) up to a bad one, each
-    /// read for what it tells ([`Engine::on_auth_client_frame`]) and
-    /// staged for the server as it is ([`Engine::take_to_server`]), in one
-    /// copy. A frame the engine refuses ends the session with the error.
-    pub(super) fn relay_login_frames(
+    /// Client frames no decision waits on, taken in place: the complete
+    /// frames at the start of `buf` (each checked against `max_frame`) up
+    /// to a bad one or the session's end. While a login's exchange is
+    /// relayed, each is read for what it tells
+    /// ([`Engine::on_auth_client_frame`]) and staged for the server as it
+    /// is ([`Engine::take_to_server`]); with caching off, each is decided
+    /// as any forwarded frame is ([`Engine::on_forwarded`]), without being
+    /// taken out of the buffer first. A login's frame the engine refuses
+    /// ends the session with the error.
+    pub(super) fn forward_run(
         &mut self,
         ctx: &Ctx,
         buf: &[u8],
@@ -183,6 +188,7 @@ impl Engine {
     ) -> Result<RelayedRun, SessionError> {
         let mut run = RelayedRun {
             taken: 0,
+            flow: Flow::Continue,
             violation: None,
         };
         for frame in crate::protocol::codec::checked_frames(buf, max_frame) {
@@ -193,9 +199,16 @@ impl Engine {
                     break;
                 }
             };
-            self.on_auth_client_frame(ctx, frame)?;
             run.taken += frame.len();
-            self.to_server.extend_from_slice(frame);
+            if self.relaying_login() {
+                self.on_auth_client_frame(ctx, frame)?;
+                self.to_server.extend_from_slice(frame);
+                continue;
+            }
+            run.flow = self.on_forwarded(ctx, frame);
+            if run.flow == Flow::Close {
+                break;
+            }
         }
         Ok(run)
     }

@@ -42,7 +42,7 @@ use crate::session::pipeline::{Flow, Inflight};
 
 impl Engine {
     /// One complete client frame. With caching off, pass-through is the
-    /// policy: every request is forwarded as it is ([`Self::pass`]).
+    /// policy: every request is forwarded as it is ([`Self::on_forwarded`]).
     pub(super) fn on_client_frame(&mut self, ctx: &Ctx, frame: &Bytes) -> Result<Flow, Need> {
         let flow = match frame[0] {
             fe::QUERY if self.caching => self.on_query(ctx, frame)?,
@@ -58,6 +58,20 @@ impl Engine {
                 self.db.hold.touch_at(ctx.now);
                 self.on_sync(ctx, frame)?
             }
+            _ => self.on_forwarded(ctx, frame),
+        };
+        self.found.clear();
+        Ok(flow)
+    }
+
+    /// A frame forwarded as it is: one no cache decision is made on (a
+    /// function call, Terminate, Flush, COPY's data), or any request with
+    /// caching off. It is still read for what it tells of the session: a
+    /// statement that taints its connection or pins it, the requests
+    /// PostgreSQL will answer, a Terminate that hands the connection back.
+    pub(super) fn on_forwarded(&mut self, ctx: &Ctx, frame: &[u8]) -> Flow {
+        let tag = frame[0];
+        match tag {
             fe::FUNCTION_CALL => {
                 self.release_batch();
                 self.forward(frame);
@@ -78,28 +92,20 @@ impl Engine {
                 }
                 Flow::Close
             }
-            _ => self.pass(ctx, frame),
-        };
-        self.found.clear();
-        Ok(flow)
-    }
-
-    /// A frame forwarded as it is: one no cache decision is made on
-    /// (Flush, COPY's data), or any request with caching off. It is still
-    /// read for what it tells of the session: a statement that taints its
-    /// connection or pins it, the requests PostgreSQL will answer.
-    fn pass(&mut self, ctx: &Ctx, frame: &Bytes) -> Flow {
-        let tag = frame[0];
-        if tag == fe::FLUSH {
-            self.release_batch();
+            _ => {
+                if tag == fe::FLUSH {
+                    self.release_batch();
+                }
+                if (tag == fe::QUERY || tag == fe::PARSE)
+                    && (self.server.parks() || self.link.is_pooled())
+                {
+                    let marks = self.known.frame_marks(frame);
+                    self.note_marks(ctx, marks, frame);
+                }
+                self.forward(frame);
+                self.pipeline.note_client_frame(tag)
+            }
         }
-        if (tag == fe::QUERY || tag == fe::PARSE) && (self.server.parks() || self.link.is_pooled())
-        {
-            let marks = self.known.frame_marks(frame);
-            self.note_marks(ctx, marks, frame);
-        }
-        self.forward(frame);
-        self.pipeline.note_client_frame(tag)
     }
 
     /// Notes a Query's or Parse's marks; asks for its prerequisites (a

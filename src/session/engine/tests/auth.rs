@@ -31,7 +31,7 @@ fn initial_response(mechanism: &str, data: &[u8]) -> Vec<u8> {
 /// A client frame of the relayed login, fed as the driver feeds it.
 fn client(rig: &mut Rig, frame: &[u8]) -> Result<(), SessionError> {
     let ctx = ctx(&rig.app, &rig.entry);
-    let run = rig.engine.relay_login_frames(&ctx, frame, 1 << 20)?;
+    let run = rig.engine.forward_run(&ctx, frame, 1 << 20)?;
     assert_eq!(run.taken, frame.len(), "one whole frame");
     Ok(())
 }
@@ -309,10 +309,7 @@ fn a_logins_relayed_frames_are_staged_for_the_server_as_they_are_up_to_a_bad_one
     let mut buf = [password.clone(), password.clone()].concat();
     buf.extend_from_slice(&[fe::PASSWORD, 0, 0, 0, 1]);
     let now = ctx(&rig.app, &rig.entry);
-    let run = rig
-        .engine
-        .relay_login_frames(&now, &buf, max)
-        .expect("relayed");
+    let run = rig.engine.forward_run(&now, &buf, max).expect("relayed");
     assert_eq!(run.taken, 2 * password.len());
     assert!(
         run.violation.is_some(),
