@@ -5,7 +5,9 @@
 //! back (types, rows, command tags, SQLSTATEs, transaction status). A
 //! cancel is a real CancelRequest, sent once the statement runs; another
 //! session's write is made on a connection of its own, and so are the
-//! second session's statements, compared as the first's.
+//! second session's statements, compared as the first's. The same
+//! programs then run through pgcache in front of the primary and a
+//! lagging standby its reads are routed to.
 
 mod common;
 #[path = "../src/session/engine/tests/model/mod.rs"]
@@ -14,6 +16,7 @@ mod model;
 
 use std::time::Duration;
 
+use common::Pg;
 use common::wire::{raw_login, read_message};
 use model::{Backend, SETUP, Seen, Sql, Step};
 use proptest::strategy::{Strategy, ValueTree};
@@ -29,13 +32,75 @@ async fn the_model_answers_as_postgresql_does() {
     let db = pg.create_db("model");
     let admin = pg.direct(&db).await;
     let addr: std::net::SocketAddr = format!("127.0.0.1:{}", pg.port).parse().unwrap();
+    let messages = replay(addr, &db, &admin, Writers::WithDirect).await;
+    assert!(messages > PROGRAMS * 10, "{messages} messages compared");
+}
+
+/// The same programs through pgcache, with the reads it may route sent to
+/// a standby that applies each commit 50 ms late: the sessions must see
+/// what PostgreSQL alone answers (the model), so no read is answered from
+/// the standby's past without a write of the session's own or of the
+/// second session's, both through pgcache; and no answer the standby gave
+/// from below what was cached is stored. The direct writer is left out:
+/// read-your-writes covers writes through pgcache, and a write made
+/// elsewhere may be read from a standby that has not replayed it yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_pgcache_and_a_lagging_standby_the_model_answers_as_postgresql_does() {
+    let primary = Pg::dedicated();
+    let db = primary.create_db("model");
+    let standby = primary.standby();
+    standby.psql_admin("ALTER SYSTEM SET recovery_min_apply_delay = '50ms'");
+    standby.psql_admin("SELECT pg_reload_conf()");
+    let mut config = primary.proxy_config();
+    config.upstream.replicas = vec![pgcache::config::ReplicaConfig::Url(format!(
+        "postgres://postgres@127.0.0.1:{}",
+        standby.port
+    ))];
+    let proxy = common::Proxy::start(config).await;
+    let replica = std::sync::Arc::clone(&proxy.app.replicas.servers[0]);
+    common::eventually(Duration::from_secs(30), "the standby in rotation", || {
+        let in_rotation = replica.in_rotation();
+        async move { in_rotation.then_some(()) }
+    })
+    .await;
+    let admin = primary.direct(&db).await;
+    let messages = replay(proxy.addr, &db, &admin, Writers::ThroughPgcache).await;
+    assert!(messages > PROGRAMS * 10, "{messages} messages compared");
+    let routed = replica.metrics.routed.get();
+    let kept = proxy.app.replicas.to_primary.routed.get() + replica.metrics.retries.get();
+    assert!(routed > 0, "reads were routed to the standby");
+    assert!(
+        kept > 0,
+        "reads the standby was behind for went to the primary"
+    );
+}
+
+/// Who writes besides the program's first session.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Writers {
+    /// The second session, and another that writes directly to
+    /// PostgreSQL.
+    WithDirect,
+    /// The second session alone, through the same server as the first.
+    ThroughPgcache,
+}
+
+/// Replays [`PROGRAMS`] generated programs on sessions of the server at
+/// `addr`, checking every answer against the model's; `admin` is a direct
+/// connection to PostgreSQL. Returns how many messages were compared.
+async fn replay(
+    addr: std::net::SocketAddr,
+    db: &str,
+    admin: &tokio_postgres::Client,
+    writers: Writers,
+) -> usize {
     let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]);
     let mut runner = TestRunner::new_with_rng(Config::default(), rng);
     let strategy = model::program();
     let mut messages = 0;
     for n in 0..PROGRAMS {
         let program = strategy.new_tree(&mut runner).unwrap().current();
-        let (mut socket, login) = raw_login(addr, &db).await;
+        let (mut socket, login) = raw_login(addr, db).await;
         let key = login
             .iter()
             .find(|(tag, _)| *tag == b'K')
@@ -46,12 +111,12 @@ async fn the_model_answers_as_postgresql_does() {
             .await
             .unwrap();
         read_answer(&mut socket, 1).await;
-        let (mut second, _) = raw_login(addr, &db).await;
+        let (mut second, _) = raw_login(addr, db).await;
         let mut backend = Backend::default();
         for (i, step) in program.0.iter().flatten().enumerate() {
             if let Step::Direct(k) = step {
                 // Another session's write, made when the model makes it.
-                if backend.direct_write(*k).is_some() {
+                if writers == Writers::WithDirect && backend.direct_write(*k).is_some() {
                     admin.batch_execute(&Step::direct_sql(*k)).await.unwrap();
                 }
                 continue;
@@ -77,7 +142,7 @@ async fn the_model_answers_as_postgresql_does() {
             let expected = model::seen(&expected);
             let cancelled = expected.iter().any(|m| m.what == "57014");
             if *step == Step::Query(Sql::Sleep) && cancelled {
-                cancel_when_running(&admin, addr, &key).await;
+                cancel_when_running(admin, addr, &key).await;
             }
             let got = read_answer(&mut socket, step.readies()).await;
             assert_eq!(
@@ -90,7 +155,7 @@ async fn the_model_answers_as_postgresql_does() {
             }
         }
     }
-    assert!(messages > PROGRAMS * 10, "{messages} messages compared");
+    messages
 }
 
 /// Messages until `readies` ReadyForQuery messages, as [`Seen`].

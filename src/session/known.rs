@@ -265,6 +265,16 @@ impl Known {
         }
     }
 
+    /// The backend is owed the client's Parse of statement `name`
+    /// (`raw`), answered by pgcache: it is replayed before anything else
+    /// the backend is sent ([`Self::unsent_parses`]).
+    pub fn owe_parse(&mut self, name: Bytes, raw: &[u8]) {
+        self.unsent_parses.retain(|(n, _)| *n != name);
+        // A copy: it may wait while the session idles, and a view keeps
+        // the read buffer alive.
+        self.unsent_parses.push((name, Bytes::copy_from_slice(raw)));
+    }
+
     /// A Close of statement `name` went out.
     pub fn close_statement(&mut self, name: &[u8]) {
         self.statements.remove(name);

@@ -286,6 +286,10 @@ pub(super) struct Routed {
     /// The position the replica must have replayed past for the answer to
     /// be stored; `None`: it is not stored.
     pub fill_floor: Option<u64>,
+    /// The client's Parse of the batch (statement name, frame), kept from
+    /// the replica: answered by pgcache once the replica's answer stands,
+    /// and replayed to the primary later; or sent there with the read.
+    pub parse: Option<(Bytes, Bytes)>,
     pub verdict: Verdict,
 }
 
@@ -315,8 +319,19 @@ impl Routed {
             statement,
             needed,
             fill_floor,
+            parse: None,
             verdict: Verdict::Awaited,
         }
+    }
+
+    /// The request as the primary is to have it, the client's Parse first
+    /// if it was kept from the replica: answered there, error and all.
+    pub fn for_primary(&self) -> BytesMut {
+        let parse = self.parse.as_ref().map_or(&[][..], |(_, raw)| &raw[..]);
+        let mut request = BytesMut::with_capacity(parse.len() + self.request.len());
+        request.extend_from_slice(parse);
+        request.extend_from_slice(&self.request);
+        request
     }
 
     /// The first frame of the replica's answer: whether the read stands

@@ -33,6 +33,8 @@ pub(super) enum Cut {
     Drop,
     /// Stands in for this frame.
     Replace(&'static [u8]),
+    /// Goes to the client just before this frame, which is kept.
+    Before(&'static [u8]),
 }
 
 impl RowCut {

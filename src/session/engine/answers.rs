@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use tracing::warn;
 
 use super::life::{Ending, Phase};
@@ -109,8 +109,13 @@ impl Engine {
             if cut != Cut::Keep {
                 self.out.extend_from_slice(&buf[copied..pos]);
                 copied = pos + len;
-                if let Cut::Replace(frame) = cut {
-                    self.out.extend_from_slice(frame);
+                match cut {
+                    Cut::Replace(frame) => self.out.extend_from_slice(frame),
+                    Cut::Before(frame) => {
+                        self.out.extend_from_slice(frame);
+                        copied = pos;
+                    }
+                    Cut::Keep | Cut::Drop => {}
                 }
             }
             pos += len;
@@ -278,10 +283,13 @@ impl Engine {
         {
             leg.probed(frame);
         }
+        let mut owed_parse = None;
         if let Some(routed) = &mut front.routed {
             if routed.verdict == Verdict::Awaited {
                 let replayed = self.replica.as_ref().and_then(|leg| leg.replayed);
-                if !routed.first_frame(frame, replayed) {
+                if routed.first_frame(frame, replayed) {
+                    owed_parse = routed.parse.take();
+                } else {
                     // Its answer is the primary's to give.
                     front.capture = None;
                 }
@@ -314,20 +322,34 @@ impl Engine {
         if let Some(cap) = &mut front.capture {
             cap.add(frame, max);
         }
-        match &mut front.row_cut {
+        let cut = match &mut front.row_cut {
             Some(cut) => cut.frame(tag),
             None => Cut::Keep,
+        };
+        match owed_parse {
+            // The replica's answer stands: the client's Parse, held back
+            // from it, is answered here and owed to the primary.
+            Some((name, raw)) => {
+                self.known.owe_parse(name, &raw);
+                Cut::Before(&messages::PARSE_COMPLETE)
+            }
+            None => cut,
         }
     }
 
     /// From `pos`, a run of plain frames (see [`capture::plain`]) of the
     /// request in front, when a capture takes them and nothing else looks
-    /// at them: handed to the capture in one piece rather than frame by
-    /// frame (a would-be hit's rows are compared with one comparison).
-    /// Returns where the run ends.
+    /// at them (a replica's answer is looked at until its first frame
+    /// decides whether it stands): handed to the capture in one piece
+    /// rather than frame by frame (a would-be hit's rows are compared with
+    /// one comparison). Returns where the run ends.
     fn plain_run(&mut self, ctx: &Ctx, buf: &[u8], pos: usize) -> Option<usize> {
         let front = self.pipeline.front_mut()?;
-        if !front.to_client || front.row_cut.is_some() {
+        let undecided = front
+            .routed
+            .as_ref()
+            .is_some_and(|r| r.verdict == Verdict::Awaited);
+        if !front.to_client || front.row_cut.is_some() || undecided {
             return None;
         }
         let capture = front.capture.as_mut()?;
@@ -502,12 +524,9 @@ impl Engine {
         let Some((name, raw)) = self.batch.take_parse() else {
             return;
         };
-        self.known.unsent_parses.retain(|(n, _)| *n != name);
-        if !sent {
-            // A copy: it may wait while the session idles, and a view
-            // keeps the read buffer alive.
-            let raw = Bytes::copy_from_slice(&raw);
-            self.known.unsent_parses.push((name, raw));
+        match sent {
+            true => self.known.unsent_parses.retain(|(n, _)| *n != name),
+            false => self.known.owe_parse(name, &raw),
         }
     }
 }

@@ -235,9 +235,11 @@ impl Engine {
     }
 
     /// Sends a held batch that missed (`request`, to its Sync) to a
-    /// replica when [`Self::route`] may. The client's Parse is answered
-    /// here and replayed to the primary later, as for a hit: the replica
-    /// gets the statement under a name of its own.
+    /// replica when [`Self::route`] may. The replica gets the statement
+    /// under a name of its own; the client's Parse is kept with the read
+    /// ([`Routed::parse`]): answered by pgcache once the replica's answer
+    /// stands, or sent to the primary with the read, which answers it, a
+    /// failure included.
     pub(super) fn route_batch(
         &mut self,
         ctx: &Ctx,
@@ -253,9 +255,8 @@ impl Engine {
         if !self.route(ctx, plan, inflight, &rest, Some(statement)) {
             return false;
         }
-        if parsed {
-            self.defer_parse(false);
-            self.out.extend_from_slice(&messages::PARSE_COMPLETE);
+        if parsed && let Some(routed) = &mut inflight.routed {
+            routed.parse = self.batch.take_parse();
         }
         true
     }
@@ -355,7 +356,7 @@ impl Engine {
         }
         if routed.to_primary() {
             routed.server.metrics.retries.inc();
-            self.forward(&routed.request);
+            self.forward(&routed.for_primary());
             return false;
         }
         if let Some(replayed) = replayed {
@@ -412,7 +413,7 @@ impl Engine {
         while let Some(done) = self.pipeline.pop() {
             if let Some(routed) = &done.routed {
                 started |= routed.verdict == Verdict::Relayed;
-                let frame = routed.request.clone();
+                let frame = routed.for_primary();
                 request = Some((done, frame));
             }
         }

@@ -150,3 +150,98 @@ fn a_routed_read_gets_a_connection_then_the_settings_then_is_written_once() {
         "once"
     );
 }
+
+/// A routed batch as the engine books it: `request` (the batch without
+/// the client's Parse) in flight on the replica, which the session needs
+/// at `needed` and whose probe said `replayed`, with the client's `parse`
+/// kept from it and the answer captured for the cache.
+fn routed_batch(
+    rig: &mut Rig,
+    request: &[u8],
+    parse: Option<&[u8]>,
+    (needed, replayed): (u64, u64),
+) {
+    use crate::cache::Fill;
+    use crate::session::capture::Capture;
+    use crate::session::pipeline::Inflight;
+    use crate::session::replica::{ReadState, Routed};
+    let server = server();
+    let mut leg = ReplicaLeg::new(Arc::clone(&server));
+    leg.read = ReadState::Sent;
+    leg.replayed = Some(replayed);
+    rig.engine.replica = Some(Box::new(leg));
+    let mut routed = Routed::new(server, (request.to_vec().into(), None), needed, None);
+    routed.parse = parse.map(|p| (bytes::Bytes::new(), p.to_vec().into()));
+    rig.engine.pipeline.push(Inflight {
+        routed: Some(Box::new(routed)),
+        capture: Some(Capture::new(Fill::local_only(7))),
+        ..Inflight::default()
+    });
+}
+
+#[test]
+fn a_statement_that_fails_to_prepare_on_the_replica_is_answered_by_the_primary_parse_and_all() {
+    use super::{bind, describe_portal, error, execute, parse, rfq, sync};
+    use crate::protocol::TxStatus;
+    let mut rig = Rig::logged_in();
+    let client_parse = parse("", "SELECT nosuch FROM items WHERE k = $1");
+    let rest = [bind("", &["1"]), describe_portal(), execute(0), sync()].concat();
+    routed_batch(&mut rig, &rest, Some(&client_parse), (0, 10));
+    // pgcache's preparation there failed: its Bind finds no statement.
+    let seen = rig.backend(&[error("26000"), rfq(TxStatus::Idle)]);
+    assert!(
+        seen.is_empty(),
+        "no ParseComplete, nothing of the replica's"
+    );
+    assert_eq!(
+        rig.sent_to_backend(),
+        [client_parse, rest].concat(),
+        "the primary answers the client's Parse, its error included"
+    );
+    assert!(rig.engine.known.unsent_parses.is_empty());
+}
+
+#[test]
+fn a_replicas_answer_that_stands_follows_the_parse_pgcache_answers_and_owes_the_primary() {
+    use super::{bind, bind_complete, complete, description, parse, parse_complete, rfq, row};
+    use crate::protocol::TxStatus;
+    let mut rig = Rig::logged_in();
+    let client_parse = parse("", "SELECT v FROM items WHERE k = $1");
+    routed_batch(&mut rig, &bind("", &["1"]), Some(&client_parse), (5, 10));
+    let answer = [
+        bind_complete(),
+        description(),
+        row("a"),
+        complete("SELECT 1"),
+        rfq(TxStatus::Idle),
+    ];
+    let seen = rig.backend(&answer);
+    assert_eq!(seen, [parse_complete(), answer.concat()].concat());
+    assert!(rig.sent_to_backend().is_empty());
+    assert_eq!(
+        rig.engine.known.unsent_parses.len(),
+        1,
+        "owed to the primary"
+    );
+    assert_eq!(rig.engine.known.unsent_parses[0].1, client_parse);
+}
+
+#[test]
+fn a_replica_found_behind_by_its_probe_shows_none_of_its_rows() {
+    use super::{bind_complete, complete, description, query, rfq, row};
+    use crate::protocol::TxStatus;
+    let read = query("SELECT v FROM items");
+    let mut rig = Rig::logged_in();
+    routed_batch(&mut rig, &read, None, (10, 5));
+    let answer = [
+        bind_complete(),
+        description(),
+        row("a"),
+        row("b"),
+        complete("SELECT 2"),
+        rfq(TxStatus::Idle),
+    ];
+    let seen = rig.backend(&answer);
+    assert!(seen.is_empty(), "the rows of a replica behind: {seen:?}");
+    assert_eq!(rig.sent_to_backend(), read, "the read goes to the primary");
+}
