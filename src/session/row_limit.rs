@@ -37,6 +37,19 @@ pub(super) enum Cut {
     Before(&'static [u8]),
 }
 
+impl Cut {
+    /// The bytes the client gets in the frame's place or before it, and
+    /// whether the frame itself goes on.
+    pub fn parts(&self) -> (&'static [u8], bool) {
+        match self {
+            Cut::Keep => (&[], true),
+            Cut::Drop => (&[], false),
+            Cut::Replace(bytes) => (bytes, false),
+            Cut::Before(bytes) => (bytes, true),
+        }
+    }
+}
+
 impl RowCut {
     pub fn new(limit: u32) -> Self {
         Self { limit, rows: 0 }

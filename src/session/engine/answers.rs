@@ -107,16 +107,11 @@ impl Engine {
                 _ => self.on_response_frame(ctx, frame),
             };
             if cut != Cut::Keep {
+                let (bytes, kept) = cut.parts();
                 self.out.extend_from_slice(&buf[copied..pos]);
-                copied = pos + len;
-                match cut {
-                    Cut::Replace(frame) => self.out.extend_from_slice(frame),
-                    Cut::Before(frame) => {
-                        self.out.extend_from_slice(frame);
-                        copied = pos;
-                    }
-                    Cut::Keep | Cut::Drop => {}
-                }
+                self.out.extend_from_slice(bytes);
+                // A frame kept goes out from the buffer, after `out`.
+                copied = if kept { pos } else { pos + len };
             }
             pos += len;
         }
