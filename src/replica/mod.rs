@@ -155,6 +155,13 @@ impl Replica {
             .map(|(lsn, _)| lsn)
     }
 
+    /// In rotation, as after good polls: for tests of the sessions that
+    /// route to it, without a monitor.
+    #[cfg(test)]
+    pub(crate) fn admit(&self) {
+        self.rotation.send_replace(true);
+    }
+
     /// Follows whether it is in rotation.
     pub fn watch_rotation(&self) -> tokio::sync::watch::Receiver<bool> {
         self.rotation.subscribe()

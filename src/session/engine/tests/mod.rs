@@ -8,6 +8,7 @@ mod batches;
 mod client;
 mod greeting;
 mod hidden;
+mod lagging;
 pub(crate) mod model;
 mod output;
 mod pooled;
@@ -44,11 +45,18 @@ struct Rig {
     settings: Option<Vec<Option<String>>>,
     /// How many times the engine asked for them.
     settings_reads: usize,
+    /// The time the driver passes; `None`: the clock's.
+    clock: Option<Instant>,
 }
 
 impl Rig {
     fn new() -> Self {
         let (app, entry) = crate::session::fuzz::unstarted_app("alice", "shop");
+        Self::on(app, entry)
+    }
+
+    /// A session of alice on shop at `app`, not logged in yet.
+    fn on(app: App, entry: ClientEntry) -> Self {
         let engine = crate::session::fuzz::session_engine(&app, "alice", "shop");
         let settings = ["alice", "alice", "read committed", "a=b", "none", "{}"]
             .map(|v| Some(v.to_owned()))
@@ -59,6 +67,7 @@ impl Rig {
             engine,
             settings: Some(settings),
             settings_reads: 0,
+            clock: None,
         }
     }
 
@@ -75,6 +84,7 @@ impl Rig {
             engine,
             settings: self.settings.clone(),
             settings_reads: 0,
+            clock: self.clock,
         };
         if self.engine.link.is_pooled() {
             return rig.in_transaction_mode();
@@ -123,7 +133,7 @@ impl Rig {
         for f in frames {
             buf.extend_from_slice(f);
         }
-        let ctx = ctx(&self.app, &self.entry);
+        let ctx = ctx_at(&self.app, &self.entry, self.clock);
         let relayed = self.engine.on_backend(&ctx, &mut buf).expect("frames");
         assert_eq!(relayed.end, buf.len(), "every complete frame is handled");
         let mut sent = std::mem::take(&mut self.engine.out).to_vec();
@@ -144,7 +154,7 @@ impl Rig {
     fn client_then(&mut self, frame: &[u8], mut before_own: impl FnMut(&mut Engine, &Ctx)) -> Flow {
         let frame = Bytes::copy_from_slice(frame);
         loop {
-            let ctx = ctx(&self.app, &self.entry);
+            let ctx = ctx_at(&self.app, &self.entry, self.clock);
             match self.engine.on_client_frame(&ctx, &frame) {
                 Ok(flow) => return flow,
                 Err(Need::Own) => {
@@ -173,7 +183,7 @@ impl Rig {
         let mut buf = BytesMut::from(bytes);
         self.engine.client_arrived();
         while self.engine.intake == super::intake::Intake::Fresh {
-            let ctx = ctx(&self.app, &self.entry);
+            let ctx = ctx_at(&self.app, &self.entry, self.clock);
             match self.engine.on_client_data(&ctx, &mut buf, 1 << 20) {
                 Ok(None) => {}
                 Ok(Some(Need::Own)) => {
@@ -320,6 +330,14 @@ fn table_row(name: &str, identity: Option<&str>) -> Vec<Option<String>> {
         None,
         identity.map(str::to_owned),
     ]
+}
+
+/// [`ctx`] at `clock`'s time (`None`: the clock's).
+fn ctx_at<'a>(app: &'a App, entry: &'a ClientEntry, clock: Option<Instant>) -> Ctx<'a> {
+    Ctx {
+        now: clock.unwrap_or_else(Instant::now),
+        ..ctx(app, entry)
+    }
 }
 
 /// What the driver passes with each event: the rig's instance and

@@ -122,7 +122,7 @@ impl Writes {
 /// The model backend's answers to each step of `program`, sent directly:
 /// the answer, whether the transaction block wrote before it, and the
 /// step with what its runs of named statements run ([`Backend::resolve`]).
-fn direct(program: &Program) -> Vec<(Vec<u8>, bool, Step)> {
+pub(super) fn direct(program: &Program) -> Vec<(Vec<u8>, bool, Step)> {
     let mut backend = Backend::default();
     let mut answers = Vec::new();
     for step in program.0.iter().flatten() {
@@ -362,7 +362,7 @@ impl<'c> Run<'c> {
 
 /// The backend answers whatever the engine forwarded, until nothing is;
 /// the stores the engine asks for are checked and carried out.
-fn answer_forwarded(
+pub(super) fn answer_forwarded(
     rig: &mut Rig,
     backend: &mut Backend,
     seen: &mut Vec<u8>,
@@ -391,7 +391,7 @@ fn answer_forwarded(
 
 /// What the replication stream reports of the trigger's committed writes:
 /// the rows of `items` they changed.
-fn replicate_touched(rig: &mut Rig, backend: &mut Backend) {
+pub(super) fn replicate_touched(rig: &mut Rig, backend: &mut Backend) {
     for k in std::mem::take(&mut backend.touched) {
         replicate(rig, k);
     }

@@ -434,6 +434,16 @@ impl Backend {
         self.touched.extend(other.touched);
     }
 
+    /// The rows of `items` committed: what a standby replays.
+    pub fn committed(&self) -> &BTreeMap<u8, String> {
+        &self.items
+    }
+
+    /// A standby's session has replayed as far as `items`.
+    pub fn replayed(&mut self, items: &BTreeMap<u8, String>) {
+        self.items.clone_from(items);
+    }
+
     /// The transaction block under way wrote: no hit may follow in it.
     pub fn block_wrote(&self) -> bool {
         self.tx.as_ref().is_some_and(|tx| tx.wrote)
