@@ -19,6 +19,7 @@ use std::time::Duration;
 use common::Pg;
 use common::wire::{raw_login, read_message};
 use model::{Backend, SETUP, Seen, Sql, Step};
+use pgcache::config::PoolMode;
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,12 +47,25 @@ async fn the_model_answers_as_postgresql_does() {
 /// elsewhere may be read from a standby that has not replayed it yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_pgcache_and_a_lagging_standby_the_model_answers_as_postgresql_does() {
+    through_pgcache_and_a_lagging_standby(PoolMode::Session).await;
+}
+
+/// The same in transaction mode: the two sessions take the pool's server
+/// connections in turns, and their reads the replica's pool's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_mode_through_pgcache_and_a_lagging_standby_the_model_answers_as_postgresql_does()
+ {
+    through_pgcache_and_a_lagging_standby(PoolMode::Transaction).await;
+}
+
+async fn through_pgcache_and_a_lagging_standby(mode: PoolMode) {
     let primary = Pg::dedicated();
     let db = primary.create_db("model");
     let standby = primary.standby();
     standby.psql_admin("ALTER SYSTEM SET recovery_min_apply_delay = '50ms'");
     standby.psql_admin("SELECT pg_reload_conf()");
     let mut config = primary.proxy_config();
+    config.pool.mode = mode;
     config.upstream.replicas = vec![pgcache::config::ReplicaConfig::Url(format!(
         "postgres://postgres@127.0.0.1:{}",
         standby.port
@@ -68,6 +82,7 @@ async fn through_pgcache_and_a_lagging_standby_the_model_answers_as_postgresql_d
     assert!(messages > PROGRAMS * 10, "{messages} messages compared");
     let routed = replica.metrics.routed.get();
     let kept = proxy.app.replicas.to_primary.routed.get() + replica.metrics.retries.get();
+    eprintln!("{mode:?}: {routed} reads routed to the standby, {kept} kept on the primary");
     assert!(routed > 0, "reads were routed to the standby");
     assert!(
         kept > 0,
@@ -142,7 +157,8 @@ async fn replay(
             let expected = model::seen(&expected);
             let cancelled = expected.iter().any(|m| m.what == "57014");
             if *step == Step::Query(Sql::Sleep) && cancelled {
-                cancel_when_running(admin, addr, &key).await;
+                let pid = (writers == Writers::WithDirect).then_some(&key[..4]);
+                cancel_when_running(admin, addr, &key, db, pid).await;
             }
             let got = read_answer(&mut socket, step.readies()).await;
             assert_eq!(
@@ -173,20 +189,24 @@ async fn read_answer(socket: &mut TcpStream, readies: usize) -> Vec<Seen> {
     model::seen(&bytes)
 }
 
-/// Cancels the statement of the backend with `key` once it runs (a
-/// cancel that arrives before is ignored by PostgreSQL).
+/// Cancels the statement of the session with `key` once it runs (a
+/// cancel that arrives before is ignored by PostgreSQL): the sleep of the
+/// backend `pid` names, or through pgcache (whose keys are its own in
+/// transaction mode) the sleep in `db`.
 async fn cancel_when_running(
     admin: &tokio_postgres::Client,
     addr: std::net::SocketAddr,
     key: &[u8],
+    db: &str,
+    pid: Option<&[u8]>,
 ) {
-    let pid = i32::from_be_bytes(key[..4].try_into().unwrap());
+    let pid = pid.map(|p| i32::from_be_bytes(p.try_into().unwrap()));
     common::eventually(Duration::from_secs(10), "the sleep to run", || async {
         let row = admin
             .query_opt(
-                "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active' \
-                 AND wait_event = 'PgSleep'",
-                &[&pid],
+                "SELECT 1 FROM pg_stat_activity WHERE ($1::int IS NULL OR pid = $1) \
+                 AND datname = $2 AND state = 'active' AND wait_event = 'PgSleep'",
+                &[&pid, &db],
             )
             .await
             .unwrap();

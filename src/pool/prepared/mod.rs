@@ -708,6 +708,32 @@ mod tests {
     }
 
     #[test]
+    fn the_rest_of_a_batch_sent_after_the_servers_error_is_skipped_as_the_server_skips_it() {
+        let mut t = Translator::following(Arc::new(AtomicU64::new(0)));
+        let mut server = ServerStatements::default();
+        let mut out = BytesMut::new();
+        let first = [parse("s3", "select nosuch"), bind("s3")].concat();
+        t.translate(&first, &mut server, 10, true, &mut out);
+        assert_eq!(server_tags(&out), "PB");
+        // The server fails the Parse before the rest of the batch comes.
+        let mut error = BytesMut::new();
+        messages::error_response(&mut error, "ERROR", "42703", "no such column");
+        assert_eq!(t.on_frame(&error, &mut server).reply, Reply::Pass);
+        let mut out = BytesMut::new();
+        t.translate(
+            &[execute(), sync()].concat(),
+            &mut server,
+            10,
+            false,
+            &mut out,
+        );
+        assert_eq!(server_tags(&out), "S", "the Execute is skipped, as there");
+        let ready = [be::READY_FOR_QUERY, 0, 0, 0, 5, b'I'];
+        assert_eq!(t.on_frame(&ready, &mut server).reply, Reply::Pass);
+        assert!(t.is_idle(), "nothing owed past the batch's ReadyForQuery");
+    }
+
+    #[test]
     fn statements_prepared_after_ddl_get_new_server_names() {
         let (mut t, mut server, schema) = prepared();
         let mut before = BytesMut::new();

@@ -234,7 +234,9 @@ impl Translator {
         answer(reply, to_client)
     }
 
-    /// `done` failed: the server skips the rest of its batch, up to a Sync.
+    /// `done` failed: the server skips the rest of its batch, up to a Sync;
+    /// if the client has not sent that Sync yet, what it sends before it
+    /// is skipped here, as the server would skip it.
     fn skip_batch(&mut self, done: &Expect, server: &mut ServerStatements) {
         self.failed(done, server);
         while let Some(next) = self.expect.front() {
@@ -243,6 +245,9 @@ impl Translator {
             }
             let skipped = self.expect.pop_front().expect("front above");
             self.failed(&skipped, server);
+        }
+        if self.expect.is_empty() {
+            self.skipping = true;
         }
         // A Sync of pgcache's own ended a Parse of its own: the client got
         // that error for the Query behind, whose own is not its.
