@@ -11,7 +11,10 @@
 //! it, and what it writes must not be served stale to the first. Each
 //! step's frames come in one read, as the driver hands its buffer over:
 //! a run of a named statement may be decided whole
-//! ([`Engine::whole_batch`](crate::session::engine::Engine)). With
+//! ([`Engine::whole_batch`](crate::session::engine::Engine)); in
+//! transaction mode every other step's come one read each, the server
+//! answering what went out between them (an error may come before the
+//! rest of its batch). With
 //! caching off the same programs run, and nothing may be served.
 //! `tests/model.rs` checks the model against PostgreSQL.
 
@@ -203,6 +206,9 @@ struct Run<'c> {
     /// pool's one connection's, which both sessions take in turns.
     backend: Backend,
     conn: PoolConn,
+    /// Transaction mode: the next step's frames come one read each, the
+    /// server answering what went out between them (every other step).
+    split: bool,
     seen: Vec<u8>,
     writes: Writes,
     counts: &'c mut Counts,
@@ -227,6 +233,7 @@ impl<'c> Run<'c> {
             beside,
             backend: Backend::default(),
             conn: PoolConn::default(),
+            split: true,
             seen: Vec::new(),
             writes: Writes::default(),
             counts,
@@ -260,11 +267,32 @@ impl<'c> Run<'c> {
     /// The first session's client sends `step`: what is served from the
     /// cache is checked against the transaction's writes.
     fn client(&mut self, step: &Step, wrote: bool) -> Result<bool, TestCaseError> {
-        // The step's frames come in one read.
-        let bytes = step.frames().concat();
+        // The step's frames come in one read, or in transaction mode one
+        // read each, the server answering what went out between them.
+        let mut bytes = step.frames().concat();
         let flow = match self.mode {
             Mode::Session => self.rig.client_data_then(&bytes, |_, _| {}),
             Mode::Transaction => {
+                let split = self.split;
+                self.split = !split;
+                let frames = step.frames();
+                if split {
+                    bytes = frames.last().expect("a frame").clone();
+                    for frame in &frames[..frames.len() - 1] {
+                        let server = (&mut self.conn, &mut self.backend);
+                        client(&mut self.rig, 0, server, frame)?;
+                        let (conn, backend, seen) =
+                            (&mut self.conn, &mut self.backend, &mut self.seen);
+                        pump(
+                            &mut self.rig,
+                            0,
+                            conn,
+                            backend,
+                            seen,
+                            &mut self.counts.fills,
+                        )?;
+                    }
+                }
                 let server = (&mut self.conn, &mut self.backend);
                 client(&mut self.rig, 0, server, &bytes)?
             }

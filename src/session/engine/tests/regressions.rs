@@ -54,6 +54,19 @@ fn the_programs_once_failed_on_pass() {
                 Query(ReadOne(1)),
             ],
         ],
+        // Transaction mode: a batch's Execute and Sync came after the
+        // server's error for its Parse, and were owed answers the server
+        // skips: the next batch's answers fell out of line (its Close got
+        // no CloseComplete).
+        vec![
+            vec![Step::Batch(vec![Exec {
+                sql: Bad,
+                describe: false,
+                max_rows: 0,
+                named: Some(3),
+            }])],
+            vec![Step::Close(3)],
+        ],
     ];
     for program in programs {
         let program = Program(program);
