@@ -1,4 +1,6 @@
-//! A lagging replica, under the injected clock. The property test's
+//! A lagging replica, under the injected clock, in session and in
+//! transaction mode (where the replica pool's connection keeps its books
+//! between reads, and both sessions route). The property test's
 //! programs run with `replicas.routing = "misses"` and a standby that
 //! replays each commit of the model backend [`LAG`] after it was made,
 //! the clock moving on [`TICK`] a step: the engine routes the reads it
@@ -23,7 +25,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
 
 use super::model::{self, Backend, Program, Step};
-use super::property::{Counts, answer_forwarded, direct, replicate_touched};
+use super::pooled::{PoolConn, before_own, pump};
+use super::property::{Counts, Mode, answer_forwarded, direct, replicate_touched};
 use super::{Action, Rig, complete, ctx_at, description, rfq, row, store_whole};
 use crate::pool::prepared::ServerStatements;
 use crate::protocol::TxStatus;
@@ -40,14 +43,20 @@ const TICK: Duration = Duration::from_millis(20);
 const POLL_EVERY: usize = 5;
 
 /// The standby: the commits of the model backend it replays, and the
-/// session pgcache has on it.
+/// connection pgcache has there (the session's own, or in transaction
+/// mode the replica pool's one, with the books it keeps between reads).
 struct Standby {
     server: Arc<Replica>,
     /// Every state the primary committed, with when: a WAL position is
     /// an index here, plus one.
     commits: Vec<(Instant, BTreeMap<u8, String>)>,
-    /// The session's connection there, once it has one.
+    /// The connection's server session, once there is one.
     session: Option<Backend>,
+    /// The session holds the connection.
+    held: bool,
+    /// Transaction mode: the books of the pool's connection between
+    /// reads (the client state applied, the statements it has).
+    books: Option<(u64, ServerStatements)>,
 }
 
 impl Standby {
@@ -96,18 +105,21 @@ struct Routed {
 }
 
 /// Runs `program` through an engine in front of the model backend and a
-/// lagging standby of it.
-fn through_engine(program: &Program, routed: &mut Routed) -> Result<(), TestCaseError> {
+/// lagging standby of it, its server connections as `mode` has them.
+fn through_engine(program: &Program, routed: &mut Routed, mode: Mode) -> Result<(), TestCaseError> {
     let program = without_direct_writes(program);
     let answers = direct(&program);
     let start = Instant::now();
-    let (mut rig, server) = routing(start);
+    let (mut rig, server) = routing(start, mode);
     let mut beside = rig.beside();
     let mut backend = Backend::default();
+    let mut conn = PoolConn::default();
     let mut standby = Standby {
         server,
         commits: vec![(start - LAG, backend.committed().clone())],
         session: None,
+        held: false,
+        books: None,
     };
     let db = Arc::clone(&rig.engine.db);
     db.stream.heartbeat_applied(Instant::now(), 1);
@@ -129,9 +141,13 @@ fn through_engine(program: &Program, routed: &mut Routed) -> Result<(), TestCase
                 standby.server.observed(at, now);
             }
             if let Step::Other(sql) = step {
-                other(&mut beside, &mut backend, *sql, &mut counts)?;
+                let server = (&mut conn, &mut backend);
+                let standby = (&mut standby, &mut *routed);
+                other(&mut beside, server, standby, *sql, mode, &mut counts)?;
             } else {
-                let flow = client(&mut rig, &mut standby, &step.frames().concat(), routed);
+                let bytes = step.frames().concat();
+                let server = (&mut conn, &mut backend);
+                let flow = client((&mut rig, 0), &mut standby, server, &bytes, mode, routed)?;
                 closed = flow == Flow::Close;
                 let staged = rig.sent_to_client();
                 let served = model::seen(&staged);
@@ -142,7 +158,13 @@ fn through_engine(program: &Program, routed: &mut Routed) -> Result<(), TestCase
                 break;
             }
         }
-        answer_forwarded(&mut rig, &mut backend, &mut seen, &mut counts)?;
+        match mode {
+            Mode::Session => answer_forwarded(&mut rig, &mut backend, &mut seen, &mut counts)?,
+            Mode::Transaction => {
+                let fills = &mut counts.fills;
+                pump(&mut rig, 0, &mut conn, &mut backend, &mut seen, fills)?;
+            }
+        }
         replicate_touched(&mut rig, &mut backend);
         if standby.commits.last().map(|(_, items)| items) != Some(backend.committed()) {
             standby.commits.push((now, backend.committed().clone()));
@@ -173,12 +195,17 @@ fn without_direct_writes(program: &Program) -> Program {
 }
 
 /// [`Step::Other`]: the second session sends `sql` through its engine
-/// (which routes nothing: pgcache cannot log in for it), and must see what
-/// a session of its own is answered directly.
+/// (in session mode it routes nothing: pgcache cannot log in for it; in
+/// transaction mode it may, as the first does), and
+/// must see what a session of its own is answered directly: in session
+/// mode on a session of its own, in transaction mode on the pool's
+/// connection, in its turn.
 fn other(
     beside: &mut Rig,
-    backend: &mut Backend,
+    (conn, backend): (&mut PoolConn, &mut Backend),
+    (standby, routed): (&mut Standby, &mut Routed),
     sql: model::Sql,
+    mode: Mode,
     counts: &mut Counts,
 ) -> Result<(), TestCaseError> {
     let Some(mut theirs) = backend.other() else {
@@ -186,17 +213,30 @@ fn other(
     };
     let query = Step::Query(sql).frames().remove(0);
     let expected = theirs.clone().receive(&query);
-    prop_assert_eq!(beside.client(&query), Flow::Continue);
-    let mut seen = beside.sent_to_client();
-    answer_forwarded(beside, &mut theirs, &mut seen, counts)?;
-    backend.rejoin(theirs);
+    let mut seen = Vec::new();
+    match mode {
+        Mode::Session => {
+            prop_assert_eq!(beside.client(&query), Flow::Continue);
+            seen = beside.sent_to_client();
+            answer_forwarded(beside, &mut theirs, &mut seen, counts)?;
+            backend.rejoin(theirs);
+        }
+        Mode::Transaction => {
+            let server = (&mut *conn, &mut *backend);
+            let flow = client((beside, 1), standby, server, &query, mode, routed)?;
+            prop_assert_eq!(flow, Flow::Continue);
+            seen.extend(beside.sent_to_client());
+            pump(beside, 1, conn, backend, &mut seen, &mut counts.fills)?;
+            replicate_touched(beside, backend);
+        }
+    }
     prop_assert_eq!(model::seen(&seen), model::seen(&expected));
     Ok(())
 }
 
 /// A session at `start` that may route reads to the one standby of its
 /// instance, in rotation: pgcache can log in there for it.
-fn routing(start: Instant) -> (Rig, Arc<Replica>) {
+fn routing(start: Instant, mode: Mode) -> (Rig, Arc<Replica>) {
     let config = crate::Config::from_toml(
         "[upstream]\nreplicas = [\"postgres://standby:1\"]\n",
         Path::new("shop"),
@@ -206,15 +246,22 @@ fn routing(start: Instant) -> (Rig, Arc<Replica>) {
     let entry = crate::session::fuzz::arrived(&app, "alice", "shop");
     let mut rig = Rig::on(app, entry);
     rig.clock = Some(start);
-    let mut rig = rig.logged_in_now().keying();
-    rig.knows_table("log");
-    rig.knows_table("other");
     let pool = rig.app.pool.pooled.pool("shop", "alice");
     pool.learn_trusted();
-    rig.engine.link = Link::Session(SessionLink {
-        checks: Some(pool),
-        ..SessionLink::default()
-    });
+    let mut rig = match mode {
+        Mode::Session => {
+            let mut rig = rig.logged_in_now();
+            rig.engine.link = Link::Session(SessionLink {
+                checks: Some(pool),
+                ..SessionLink::default()
+            });
+            rig
+        }
+        Mode::Transaction => rig.in_transaction_mode(),
+    }
+    .keying();
+    rig.knows_table("log");
+    rig.knows_table("other");
     let server = Arc::clone(&rig.app.replicas.servers[0]);
     server.admit();
     (rig, server)
@@ -222,12 +269,26 @@ fn routing(start: Instant) -> (Rig, Arc<Replica>) {
 
 /// The client's `bytes`, in one read, as the driver hands them over: a
 /// read routed to the standby is carried out there (a connection, the
-/// settings, the read behind a probe) before the rest is taken.
-fn client(rig: &mut Rig, standby: &mut Standby, bytes: &[u8], routed: &mut Routed) -> Flow {
+/// settings, the read behind a probe) before the rest is taken. In
+/// transaction mode pgcache's own query takes the pool's connection
+/// first (`conn`, whose server session is `backend`).
+fn client(
+    (rig, who): (&mut Rig, usize),
+    standby: &mut Standby,
+    (conn, backend): (&mut PoolConn, &mut Backend),
+    bytes: &[u8],
+    mode: Mode,
+    routed: &mut Routed,
+) -> Result<Flow, TestCaseError> {
     let mut buf = BytesMut::from(bytes);
     let now = rig.clock.expect("the injected clock");
+    let mut taken = Ok(());
     rig.engine.client_arrived();
-    while rig.engine.intake == super::super::intake::Intake::Fresh {
+    for turn in 0.. {
+        if rig.engine.intake != super::super::intake::Intake::Fresh {
+            break;
+        }
+        prop_assert!(turn < 1_000, "the client's bytes are taken in the end");
         if rig.engine.replica_chosen() {
             on_standby(rig, standby, now, routed);
             continue;
@@ -236,6 +297,15 @@ fn client(rig: &mut Rig, standby: &mut Standby, bytes: &[u8], routed: &mut Route
         match rig.engine.on_client_data(&ctx, &mut buf, 1 << 20) {
             Ok(None) => {}
             Ok(Some(Need::Own)) => {
+                if mode == Mode::Transaction {
+                    before_own(
+                        &mut rig.engine,
+                        &ctx,
+                        who,
+                        (&mut *conn, &mut *backend),
+                        &mut taken,
+                    );
+                }
                 let answer = rig.settings.clone().map(|row| vec![row]);
                 crate::session::fuzz::answer_own(&mut rig.engine, &ctx, answer.as_deref());
             }
@@ -245,19 +315,24 @@ fn client(rig: &mut Rig, standby: &mut Standby, bytes: &[u8], routed: &mut Route
             Err(e) => panic!("the client's bytes are well formed: {e}"),
         }
     }
-    rig.engine.flow()
+    taken.map(|()| rig.engine.flow())
 }
 
 /// The read routed to the standby, carried out as the driver does.
 fn on_standby(rig: &mut Rig, standby: &mut Standby, now: Instant, routed: &mut Routed) {
     loop {
-        let held = standby.session.as_ref().map(|_| &standby.server);
+        let held = standby.held.then_some(&standby.server);
         match rig.engine.replica_step(held, now) {
             None => break,
-            Some(ReplicaStep::Connect { .. }) => {
-                let applied = rig.engine.link.state().id;
-                standby.session = Some(Backend::default());
-                let prepared = ServerStatements::default();
+            Some(ReplicaStep::Connect { pooled, .. }) => {
+                standby.held = true;
+                standby.session.get_or_insert_with(Backend::default);
+                // A new connection is as it logged in; the pool's keeps
+                // its books.
+                let (applied, prepared) = match pooled {
+                    true => standby.books.take().unwrap_or_default(),
+                    false => (0, ServerStatements::default()),
+                };
                 rig.engine.replica_connected(applied, prepared, now);
             }
             Some(ReplicaStep::Apply(_)) => rig.engine.replica_settings_applied(),
@@ -268,6 +343,11 @@ fn on_standby(rig: &mut Rig, standby: &mut Standby, now: Instant, routed: &mut R
                 let seen = rig.backend(&[answer]);
                 rig.engine.out.extend_from_slice(&seen);
                 assert!(rig.engine.replica_answered(), "one answer, one read");
+                if let Some(books) = rig.engine.replica_books() {
+                    // Transaction mode: back to the replica's pool.
+                    standby.books = Some(books);
+                    standby.held = false;
+                }
                 for action in std::mem::take(&mut rig.engine.actions) {
                     if let Action::Store(fill, bytes) = action {
                         store_whole(rig, *fill, &bytes).expect("a whole answer");
@@ -280,8 +360,8 @@ fn on_standby(rig: &mut Rig, standby: &mut Standby, now: Instant, routed: &mut R
     }
 }
 
-#[test]
-fn with_a_lagging_standby_the_engine_answers_as_the_model_backend_does() {
+/// Runs 300 generated programs in `mode`: the same programs every run.
+fn run(mode: Mode) -> Routed {
     let config = Config {
         cases: 300,
         failure_persistence: None,
@@ -291,16 +371,27 @@ fn with_a_lagging_standby_the_engine_answers_as_the_model_backend_does() {
     let mut runner = TestRunner::new_with_rng(config, rng);
     let routed = std::cell::RefCell::new(Routed::default());
     let result = runner.run(&model::program(), |program| {
-        through_engine(&program, &mut routed.borrow_mut())
+        through_engine(&program, &mut routed.borrow_mut(), mode)
     });
     if let Err(e) = result {
-        panic!("{e}");
+        panic!("{mode:?}: {e}");
     }
     let routed = routed.into_inner();
-    eprintln!("{routed:?}");
+    eprintln!("{mode:?}: {routed:?}");
     assert!(routed.answered >= 20, "{routed:?}");
     assert!(routed.kept >= 20, "{routed:?}");
     assert!(routed.probed >= 20, "{routed:?}");
     assert!(routed.fills >= 20, "{routed:?}");
     assert!(routed.hits >= 20, "{routed:?}");
+    routed
+}
+
+#[test]
+fn with_a_lagging_standby_the_engine_answers_as_the_model_backend_does() {
+    run(Mode::Session);
+}
+
+#[test]
+fn in_transaction_mode_with_a_lagging_standby_the_engine_answers_as_the_model_backend_does() {
+    run(Mode::Transaction);
 }

@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
 use super::model::Backend;
-use super::{Action, Engine, Flow, Rig, ctx, store_whole};
+use super::{Action, Engine, Flow, Rig, ctx_at, store_whole};
 use crate::cancel::CancelTarget;
 use crate::pool::transaction::Lent;
 use crate::session::engine::{Held, Io, Parting};
@@ -155,17 +155,30 @@ pub(super) fn client(
 ) -> Result<Flow, TestCaseError> {
     let mut taken = Ok(());
     let flow = rig.client_data_then(bytes, |engine, ctx| {
-        if conn.holder != Some(who) && taken.is_ok() {
-            taken = check_out(engine, who, conn, false);
-        }
-        while engine.own_applies() {
-            let request = engine.own_request().expect("the settings to put");
-            let mut answer = BytesMut::from(&backend.receive(&request)[..]);
-            let relayed = engine.on_backend(ctx, &mut answer);
-            assert!(relayed.is_ok_and(|r| r.end == answer.len()), "read whole");
-        }
+        before_own(engine, ctx, who, (&mut *conn, &mut *backend), &mut taken);
     });
     taken.map(|()| flow)
+}
+
+/// What transaction mode does before pgcache's own query of session
+/// `who`: the pool's connection taken (`taken`: whether it could be), and
+/// the client's settings put on it by its server session (`backend`).
+pub(super) fn before_own(
+    engine: &mut Engine,
+    ctx: &super::Ctx,
+    who: usize,
+    (conn, backend): (&mut PoolConn, &mut Backend),
+    taken: &mut Result<(), TestCaseError>,
+) {
+    if conn.holder != Some(who) && taken.is_ok() {
+        *taken = check_out(engine, who, conn, false);
+    }
+    while engine.own_applies() {
+        let request = engine.own_request().expect("the settings to put");
+        let mut answer = BytesMut::from(&backend.receive(&request)[..]);
+        let relayed = engine.on_backend(ctx, &mut answer);
+        assert!(relayed.is_ok_and(|r| r.end == answer.len()), "read whole");
+    }
 }
 
 /// The pool's connection granted to session `who`, with the books it
@@ -229,7 +242,7 @@ fn let_go(
 
 /// Hands the engine what the connection sent.
 fn feed(rig: &mut Rig, conn: &mut PoolConn) -> Result<(), TestCaseError> {
-    let ctx = ctx(&rig.app, &rig.entry);
+    let ctx = ctx_at(&rig.app, &rig.entry, rig.clock);
     let leg = crate::session::engine::Leg::Primary;
     rig.engine
         .on_server_data(&ctx, leg, &mut conn.buf)

@@ -32,7 +32,7 @@ use crate::cache::{Bumps, rowkey};
 /// How often a run met what the invariants are about.
 #[derive(Debug, Default)]
 pub(super) struct Counts {
-    fills: usize,
+    pub(super) fills: usize,
     hits: usize,
     /// Hits of a row-limited Execute.
     limited_hits: usize,
