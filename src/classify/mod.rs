@@ -310,16 +310,9 @@ fn fallback(sql: &str) -> StatementInfo {
 
 /// The first few words of `sql`, comments skipped, lower-cased, single-spaced.
 fn first_words(sql: &str) -> String {
-    let mut rest = sql.trim_start();
-    loop {
-        if let Some(r) = rest.strip_prefix("--") {
-            rest = r.find('\n').map_or("", |i| &r[i + 1..]).trim_start();
-        } else if let Some(r) = rest.strip_prefix("/*") {
-            rest = r.find("*/").map_or("", |i| &r[i + 2..]).trim_start();
-        } else {
-            break;
-        }
-    }
+    // Cut after an ASCII delimiter or white space: a character boundary.
+    let skipped = crate::pool::marks::without_leading_comments(sql.as_bytes()).len();
+    let rest = &sql[sql.len() - skipped..];
     rest.split_whitespace()
         .take(3)
         .collect::<Vec<_>>()

@@ -288,7 +288,7 @@ pub fn ends_transaction(sql: &[u8]) -> bool {
 
 /// `sql` from its first byte that is neither white space nor in a comment
 /// (`--` to the end of the line, `/* */`, nested as PostgreSQL nests them).
-fn without_leading_comments(mut sql: &[u8]) -> &[u8] {
+pub fn without_leading_comments(mut sql: &[u8]) -> &[u8] {
     loop {
         sql = sql.trim_ascii_start();
         if let Some(rest) = sql.strip_prefix(b"--") {
