@@ -205,3 +205,45 @@ async fn resting_heartbeats_wake_for_a_lookup_which_is_served_only_once_one_is_b
     })
     .await;
 }
+
+/// Heartbeats sent just before a rest may come back during it (the
+/// stream was slow: here its walsender is stopped meanwhile). Their
+/// return must not keep the next lookup from waking the heartbeats: past
+/// the lease of those late heartbeats, reads are still served from the
+/// cache, each after a heartbeat sent for it.
+#[tokio::test]
+async fn heartbeats_back_late_during_a_rest_do_not_keep_the_next_lookup_from_waking_them() {
+    use pgcache::cache::database::Unfresh;
+    let (db, proxy, client) = setup("fresh_late", pg().port).await;
+    let state = proxy.app.cache.db(&db);
+    let direct = pg().direct(&db).await;
+    // Heartbeats go on for a while after the setup's reads; from now on
+    // they are stuck in the WAL until the walsender runs again.
+    let stopped = stop_walsender(&direct, &db).await;
+    let stopped_at = Instant::now();
+    eventually(Duration::from_secs(10), "the heartbeats to rest", || {
+        let resting = state.stream.freshness() == Err(Unfresh::Resting);
+        async move { resting.then_some(()) }
+    })
+    .await;
+    assert!(!state.stream.proved(stopped_at), "nothing came back yet");
+    drop(stopped);
+    let resumed = Instant::now();
+    // No read until the late heartbeats are back: none noted a need.
+    eventually(Duration::from_secs(10), "the late heartbeats back", || {
+        let back = state.stream.proved(stopped_at);
+        async move { back.then_some(()) }
+    })
+    .await;
+    let past_their_lease = Duration::from_millis(STALENESS_MS) + SLACK;
+    eventually(
+        Duration::from_secs(10),
+        "a hit past the late heartbeats' lease",
+        || async {
+            let hits = proxy.hits();
+            assert_eq!(scalar(&client, READ).await.as_deref(), Some("1"));
+            (proxy.hits() > hits && resumed.elapsed() > past_their_lease).then_some(())
+        },
+    )
+    .await;
+}

@@ -34,8 +34,13 @@ pub struct Demand {
     anchor: Instant,
     /// When a need was last noted, in microseconds since `anchor`.
     last: AtomicU64,
-    /// The heartbeats rest, or have resumed and none has come back yet.
+    /// The heartbeats rest, or have resumed and none sent since has come
+    /// back yet.
     resting: AtomicBool,
+    /// The heartbeat task waits in [`Demand::rest`]: a need wakes it. Kept
+    /// apart from `resting`, which a heartbeat sent before the rest clears
+    /// when it comes back late.
+    asleep: AtomicBool,
     /// When they last resumed (0: they have not rested since the stream
     /// started).
     resumed: AtomicU64,
@@ -57,6 +62,7 @@ impl Default for Demand {
                 .unwrap_or_else(Instant::now),
             last: AtomicU64::new(0),
             resting: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
             resumed: AtomicU64::new(0),
             wake: Notify::new(),
             vouch: AtomicU64::new(0),
@@ -74,9 +80,12 @@ impl Demand {
     pub fn note(&self) {
         let now = self.micros(Instant::now());
         if now.saturating_sub(self.last.load(Ordering::Relaxed)) >= NOTE_EVERY_MICROS {
-            self.last.store(now, Ordering::Release);
+            self.last.store(now, Ordering::SeqCst);
         }
-        if self.resting.load(Ordering::Acquire) {
+        // `last` is written before `asleep` is read, and `rest` sets
+        // `asleep` before it reads `last` (all sequentially consistent):
+        // either the task sees this need, or this sees the task asleep.
+        if self.asleep.load(Ordering::SeqCst) {
             self.wake.notify_one();
         }
     }
@@ -84,7 +93,7 @@ impl Demand {
     /// Nothing needed heartbeats for `for_`.
     pub fn idle(&self, for_: Duration) -> bool {
         let now = self.micros(Instant::now());
-        now.saturating_sub(self.last.load(Ordering::Acquire)) > for_.as_micros() as u64
+        now.saturating_sub(self.last.load(Ordering::SeqCst)) > for_.as_micros() as u64
     }
 
     /// The stream (re)started: its heartbeats are needed to show it current
@@ -98,11 +107,13 @@ impl Demand {
     pub async fn rest(&self, rest_after: Duration) {
         self.resumed.store(0, Ordering::Release);
         self.resting.store(true, Ordering::Release);
-        // A need noted before `resting` was seen is not missed: checked
+        self.asleep.store(true, Ordering::SeqCst);
+        // A need noted before `asleep` was seen is not missed: checked
         // after it is set, and `wake` keeps a permit.
         while self.idle(rest_after) {
             self.wake.notified().await;
         }
+        self.asleep.store(false, Ordering::SeqCst);
         self.resumed
             .store(self.micros(Instant::now()), Ordering::Release);
     }
@@ -117,9 +128,15 @@ impl Demand {
         self.beats.load(Ordering::Relaxed)
     }
 
-    /// A heartbeat came back: the stream is shown current again.
-    pub fn beat_back(&self) {
-        self.resting.store(false, Ordering::Release);
+    /// A heartbeat sent at `sent` came back: the stream is shown current
+    /// again, and lookups no longer wait, unless it was sent before the
+    /// heartbeats last rested (they still rest, or none sent since they
+    /// resumed is back).
+    pub fn beat_back(&self, sent: Instant) {
+        let resumed = self.resumed.load(Ordering::Acquire);
+        if resumed != 0 && self.micros(sent) >= resumed {
+            self.resting.store(false, Ordering::Release);
+        }
     }
 
     /// The heartbeats rest, or resumed less than `lease` ago and none has
@@ -179,12 +196,39 @@ mod tests {
         task.await.unwrap();
         assert!(!demand.idle(rest_after));
         assert!(demand.resting(rest_after), "until a heartbeat is back");
-        demand.beat_back();
+        demand.beat_back(Instant::now());
         assert!(!demand.resting(rest_after));
         // A stream that starts is needed at once.
         let fresh = Demand::default();
         fresh.started();
         assert!(!fresh.idle(rest_after) && !fresh.resting(rest_after));
+    }
+
+    #[tokio::test]
+    async fn a_heartbeat_back_late_during_the_rest_neither_loses_the_wake_nor_ends_the_wait() {
+        let demand = std::sync::Arc::new(Demand::default());
+        let rest_after = Duration::from_secs(1);
+        let sent_before = Instant::now();
+        let task = {
+            let demand = std::sync::Arc::clone(&demand);
+            tokio::spawn(async move { demand.rest(rest_after).await })
+        };
+        tokio::task::yield_now().await;
+        // The last heartbeat before the rest comes back only now.
+        demand.beat_back(sent_before);
+        assert!(demand.resting(rest_after), "still resting: a lookup waits");
+        demand.note();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the need wakes the resting task")
+            .unwrap();
+        demand.beat_back(sent_before);
+        assert!(
+            demand.resting(rest_after),
+            "sent before the rest: proves nothing new"
+        );
+        demand.beat_back(Instant::now());
+        assert!(!demand.resting(rest_after));
     }
 
     #[test]

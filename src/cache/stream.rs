@@ -302,8 +302,8 @@ impl StreamHealth {
     /// A heartbeat sent at `sent`, written at WAL position `lsn`, came
     /// back through the stream: every change committed before `sent` has
     /// been applied, and lies before `lsn`.
-    pub fn heartbeat_applied(&self, sent: Instant, lsn: u64) {
-        let sent = self.micros(sent);
+    pub fn heartbeat_applied(&self, at: Instant, lsn: u64) {
+        let sent = self.micros(at);
         {
             let mut beats = self.beats.lock().unwrap_or_else(|e| e.into_inner());
             if beats.len() == BEATS_KEPT {
@@ -312,7 +312,7 @@ impl StreamHealth {
             beats.push_back((sent, lsn));
         }
         self.fresh_as_of.fetch_max(sent, Ordering::AcqRel);
-        self.demand.beat_back();
+        self.demand.beat_back(at);
         self.changed.notify_waiters();
     }
 
@@ -331,9 +331,14 @@ impl StreamHealth {
     }
 
     /// Whether everything committed before `at` has been applied: a
-    /// heartbeat sent after `at` came back.
+    /// heartbeat sent after `at` came back. The caller needs heartbeats.
     pub fn covers(&self, at: Instant) -> bool {
         self.demand.note();
+        self.proved(at)
+    }
+
+    /// [`Self::covers`], asking for no heartbeat: what a watcher reads.
+    pub fn proved(&self, at: Instant) -> bool {
         self.fresh_as_of.load(Ordering::Acquire) >= self.micros(at)
     }
 
