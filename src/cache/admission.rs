@@ -28,9 +28,11 @@ const SLOTS: usize = 1 << 16;
 pub const WINDOW: u32 = 64;
 /// A window with at least this many wasted stores suspends the shape.
 const WASTED: u32 = WINDOW * 3 / 4;
-/// The first pause, and the longest.
+/// The first pause, and the longest: a shape paused by a burst of writes
+/// is stored again at most this long after the burst, and one that stays
+/// wasteful costs one window of stores per pause.
 pub const BASE_PAUSE: Duration = Duration::from_secs(1);
-const MAX_PAUSE: Duration = Duration::from_secs(64);
+pub const MAX_PAUSE: Duration = Duration::from_secs(4);
 
 /// What a slot holds besides its request's tag: its answer was served.
 const SERVED: u32 = 1;
@@ -192,6 +194,26 @@ mod tests {
         assert!(!a.admits(&shape, t1 + BASE_PAUSE));
         assert!(a.admits(&shape, t1 + 2 * BASE_PAUSE));
         assert_eq!(shape.suspensions(), 2);
+    }
+
+    #[test]
+    fn the_pause_of_a_shape_that_stays_wasteful_stops_growing_at_its_cap() {
+        let a = Admission::default();
+        let shape = Shape::default();
+        let mut now = Instant::now();
+        miss_all(&a, &shape, 0, WINDOW as u128, now);
+        for _ in 0..10 {
+            miss_all(&a, &shape, 0, WINDOW as u128, now);
+            assert!(!a.admits(&shape, now));
+            assert!(a.admits(&shape, now + MAX_PAUSE), "paused at most the cap");
+            now += MAX_PAUSE;
+        }
+        assert_eq!(shape.suspensions(), 10);
+        assert!(!a.admits(&shape, now - Duration::from_millis(5)));
+        assert!(
+            !a.admits(&shape, now - MAX_PAUSE + Duration::from_millis(5)),
+            "the last pauses are the cap's length"
+        );
     }
 
     #[test]

@@ -37,9 +37,9 @@ pub struct CacheConfig {
     /// At most this many checks a second, whatever the rate.
     pub verify_max_per_sec: u32,
     /// A statement whose stored answers are invalidated before they are
-    /// read stops being stored for a while (see docs/invalidation.md). Off
-    /// by default: a paused statement stays uncached for up to a minute
-    /// after its writes stop.
+    /// read stops being stored for a while, at most 4 s at a time (see
+    /// docs/invalidation.md). Off by default: a paused statement stays
+    /// uncached for up to 4 s after its writes stop.
     pub adaptive_admission: bool,
     /// Rules per table (by name, as pgcache knows tables: without schema).
     pub tables: Vec<TableRule>,
