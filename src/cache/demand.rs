@@ -41,6 +41,9 @@ pub struct Demand {
     /// apart from `resting`, which a heartbeat sent before the rest clears
     /// when it comes back late.
     asleep: AtomicBool,
+    /// When the heartbeats last began to rest: a heartbeat sent before
+    /// then that comes back later does not end `resting`.
+    rested_at: AtomicU64,
     /// When they last resumed (0: they have not rested since the stream
     /// started).
     resumed: AtomicU64,
@@ -63,6 +66,7 @@ impl Default for Demand {
             last: AtomicU64::new(0),
             resting: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
+            rested_at: AtomicU64::new(0),
             resumed: AtomicU64::new(0),
             wake: Notify::new(),
             vouch: AtomicU64::new(0),
@@ -106,6 +110,8 @@ impl Demand {
     /// `rest_after` idle), then says so.
     pub async fn rest(&self, rest_after: Duration) {
         self.resumed.store(0, Ordering::Release);
+        self.rested_at
+            .store(self.micros(Instant::now()), Ordering::Release);
         self.resting.store(true, Ordering::Release);
         self.asleep.store(true, Ordering::SeqCst);
         // A need noted before `asleep` was seen is not missed: checked
@@ -130,11 +136,10 @@ impl Demand {
 
     /// A heartbeat sent at `sent` came back: the stream is shown current
     /// again, and lookups no longer wait, unless it was sent before the
-    /// heartbeats last rested (they still rest, or none sent since they
-    /// resumed is back).
+    /// heartbeats last began to rest (it proves nothing about the rest; a
+    /// heartbeat task that began since, after a stream restart, counts).
     pub fn beat_back(&self, sent: Instant) {
-        let resumed = self.resumed.load(Ordering::Acquire);
-        if resumed != 0 && self.micros(sent) >= resumed {
+        if self.micros(sent) > self.rested_at.load(Ordering::Acquire) {
             self.resting.store(false, Ordering::Release);
         }
     }
@@ -229,6 +234,25 @@ mod tests {
         );
         demand.beat_back(Instant::now());
         assert!(!demand.resting(rest_after));
+    }
+
+    #[test]
+    fn a_stream_restarted_during_a_rest_is_shown_current_by_its_first_heartbeat() {
+        let demand = Demand::default();
+        let rest_after = Duration::from_secs(1);
+        // The old stream's heartbeat task is dropped while it rests.
+        let mut resting = Box::pin(demand.rest(rest_after));
+        assert!(futures_util::FutureExt::now_or_never(resting.as_mut()).is_none());
+        drop(resting);
+        assert!(demand.resting(rest_after));
+        // The new stream starts, and its first heartbeat comes back.
+        demand.started();
+        let sent = Instant::now() + Duration::from_millis(1);
+        demand.beat_back(sent);
+        assert!(
+            !demand.resting(rest_after),
+            "a stall from now on is stale, not resting"
+        );
     }
 
     #[test]
