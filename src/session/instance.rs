@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::engine::{Ctx, Instance};
+use super::engine::{Ctx, Instance, Lesson};
 use super::link::Knobs;
 use super::{SharedLogins, SharedPlans};
 use crate::App;
@@ -12,6 +12,7 @@ use crate::cancel::{CancelGuard, CancelTarget, ClientPid};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::pool::clients::ClientEntry;
+use crate::pool::transaction::Pool;
 use crate::replica::Replicas;
 use crate::upstream::Upstream;
 
@@ -80,6 +81,23 @@ impl Instance for App {
 
     fn draining(&self) -> bool {
         self.drain.is_cancelled()
+    }
+
+    fn teach_pool(&self, pool: &Pool, lesson: Lesson<'_>) {
+        match lesson {
+            Lesson::Trusted => pool.learn_trusted(),
+            Lesson::Reported {
+                name,
+                value,
+                reported,
+            } => pool.reported.learn(name, value, reported),
+            Lesson::Settings {
+                state,
+                policy,
+                generation,
+                row,
+            } => pool.remember_settings(state, policy, generation, row),
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use bytes::BytesMut;
 use tracing::info;
 
 use super::life::{Ending, Exchange};
-use super::{Ctx, Engine};
+use super::{Ctx, Engine, Lesson};
 use crate::auth::{self, AUTH_OK, AUTH_SASL, BackendLogin, LoginError, LoginStep};
 use crate::pool::marks::Pin;
 use crate::protocol::codec::HEADER_LEN;
@@ -179,13 +179,15 @@ impl Engine {
     /// PostgreSQL asked a password of keeps its connection.
     pub fn login_over(&mut self, ctx: &Ctx) {
         match &self.link {
-            Link::Pooled(link) if self.server.trusted() => link.pool.learn_trusted(),
+            Link::Pooled(link) if self.server.trusted() => {
+                ctx.instance.teach_pool(&link.pool, Lesson::Trusted);
+            }
             Link::Pooled(_) => self.pin(ctx, Pin::Password),
             Link::Session(own) => {
                 if let Some(checks) = &own.checks
                     && self.server.trusted()
                 {
-                    checks.learn_trusted();
+                    ctx.instance.teach_pool(checks, Lesson::Trusted);
                 }
             }
         }

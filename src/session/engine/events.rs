@@ -16,6 +16,7 @@ use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::pool::clients::Client;
 use crate::pool::errand::Errand;
+use crate::pool::transaction::{Pool, SettingsRow};
 use crate::replica::Replicas;
 use crate::session::capture::Capture;
 use crate::session::link::Knobs;
@@ -38,7 +39,7 @@ pub(in crate::session) struct Ctx<'a> {
 
 /// The pgcache instance as the engine sees it: the shared state it reads
 /// and the few effects it has on other sessions at once (a cancel key
-/// given, parked connections closed). The driver passes its
+/// given, parked connections closed, a pool taught). The driver passes its
 /// [`crate::App`]; the engine reaches nothing else of it: not the
 /// configuration, TLS, the listeners or the shutdown's tokens.
 pub(in crate::session) trait Instance: Sync {
@@ -73,6 +74,31 @@ pub(in crate::session) trait Instance: Sync {
     fn evict_parked(&self);
     /// Shutdown was requested: sessions close once idle.
     fn draining(&self) -> bool;
+    /// Teaches `pool` (the session's, or the one its hits' checks run
+    /// on) what its later sessions start from.
+    fn teach_pool(&self, pool: &Pool, lesson: Lesson<'_>);
+}
+
+/// What a session learnt that its pool's later sessions use
+/// ([`Instance::teach_pool`]).
+pub(in crate::session) enum Lesson<'a> {
+    /// PostgreSQL let the client in without asking a password.
+    Trusted,
+    /// How the server reports the startup value `value` of `name`.
+    Reported {
+        name: &'a str,
+        value: &'a str,
+        reported: &'a str,
+    },
+    /// The settings a client state (`state`) reads as under the policy's
+    /// settings generation `policy`, on the pool's connections of
+    /// `generation`.
+    Settings {
+        state: u64,
+        policy: u64,
+        generation: u64,
+        row: Arc<SettingsRow>,
+    },
 }
 
 /// What the engine asks the driver to do, in order, before the client is

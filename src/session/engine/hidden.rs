@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use bytes::BytesMut;
 
 use super::life::Ending;
-use super::{Ctx, Engine};
+use super::{Ctx, Engine, Lesson};
 use crate::cache::catalog::Wanted;
 use crate::cache::catalog::fetch::{Lookup, Rows};
 use crate::invalidation::quote_literal;
@@ -301,7 +301,12 @@ impl Engine {
                 };
                 for ((name, value), row) in missing.iter().zip(rows) {
                     if let Some(Some(reported)) = row.into_iter().next() {
-                        link.pool.reported.learn(name, value, &reported);
+                        let lesson = Lesson::Reported {
+                            name,
+                            value,
+                            reported: &reported,
+                        };
+                        ctx.instance.teach_pool(&link.pool, lesson);
                     }
                 }
             }

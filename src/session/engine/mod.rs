@@ -53,7 +53,7 @@ mod timeouts;
 
 pub(super) use answers::Relayed;
 pub(super) use auth::Start;
-pub(super) use events::{Action, Asked, Ctx, Found, Instance, LinkStep, Need, ReadyBatch};
+pub(super) use events::{Action, Asked, Ctx, Found, Instance, Lesson, LinkStep, Need, ReadyBatch};
 pub(super) use greeting::Greeting;
 use hidden::{Own, Purpose};
 pub(super) use hidden::{OwnStep, Verdict};

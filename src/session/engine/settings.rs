@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::hidden::Purpose;
-use super::{Asked, Ctx, Engine, Need};
+use super::{Asked, Ctx, Engine, Lesson, Need};
 use crate::cache::catalog::fetch::Rows;
 use crate::classify::{BypassReason, Isolation};
 use crate::pool::LoginSettings;
@@ -78,9 +78,13 @@ impl Engine {
             if let Some(read_in) = read_in
                 && !p.state_dirty
             {
-                let row = Arc::clone(&row);
-                p.pool
-                    .remember_settings(p.state.id, generation, read_in, row);
+                let lesson = Lesson::Settings {
+                    state: p.state.id,
+                    policy: generation,
+                    generation: read_in,
+                    row: Arc::clone(&row),
+                };
+                ctx.instance.teach_pool(&p.pool, lesson);
             }
         }
         if self.server.settings == Settings::AsLoggedIn {
