@@ -201,7 +201,7 @@ mod tests {
         task.await.unwrap();
         assert!(!demand.idle(rest_after));
         assert!(demand.resting(rest_after), "until a heartbeat is back");
-        demand.beat_back(Instant::now());
+        demand.beat_back(Instant::now() + Duration::from_millis(1));
         assert!(!demand.resting(rest_after));
         // A stream that starts is needed at once.
         let fresh = Demand::default();
@@ -232,7 +232,9 @@ mod tests {
             demand.resting(rest_after),
             "sent before the rest: proves nothing new"
         );
-        demand.beat_back(Instant::now());
+        // One sent after the resume (a millisecond on, whatever the clock's
+        // grain).
+        demand.beat_back(Instant::now() + Duration::from_millis(1));
         assert!(!demand.resting(rest_after));
     }
 

@@ -299,8 +299,8 @@ impl StreamHealth {
         )
     }
 
-    /// A heartbeat sent at `sent`, written at WAL position `lsn`, came
-    /// back through the stream: every change committed before `sent` has
+    /// A heartbeat sent at `at`, written at WAL position `lsn`, came
+    /// back through the stream: every change committed before `at` has
     /// been applied, and lies before `lsn`.
     pub fn heartbeat_applied(&self, at: Instant, lsn: u64) {
         let sent = self.micros(at);
