@@ -210,7 +210,7 @@ async fn resting_heartbeats_wake_for_a_lookup_which_is_served_only_once_one_is_b
 /// stream was slow: here its walsender is stopped meanwhile). Their
 /// return must not keep the next lookup from waking the heartbeats: past
 /// the lease of those late heartbeats, reads are still served from the
-/// cache, each after a heartbeat sent for it.
+/// cache, the first of them having woken the heartbeats.
 #[tokio::test]
 async fn heartbeats_back_late_during_a_rest_do_not_keep_the_next_lookup_from_waking_them() {
     use pgcache::cache::database::Unfresh;
